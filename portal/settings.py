@@ -1,0 +1,218 @@
+"""Settings for the GPU portal, all driven by environment variables.
+
+With no variable set, the portal runs on one machine: an SQLite file and a
+filesystem broker under ``var/``, the local cluster backend and a demo secret
+key. Tests and production set ``DATABASE_URL`` (PostgreSQL) and
+``CELERY_BROKER_URL`` (Redis). Every variable is listed in the README.
+"""
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+from portal.envconfig import env_bool, env_choice, env_float, env_int, env_list, env_str, env_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", True)
+_DEMO_SECRET_KEY = "insecure-demo-key-only-for-local-runs-with-debug-on"
+SECRET_KEY = env_str("SECRET_KEY", _DEMO_SECRET_KEY if DEBUG else "")
+if not SECRET_KEY:
+    raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off; generate one with `python -c 'import secrets; print(secrets.token_urlsafe(50))'`.")
+if not DEBUG and SECRET_KEY == _DEMO_SECRET_KEY:
+    raise ImproperlyConfigured("SECRET_KEY is the demo key; set a real one when DEBUG is off.")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"] if DEBUG else [])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "knox",
+    "django_filters",
+    "drf_spectacular",
+    "django_celery_beat",
+    "portal",
+    "tenants",
+    "quotas",
+    "runners",
+    "frontend",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "portal.urls"
+WSGI_APPLICATION = "portal.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASE_URL = env_url(
+    "DATABASE_URL", f"sqlite:///{VAR_DIR / 'portal.sqlite3'}", schemes=("sqlite", "postgres", "postgresql", "pgsql")
+)
+try:
+    DATABASES = {"default": environ.Env.db_url_config(DATABASE_URL)}
+except Exception as exc:  # django-environ raises several types for a bad URL.
+    raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r} could not be parsed: {exc}") from None
+DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE_S", 60, minimum=0)
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The worker, beat and web server share the file; wait for locks instead of failing.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+# Production hardening: everything `manage.py check --deploy` asks for, on
+# whenever DEBUG is off. SECURE_SSL_REDIRECT can be turned off behind a proxy
+# that already redirects.
+if not DEBUG:
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "knox.auth.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    "PAGE_SIZE": env_int("API_PAGE_SIZE", 50, minimum=1),
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+
+from datetime import timedelta  # noqa: E402
+
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(hours=env_int("API_TOKEN_TTL_HOURS", 24 * 30, minimum=1)),
+    "AUTH_HEADER_PREFIX": "Token",
+    "AUTO_REFRESH": False,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "GPU portal API",
+    "DESCRIPTION": "Self-service GPU environments, jobs, quotas and partitions for shared clusters.",
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# Celery. The default broker is kombu's filesystem transport, which needs no
+# server; tests and production use Redis.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
+if CELERY_BROKER_URL != "filesystem://" and not CELERY_BROKER_URL.startswith(("redis://", "rediss://", "amqp://")):
+    raise ImproperlyConfigured(
+        f"CELERY_BROKER_URL={CELERY_BROKER_URL!r} must be redis://..., rediss://..., amqp://... or filesystem://."
+    )
+CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
+    # How long an unacknowledged message waits before Redis hands it to another
+    # worker; this is how a task whose worker died is redelivered.
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT_S", 300, minimum=1),
+}
+if CELERY_BROKER_URL == "filesystem://":
+    _broker_dir = VAR_DIR / "broker"
+    for _sub in ("queue", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_ACKS_LATE = False  # Declared per task, only where the task is idempotent.
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = TIME_ZONE
+SWEEP_INTERVAL_S = env_int("SWEEP_INTERVAL_S", 30, minimum=1)
+# A transitional state untouched for this long is taken as a lost message.
+STUCK_AFTER_S = env_int("STUCK_AFTER_S", 120, minimum=1)
+CELERY_BEAT_SCHEDULE = {
+    "environment-sweep": {"task": "tenants.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
+}
+
+# Cluster backends.
+CLUSTER_BACKEND = env_choice("CLUSTER_BACKEND", "local", ("local", "kubernetes"))
+LOCAL_CLUSTER_FILE = env_str("LOCAL_CLUSTER_FILE", str(BASE_DIR / "runners" / "clusters" / "demo.yaml"))
+LOCAL_WORKSPACE_DIR = Path(env_str("LOCAL_WORKSPACE_DIR", str(VAR_DIR / "workspaces")))
+# Simulated provisioning latency of the local backend, so the demo shows an
+# environment passing through `provisioning` the way a real cluster does.
+LOCAL_PROVISION_DELAY_S = env_float("LOCAL_PROVISION_DELAY_S", 1.0, minimum=0)
+KUBECONFIG = env_str("KUBECONFIG", "")
+KUBERNETES_IN_CLUSTER = env_bool("KUBERNETES_IN_CLUSTER", False)
+KUBERNETES_FIELD_MANAGER = env_str("KUBERNETES_FIELD_MANAGER", "gpu-portal")
+# How a portal username becomes a Kubernetes RBAC subject (an OIDC prefix, say).
+KUBERNETES_USERNAME_TEMPLATE = env_str("KUBERNETES_USERNAME_TEMPLATE", "{username}")
+if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
+    raise ImproperlyConfigured("KUBERNETES_USERNAME_TEMPLATE must contain {username}, e.g. 'oidc:{username}'.")
+KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 300, minimum=1)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))},
+}
