@@ -139,6 +139,8 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    "EXCEPTION_HANDLER": "portal.api.exception_handler",
+    "DEFAULT_THROTTLE_RATES": {"anon": env_str("API_LOGIN_RATE", "30/min")},
 }
 
 from datetime import timedelta  # noqa: E402

@@ -1,0 +1,55 @@
+"""Run the whole portal in the foreground: web server, Celery worker and beat."""
+
+import signal
+import subprocess
+import sys
+import time
+
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Migrate, load the demo, then run the web server, a worker and beat until Ctrl-C."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--addrport", default="127.0.0.1:8000")
+        parser.add_argument("--no-demo", action="store_true", help="Skip loading the demo tenants and users.")
+
+    def handle(self, *args, addrport, no_demo, **options):
+        call_command("migrate", interactive=False, verbosity=0)
+        if not no_demo:
+            call_command("demo")
+        python = sys.executable
+        commands = {
+            "web": [python, "manage.py", "runserver", addrport, "--noreload"],
+            "worker": [python, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "2"],
+            "beat": [python, "-m", "celery", "-A", "portal", "beat", "-l", "INFO"],
+        }
+        processes = {name: subprocess.Popen(argv) for name, argv in commands.items()}
+        self.stdout.write(self.style.SUCCESS(f"Portal on http://{addrport}/ (API docs at /api/docs/). Ctrl-C stops all."))
+        stopping = False
+
+        def stop(*_):
+            nonlocal stopping
+            stopping = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            while not stopping:
+                for name, process in processes.items():
+                    if process.poll() is not None:
+                        self.stderr.write(f"{name} exited with code {process.returncode}; stopping the others.")
+                        stopping = True
+                time.sleep(0.5)
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.terminate()
+            deadline = time.monotonic() + 15
+            for process in processes.values():
+                try:
+                    process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()

@@ -1,0 +1,241 @@
+"""REST API for tenants, members, environments and API tokens."""
+
+from django.contrib.auth import authenticate
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from knox.models import AuthToken
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.throttling import AnonRateThrottle
+from rest_framework.views import APIView
+
+from tenants import selectors, services
+from tenants.models import (
+    DNS_LABEL_RE,
+    ENVIRONMENT_NAME_MAX,
+    TENANT_SLUG_MAX,
+    Environment,
+    EnvironmentState,
+    Membership,
+    Role,
+    Tenant,
+)
+from tenants.scoping import TenantScopedMixin
+
+DNS_LABEL_MESSAGE = (
+    "Must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit."
+)
+
+
+def dns_label_field(max_length: int) -> serializers.RegexField:
+    return serializers.RegexField(DNS_LABEL_RE, max_length=max_length, error_messages={"invalid": DNS_LABEL_MESSAGE})
+
+
+# --- Tokens -----------------------------------------------------------------
+
+
+class TokenRequestSerializer(serializers.Serializer):
+    username = serializers.CharField(max_length=150)
+    password = serializers.CharField(max_length=256, trim_whitespace=False, style={"input_type": "password"})
+
+
+class TokenView(APIView):
+    """Exchange a username and password for an API token, or revoke the token in use."""
+
+    permission_classes = [AllowAny]
+    throttle_classes = [AnonRateThrottle]
+    throttle_scope = None
+
+    def get_authenticators(self):
+        # A login request carries credentials in its body, not a token or session.
+        if self.request.method == "POST":
+            return []
+        return super().get_authenticators()
+
+    @extend_schema(
+        request=TokenRequestSerializer,
+        responses={201: inline_serializer("Token", {"token": serializers.CharField(), "expiry": serializers.DateTimeField()})},
+        auth=[],
+    )
+    def post(self, request):
+        data = TokenRequestSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        user = authenticate(request, **data.validated_data)
+        if user is None or not user.is_active:
+            raise AuthenticationFailed("Wrong username or password.")
+        instance, token = AuthToken.objects.create(user)
+        return Response({"token": token, "expiry": instance.expiry}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request):
+        if not request.user.is_authenticated or not isinstance(request.auth, AuthToken):
+            raise AuthenticationFailed("Send the token to revoke in the Authorization header.")
+        request.auth.delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# --- Tenants ----------------------------------------------------------------
+
+
+class TenantSerializer(serializers.ModelSerializer):
+    my_role = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Tenant
+        fields = ["slug", "name", "created_at", "my_role"]
+
+    def get_my_role(self, tenant: Tenant) -> str | None:
+        return selectors.user_role(user=self.context["request"].user, tenant=tenant)
+
+
+class TenantCreateSerializer(serializers.Serializer):
+    slug = dns_label_field(TENANT_SLUG_MAX)
+    name = serializers.CharField(max_length=100)
+
+
+class TenantViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    queryset = Tenant.objects.all()
+    scope_field = ""
+    serializer_class = TenantSerializer
+    lookup_field = "slug"
+
+    @extend_schema(request=TenantCreateSerializer, responses={201: TenantSerializer})
+    def create(self, request):
+        data = TenantCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        tenant = services.tenant_create(actor=request.user, **data.validated_data)
+        return Response(TenantSerializer(tenant, context={"request": request}).data, status=status.HTTP_201_CREATED)
+
+
+# --- Members ----------------------------------------------------------------
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    username = serializers.CharField(source="user.username")
+
+    class Meta:
+        model = Membership
+        fields = ["username", "role", "created_at"]
+
+
+class MembershipCreateSerializer(serializers.Serializer):
+    username = serializers.CharField(max_length=150)
+    role = serializers.ChoiceField(choices=Role.choices)
+
+
+class MemberViewSet(TenantScopedMixin, viewsets.GenericViewSet):
+    """Members of one tenant; the tenant comes from the URL and is scoped like any object."""
+
+    queryset = Membership.objects.select_related("user", "tenant")
+    serializer_class = MembershipSerializer
+    lookup_field = "user__username"
+    lookup_url_kwarg = "username"
+    lookup_value_regex = r"[\w.@+-]+"
+
+    def tenant(self) -> Tenant:
+        return selectors.tenant_get(user=self.request.user, slug=self.kwargs["tenant_slug"])
+
+    def refine_queryset(self, queryset):
+        return queryset.filter(tenant=self.tenant()).order_by("user__username")
+
+    def list(self, request, tenant_slug):
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+    @extend_schema(request=MembershipCreateSerializer, responses={201: MembershipSerializer})
+    def create(self, request, tenant_slug):
+        tenant = self.tenant()
+        data = MembershipCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        membership = services.membership_add(actor=request.user, tenant=tenant, **data.validated_data)
+        return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={204: None})
+    def destroy(self, request, tenant_slug, username):
+        tenant = self.tenant()
+        get_object_or_404(self.get_queryset(), user__username=username)
+        services.membership_remove(actor=request.user, tenant=tenant, username=username)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# --- Environments -----------------------------------------------------------
+
+
+class EnvironmentSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Environment
+        fields = [
+            "id",
+            "tenant",
+            "name",
+            "namespace",
+            "backend",
+            "state",
+            "status_message",
+            "created_by",
+            "created_at",
+            "state_changed_at",
+        ]
+
+
+class EnvironmentCreateSerializer(serializers.Serializer):
+    tenant = serializers.CharField(max_length=TENANT_SLUG_MAX)
+    name = dns_label_field(ENVIRONMENT_NAME_MAX)
+
+    def validate_tenant(self, slug: str) -> Tenant:
+        # Another tenant's slug reads exactly like one that does not exist.
+        tenant = selectors.tenant_list(user=self.context["request"].user).filter(slug=slug).first()
+        if tenant is None:
+            raise serializers.ValidationError(f"There is no tenant {slug!r} that you belong to.")
+        return tenant
+
+
+class EnvironmentViewSet(
+    TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    queryset = Environment.objects.select_related("tenant", "created_by")
+    serializer_class = EnvironmentSerializer
+
+    def refine_queryset(self, queryset):
+        if self.action == "list":
+            tenant = self.request.query_params.get("tenant")
+            state = self.request.query_params.get("state")
+            if tenant:
+                queryset = queryset.filter(tenant__slug=tenant)
+            if state:
+                queryset = queryset.filter(state=state)
+            else:
+                queryset = queryset.exclude(state=EnvironmentState.DELETED)
+        return queryset.order_by("-created_at", "-id")
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("tenant", str, description="Only this tenant's environments (its slug)."),
+            OpenApiParameter(
+                "state", str, enum=EnvironmentState.values, description="Only this state; deleted ones only when asked."
+            ),
+        ]
+    )
+    def list(self, request):
+        state = request.query_params.get("state")
+        if state and state not in EnvironmentState.values:
+            raise serializers.ValidationError({"state": f"Use one of {', '.join(EnvironmentState.values)}."})
+        return super().list(request)
+
+    @extend_schema(request=EnvironmentCreateSerializer, responses={201: EnvironmentSerializer})
+    def create(self, request):
+        data = EnvironmentCreateSerializer(data=request.data, context={"request": request})
+        data.is_valid(raise_exception=True)
+        environment = services.environment_request(actor=request.user, **data.validated_data)
+        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={202: EnvironmentSerializer})
+    def destroy(self, request, pk):
+        environment = self.get_object()
+        environment = services.environment_delete(actor=request.user, environment=environment)
+        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_202_ACCEPTED)

@@ -1,0 +1,57 @@
+"""Celery tasks for environments: take ids, reload, call a service."""
+
+import logging
+
+from celery import shared_task
+from django.conf import settings
+
+from runners.backends.base import TransientBackendError
+from tenants import services
+
+logger = logging.getLogger(__name__)
+MAX_RETRIES = 8
+
+
+def _backoff_s(retries: int) -> int:
+    return min(2 ** (retries + 1), 120)
+
+
+@shared_task(bind=True, acks_late=True, max_retries=MAX_RETRIES)
+def environment_provision(self, environment_id: int) -> str:
+    try:
+        return services.environment_provision_run(environment_id=environment_id)
+    except TransientBackendError as exc:
+        if self.request.retries >= self.max_retries:
+            services.environment_provision_give_up(environment_id=environment_id, reason=str(exc))
+            return "failed"
+        services.environment_note_retry(environment_id=environment_id, reason=str(exc))
+        raise self.retry(exc=exc, countdown=_backoff_s(self.request.retries)) from None
+
+
+@shared_task(
+    bind=True,
+    acks_late=True,
+    autoretry_for=(TransientBackendError,),
+    retry_backoff=2,
+    retry_backoff_max=120,
+    max_retries=None,  # Teardown must finish eventually; the sweep also re-enqueues it.
+)
+def environment_teardown(self, environment_id: int) -> str:
+    return services.environment_teardown_run(environment_id=environment_id)
+
+
+@shared_task(
+    bind=True,
+    acks_late=True,
+    autoretry_for=(TransientBackendError,),
+    retry_backoff=2,
+    retry_backoff_max=120,
+    max_retries=MAX_RETRIES,
+)
+def environment_sync(self, environment_id: int) -> bool:
+    return services.environment_sync_run(environment_id=environment_id)
+
+
+@shared_task
+def environment_sweep() -> dict[str, list[int]]:
+    return services.environment_sweep_run(stuck_after_s=settings.STUCK_AFTER_S)
