@@ -49,7 +49,6 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -57,6 +56,10 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+if not DEBUG:
+    # Serves collected static files in production; runserver serves them under DEBUG.
+    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "portal.urls"
 WSGI_APPLICATION = "portal.wsgi.application"
@@ -170,6 +173,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     # How long an unacknowledged message waits before Redis hands it to another
     # worker; this is how a task whose worker died is redelivered.
     "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT_S", 300, minimum=1),
+    # How often each worker looks for such messages (one cheap Redis query).
+    "unacked_restore_interval": env_int("CELERY_UNACKED_RESTORE_INTERVAL_S", 10, minimum=1),
+    "unacked_restore_throttle": 1,
 }
 if CELERY_BROKER_URL == "filesystem://":
     _broker_dir = VAR_DIR / "broker"
@@ -181,6 +187,8 @@ if CELERY_BROKER_URL == "filesystem://":
         "processed_folder": str(_broker_dir / "processed"),
         "store_processed": False,
     }
+# One queue name per deployment (tests use a fresh one per run, so runs never see each other's messages).
+CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "portal")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = False  # Declared per task, only where the task is idempotent.
 CELERY_TASK_REJECT_ON_WORKER_LOST = True

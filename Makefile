@@ -1,0 +1,38 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+# Tests run against real services; these are the defaults on a developer machine.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/portal
+TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
+
+.PHONY: run test install check-deploy clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Portal, worker and beat in the foreground, on embedded defaults. Ctrl-C stops all.
+run: $(STAMP)
+	$(BIN)/python manage.py up
+
+## The test suite on PostgreSQL and Redis.
+test: $(STAMP)
+	DATABASE_URL=$${DATABASE_URL:-$(TEST_DATABASE_URL)} \
+	CELERY_BROKER_URL=$${CELERY_BROKER_URL:-$(TEST_BROKER_URL)} \
+	API_LOGIN_RATE=10000/min \
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## What `manage.py check --deploy` says under production settings.
+check-deploy: $(STAMP)
+	DEBUG=false SECRET_KEY=$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(50))') \
+	ALLOWED_HOSTS=portal.example.com $(BIN)/python manage.py check --deploy --fail-level WARNING
+
+clean:
+	rm -rf $(VENV) var staticfiles

@@ -1,0 +1,249 @@
+"""Shared test setup: real PostgreSQL and Redis, personas, and a real Celery worker."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+from django.conf import settings
+from rest_framework.test import APIClient
+
+REPO = Path(__file__).resolve().parent.parent
+PASSWORD = "correct-horse-battery"
+
+
+def _reachable(url: str, default_port: int) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def pytest_configure(config):
+    """Stop at once, saying what to start, when PostgreSQL or Redis is not there."""
+    database_url = settings.DATABASE_URL
+    if not database_url.startswith(("postgres://", "postgresql://")):
+        pytest.exit(f"Tests need PostgreSQL: set DATABASE_URL=postgres://... (it is {database_url!r}). `make test` does.", 2)
+    if not _reachable(database_url, 5432):
+        pytest.exit(
+            f"PostgreSQL at {database_url} is not answering. Start it with: "
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+            2,
+        )
+    broker = settings.CELERY_BROKER_URL
+    if not broker.startswith("redis://"):
+        pytest.exit(f"Tests need Redis: set CELERY_BROKER_URL=redis://... (it is {broker!r}). `make test` does.", 2)
+    if not _reachable(broker, 6379):
+        pytest.exit(
+            f"Redis at {broker} is not answering. Start it with: redis-server --daemonize yes --bind 127.0.0.1 "
+            '-::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log',
+            2,
+        )
+
+
+@pytest.fixture(autouse=True)
+def _isolated_workspaces(settings, tmp_path):
+    """Each test gets its own local-backend workspace folder."""
+    from runners.backends.registry import get_backend
+
+    settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
+    settings.LOCAL_PROVISION_DELAY_S = 0
+    get_backend.cache_clear()
+    yield
+    get_backend.cache_clear()
+
+
+# --- Personas ---------------------------------------------------------------
+
+
+@pytest.fixture
+def make_user(db, django_user_model):
+    def make(username: str, **extra):
+        return django_user_model.objects.create_user(username=username, password=PASSWORD, **extra)
+
+    return make
+
+
+@pytest.fixture
+def tenant(db):
+    from tenants.models import Tenant
+
+    return Tenant.objects.create(slug="acme", name="Acme ML")
+
+
+@pytest.fixture
+def other_tenant(db):
+    from tenants.models import Tenant
+
+    return Tenant.objects.create(slug="globex", name="Globex Vision")
+
+
+def _member(make_user, tenant, username, role):
+    from tenants.models import Membership
+
+    user = make_user(username)
+    Membership.objects.create(user=user, tenant=tenant, role=role)
+    return user
+
+
+@pytest.fixture
+def owner(make_user, tenant):
+    """Owns the tenant under test."""
+    return _member(make_user, tenant, "olivia", "owner")
+
+
+@pytest.fixture
+def teammate(make_user, tenant):
+    """A plain member of the same tenant."""
+    return _member(make_user, tenant, "tom", "member")
+
+
+@pytest.fixture
+def viewer(make_user, tenant):
+    return _member(make_user, tenant, "vera", "viewer")
+
+
+@pytest.fixture
+def outsider(make_user, other_tenant):
+    """Owns a different tenant; must never see the first one's objects."""
+    return _member(make_user, other_tenant, "oscar", "owner")
+
+
+@pytest.fixture
+def staff(make_user):
+    return make_user("sam", is_staff=True)
+
+
+@pytest.fixture
+def client_for():
+    """An API client authenticated with a real token for the given user."""
+
+    def make(user) -> APIClient:
+        from knox.models import AuthToken
+
+        client = APIClient()
+        _, token = AuthToken.objects.create(user)
+        client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+        return client
+
+    return make
+
+
+# --- A real Celery worker -----------------------------------------------------
+
+
+def worker_environment(**overrides) -> dict[str, str]:
+    """Environment for a worker process that shares this test run's database and queue."""
+    database = settings.DATABASES["default"]
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"postgres://{database['USER']}@{database['HOST']}:{database['PORT'] or 5432}/{database['NAME']}",
+        CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
+        CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
+        LOCAL_WORKSPACE_DIR=str(settings.LOCAL_WORKSPACE_DIR),
+        LOCAL_PROVISION_DELAY_S=str(settings.LOCAL_PROVISION_DELAY_S),
+        CLUSTER_BACKEND=settings.CLUSTER_BACKEND,
+        PYTHONUNBUFFERED="1",
+    )
+    env.update({key: str(value) for key, value in overrides.items()})
+    return env
+
+
+class WorkerProcess:
+    """A `celery worker` subprocess; start() waits until it consumes from the queue."""
+
+    def __init__(self, log_path: Path, **env_overrides):
+        self.log_path = log_path
+        self.env = worker_environment(**env_overrides)
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60) -> "WorkerProcess":
+        self.log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "1",
+             "--without-gossip", "--without-mingle", "--hostname", f"test-{uuid.uuid4().hex[:8]}@%h"],
+            cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"Worker exited early; see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
+            if b"ready." in self.log_path.read_bytes():
+                return self
+            time.sleep(0.2)
+        raise RuntimeError(f"Worker did not become ready in {timeout_s}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool children), like a lost node."""
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fresh_queue():
+    """A queue name of this run's own, removed from Redis at the end."""
+    queue = f"portal-test-{uuid.uuid4().hex[:10]}"
+    settings.CELERY_TASK_DEFAULT_QUEUE = queue
+    from portal.celery import app
+
+    app.conf.task_default_queue = queue
+    yield queue
+    try:
+        import redis
+
+        client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+        client.delete(queue, *client.keys(f"{queue}*"))
+    except Exception as exc:  # Cleanup only; never fail the run for it.
+        print(f"Could not remove test queue {queue}: {exc}")
+
+
+@pytest.fixture
+def celery_worker_factory(transactional_db, tmp_path):
+    """Start real worker processes; every one is stopped when the test ends."""
+    workers: list[WorkerProcess] = []
+
+    def start(**env_overrides) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path / f"worker-{len(workers)}.log", **env_overrides)
+        workers.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture
+def celery_worker(celery_worker_factory):
+    return celery_worker_factory()
+
+
+def wait_for(predicate, *, timeout_s: float = 30, interval_s: float = 0.2, message: str = "condition"):
+    """Poll until predicate() is truthy; fail with the message otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"Timed out after {timeout_s}s waiting for {message}.")

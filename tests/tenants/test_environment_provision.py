@@ -1,0 +1,146 @@
+"""Provisioning and teardown of environments, through the services the tasks call."""
+
+import json
+
+import pytest
+from django.utils import timezone
+
+from runners.backends.base import PermanentBackendError, TransientBackendError
+from runners.backends.registry import get_backend
+from tenants import services
+from tenants.models import Environment, Membership
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def environment(tenant, owner):
+    return Environment.objects.create(
+        tenant=tenant, name="train", namespace="acme-train", backend="local", created_by=owner
+    )
+
+
+class FlakyBackend:
+    """A backend that fails the way a real cluster can, for the task paths."""
+
+    name = "flaky"
+
+    def __init__(self, error):
+        self.error = error
+        self.calls = 0
+
+    def ensure_environment(self, spec):
+        self.calls += 1
+        raise self.error
+
+    def delete_environment(self, spec):
+        raise self.error
+
+    def environment_exists(self, spec):
+        return False
+
+
+def test_it_provisions_a_local_workspace_with_members(environment, settings, teammate):
+    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    environment.refresh_from_db()
+    assert (environment.state, environment.status_message, environment.task_runs) == ("ready", "Ready.", 1)
+    record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
+    assert record["namespace"] == "acme-train"
+    assert record["members"] == [{"username": "olivia", "role": "owner"}, {"username": "tom", "role": "member"}]
+
+
+def test_provisioning_again_changes_nothing(environment, settings):
+    services.environment_provision_run(environment_id=environment.id)
+    path = settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json"
+    first = path.read_text(), path.stat().st_mtime_ns
+    Environment.objects.filter(id=environment.id).update(state="provisioning")  # as after a redelivery
+    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    assert (path.read_text(), path.stat().st_mtime_ns) == first
+
+
+def test_a_ready_environment_is_left_alone_by_a_late_duplicate(environment):
+    services.environment_provision_run(environment_id=environment.id)
+    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    environment.refresh_from_db()
+    assert environment.task_runs == 1
+
+
+def test_a_permanent_error_fails_it_with_the_reason(environment, monkeypatch):
+    backend = FlakyBackend(PermanentBackendError("namespace quota admission webhook denied the request"))
+    monkeypatch.setattr("tenants.services.get_backend", lambda: backend)
+    assert services.environment_provision_run(environment_id=environment.id) == "failed"
+    environment.refresh_from_db()
+    assert environment.state == "failed"
+    assert "webhook denied" in environment.status_message
+
+
+def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, settings):
+    from tenants import tasks
+
+    backend = FlakyBackend(TransientBackendError("connection refused"))
+    monkeypatch.setattr("tenants.services.get_backend", lambda: backend)
+    settings.CELERY_TASK_ALWAYS_EAGER = True
+    monkeypatch.setattr(tasks, "_backoff_s", lambda retries: 0)
+    from portal.celery import app
+
+    app.conf.task_always_eager = True
+    try:
+        tasks.environment_provision.apply(args=[environment.id])
+    finally:
+        app.conf.task_always_eager = False
+    environment.refresh_from_db()
+    assert backend.calls == tasks.MAX_RETRIES + 1
+    assert environment.state == "failed"
+    assert "connection refused" in environment.status_message
+
+
+def test_teardown_removes_the_workspace(environment, settings):
+    services.environment_provision_run(environment_id=environment.id)
+    services.environment_delete(actor=environment.created_by, environment=environment)
+    assert services.environment_teardown_run(environment_id=environment.id) == "deleted"
+    environment.refresh_from_db()
+    assert environment.state == "deleted"
+    assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
+    assert services.environment_teardown_run(environment_id=environment.id) == "deleted"
+
+
+def test_an_environment_deleted_mid_provisioning_leaves_nothing_behind(environment, settings, monkeypatch):
+    real = get_backend()
+
+    class DeletedMeanwhile:
+        name = "local"
+
+        def ensure_environment(self, spec):
+            real.ensure_environment(spec)
+            # A user deletes it and the teardown runs while we are still building.
+            Environment.objects.filter(id=spec.environment_id).update(state="deleted")
+
+        def delete_environment(self, spec):
+            real.delete_environment(spec)
+
+    monkeypatch.setattr("tenants.services.get_backend", lambda: DeletedMeanwhile())
+    assert services.environment_provision_run(environment_id=environment.id) == "deleted"
+    assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
+
+
+def test_the_sweep_reenqueues_only_stuck_environments(environment, tenant, django_capture_on_commit_callbacks):
+    fresh = Environment.objects.create(tenant=tenant, name="fresh", namespace="acme-fresh", backend="local")
+    gone = Environment.objects.create(
+        tenant=tenant, name="gone", namespace="acme-gone", backend="local", state="deleting"
+    )
+    old = timezone.now() - timezone.timedelta(seconds=600)
+    Environment.objects.filter(id__in=[environment.id, gone.id]).update(state_changed_at=old)
+    found = services.environment_sweep_run(stuck_after_s=120)
+    assert found == {"provision": [environment.id], "teardown": [gone.id]}
+    assert fresh.id not in found["provision"]
+    assert services.environment_sweep_run(stuck_after_s=120) == {"provision": [], "teardown": []}
+
+
+def test_a_membership_change_resyncs_ready_environments(environment, owner, make_user, settings):
+    services.environment_provision_run(environment_id=environment.id)
+    make_user("nina")
+    services.membership_add(actor=owner, tenant=environment.tenant, username="nina", role="viewer")
+    assert services.environment_sync_run(environment_id=environment.id)
+    record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
+    assert {"username": "nina", "role": "viewer"} in record["members"]
+    assert Membership.objects.filter(tenant=environment.tenant).count() == 2
