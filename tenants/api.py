@@ -3,6 +3,7 @@
 from django.contrib.auth import authenticate
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from knox.auth import TokenAuthentication
 from knox.models import AuthToken
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.exceptions import AuthenticationFailed
@@ -44,15 +45,11 @@ class TokenRequestSerializer(serializers.Serializer):
 class TokenView(APIView):
     """Exchange a username and password for an API token, or revoke the token in use."""
 
+    # Tokens only: a login carries its credentials in the body, so no session
+    # (and no CSRF token) is involved, and DELETE revokes the token it was sent with.
+    authentication_classes = [TokenAuthentication]
     permission_classes = [AllowAny]
     throttle_classes = [AnonRateThrottle]
-    throttle_scope = None
-
-    def get_authenticators(self):
-        # A login request carries credentials in its body, not a token or session.
-        if self.request.method == "POST":
-            return []
-        return super().get_authenticators()
 
     @extend_schema(
         request=TokenRequestSerializer,
