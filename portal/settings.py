@@ -160,6 +160,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "runners.models.PartitionKind"},
 }
 
 # Celery. The default broker is kombu's filesystem transport, which needs no
@@ -199,9 +200,16 @@ CELERY_TIMEZONE = TIME_ZONE
 SWEEP_INTERVAL_S = env_int("SWEEP_INTERVAL_S", 30, minimum=1)
 # A transitional state untouched for this long is taken as a lost message.
 STUCK_AFTER_S = env_int("STUCK_AFTER_S", 120, minimum=1)
+INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "tenants.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
+    "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
 }
+# Partition changes: how long to wait for nodes to report a new layout, and how
+# long preempted work gets to write its checkpoint.
+PARTITION_APPLY_TIMEOUT_S = env_int("PARTITION_APPLY_TIMEOUT_S", 900, minimum=1)
+PARTITION_POLL_INTERVAL_S = env_float("PARTITION_POLL_INTERVAL_S", 2.0, minimum=0)
+PREEMPTION_GRACE_PERIOD_S = env_int("PREEMPTION_GRACE_PERIOD_S", 120, minimum=0)
 
 # Cluster backends.
 CLUSTER_BACKEND = env_choice("CLUSTER_BACKEND", "local", ("local", "kubernetes"))
@@ -210,6 +218,8 @@ LOCAL_WORKSPACE_DIR = Path(env_str("LOCAL_WORKSPACE_DIR", str(VAR_DIR / "workspa
 # Simulated provisioning latency of the local backend, so the demo shows an
 # environment passing through `provisioning` the way a real cluster does.
 LOCAL_PROVISION_DELAY_S = env_float("LOCAL_PROVISION_DELAY_S", 1.0, minimum=0)
+# Add the GPUs NVML finds on this machine to the local inventory.
+LOCAL_USE_NVML = env_bool("LOCAL_USE_NVML", True)
 KUBECONFIG = env_str("KUBECONFIG", "")
 KUBERNETES_IN_CLUSTER = env_bool("KUBERNETES_IN_CLUSTER", False)
 KUBERNETES_FIELD_MANAGER = env_str("KUBERNETES_FIELD_MANAGER", "gpu-portal")

@@ -55,9 +55,94 @@ class EnvironmentSpec:
         return hash((self.environment_id, self.namespace))
 
 
+# The extended resource time-sliced GPUs are advertised as: the device plugin's
+# time-slicing config renames shared replicas (renameByDefault: true) so they can
+# never be mistaken for, or requested as, a whole GPU.
+TIMESLICE_RESOURCE = "nvidia.com/gpu.shared"
+WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as the backend sees it, with how it is partitioned now."""
+
+    index: int
+    model: str
+    memory_mib: int
+    uuid: str = ""
+    partition_kind: str = "whole"  # whole | mig | timeslice
+    mig_layout: tuple[tuple[str, int], ...] = ()  # (profile, start) per GPU instance
+    timeslice_replicas: int = 1
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of the inventory: capacity, topology and GPUs."""
+
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    pool: str = ""
+    rack: str = ""
+    block: str = ""
+    nvlink_domain: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    schedulable: bool = True
+    gpus: tuple[GpuInfo, ...] = ()
+    # Allocatable extended resources; backends that cannot report them derive them from gpus.
+    gpu_resources: dict[str, int] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """How every GPU of a node should be cut, as a backend applies it."""
+
+    name: str
+    gpu_model: str
+    kind: str  # whole | mig | timeslice
+    layout: tuple[str, ...] = ()
+    replicas: int = 1
+
+    def expected_resources(self, gpu_count: int) -> dict[str, int]:
+        """The extended resources a node with gpu_count such GPUs reports once this is applied."""
+        from runners.scheduler.mig import kubernetes_resource_for
+
+        if gpu_count == 0:
+            return {}
+        if self.kind == "mig":
+            resources: dict[str, int] = {}
+            for profile in self.layout:
+                key = kubernetes_resource_for(profile)
+                resources[key] = resources.get(key, 0) + gpu_count
+            return resources
+        if self.kind == "timeslice":
+            return {TIMESLICE_RESOURCE: gpu_count * self.replicas}
+        return {WHOLE_GPU_RESOURCE: gpu_count}
+
+
+def resources_of(gpus: tuple[GpuInfo, ...]) -> dict[str, int]:
+    """Extended resources a set of GPUs provides, as the device plugin would advertise them."""
+    from runners.scheduler.mig import kubernetes_resource_for
+
+    resources: dict[str, int] = {}
+    for gpu in gpus:
+        if gpu.partition_kind == "mig":
+            for profile, _start in gpu.mig_layout:
+                key = kubernetes_resource_for(profile)
+                resources[key] = resources.get(key, 0) + 1
+        elif gpu.partition_kind == "timeslice":
+            resources[TIMESLICE_RESOURCE] = resources.get(TIMESLICE_RESOURCE, 0) + gpu.timeslice_replicas
+        else:
+            resources[WHOLE_GPU_RESOURCE] = resources.get(WHOLE_GPU_RESOURCE, 0) + 1
+    return resources
+
+
 @runtime_checkable
 class ClusterBackend(Protocol):
-    """What the portal asks of a cluster. Later issues add jobs and inventory."""
+    """What the portal asks of a cluster. Later issues add jobs."""
 
     name: str
 
@@ -69,3 +154,24 @@ class ClusterBackend(Protocol):
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         """Whether any part of the environment still exists."""
+
+    def discover_inventory(self) -> list[NodeInfo]:
+        """Every node with GPUs or capacity the portal may schedule onto."""
+
+    def cordon(self, node_name: str) -> None:
+        """Stop new work landing on the node."""
+
+    def uncordon(self, node_name: str) -> None:
+        """Let work land on the node again."""
+
+    def node_workloads(self, node_name: str) -> list[str]:
+        """Tenant work running on the node now, as readable names (namespace/pod)."""
+
+    def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
+        """Ask one workload to checkpoint and stop within the grace period."""
+
+    def apply_partition(self, node_name: str, partition: PartitionSpec) -> None:
+        """Start re-partitioning the node's GPUs; returns before it has taken effect."""
+
+    def partition_applied(self, node_name: str, partition: PartitionSpec) -> bool:
+        """Whether the node reports the partition as done and its new resources."""

@@ -2,20 +2,39 @@
 
 An environment is a workspace folder holding a record of its namespace,
 members and quota; jobs (a later issue) run as real processes inside it.
+The inventory is the cluster file (simulated capacity) plus any GPU that NVML
+finds here; what the portal changes about it (cordons, partitions) lives in a
+state file beside the workspaces, so the cluster file itself is never edited.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
-from dataclasses import asdict
+from contextlib import contextmanager
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from runners.backends.base import EnvironmentSpec, PermanentBackendError, TransientBackendError
+from runners.backends.base import (
+    EnvironmentSpec,
+    GpuInfo,
+    NodeInfo,
+    PartitionSpec,
+    PermanentBackendError,
+    TransientBackendError,
+    resources_of,
+)
+from runners.backends.cluster_file import ClusterFileError, load_cluster_file
+from runners.scheduler import mig
+
+logger = logging.getLogger(__name__)
 
 RECORD_NAME = "environment.json"
 
@@ -23,9 +42,20 @@ RECORD_NAME = "environment.json"
 class LocalBackend:
     name = "local"
 
-    def __init__(self, *, workspace_dir: Path, provision_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        workspace_dir: Path,
+        provision_delay_s: float = 0.0,
+        cluster_file: Path | None = None,
+        state_file: Path | None = None,
+        use_nvml: bool = True,
+    ) -> None:
         self.workspace_dir = Path(workspace_dir)
         self.provision_delay_s = provision_delay_s
+        self.cluster_file = Path(cluster_file) if cluster_file else None
+        self.state_file = Path(state_file) if state_file else self.workspace_dir.parent / "cluster-state.json"
+        self.use_nvml = use_nvml
 
     def workspace(self, spec: EnvironmentSpec) -> Path:
         return self.workspace_dir / spec.namespace
@@ -82,3 +112,172 @@ class LocalBackend:
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         return self.workspace(spec).exists()
+
+    # --- Inventory and partitions ------------------------------------------
+
+    @contextmanager
+    def _state(self, *, write: bool):
+        """The state file's content, under an exclusive lock when it will be written."""
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.state_file.with_suffix(".lock")
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+            try:
+                state = json.loads(self.state_file.read_text())
+            except FileNotFoundError:
+                state = {}
+            state.setdefault("nodes", {})
+            state.setdefault("workloads", {})
+            yield state
+            if write:
+                handle, temp_path = tempfile.mkstemp(dir=self.state_file.parent, prefix=".cluster-state-")
+                with os.fdopen(handle, "w") as stream:
+                    json.dump(state, stream, indent=2, sort_keys=True)
+                os.replace(temp_path, self.state_file)
+
+    def _file_nodes(self) -> list[NodeInfo]:
+        if self.cluster_file is None:
+            return []
+        try:
+            return load_cluster_file(self.cluster_file)
+        except ClusterFileError as exc:
+            raise PermanentBackendError(str(exc)) from None
+
+    def discover_inventory(self) -> list[NodeInfo]:
+        nodes = self._file_nodes() + _nvml_nodes(self.use_nvml)
+        with self._state(write=False) as state:
+            overrides = state["nodes"]
+        return [_with_overrides(node, overrides.get(node.name, {})) for node in nodes]
+
+    def _node(self, node_name: str) -> NodeInfo:
+        for node in self.discover_inventory():
+            if node.name == node_name:
+                return node
+        raise PermanentBackendError(f"There is no node {node_name!r} in the local inventory.")
+
+    def cordon(self, node_name: str) -> None:
+        self._node(node_name)
+        with self._state(write=True) as state:
+            state["nodes"].setdefault(node_name, {})["unschedulable"] = True
+
+    def uncordon(self, node_name: str) -> None:
+        self._node(node_name)
+        with self._state(write=True) as state:
+            state["nodes"].setdefault(node_name, {})["unschedulable"] = False
+
+    def node_workloads(self, node_name: str) -> list[str]:
+        # Jobs launched by the local backend register themselves here while they run.
+        with self._state(write=False) as state:
+            return list(state["workloads"].get(node_name, []))
+
+    def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
+        with self._state(write=True) as state:
+            running = state["workloads"].get(node_name, [])
+            if workload in running:
+                running.remove(workload)
+
+    def apply_partition(self, node_name: str, partition: PartitionSpec) -> None:
+        node = self._node(node_name)
+        models = {gpu.model for gpu in node.gpus}
+        if models and models != {partition.gpu_model}:
+            raise PermanentBackendError(
+                f"Node {node_name} has {', '.join(sorted(models))} GPUs; profile {partition.name} is for {partition.gpu_model}."
+            )
+        if partition.kind == "mig":
+            try:
+                mig.fit_layout(partition.gpu_model, list(partition.layout))
+            except mig.MigError as exc:
+                raise PermanentBackendError(f"Profile {partition.name}: {exc}") from None
+        with self._state(write=True) as state:
+            state["nodes"].setdefault(node_name, {})["partition"] = {
+                "name": partition.name,
+                "kind": partition.kind,
+                "layout": list(partition.layout),
+                "replicas": partition.replicas,
+            }
+
+    def partition_applied(self, node_name: str, partition: PartitionSpec) -> bool:
+        node = self._node(node_name)
+        return node.gpu_resources == partition.expected_resources(len(node.gpus))
+
+
+def _with_overrides(node: NodeInfo, override: dict) -> NodeInfo:
+    """A file node with what the portal changed since: cordon and partition."""
+    gpus = node.gpus
+    partition = override.get("partition")
+    if partition and gpus:
+        gpus = tuple(_repartition(gpu, partition) for gpu in gpus)
+    labels = dict(node.labels)
+    if partition:
+        labels["portal.gpu/partition-profile"] = partition.get("name", "")
+    return replace(
+        node,
+        gpus=gpus,
+        labels=labels,
+        gpu_resources=resources_of(gpus),
+        schedulable=not override.get("unschedulable", False),
+    )
+
+
+def _repartition(gpu: GpuInfo, partition: dict) -> GpuInfo:
+    kind = partition["kind"]
+    if kind == "mig":
+        placed = tuple(mig.fit_layout(gpu.model, list(partition["layout"])))
+        return replace(gpu, partition_kind="mig", mig_layout=placed, timeslice_replicas=1)
+    if kind == "timeslice":
+        return replace(gpu, partition_kind="timeslice", mig_layout=(), timeslice_replicas=int(partition["replicas"]))
+    return replace(gpu, partition_kind="whole", mig_layout=(), timeslice_replicas=1)
+
+
+def _nvml_nodes(enabled: bool) -> list[NodeInfo]:
+    """This machine as a node, when NVML finds GPUs on it; nothing otherwise."""
+    if not enabled:
+        return []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # No driver, no library, or no GPU: the common case on a laptop.
+        logger.debug("NVML not available: %s", exc)
+        return []
+    try:
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            memory_mib = pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1024 * 1024)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            gpus.append(
+                GpuInfo(
+                    index=index,
+                    model=_catalog_model(name, memory_mib),
+                    memory_mib=int(memory_mib),
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                )
+            )
+    finally:
+        pynvml.nvmlShutdown()
+    if not gpus:
+        return []
+    gpus_tuple = tuple(gpus)
+    return [
+        NodeInfo(
+            name=socket.gethostname(),
+            cpu_milli=(os.cpu_count() or 1) * 1000,
+            memory_mib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024),
+            pool="local-gpus",
+            labels={"portal.gpu/source": "nvml"},
+            gpus=gpus_tuple,
+            gpu_resources=resources_of(gpus_tuple),
+        )
+    ]
+
+
+def _catalog_model(nvml_name: str, memory_mib: int) -> str:
+    """The catalog's name for an NVML device name ("NVIDIA H100 80GB HBM3" -> "H100-80GB")."""
+    label = nvml_name.replace(" ", "-")
+    for model in mig.GPU_MODELS.values():
+        if label in model.product_labels:
+            return model.name
+    return label

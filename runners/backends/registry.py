@@ -19,4 +19,6 @@ def get_backend() -> ClusterBackend:
     return LocalBackend(
         workspace_dir=settings.LOCAL_WORKSPACE_DIR,
         provision_delay_s=settings.LOCAL_PROVISION_DELAY_S,
+        cluster_file=settings.LOCAL_CLUSTER_FILE,
+        use_nvml=settings.LOCAL_USE_NVML,
     )

@@ -1,0 +1,187 @@
+"""Writes for flavors, prices, partition profiles, quotas and partition changes. Staff only."""
+
+from decimal import Decimal
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
+from quotas.selectors import flavor_capacity, guaranteed_total
+from runners.models import NodePool, PartitionKind
+from runners.scheduler import mig
+from tenants.models import Environment, EnvironmentState, Tenant
+
+MAX_TIMESLICE_REPLICAS = 64
+
+
+def _require_staff(actor: AbstractBaseUser) -> None:
+    if not (actor.is_authenticated and actor.is_staff):
+        raise PermissionDenied("Only staff can change flavors, prices, quotas and partitions.")
+
+
+def _check_model(field: str, model: str) -> mig.GpuModel:
+    try:
+        return mig.gpu_model(model)
+    except mig.UnknownGpuModelError as exc:
+        raise ValidationError({field: str(exc)}) from None
+
+
+def flavor_create(
+    *, actor: AbstractBaseUser, name: str, kind: str, gpu_model: str, mig_profile: str = "", description: str = ""
+) -> ResourceFlavor:
+    _require_staff(actor)
+    model = _check_model("gpu_model", gpu_model)
+    if kind == PartitionKind.MIG:
+        if not model.mig_capable:
+            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG."})
+        if mig_profile not in model.profiles:
+            raise ValidationError(
+                {"mig_profile": f"{mig_profile!r} is not a MIG profile of {gpu_model}; use one of {', '.join(model.profiles)}."}
+            )
+    elif mig_profile:
+        raise ValidationError({"mig_profile": f"Only mig flavors name a MIG profile; this one is {kind}."})
+    if ResourceFlavor.objects.filter(name=name).exists():
+        raise ValidationError({"name": f"A flavor named {name!r} already exists."})
+    if ResourceFlavor.objects.filter(kind=kind, gpu_model=gpu_model, mig_profile=mig_profile).exists():
+        raise ValidationError({"kind": "A flavor for exactly this GPU model, kind and profile already exists."})
+    return ResourceFlavor.objects.create(
+        name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile, description=description
+    )
+
+
+def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour: Decimal, currency: str, effective_from=None) -> PriceCard:
+    """Add a price card; earlier cards stay so past usage keeps its price."""
+    _require_staff(actor)
+    effective_from = effective_from or timezone.now()
+    if flavor.prices.filter(effective_from=effective_from).exists():
+        raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."})
+    return PriceCard.objects.create(
+        flavor=flavor, price_per_hour=price_per_hour, currency=currency.upper(), effective_from=effective_from
+    )
+
+
+def partition_profile_create(
+    *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
+) -> PartitionProfile:
+    """Validate a layout against NVIDIA's geometry and store it as a named profile."""
+    _require_staff(actor)
+    model = _check_model("gpu_model", gpu_model)
+    if PartitionProfile.objects.filter(name=name).exists():
+        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
+    if kind == PartitionKind.MIG:
+        if not model.mig_capable:
+            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG; use kind whole or timeslice."})
+        if not layout:
+            raise ValidationError({"layout": "A mig profile needs a layout: the MIG profiles of one GPU."})
+        try:
+            mig.fit_layout(gpu_model, layout)
+        except mig.MigError as exc:
+            raise ValidationError({"layout": str(exc)}) from None
+        if replicas not in (None, 1):
+            raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
+        replicas = 1
+    elif kind == PartitionKind.TIMESLICE:
+        if layout:
+            raise ValidationError({"layout": "Only mig profiles take a layout."})
+        if replicas is None or not 2 <= replicas <= MAX_TIMESLICE_REPLICAS:
+            raise ValidationError({"replicas": f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU."})
+    else:
+        if layout:
+            raise ValidationError({"layout": "Only mig profiles take a layout."})
+        if replicas not in (None, 1):
+            raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
+        replicas = 1
+    return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+
+
+@transaction.atomic
+def quota_set(
+    *,
+    actor: AbstractBaseUser,
+    tenant: Tenant,
+    flavor: ResourceFlavor,
+    guaranteed: int,
+    max: int,
+    fair_share_weight: Decimal = Decimal("1"),
+    max_priority: int = 100,
+) -> Quota:
+    """Create or change a tenant's quota for one flavor, then resync its environments."""
+    _require_staff(actor)
+    if guaranteed > max:
+        raise ValidationError({"guaranteed": f"guaranteed ({guaranteed}) cannot exceed max ({max})."})
+    if fair_share_weight <= 0:
+        raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
+    # Lock the flavor so two concurrent changes cannot both fit under capacity.
+    ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
+    capacity = flavor_capacity(flavor)
+    others = guaranteed_total(flavor, excluding_tenant=tenant)
+    if others + guaranteed > capacity:
+        raise ValidationError(
+            {
+                "guaranteed": (
+                    f"Guarantees for {flavor.name} would total {others + guaranteed} but the cluster holds {capacity}; "
+                    f"at most {capacity - others if capacity > others else 0} can be guaranteed to {tenant.slug}."
+                )
+            }
+        )
+    quota, _ = Quota.objects.update_or_create(
+        tenant=tenant,
+        flavor=flavor,
+        defaults={"guaranteed": guaranteed, "max": max, "fair_share_weight": fair_share_weight, "max_priority": max_priority},
+    )
+    _propagate_quota(tenant)
+    return quota
+
+
+@transaction.atomic
+def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
+    _require_staff(actor)
+    tenant = quota.tenant
+    quota.delete()
+    _propagate_quota(tenant)
+
+
+def _propagate_quota(tenant: Tenant) -> None:
+    """After commit, have the workers rewrite every live environment's quota."""
+    from tenants.tasks import environment_sync
+
+    for environment_id in Environment.objects.filter(tenant=tenant, state=EnvironmentState.READY).values_list(
+        "id", flat=True
+    ):
+        transaction.on_commit(lambda environment_id=environment_id: environment_sync.delay(environment_id))
+
+
+def node_pool_apply(
+    *, actor: AbstractBaseUser, pool: NodePool, profile: PartitionProfile, drain: str, workloads: dict[str, list[str]]
+) -> PartitionChange:
+    """Start applying a profile to a pool; refuse while work runs unless asked to preempt it.
+
+    ``workloads`` is what runs on each of the pool's nodes now (the caller asks
+    the backend); the task checks again after cordoning, since work may have
+    started in between.
+    """
+    from runners.tasks import partition_apply
+
+    _require_staff(actor)
+    if drain not in PartitionChange.Drain.values:
+        raise ValidationError({"drain": f"{drain!r} is not one of: wait, preempt."})
+    if pool.gpu_model and profile.gpu_model != pool.gpu_model:
+        raise ValidationError(
+            {"profile": f"Profile {profile.name} is for {profile.gpu_model}; pool {pool.name} has {pool.gpu_model} GPUs."}
+        )
+    busy = {node: names for node, names in workloads.items() if names}
+    if busy and drain == PartitionChange.Drain.WAIT:
+        listed = "; ".join(f"{node}: {', '.join(names)}" for node, names in sorted(busy.items()))
+        raise ValidationError(
+            {"drain": f"Work is running on pool {pool.name} ({listed}). Wait for it to finish, or apply with drain=preempt "
+                      "to checkpoint and preempt it."}
+        )
+    try:
+        with transaction.atomic():
+            change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
+            transaction.on_commit(lambda: partition_apply.delay(change.id))
+    except IntegrityError:
+        raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
+    return change
