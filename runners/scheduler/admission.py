@@ -1,0 +1,445 @@
+"""Admission: which pending gangs start now, what is preempted for them, and what is held for later.
+
+`decide` is a pure function of an `AdmissionSnapshot` and the time. The rules:
+
+- Order: gangs within their tenant's guarantee go first, then by the tenant's
+  weighted dominant share (recomputed after every decision), then higher
+  priority, then older submission, then id. Inputs are sorted first, so the
+  order of the snapshot's tuples does not matter.
+- A tenant's *committed* units are its running work (including work that is
+  checkpointing before a preemption deadline, since it still holds the GPUs),
+  what this cycle admitted for it, and what this cycle holds for its waiting
+  gangs. Guarantee, max and share are all measured on committed units.
+- Never past max: a gang is admitted only if committed + gang <= max in every
+  flavor. A priority above the tenant's max_priority is clamped to it (the API
+  rejects such input; clamping here keeps a stale row from jumping the queue).
+- Within guarantee: admitted if the units are free and not held; otherwise it
+  claims free units plus units of work already stopping, and preempts other
+  tenants' borrowed work for the rest (see admission_preemption). It starts in
+  a later cycle, once the victims have stopped; its claim is held until then.
+- Borrowing (past guarantee, up to max): only from idle capacity, i.e. free and
+  not held for anyone. Borrowing never preempts. Non-preemptible gangs may not
+  borrow at all, because borrowed work must stay reclaimable.
+- Reservations: a gang within guarantee that still cannot start holds what is
+  free of its need; so do the first `max_reservations` borrowing gangs blocked
+  by capacity. Later gangs backfill in capacity nobody holds, or
+  in held capacity when their estimated runtime ends before the holder's
+  projected start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+from runners.scheduler.admission_preemption import VictimChoice, choose_victims
+from runners.scheduler.admission_types import (
+    Admission,
+    AdmissionSnapshot,
+    Decisions,
+    PendingGang,
+    Preemption,
+    Reservation,
+    RunningWorkload,
+    TenantQuota,
+    Waiting,
+)
+from runners.scheduler.fairshare import gang_order_key, weighted_dominant_share
+
+# Long enough for a training job to write a checkpoint of a large model to shared storage.
+DEFAULT_GRACE_PERIOD_S = 300.0
+
+
+def decide(
+    snapshot: AdmissionSnapshot,
+    now_s: float,
+    *,
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
+    max_reservations: int = 1,
+) -> Decisions:
+    """Decide admissions, preemptions and reservations for one scheduler cycle."""
+    if grace_period_s < 0:
+        raise ValueError(f"grace_period_s must be >= 0, got {grace_period_s!r}")
+    if max_reservations < 0:
+        raise ValueError(f"max_reservations must be >= 0, got {max_reservations!r}")
+    return _Cycle(snapshot, now_s, grace_period_s, max_reservations).run()
+
+
+@dataclass
+class _Hold:
+    """Units held this cycle for one waiting gang (mutable bookkeeping, never returned)."""
+
+    gang_id: str
+    tenant: str
+    kind: str
+    held_free_units: dict[str, int]
+    pledged_stopping_units: dict[str, int]
+    projected_start_s: Optional[float]
+    borrowing: bool = False
+    backfill_used_units: dict[str, int] = field(default_factory=dict)
+
+
+def _units_text(units_by_flavor: Mapping[str, int]) -> str:
+    return ", ".join(f"{units} {flavor}" for flavor, units in units_by_flavor.items())
+
+
+def _time_text(time_s: Optional[float]) -> str:
+    return "unknown" if time_s is None else f"t={time_s:g}s"
+
+
+class _Cycle:
+    """The mutable state of one decide() call; it lives only inside it."""
+
+    def __init__(self, snapshot: AdmissionSnapshot, now_s: float, grace_period_s: float, max_reservations: int) -> None:
+        self.now_s = now_s
+        self.deadline_s = now_s + grace_period_s
+        self.max_reservations = max_reservations
+        self.capacity = dict(snapshot.capacity_units_by_flavor)
+        self.quotas: dict[str, TenantQuota] = {quota.tenant: quota for quota in sorted(snapshot.tenants, key=lambda q: q.tenant)}
+        self.occupied: dict[str, int] = defaultdict(int)
+        self.committed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # Work that reclamation may still stop; work already stopping feeds the pool below instead.
+        self.live: dict[str, RunningWorkload] = {}
+        # flavor -> [deadline_s, units] not yet promised to a claimant, earliest first.
+        self.stopping_pool: dict[str, list[list[float]]] = defaultdict(list)
+        for workload in sorted(snapshot.running, key=lambda w: w.id):
+            workload = self._clamped(workload)
+            for flavor, units in workload.units_by_flavor.items():
+                self.occupied[flavor] += units
+                self.committed[workload.tenant][flavor] += units
+            if workload.is_stopping:
+                self._add_to_pool(workload, workload.stopping_deadline_s)
+            else:
+                self.live[workload.id] = workload
+        self.pending = sorted(snapshot.pending, key=lambda g: g.id)
+        self.priority = {gang.id: self._clamped_priority(gang.tenant, gang.priority) for gang in self.pending}
+        self.holds: list[_Hold] = []
+        self.admitted: list[Admission] = []
+        self.admitted_ends: list[tuple[float, Mapping[str, int]]] = []
+        self.preemptions: list[Preemption] = []
+        self.waiting: list[Waiting] = []
+
+    # --- bookkeeping ---------------------------------------------------------
+
+    def _clamped_priority(self, tenant: str, priority: int) -> int:
+        quota = self.quotas.get(tenant)
+        return min(priority, quota.max_priority) if quota else priority
+
+    def _clamped(self, workload: RunningWorkload) -> RunningWorkload:
+        priority = self._clamped_priority(workload.tenant, workload.priority)
+        return workload if priority == workload.priority else dataclasses.replace(workload, priority=priority)
+
+    def _add_to_pool(self, workload: RunningWorkload, deadline_s: float) -> None:
+        for flavor, units in workload.units_by_flavor.items():
+            self.stopping_pool[flavor].append([deadline_s, units])
+            self.stopping_pool[flavor].sort(key=lambda piece: piece[0])
+
+    def _unheld(self, flavor: str) -> int:
+        """Units of a flavor that are free now and held for nobody."""
+        held = sum(hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0) for hold in self.holds)
+        return max(0, self.capacity.get(flavor, 0) - self.occupied[flavor] - held)
+
+    def _pool_units(self, flavor: str) -> int:
+        return int(sum(units for _, units in self.stopping_pool.get(flavor, [])))
+
+    def _borrowing(self, gang: PendingGang) -> bool:
+        quota = self.quotas[gang.tenant]
+        used = self.committed[gang.tenant]
+        return any(used[flavor] + units > quota.guaranteed_units(flavor) for flavor, units in gang.units_by_flavor.items())
+
+    def _share(self, tenant: str) -> float:
+        return weighted_dominant_share(self.committed[tenant], self.capacity, self.quotas[tenant].weight)
+
+    def _order_key(self, gang: PendingGang) -> tuple:
+        return gang_order_key(
+            borrowing=self._borrowing(gang),
+            tenant_share=self._share(gang.tenant),
+            priority=self.priority[gang.id],
+            submitted_at_s=gang.submitted_at_s,
+            gang_id=gang.id,
+        )
+
+    def _wait(self, gang: PendingGang, reason: str) -> None:
+        self.waiting.append(Waiting(gang_id=gang.id, tenant=gang.tenant, reason=reason))
+
+    # --- the cycle -----------------------------------------------------------
+
+    def run(self) -> Decisions:
+        """Refuse what can never run, then take the remaining gangs one at a time in fair-share order."""
+        candidates = [gang for gang in self.pending if not self._blocked_for_good(gang)]
+        while candidates:
+            # Keys change as units are committed, so the next gang is chosen afresh each time.
+            gang = min(candidates, key=self._order_key)
+            candidates.remove(gang)
+            self._decide_one(gang)
+        return Decisions(
+            admitted=tuple(self.admitted),
+            preemptions=tuple(self.preemptions),
+            reservations=tuple(
+                Reservation(
+                    gang_id=hold.gang_id,
+                    tenant=hold.tenant,
+                    kind=hold.kind,
+                    held_units_by_flavor=MappingProxyType(_merged(hold.held_free_units, hold.pledged_stopping_units)),
+                    projected_start_s=hold.projected_start_s,
+                )
+                for hold in self.holds
+            ),
+            waiting=tuple(self.waiting),
+        )
+
+    def _blocked_for_good(self, gang: PendingGang) -> bool:
+        """Wait with a 'blocked' reason if no amount of waiting would admit this gang."""
+        quota = self.quotas.get(gang.tenant)
+        if quota is None:
+            self._wait(gang, f"blocked: tenant {gang.tenant} has no quota; ask an admin to set one")
+            return True
+        if not gang.units_by_flavor:
+            self._wait(gang, "blocked: the gang requests no units; ask for at least one unit of a flavor")
+            return True
+        for flavor, units in gang.units_by_flavor.items():
+            if quota.max_units(flavor) == 0:
+                self._wait(gang, f"blocked: tenant {gang.tenant} has no quota for {flavor}; ask an admin for one")
+                return True
+            if units > quota.max_units(flavor):
+                self._wait(
+                    gang,
+                    f"blocked: gang needs {units} {flavor} but tenant {gang.tenant}'s max is {quota.max_units(flavor)}; "
+                    "make the gang smaller or ask for a larger quota",
+                )
+                return True
+            if units > self.capacity.get(flavor, 0):
+                self._wait(
+                    gang, f"blocked: gang needs {units} {flavor} but the cluster has {self.capacity.get(flavor, 0)}"
+                )
+                return True
+        return False
+
+    def _decide_one(self, gang: PendingGang) -> None:
+        quota = self.quotas[gang.tenant]
+        used = self.committed[gang.tenant]
+        for flavor, units in gang.units_by_flavor.items():
+            if used[flavor] + units > quota.max_units(flavor):
+                self._wait(
+                    gang,
+                    f"waiting: tenant {gang.tenant} at max for {flavor} "
+                    f"({used[flavor]}/{quota.max_units(flavor)}, gang needs {units})",
+                )
+                return
+        borrowing = self._borrowing(gang)
+        if borrowing and not gang.preemptible:
+            flavor, units = next(
+                (f, u) for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f)
+            )
+            self._wait(
+                gang,
+                f"waiting: a non-preemptible gang must fit in tenant {gang.tenant}'s guarantee for {flavor} "
+                f"({used[flavor]}/{quota.guaranteed_units(flavor)} used, gang needs {units}); "
+                "mark it preemptible to borrow idle capacity",
+            )
+            return
+        if all(units <= self._unheld(flavor) for flavor, units in gang.units_by_flavor.items()):
+            self._admit(gang, borrowing, backfilled=False)
+            return
+        if self._backfill(gang, borrowing):
+            return
+        choice: Optional[VictimChoice] = None
+        if not borrowing:
+            choice = self._claim_guarantee(gang)
+            if choice is None:
+                return
+        self._reserve_or_wait(gang, borrowing, choice)
+
+    def _admit(self, gang: PendingGang, borrowing: bool, *, backfilled: bool) -> None:
+        quota = self.quotas[gang.tenant]
+        used = self.committed[gang.tenant]
+        borrowed: dict[str, int] = {}
+        for flavor, units in gang.units_by_flavor.items():
+            self.occupied[flavor] += units
+            used[flavor] += units
+            beyond = min(units, max(0, used[flavor] - quota.guaranteed_units(flavor)))
+            if beyond:
+                borrowed[flavor] = beyond
+        if gang.estimated_runtime_s is not None:
+            self.admitted_ends.append((self.now_s + gang.estimated_runtime_s, gang.units_by_flavor))
+        self.admitted.append(
+            Admission(
+                gang_id=gang.id,
+                tenant=gang.tenant,
+                within_guarantee=not borrowing,
+                borrowed_units_by_flavor=MappingProxyType(borrowed),
+                priority=self.priority[gang.id],
+                backfilled=backfilled,
+            )
+        )
+
+    def _backfill(self, gang: PendingGang, borrowing: bool) -> bool:
+        """Admit into held capacity when the gang's estimated end comes before every such holder starts."""
+        if gang.estimated_runtime_s is None:
+            return False
+        end_s = self.now_s + gang.estimated_runtime_s
+        # A hold with an unknown start could start any moment, so nothing may borrow from it.
+        lenders = [hold for hold in self.holds if hold.projected_start_s is not None and end_s <= hold.projected_start_s]
+        if not lenders:
+            return False
+        lendable = {
+            flavor: sum(hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0) for hold in lenders)
+            for flavor in gang.units_by_flavor
+        }
+        if any(units > self._unheld(flavor) + lendable[flavor] for flavor, units in gang.units_by_flavor.items()):
+            return False
+        for flavor, units in gang.units_by_flavor.items():
+            from_holds = units - self._unheld(flavor)
+            for hold in lenders:
+                if from_holds <= 0:
+                    break
+                spare = hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0)
+                take = min(spare, from_holds)
+                if take > 0:
+                    hold.backfill_used_units[flavor] = hold.backfill_used_units.get(flavor, 0) + take
+                    from_holds -= take
+        self._admit(gang, borrowing, backfilled=True)
+        return True
+
+    def _claim_guarantee(self, gang: PendingGang) -> Optional[VictimChoice]:
+        """Hold free units, claim stopping ones, and preempt borrowed work for the rest; None once claimed."""
+        held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
+        needed = {flavor: units - held_free[flavor] for flavor, units in gang.units_by_flavor.items() if units > held_free[flavor]}
+        shortfall = {flavor: units - self._pool_units(flavor) for flavor, units in needed.items() if units > self._pool_units(flavor)}
+        victims: tuple[RunningWorkload, ...] = ()
+        if shortfall:
+            choice = choose_victims(
+                shortfall_units_by_flavor=shortfall,
+                claimant_tenant=gang.tenant,
+                live_workloads=self.live.values(),
+                quotas_by_tenant=self.quotas,
+                now_s=self.now_s,
+            )
+            if not choice.covers:
+                return choice
+            victims = choice.victims
+        for victim in victims:
+            del self.live[victim.id]
+            self._add_to_pool(victim, self.deadline_s)
+            borrowed_flavors = ", ".join(flavor for flavor in victim.units_by_flavor if flavor in shortfall)
+            self.preemptions.append(
+                Preemption(
+                    workload_id=victim.id,
+                    tenant=victim.tenant,
+                    for_gang_id=gang.id,
+                    reason=(
+                        f"preempted: tenant {victim.tenant} is borrowing {borrowed_flavors} and tenant {gang.tenant} "
+                        f"needs its guarantee back for gang {gang.id}; checkpoint now, stopped at {_time_text(self.deadline_s)}"
+                    ),
+                    deadline_s=self.deadline_s,
+                )
+            )
+        pledged: dict[str, int] = {}
+        start_s = self.now_s
+        for flavor, units in needed.items():
+            pieces = self.stopping_pool[flavor]
+            while units > 0:
+                # Enough is in the pool: the shortfall was covered by victims or by earlier stops.
+                piece = pieces[0]
+                take = int(min(piece[1], units))
+                piece[1] -= take
+                units -= take
+                pledged[flavor] = pledged.get(flavor, 0) + take
+                start_s = max(start_s, piece[0])
+                if piece[1] == 0:
+                    pieces.pop(0)
+        self.holds.append(
+            _Hold(
+                gang_id=gang.id,
+                tenant=gang.tenant,
+                kind="guarantee",
+                held_free_units={flavor: units for flavor, units in held_free.items() if units},
+                pledged_stopping_units=pledged,
+                projected_start_s=start_s,
+            )
+        )
+        for flavor, units in gang.units_by_flavor.items():
+            self.committed[gang.tenant][flavor] += units
+        self._wait(
+            gang,
+            f"waiting: preempted borrowed work is checkpointing to give tenant {gang.tenant} back its guarantee "
+            f"({_units_text(pledged)}); expected start {_time_text(start_s)}",
+        )
+        return None
+
+    def _reserve_or_wait(self, gang: PendingGang, borrowing: bool, choice: Optional[VictimChoice]) -> None:
+        """Hold free units for the gang if a reservation is left, and say what it waits for."""
+        short = {
+            flavor: (self._unheld(flavor), units)
+            for flavor, units in gang.units_by_flavor.items()
+            if units > self._unheld(flavor)
+        }
+        flavor, (free_units, units) = next(iter(short.items()))
+        if borrowing:
+            quota = self.quotas[gang.tenant]
+            reason = (
+                f"waiting: tenant {gang.tenant} would borrow {flavor} past its guarantee "
+                f"({self.committed[gang.tenant][flavor]}/{quota.guaranteed_units(flavor)} used) and only "
+                f"{free_units} is idle, gang needs {units}"
+            )
+        else:
+            reason = f"waiting: only {free_units} {flavor} free, gang needs {units}"
+        held_by_others = sorted({hold.gang_id for hold in self.holds if hold.held_free_units.get(flavor, 0)})
+        if held_by_others:
+            reason += f"; capacity is held for {', '.join(held_by_others)}"
+        if choice is not None and choice.protected_units_by_flavor:
+            reason += (
+                f"; borrowed work of other tenants is protected ({_units_text(choice.protected_units_by_flavor)} "
+                f"non-preemptible or inside its minimum runtime, earliest eligible {_time_text(choice.protected_until_s)})"
+            )
+        # Work within its guarantee always holds what is free of what it is owed; only borrowing
+        # gangs compete for the max_reservations slots, so guarantees never wait behind a slot.
+        borrowing_holds = sum(1 for hold in self.holds if hold.kind == "capacity" and hold.borrowing)
+        if not borrowing or borrowing_holds < self.max_reservations:
+            held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
+            still_needed = {flavor: units - held_free[flavor] for flavor, units in gang.units_by_flavor.items() if units > held_free[flavor]}
+            start_s = self._projected_start(still_needed)
+            self.holds.append(
+                _Hold(
+                    gang_id=gang.id,
+                    tenant=gang.tenant,
+                    kind="capacity",
+                    held_free_units={flavor: units for flavor, units in held_free.items() if units},
+                    pledged_stopping_units={},
+                    projected_start_s=start_s,
+                    borrowing=borrowing,
+                )
+            )
+            for flavor, units in held_free.items():
+                self.committed[gang.tenant][flavor] += units
+            reason += f"; reserved, projected start {_time_text(start_s)}"
+        self._wait(gang, reason)
+
+    def _projected_start(self, still_needed: Mapping[str, int]) -> Optional[float]:
+        """When the still-needed units come back, going by estimated ends and preemption deadlines."""
+        releases: list[tuple[float, Mapping[str, int]]] = []
+        for workload in self.live.values():
+            if workload.estimated_runtime_s is not None:
+                releases.append((max(self.now_s, workload.started_at_s + workload.estimated_runtime_s), workload.units_by_flavor))
+        releases.extend(self.admitted_ends)
+        for flavor, pieces in sorted(self.stopping_pool.items()):
+            releases.extend((max(self.now_s, deadline_s), {flavor: int(units)}) for deadline_s, units in pieces if units)
+        remaining = dict(still_needed)
+        for time_s, units_by_flavor in sorted(releases, key=lambda release: release[0]):
+            for flavor, units in units_by_flavor.items():
+                if flavor in remaining:
+                    remaining[flavor] -= units
+            if all(units <= 0 for units in remaining.values()):
+                return time_s
+        return None
+
+
+def _merged(first: Mapping[str, int], second: Mapping[str, int]) -> dict[str, int]:
+    merged: dict[str, int] = defaultdict(int)
+    for units_by_flavor in (first, second):
+        for flavor, units in units_by_flavor.items():
+            merged[flavor] += units
+    return dict(sorted(merged.items()))
