@@ -31,7 +31,10 @@ How NVIDIA places GPU instances, and how this module encodes it:
 * The Kubernetes device plugin's `mixed` strategy advertises each profile as
   `nvidia.com/mig-<profile>` with `+` replaced by `.` (k8s-device-plugin
   `AddDefaultResourcesToConfig`: `strings.ReplaceAll("mig-"+p.String(), "+", ".")`),
-  because `+` is not allowed in a Kubernetes resource name.
+  because `+` is not allowed in a Kubernetes resource name. Its profile patterns are
+  unanchored matches, though, and some plugin versions count a `1g.10gb+me` instance under
+  `nvidia.com/mig-1g.10gb` (NVIDIA/k8s-device-plugin issue #1462): check a node's capacity
+  before promising a separate `.me` resource.
 """
 
 from __future__ import annotations

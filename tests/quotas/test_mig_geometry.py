@@ -233,9 +233,12 @@ def test_it_rejects_impossible_layouts_naming_the_problem(layout, reason):
         fit_layout("H100-80GB", layout)
 
 
-def test_the_7g_profile_leaves_no_start_free_for_anything():
+def test_the_7g_profile_fits_alone_and_leaves_no_room_for_anything():
+    assert fit_layout("H100-80GB", ["7g.80gb"]) == [("7g.80gb", 0)]
     for name in RAW_TABLES["H100-80GB"]:
         assert free_starts("H100-80GB", [("7g.80gb", 0)], name) == []
+        with pytest.raises(LayoutError):
+            fit_layout("H100-80GB", ["7g.80gb", name])
 
 
 def test_a_1g_may_start_at_slot_6_but_never_at_slot_7():
