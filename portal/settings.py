@@ -87,6 +87,9 @@ try:
 except Exception as exc:  # django-environ raises several types for a bad URL.
     raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r} could not be parsed: {exc}") from None
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE_S", 60, minimum=0)
+# The database pytest creates; name it per checkout when several test runs share one server.
+if _raw_test_db := env_str("TEST_DATABASE_NAME", ""):
+    DATABASES["default"]["TEST"] = {"NAME": _raw_test_db}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The worker, beat and web server share the file; wait for locks instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
@@ -180,12 +183,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
 }
 if CELERY_BROKER_URL == "filesystem://":
     _broker_dir = VAR_DIR / "broker"
-    for _sub in ("queue", "processed"):
+    for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
 # One queue name per deployment (tests use a fresh one per run, so runs never see each other's messages).

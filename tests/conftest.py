@@ -56,6 +56,8 @@ def _isolated_workspaces(settings, tmp_path):
 
     settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
     settings.LOCAL_PROVISION_DELAY_S = 0
+    settings.LOCAL_USE_NVML = False
+    settings.PARTITION_POLL_INTERVAL_S = 0.01
     get_backend.cache_clear()
     yield
     get_backend.cache_clear()
@@ -123,6 +125,24 @@ def staff(make_user):
 
 
 @pytest.fixture
+def inventory(db):
+    """The demo cluster file, synced into Node and Gpu rows."""
+    from runners.services import inventory_sync
+
+    return inventory_sync()
+
+
+@pytest.fixture
+def flavor_factory(db):
+    def make(name="h100-80gb", kind="whole", gpu_model="H100-80GB", mig_profile=""):
+        from quotas.models import ResourceFlavor
+
+        return ResourceFlavor.objects.create(name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile)
+
+    return make
+
+
+@pytest.fixture
 def client_for():
     """An API client authenticated with a real token for the given user."""
 
@@ -150,6 +170,9 @@ def worker_environment(**overrides) -> dict[str, str]:
         CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
         LOCAL_WORKSPACE_DIR=str(settings.LOCAL_WORKSPACE_DIR),
         LOCAL_PROVISION_DELAY_S=str(settings.LOCAL_PROVISION_DELAY_S),
+        LOCAL_USE_NVML=str(settings.LOCAL_USE_NVML),
+        LOCAL_CLUSTER_FILE=str(settings.LOCAL_CLUSTER_FILE),
+        PARTITION_POLL_INTERVAL_S=str(settings.PARTITION_POLL_INTERVAL_S),
         CLUSTER_BACKEND=settings.CLUSTER_BACKEND,
         PYTHONUNBUFFERED="1",
     )
