@@ -1,5 +1,6 @@
 """MIG geometry: the validator agrees with NVIDIA's placement table on every multiset of profiles."""
 
+import re
 from collections import Counter
 from functools import lru_cache
 
@@ -229,7 +230,7 @@ def test_it_places_the_3_2_1_1_geometry_with_the_3g_on_the_upper_half():
     ],
 )
 def test_it_rejects_impossible_layouts_naming_the_problem(layout, reason):
-    with pytest.raises(LayoutError, match=__import__("re").escape(reason)):
+    with pytest.raises(LayoutError, match=re.escape(reason)):
         fit_layout("H100-80GB", layout)
 
 

@@ -1,5 +1,7 @@
 """GPU Operator configs: rendered YAML parses back to exactly NVIDIA's documented structure."""
 
+import re
+
 import pytest
 import yaml
 
@@ -183,7 +185,7 @@ def test_device_filters_are_passed_through():
     ],
 )
 def test_it_rejects_a_mig_layout_that_cannot_exist_naming_the_config(layouts, message):
-    with pytest.raises(LayoutError, match=__import__("re").escape(message)):
+    with pytest.raises(LayoutError, match=re.escape(message)):
         render_mig_parted_config(layouts, gpu_model_name="H100-80GB")
 
 
