@@ -179,9 +179,16 @@ class QuotaViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
 
 
 class PartitionProfileSerializer(serializers.ModelSerializer):
+    gpu_operator = serializers.SerializerMethodField(
+        help_text="Node labels, mig-parted config and device plugin config this profile applies."
+    )
+
     class Meta:
         model = PartitionProfile
-        fields = ["id", "name", "gpu_model", "kind", "layout", "replicas", "created_at"]
+        fields = ["id", "name", "gpu_model", "kind", "layout", "replicas", "gpu_operator", "created_at"]
+
+    def get_gpu_operator(self, profile) -> dict:
+        return selectors.partition_profile_configs(profile)
 
 
 class PartitionProfileWriteSerializer(serializers.Serializer):

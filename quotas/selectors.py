@@ -1,38 +1,40 @@
 """Reads of flavors, quotas, partition profiles and what the inventory can hold."""
 
 from collections import defaultdict
-from decimal import Decimal
-
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 from django.utils import timezone
 
 from quotas.models import PriceCard, Quota, ResourceFlavor
-from runners.backends.base import TIMESLICE_RESOURCE, WHOLE_GPU_RESOURCE
+from quotas import catalog, nvidia_configs
+from quotas.models import PartitionProfile
 from runners.models import Gpu, PartitionKind
-from runners.scheduler import mig
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
 
+def flavor_spec(flavor: ResourceFlavor) -> catalog.FlavorSpec:
+    """What the flavor means on a cluster, from the GPU catalog."""
+    if flavor.kind == PartitionKind.MIG:
+        return catalog.mig_flavor(flavor.gpu_model, flavor.mig_profile)
+    if flavor.kind == PartitionKind.TIMESLICE:
+        # The portal's time-slicing configs rename shared replicas (renameByDefault), so the
+        # resource is nvidia.com/gpu.shared whatever the replica count; 2 is the smallest share.
+        return catalog.time_sliced_flavor(flavor.gpu_model, 2, rename_by_default=True)
+    return catalog.whole_gpu_flavor(flavor.gpu_model)
+
+
 def flavor_kubernetes_resource(flavor: ResourceFlavor) -> str:
     """The extended resource a pod requests for one unit of the flavor."""
-    if flavor.kind == PartitionKind.MIG:
-        return mig.kubernetes_resource_for(flavor.mig_profile)
-    if flavor.kind == PartitionKind.TIMESLICE:
-        return TIMESLICE_RESOURCE
-    return WHOLE_GPU_RESOURCE
+    return flavor_spec(flavor).kubernetes_resource
 
 
 def flavor_node_labels(flavor: ResourceFlavor) -> dict[str, str]:
     """Node labels (as GPU feature discovery sets them) that pick nodes offering the flavor."""
-    product = mig.gpu_model(flavor.gpu_model).product_label
-    if flavor.kind == PartitionKind.TIMESLICE:
-        # GFD appends -SHARED to the product of time-sliced GPUs.
-        return {"nvidia.com/gpu.product": f"{product}-SHARED"}
-    if flavor.kind == PartitionKind.MIG:
-        return {"nvidia.com/gpu.product": product, "nvidia.com/mig.strategy": "mixed"}
-    return {"nvidia.com/gpu.product": product}
+    labels = dict(flavor_spec(flavor).node_labels)
+    # The replica count belongs to a pool's profile, not to the flavor.
+    labels.pop(catalog.GPU_REPLICAS_LABEL, None)
+    return labels
 
 
 def flavor_capacity(flavor: ResourceFlavor) -> int:
@@ -82,5 +84,28 @@ def environment_quota_hard(*, tenant: Tenant) -> dict[str, int]:
     return dict(sorted(hard.items()))
 
 
-def money(value: Decimal) -> str:
-    return f"{value:.4f}"
+def partition_profile_configs(profile: PartitionProfile) -> dict:
+    """The NVIDIA GPU Operator configuration that applying the profile amounts to."""
+    if profile.kind == PartitionKind.MIG:
+        return {
+            "node_labels": nvidia_configs.partition_node_labels(mig_config=profile.name),
+            "mig_parted_config": nvidia_configs.render_mig_parted_config(
+                {profile.name: list(profile.layout)}, gpu_model_name=profile.gpu_model
+            ),
+            "device_plugin_config": None,
+        }
+    if profile.kind == PartitionKind.TIMESLICE:
+        return {
+            "node_labels": nvidia_configs.partition_node_labels(
+                mig_config=nvidia_configs.ALL_DISABLED, device_plugin_config=profile.name
+            ),
+            "mig_parted_config": None,
+            "device_plugin_config": nvidia_configs.render_time_slicing_config(
+                {catalog.GPU_RESOURCE: profile.replicas}, rename_by_default=True
+            ),
+        }
+    return {
+        "node_labels": nvidia_configs.partition_node_labels(mig_config=nvidia_configs.ALL_DISABLED),
+        "mig_parted_config": None,
+        "device_plugin_config": None,
+    }

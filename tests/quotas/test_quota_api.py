@@ -154,3 +154,27 @@ def test_tenants_cannot_create_profiles(client_for, owner):
         "/api/v1/partition-profiles/", {"name": "p", "gpu_model": "T4", "kind": "timeslice", "replicas": 4}
     )
     assert response.status_code == 403
+
+
+def test_a_profile_shows_the_gpu_operator_config_it_applies(client_for, staff):
+    import yaml
+
+    client = client_for(staff)
+    mig_profile = client.post(
+        "/api/v1/partition-profiles/",
+        {"name": "h100-4g-3g", "gpu_model": "H100-80GB", "kind": "mig", "layout": ["4g.40gb", "3g.40gb"]},
+        format="json",
+    ).json()["gpu_operator"]
+    assert mig_profile["node_labels"] == {"nvidia.com/mig.config": "h100-4g-3g"}
+    parsed = yaml.safe_load(mig_profile["mig_parted_config"])
+    assert parsed["mig-configs"]["h100-4g-3g"] == [
+        {"devices": "all", "mig-enabled": True, "mig-devices": {"4g.40gb": 1, "3g.40gb": 1}}
+    ]
+    shared = client.post(
+        "/api/v1/partition-profiles/", {"name": "t4-share-4", "gpu_model": "T4", "kind": "timeslice", "replicas": 4}
+    ).json()["gpu_operator"]
+    assert shared["node_labels"]["nvidia.com/device-plugin.config"] == "t4-share-4"
+    assert yaml.safe_load(shared["device_plugin_config"])["sharing"]["timeSlicing"] == {
+        "renameByDefault": True,
+        "resources": [{"name": "nvidia.com/gpu", "replicas": 4}],
+    }
