@@ -105,6 +105,9 @@ def member_remove(request, slug, username):
         messages.error(request, f"Could not remove {username}: {text}")
     else:
         messages.success(request, f"Removed {username} from {tenant.name}.")
+        if username == request.user.get_username() and not request.user.is_staff:
+            # Leaving the tenant: its page is a 404 for you now.
+            return redirect("dashboard")
     return redirect("tenant", slug=tenant.slug)
 
 

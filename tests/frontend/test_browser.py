@@ -142,6 +142,7 @@ def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_i
     _mark_loaded(page)
     celery_worker_factory()
     expect(row).to_have_count(0, timeout=LIVE_TIMEOUT_MS)
+    expect(page.get_by_text("No environments yet.")).to_be_visible()
     _assert_not_reloaded(page)
     environment.refresh_from_db()
     assert environment.state == EnvironmentState.DELETED

@@ -106,6 +106,13 @@ def test_pages_redirect_to_login_when_logged_out(client, path):
     assert response.url.startswith(reverse("login"))
 
 
+def test_login_page_renders_and_a_logged_in_user_skips_it(client, owner):
+    response = client.get("/login/")
+    assert response.status_code == 200
+    assert b'name="username"' in response.content and b'name="password"' in response.content
+    assert _logged_in(client, owner).get("/login/").url == reverse("dashboard")
+
+
 def test_login_with_a_password_lands_on_the_dashboard(client, owner):
     response = client.post("/login/", {"username": "olivia", "password": PASSWORD}, follow=True)
     assert response.redirect_chain[-1][0] == reverse("dashboard")
@@ -285,6 +292,14 @@ def test_the_last_owner_cannot_be_removed_and_the_page_says_why(client, owner, t
     response = _logged_in(client, owner).post("/tenants/acme/members/olivia/remove/", follow=True)
     assert Membership.objects.filter(tenant=tenant, user=owner).exists()
     assert any("last owner" in message for message in _messages(response))
+
+
+def test_a_member_removed_by_themselves_lands_on_the_dashboard(client, owner, tenant, make_user):
+    admin = make_user("ada")
+    Membership.objects.create(user=admin, tenant=tenant, role="admin")
+    response = _logged_in(client, admin).post("/tenants/acme/members/ada/remove/")
+    assert response.url == reverse("dashboard")
+    assert not Membership.objects.filter(user=admin).exists()
 
 
 def test_a_plain_member_sees_no_member_management_and_is_refused(client, teammate, owner, tenant):

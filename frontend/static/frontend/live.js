@@ -10,9 +10,21 @@
     setTimeout(function () { refresh(element); }, POLL_INTERVAL_MS);
   }
 
+  // The last row gone, a table says what it would have said when rendered empty.
+  function removeRow(element) {
+    var table = element.closest("table[data-empty-text]");
+    element.remove();
+    if (table && table.tBodies[0].rows.length === 0) {
+      var note = document.createElement("p");
+      note.className = "empty";
+      note.textContent = table.dataset.emptyText;
+      table.replaceWith(note);
+    }
+  }
+
   function refresh(element) {
     if (!element.isConnected) return;
-    fetch(element.dataset.pollUrl, { credentials: "same-origin", headers: { "X-Requested-With": "fetch" } })
+    fetch(element.dataset.pollUrl, { credentials: "same-origin" })
       .then(function (response) {
         // A redirect means the session ended (login page) and a 404 that it is gone: stop quietly.
         if (response.redirected || response.status === 404) return null;
@@ -24,7 +36,7 @@
         var template = document.createElement("template");
         template.innerHTML = html.trim();
         var replacement = template.content.firstElementChild;
-        if (!replacement) { element.remove(); return; }
+        if (!replacement) { removeRow(element); return; }
         element.replaceWith(replacement);
         if (replacement.dataset.pollUrl) schedule(replacement);
       })
