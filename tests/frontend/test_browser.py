@@ -146,3 +146,26 @@ def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_i
     _assert_not_reloaded(page)
     environment.refresh_from_db()
     assert environment.state == EnvironmentState.DELETED
+
+
+def test_dashboard_rows_follow_state_changes_live_for_a_viewer(page, live_server, owner, viewer, tenant):
+    # Rows are made directly rather than through the service, so no task waits in the
+    # queue for a worker this test does not start; the test plays the worker's part.
+    environment = Environment.objects.create(
+        tenant=tenant, name="serve", namespace="acme-serve", backend="local", created_by=owner
+    )
+    _log_in(page, live_server, "vera")
+    row = page.locator(f"#environment-row-{environment.id}")
+    expect(row.get_by_test_id("state")).to_have_text("requested")
+    _mark_loaded(page)
+
+    Environment.objects.filter(id=environment.id).update(state=EnvironmentState.PROVISIONING)
+    expect(row.get_by_test_id("state")).to_have_text("provisioning", timeout=LIVE_TIMEOUT_MS)
+    Environment.objects.filter(id=environment.id).update(state=EnvironmentState.DELETED)
+    expect(row).to_have_count(0, timeout=LIVE_TIMEOUT_MS)
+    _assert_not_reloaded(page)
+
+    page.get_by_role("link", name="Acme ML").click()
+    expect(page.get_by_test_id("members")).to_contain_text("vera")
+    expect(page.get_by_test_id("new-environment")).to_have_count(0)
+    expect(page.get_by_role("button", name="Remove")).to_have_count(0)
