@@ -380,10 +380,12 @@ class _Cycle:
         flavor, (free_units, units) = next(iter(short.items()))
         if borrowing:
             quota = self.quotas[gang.tenant]
+            used = self.committed[gang.tenant]
+            borrowed_flavor = next(f for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f))
             reason = (
-                f"waiting: tenant {gang.tenant} would borrow {flavor} past its guarantee "
-                f"({self.committed[gang.tenant][flavor]}/{quota.guaranteed_units(flavor)} used) and only "
-                f"{free_units} is idle, gang needs {units}"
+                f"waiting: only {free_units} {flavor} idle, gang needs {units}; it would take tenant {gang.tenant} "
+                f"past its guarantee for {borrowed_flavor} ({used[borrowed_flavor]}/{quota.guaranteed_units(borrowed_flavor)} "
+                "used), and borrowing uses idle capacity only"
             )
         else:
             reason = f"waiting: only {free_units} {flavor} free, gang needs {units}"

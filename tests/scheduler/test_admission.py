@@ -59,7 +59,8 @@ def test_a_heavier_weight_earns_a_larger_fair_share():
     decisions = decide(cluster, NOW_S, max_reservations=0)
     assert decisions.admitted_ids == ("b1",)
     assert decisions.reason_for("a1") == (
-        "waiting: tenant ml-a would borrow H100-80GB past its guarantee (2/0 used) and only 0 is idle, gang needs 2"
+        "waiting: only 0 H100-80GB idle, gang needs 2; it would take tenant ml-a past its guarantee for "
+        "H100-80GB (2/0 used), and borrowing uses idle capacity only"
     )
 
 

@@ -1,7 +1,12 @@
 """Property tests for admission on random clusters and requests (hypothesis)."""
 
 import dataclasses
+import os
+import random
+import subprocess
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -261,3 +266,64 @@ def test_a_guarantee_held_up_by_protected_work_is_restored_once_the_protection_e
     """Minimum runtimes and stopping work only delay a guarantee: at the fixed point no guaranteed gang waits."""
     snapshot, decisions = settle(cluster)
     assert waiting_within_guarantee(snapshot, decisions) == [], decisions
+
+
+def seeded_snapshot(seed):
+    """A random but reproducible cluster, the way trace replay builds one from a seed."""
+    rng = random.Random(seed)
+    capacity = {H100: rng.randint(8, 32), MIG: rng.randint(7, 28)}
+    tenants = tuple(
+        TenantQuota(
+            f"ml-{index}",
+            {flavor: FlavorQuota(units // 4, units) for flavor, units in capacity.items()},
+            weight=rng.choice([1.0, 2.0]),
+            max_priority=3,
+        )
+        for index in range(4)
+    )
+    running = tuple(
+        RunningWorkload(
+            f"w{index}",
+            f"ml-{rng.randrange(4)}",
+            {rng.choice([H100, MIG]): rng.randint(1, 3)},
+            priority=rng.randint(0, 3),
+            started_at_s=rng.uniform(0, NOW_S),
+            estimated_runtime_s=rng.choice([None, 5_000.0, 50_000.0]),
+        )
+        for index in range(8)
+    )
+    pending = tuple(
+        PendingGang(
+            f"g{index}",
+            f"ml-{rng.randrange(4)}",
+            {rng.choice([H100, MIG]): rng.randint(1, 8)},
+            priority=rng.randint(0, 5),
+            submitted_at_s=rng.uniform(0, NOW_S),
+            estimated_runtime_s=rng.choice([None, 100.0, 9_000.0]),
+        )
+        for index in range(12)
+    )
+    return AdmissionSnapshot(capacity, tenants, running, pending)
+
+
+def test_the_same_seed_gives_the_same_decisions_in_another_process():
+    # A different hash seed reorders every set and dict of str built from them: the decisions must not notice.
+    program = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "from test_admission_properties import seeded_snapshot, NOW_S\n"
+        "from runners.scheduler.admission import decide\n"
+        "print([repr(decide(seeded_snapshot(seed), NOW_S)) for seed in range(20)])\n"
+    )
+    here, repo = str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", program, here, repo],
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for hash_seed in ("1", "2")
+    ]
+    assert outputs[0] == outputs[1]
+    assert outputs[0] == str([repr(decide(seeded_snapshot(seed), NOW_S)) for seed in range(20)]) + "\n"
