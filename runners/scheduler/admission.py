@@ -22,9 +22,12 @@
   borrow at all, because borrowed work must stay reclaimable.
 - Reservations: a gang within guarantee that still cannot start holds what is
   free of its need; so do the first `max_reservations` borrowing gangs blocked
-  by capacity. Later gangs backfill in capacity nobody holds, or
-  in held capacity when their estimated runtime ends before the holder's
-  projected start.
+  by capacity. Later gangs backfill in capacity nobody holds, or in held
+  capacity when their estimated runtime ends before the holder's projected
+  start (a hold whose start is unknown lends nothing).
+- Preempted work keeps counting as used, for capacity, max and share, until it
+  leaves the snapshot: it holds the GPUs until its deadline. Its units are
+  promised to the claimant, so they are not preempted for twice.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Mapping, Optional
 
 from runners.scheduler.admission_preemption import VictimChoice, choose_victims
 from runners.scheduler.admission_types import (
+    CAPACITY_RESERVATION,
+    GUARANTEE_CLAIM,
     Admission,
     AdmissionSnapshot,
     Decisions,
@@ -60,7 +65,12 @@ def decide(
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
     max_reservations: int = 1,
 ) -> Decisions:
-    """Decide admissions, preemptions and reservations for one scheduler cycle."""
+    """Decide admissions, preemptions and reservations for one scheduler cycle.
+
+    grace_period_s is how long a victim has to checkpoint before it is stopped;
+    max_reservations is how many borrowing gangs blocked by capacity may hold
+    what is idle for themselves (gangs within guarantee always may).
+    """
     if grace_period_s < 0:
         raise ValueError(f"grace_period_s must be >= 0, got {grace_period_s!r}")
     if max_reservations < 0:
@@ -355,7 +365,7 @@ class _Cycle:
             _Hold(
                 gang_id=gang.id,
                 tenant=gang.tenant,
-                kind="guarantee",
+                kind=GUARANTEE_CLAIM,
                 held_free_units={flavor: units for flavor, units in held_free.items() if units},
                 pledged_stopping_units=pledged,
                 projected_start_s=start_s,
@@ -399,7 +409,7 @@ class _Cycle:
             )
         # Work within its guarantee always holds what is free of what it is owed; only borrowing
         # gangs compete for the max_reservations slots, so guarantees never wait behind a slot.
-        borrowing_holds = sum(1 for hold in self.holds if hold.kind == "capacity" and hold.borrowing)
+        borrowing_holds = sum(1 for hold in self.holds if hold.kind == CAPACITY_RESERVATION and hold.borrowing)
         if not borrowing or borrowing_holds < self.max_reservations:
             held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
             still_needed = {flavor: units - held_free[flavor] for flavor, units in gang.units_by_flavor.items() if units > held_free[flavor]}
@@ -408,7 +418,7 @@ class _Cycle:
                 _Hold(
                     gang_id=gang.id,
                     tenant=gang.tenant,
-                    kind="capacity",
+                    kind=CAPACITY_RESERVATION,
                     held_free_units={flavor: units for flavor, units in held_free.items() if units},
                     pledged_stopping_units={},
                     projected_start_s=start_s,

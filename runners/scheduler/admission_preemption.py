@@ -118,8 +118,9 @@ def choose_victims(
         for flavor, units in victim.units_by_flavor.items():
             if flavor in remaining:
                 remaining[flavor] -= units
-    # Put back what is not needed, trying the earliest picks first; dropping a victim
-    # only makes the others borrow more, so the rest stay valid victims.
+    # Put back what is not needed, from the second-latest pick back to the first (the
+    # latest is what made it fit). Dropping a victim only makes the others borrow more,
+    # so the rest stay valid victims, and a victim needed once stays needed.
     for index in range(len(chosen) - 2, -1, -1):
         trial = chosen[:index] + chosen[index + 1 :]
         if not _still_short(shortfall, trial):

@@ -153,6 +153,11 @@ class Preemption:
     deadline_s: float
 
 
+# Reservation kinds: waiting for preempted work to stop, or for running work to end.
+GUARANTEE_CLAIM = "guarantee"
+CAPACITY_RESERVATION = "capacity"
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Units held for a gang that cannot start yet, so that later gangs cannot delay it.

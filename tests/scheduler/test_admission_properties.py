@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runners.scheduler.admission import decide
-from runners.scheduler.admission_preemption import borrowed_units
+from runners.scheduler.admission_preemption import borrowed_units, choose_victims, is_protected
 from runners.scheduler.admission_types import (
     AdmissionSnapshot,
     FlavorQuota,
@@ -228,6 +228,34 @@ def test_a_tenant_is_never_left_below_its_guarantee_while_others_borrow(cluster)
     """
     decisions = decide(cluster, NOW_S, grace_period_s=GRACE_S)
     assert waiting_within_guarantee(cluster, decisions) == [], decisions
+
+
+@PROPERTY_SETTINGS
+@given(clusters(guarantees_fit=False), st.data())
+def test_no_victim_in_a_chosen_set_could_be_spared(cluster, data):
+    claimant = data.draw(st.sampled_from([quota.tenant for quota in cluster.tenants]))
+    shortfall = {flavor: data.draw(st.integers(0, 6)) for flavor in cluster.capacity_units_by_flavor}
+    quotas = {quota.tenant: quota for quota in cluster.tenants}
+    choice = choose_victims(
+        shortfall_units_by_flavor=shortfall,
+        claimant_tenant=claimant,
+        live_workloads=cluster.running,
+        quotas_by_tenant=quotas,
+        now_s=NOW_S,
+    )
+
+    def frees_enough(victims):
+        return all(sum(v.units_by_flavor.get(f, 0) for v in victims) >= units for f, units in shortfall.items())
+
+    if not choice.covers:
+        # Nothing is stopped unless the stops together let the claimant start.
+        assert choice.victims == ()
+        return
+    victims = list(choice.victims)
+    assert frees_enough(victims)
+    for index in range(len(victims)):
+        assert not frees_enough(victims[:index] + victims[index + 1 :]), victims
+    assert all(v.tenant != claimant and not v.is_stopping and not is_protected(v, NOW_S) for v in victims)
 
 
 # Longer than any minimum runtime and grace period the strategy draws, so one step ends all protection.
