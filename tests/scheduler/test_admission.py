@@ -181,6 +181,29 @@ def test_every_pending_gang_is_either_admitted_or_has_a_reason():
     assert sorted(decisions.admitted_ids + tuple(w.gang_id for w in decisions.waiting)) == ["g0", "g1", "g2", "g3"]
 
 
+def test_a_gang_within_guarantee_goes_before_a_borrowing_one_with_a_lower_share():
+    cluster = snapshot(
+        8,
+        [tenant("ml-a", 6, 8), tenant("ml-b", 0, 8)],
+        [running("a-old", "ml-a", 4), running("c-old", "ml-c", 2)],
+        [gang("b1", "ml-b", 2, submitted_at_s=0), gang("a1", "ml-a", 2, submitted_at_s=9)],
+    )
+    decisions = decide(cluster, NOW_S)
+    assert decisions.admitted_ids == ("a1",)
+
+
+def test_a_gang_past_guarantee_in_one_flavor_borrows_only_that_flavor():
+    cluster = AdmissionSnapshot(
+        {H100: 8, MIG: 14},
+        (TenantQuota("ml-a", {H100: FlavorQuota(4, 8), MIG: FlavorQuota(2, 14)}),),
+        (),
+        (PendingGang("a1", "ml-a", {H100: 4, MIG: 5}),),
+    )
+    [admission] = decide(cluster, NOW_S).admitted
+    assert not admission.within_guarantee
+    assert dict(admission.borrowed_units_by_flavor) == {MIG: 3}
+
+
 # --- preemption ------------------------------------------------------------------
 
 
@@ -304,6 +327,33 @@ def test_work_already_stopping_is_not_preempted_again_nor_replaced_by_more_victi
     assert decisions.preemptions == ()
     [reservation] = decisions.reservations
     assert (reservation.kind, reservation.projected_start_s) == ("guarantee", NOW_S + 50)
+
+
+def test_the_claimant_starts_in_the_cycle_after_its_victims_have_stopped():
+    tenants = [tenant("ml-a", 4, 8), tenant("ml-b", 4, 8)]
+    b_own = running("b-own", "ml-b", 4, started_at_s=0)
+    b_borrowed = running("b-borrowed", "ml-b", 4, started_at_s=10)
+    pending = [gang("a1", "ml-a", 4), gang("b2", "ml-b", 2)]
+    first = decide(snapshot(8, tenants, [b_own, b_borrowed], pending), NOW_S, grace_period_s=60)
+    assert first.preempted_ids == ("b-borrowed",)
+    # The cycle after the deadline no longer sees the victim; the claimant starts, b's new gang cannot borrow.
+    later = decide(snapshot(8, tenants, [b_own], pending), NOW_S + 61, grace_period_s=60)
+    assert later.admitted_ids == ("a1",)
+    assert later.admitted[0].within_guarantee
+    assert later.preemptions == ()
+
+
+def test_a_short_gang_may_backfill_capacity_held_for_a_guarantee_claim_until_the_victims_stop():
+    cluster = snapshot(
+        8,
+        [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8), tenant("ml-c", 0, 8)],
+        [running("b-borrowed", "ml-b", 6)],
+        [gang("a1", "ml-a", 4), gang("c-short", "ml-c", 2, estimated_runtime_s=100), gang("c-long", "ml-c", 2, estimated_runtime_s=1000)],
+    )
+    decisions = decide(cluster, NOW_S, grace_period_s=300)
+    assert decisions.preempted_ids == ("b-borrowed",)
+    assert decisions.admitted_ids == ("c-short",)
+    assert decisions.admitted[0].backfilled
 
 
 def test_victims_come_only_from_tenants_that_borrow_in_the_short_flavor():
