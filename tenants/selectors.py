@@ -62,3 +62,11 @@ def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environme
         return environment_list(user=user, include_deleted=True).get(id=environment_id)
     except (Environment.DoesNotExist, ValueError):
         raise Http404("No such environment.") from None
+
+
+def user_has_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> bool:
+    """Whether the user holds at least this role in the tenant (staff hold every role)."""
+    from tenants.models import ROLE_RANK
+
+    role = user_role(user=user, tenant=tenant)
+    return role is not None and ROLE_RANK[role] >= ROLE_RANK[at_least]

@@ -19,7 +19,7 @@ from tenants.models import (
     Role,
     Tenant,
 )
-from tenants.selectors import user_role
+from tenants.selectors import user_has_role, user_role
 
 logger = logging.getLogger(__name__)
 NAMESPACE_MAX = 63
@@ -27,10 +27,9 @@ NAMESPACE_MAX = 63
 
 def require_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> str:
     """Raise PermissionDenied unless the user holds at least this role in the tenant."""
-    role = user_role(user=user, tenant=tenant)
-    if role is None or ROLE_RANK[role] < ROLE_RANK[at_least]:
+    if not user_has_role(user=user, tenant=tenant, at_least=at_least):
         raise PermissionDenied(f"This needs the {at_least} role or higher in tenant {tenant.slug}.")
-    return role
+    return user_role(user=user, tenant=tenant)
 
 
 def tenant_create(*, actor: AbstractBaseUser, slug: str, name: str) -> Tenant:
