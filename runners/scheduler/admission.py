@@ -97,7 +97,8 @@ def _units_text(units_by_flavor: Mapping[str, int]) -> str:
 
 
 def _time_text(time_s: Optional[float]) -> str:
-    return "unknown" if time_s is None else f"t={time_s:g}s"
+    # Whole seconds in fixed notation: clocks are epoch seconds, which :g would print as 1.7e+09.
+    return "unknown" if time_s is None else f"t={time_s:.0f}s"
 
 
 class _Cycle:
@@ -108,7 +109,9 @@ class _Cycle:
         self.deadline_s = now_s + grace_period_s
         self.max_reservations = max_reservations
         self.capacity = dict(snapshot.capacity_units_by_flavor)
-        self.quotas: dict[str, TenantQuota] = {quota.tenant: quota for quota in sorted(snapshot.tenants, key=lambda q: q.tenant)}
+        self.quotas: dict[str, TenantQuota] = {
+            quota.tenant: quota for quota in sorted(snapshot.tenants, key=lambda q: q.tenant)
+        }
         self.occupied: dict[str, int] = defaultdict(int)
         self.committed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # Work that reclamation may still stop; work already stopping feeds the pool below instead.
@@ -158,7 +161,9 @@ class _Cycle:
     def _borrowing(self, gang: PendingGang) -> bool:
         quota = self.quotas[gang.tenant]
         used = self.committed[gang.tenant]
-        return any(used[flavor] + units > quota.guaranteed_units(flavor) for flavor, units in gang.units_by_flavor.items())
+        return any(
+            used[flavor] + units > quota.guaranteed_units(flavor) for flavor, units in gang.units_by_flavor.items()
+        )
 
     def _share(self, tenant: str) -> float:
         return weighted_dominant_share(self.committed[tenant], self.capacity, self.quotas[tenant].weight)
@@ -292,11 +297,15 @@ class _Cycle:
             return False
         end_s = self.now_s + gang.estimated_runtime_s
         # A hold with an unknown start could start any moment, so nothing may borrow from it.
-        lenders = [hold for hold in self.holds if hold.projected_start_s is not None and end_s <= hold.projected_start_s]
+        lenders = [
+            hold for hold in self.holds if hold.projected_start_s is not None and end_s <= hold.projected_start_s
+        ]
         if not lenders:
             return False
         lendable = {
-            flavor: sum(hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0) for hold in lenders)
+            flavor: sum(
+                hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0) for hold in lenders
+            )
             for flavor in gang.units_by_flavor
         }
         if any(units > self._unheld(flavor) + lendable[flavor] for flavor, units in gang.units_by_flavor.items()):
@@ -317,8 +326,16 @@ class _Cycle:
     def _claim_guarantee(self, gang: PendingGang) -> Optional[VictimChoice]:
         """Hold free units, claim stopping ones, and preempt borrowed work for the rest; None once claimed."""
         held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
-        needed = {flavor: units - held_free[flavor] for flavor, units in gang.units_by_flavor.items() if units > held_free[flavor]}
-        shortfall = {flavor: units - self._pool_units(flavor) for flavor, units in needed.items() if units > self._pool_units(flavor)}
+        needed = {
+            flavor: units - held_free[flavor]
+            for flavor, units in gang.units_by_flavor.items()
+            if units > held_free[flavor]
+        }
+        shortfall = {
+            flavor: units - self._pool_units(flavor)
+            for flavor, units in needed.items()
+            if units > self._pool_units(flavor)
+        }
         victims: tuple[RunningWorkload, ...] = ()
         if shortfall:
             choice = choose_victims(
@@ -391,7 +408,9 @@ class _Cycle:
         if borrowing:
             quota = self.quotas[gang.tenant]
             used = self.committed[gang.tenant]
-            borrowed_flavor = next(f for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f))
+            borrowed_flavor = next(
+                f for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f)
+            )
             reason = (
                 f"waiting: only {free_units} {flavor} idle, gang needs {units}; it would take tenant {gang.tenant} "
                 f"past its guarantee for {borrowed_flavor} ({used[borrowed_flavor]}/{quota.guaranteed_units(borrowed_flavor)} "
@@ -412,7 +431,11 @@ class _Cycle:
         borrowing_holds = sum(1 for hold in self.holds if hold.kind == CAPACITY_RESERVATION and hold.borrowing)
         if not borrowing or borrowing_holds < self.max_reservations:
             held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
-            still_needed = {flavor: units - held_free[flavor] for flavor, units in gang.units_by_flavor.items() if units > held_free[flavor]}
+            still_needed = {
+                flavor: units - held_free[flavor]
+                for flavor, units in gang.units_by_flavor.items()
+                if units > held_free[flavor]
+            }
             start_s = self._projected_start(still_needed)
             self.holds.append(
                 _Hold(
@@ -435,10 +458,14 @@ class _Cycle:
         releases: list[tuple[float, Mapping[str, int]]] = []
         for workload in self.live.values():
             if workload.estimated_runtime_s is not None:
-                releases.append((max(self.now_s, workload.started_at_s + workload.estimated_runtime_s), workload.units_by_flavor))
+                releases.append(
+                    (max(self.now_s, workload.started_at_s + workload.estimated_runtime_s), workload.units_by_flavor)
+                )
         releases.extend(self.admitted_ends)
         for flavor, pieces in sorted(self.stopping_pool.items()):
-            releases.extend((max(self.now_s, deadline_s), {flavor: int(units)}) for deadline_s, units in pieces if units)
+            releases.extend(
+                (max(self.now_s, deadline_s), {flavor: int(units)}) for deadline_s, units in pieces if units
+            )
         remaining = dict(still_needed)
         for time_s, units_by_flavor in sorted(releases, key=lambda release: release[0]):
             for flavor, units in units_by_flavor.items():

@@ -62,7 +62,9 @@ def _victim_order_key(workload: RunningWorkload, borrowed: Mapping[str, int], sh
     how "preemptible before not" is applied.
     """
     wholly_borrowed = all(
-        borrowed.get(flavor, 0) == units for flavor, units in workload.units_by_flavor.items() if flavor in short_flavors
+        borrowed.get(flavor, 0) == units
+        for flavor, units in workload.units_by_flavor.items()
+        if flavor in short_flavors
     )
     return (0 if wholly_borrowed else 1, workload.priority, -workload.started_at_s, workload.id)
 

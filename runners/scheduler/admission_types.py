@@ -78,7 +78,11 @@ class RunningWorkload:
     stopping_deadline_s: Optional[float] = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "units_by_flavor", frozen_units(f"RunningWorkload {self.id!r}", "units_by_flavor", self.units_by_flavor))
+        object.__setattr__(
+            self,
+            "units_by_flavor",
+            frozen_units(f"RunningWorkload {self.id!r}", "units_by_flavor", self.units_by_flavor),
+        )
 
     @property
     def is_stopping(self) -> bool:
@@ -100,7 +104,9 @@ class PendingGang:
     preemptible: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "units_by_flavor", frozen_units(f"PendingGang {self.id!r}", "units_by_flavor", self.units_by_flavor))
+        object.__setattr__(
+            self, "units_by_flavor", frozen_units(f"PendingGang {self.id!r}", "units_by_flavor", self.units_by_flavor)
+        )
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,9 @@ class AdmissionSnapshot:
 
     def __post_init__(self) -> None:
         object.__setattr__(
-            self, "capacity_units_by_flavor", frozen_units("AdmissionSnapshot", "capacity_units_by_flavor", self.capacity_units_by_flavor)
+            self,
+            "capacity_units_by_flavor",
+            frozen_units("AdmissionSnapshot", "capacity_units_by_flavor", self.capacity_units_by_flavor),
         )
         object.__setattr__(self, "tenants", tuple(self.tenants))
         object.__setattr__(self, "running", tuple(self.running))

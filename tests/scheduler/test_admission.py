@@ -80,7 +80,11 @@ def test_within_one_tenant_higher_priority_then_older_goes_first():
         2,
         [tenant("ml-a", 2, 2, max_priority=5)],
         [],
-        [gang("old", "ml-a", 1, submitted_at_s=1), gang("new", "ml-a", 1, submitted_at_s=2), gang("urgent", "ml-a", 1, priority=5, submitted_at_s=3)],
+        [
+            gang("old", "ml-a", 1, submitted_at_s=1),
+            gang("new", "ml-a", 1, submitted_at_s=2),
+            gang("urgent", "ml-a", 1, priority=5, submitted_at_s=3),
+        ],
     )
     assert decide(cluster, NOW_S).admitted_ids == ("urgent", "old")
 
@@ -90,7 +94,10 @@ def test_a_priority_above_the_tenants_max_priority_is_clamped():
         1,
         [tenant("ml-a", 1, 1, max_priority=2)],
         [],
-        [gang("sneaky", "ml-a", 1, priority=99, submitted_at_s=2), gang("honest", "ml-a", 1, priority=2, submitted_at_s=1)],
+        [
+            gang("sneaky", "ml-a", 1, priority=99, submitted_at_s=2),
+            gang("honest", "ml-a", 1, priority=2, submitted_at_s=1),
+        ],
     )
     decisions = decide(cluster, NOW_S)
     # Clamped to 2, the older gang of the same priority wins.
@@ -176,7 +183,10 @@ def test_a_tenant_without_quota_is_blocked():
 
 
 def test_every_pending_gang_is_either_admitted_or_has_a_reason():
-    gangs = [gang(f"g{i}", name, units) for i, (name, units) in enumerate([("ml-a", 3), ("ml-b", 5), ("ml-a", 9), ("ml-c", 1)])]
+    gangs = [
+        gang(f"g{i}", name, units)
+        for i, (name, units) in enumerate([("ml-a", 3), ("ml-b", 5), ("ml-a", 9), ("ml-c", 1)])
+    ]
     decisions = decide(snapshot(8, [tenant("ml-a", 4, 8), tenant("ml-b", 4, 8)], [], gangs), NOW_S)
     assert sorted(decisions.admitted_ids + tuple(w.gang_id for w in decisions.waiting)) == ["g0", "g1", "g2", "g3"]
 
@@ -228,13 +238,17 @@ def test_it_preempts_borrowed_work_to_give_a_tenant_back_its_guarantee():
 
 
 def test_borrowing_never_preempts_anyone():
-    cluster = snapshot(8, [tenant("ml-a", 0, 8), tenant("ml-b", 0, 8)], [running("b1", "ml-b", 8)], [gang("a1", "ml-a", 4)])
+    cluster = snapshot(
+        8, [tenant("ml-a", 0, 8), tenant("ml-b", 0, 8)], [running("b1", "ml-b", 8)], [gang("a1", "ml-a", 4)]
+    )
     assert decide(cluster, NOW_S).preemptions == ()
 
 
 def test_it_never_preempts_work_within_its_tenants_guarantee():
     # Guarantees are oversubscribed (6 + 4 > 8): b is inside its guarantee, so a must wait.
-    cluster = snapshot(8, [tenant("ml-a", 6, 8), tenant("ml-b", 4, 8)], [running("b1", "ml-b", 4)], [gang("a1", "ml-a", 6)])
+    cluster = snapshot(
+        8, [tenant("ml-a", 6, 8), tenant("ml-b", 4, 8)], [running("b1", "ml-b", 4)], [gang("a1", "ml-a", 6)]
+    )
     decisions = decide(cluster, NOW_S)
     assert decisions.preemptions == ()
     assert decisions.reason_for("a1").startswith("waiting: only 4 H100-80GB free, gang needs 6")
@@ -244,7 +258,11 @@ def test_lower_priority_borrowed_work_is_preempted_first():
     cluster = snapshot(
         8,
         [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8, max_priority=9)],
-        [running("b-high", "ml-b", 2, priority=9, started_at_s=20), running("b-low", "ml-b", 2, priority=1, started_at_s=10), running("b-rest", "ml-b", 4, priority=5)],
+        [
+            running("b-high", "ml-b", 2, priority=9, started_at_s=20),
+            running("b-low", "ml-b", 2, priority=1, started_at_s=10),
+            running("b-rest", "ml-b", 4, priority=5),
+        ],
         [gang("a1", "ml-a", 2)],
     )
     assert decide(cluster, NOW_S).preempted_ids == ("b-low",)
@@ -254,7 +272,11 @@ def test_among_equal_priorities_the_newest_is_preempted_first():
     cluster = snapshot(
         8,
         [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8)],
-        [running("b-old", "ml-b", 2, started_at_s=10), running("b-new", "ml-b", 2, started_at_s=20), running("b-rest", "ml-b", 4)],
+        [
+            running("b-old", "ml-b", 2, started_at_s=10),
+            running("b-new", "ml-b", 2, started_at_s=20),
+            running("b-rest", "ml-b", 4),
+        ],
         [gang("a1", "ml-a", 2)],
     )
     assert decide(cluster, NOW_S).preempted_ids == ("b-new",)
@@ -265,7 +287,10 @@ def test_wholly_borrowed_work_goes_before_work_only_partly_borrowed():
     cluster = snapshot(
         8,
         [tenant("ml-a", 2, 8), tenant("ml-b", 3, 8)],
-        [running("b-part", "ml-b", 4, priority=0, started_at_s=0), running("b-whole", "ml-b", 4, priority=0, started_at_s=1)],
+        [
+            running("b-part", "ml-b", 4, priority=0, started_at_s=0),
+            running("b-whole", "ml-b", 4, priority=0, started_at_s=1),
+        ],
         [gang("a1", "ml-a", 2)],
     )
     assert decide(cluster, NOW_S).preempted_ids == ("b-whole",)
@@ -275,7 +300,10 @@ def test_it_never_preempts_work_inside_its_minimum_runtime():
     cluster = snapshot(
         8,
         [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8)],
-        [running("b-young", "ml-b", 4, started_at_s=NOW_S - 60, min_runtime_s=600), running("b-old", "ml-b", 4, started_at_s=0, min_runtime_s=600)],
+        [
+            running("b-young", "ml-b", 4, started_at_s=NOW_S - 60, min_runtime_s=600),
+            running("b-old", "ml-b", 4, started_at_s=0, min_runtime_s=600),
+        ],
         [gang("a1", "ml-a", 4)],
     )
     assert decide(cluster, NOW_S).preempted_ids == ("b-old",)
@@ -302,7 +330,7 @@ def test_it_preempts_nothing_when_the_eligible_work_cannot_cover_the_shortfall()
     )
     decisions = decide(cluster, NOW_S)
     assert decisions.preemptions == ()
-    assert f"earliest eligible t={NOW_S - 1 + 600:g}s" in decisions.reason_for("a1")
+    assert f"earliest eligible t={NOW_S - 1 + 600:.0f}s" in decisions.reason_for("a1")
 
 
 def test_it_preempts_a_minimal_set():
@@ -310,7 +338,11 @@ def test_it_preempts_a_minimal_set():
     cluster = snapshot(
         8,
         [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8, max_priority=9)],
-        [running("b-small", "ml-b", 1, priority=0), running("b-big", "ml-b", 4, priority=5), running("b-rest", "ml-b", 3, priority=9)],
+        [
+            running("b-small", "ml-b", 1, priority=0),
+            running("b-big", "ml-b", 4, priority=5),
+            running("b-rest", "ml-b", 3, priority=9),
+        ],
         [gang("a1", "ml-a", 4)],
     )
     assert decide(cluster, NOW_S).preempted_ids == ("b-big",)
@@ -348,7 +380,11 @@ def test_a_short_gang_may_backfill_capacity_held_for_a_guarantee_claim_until_the
         8,
         [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8), tenant("ml-c", 0, 8)],
         [running("b-borrowed", "ml-b", 6)],
-        [gang("a1", "ml-a", 4), gang("c-short", "ml-c", 2, estimated_runtime_s=100), gang("c-long", "ml-c", 2, estimated_runtime_s=1000)],
+        [
+            gang("a1", "ml-a", 4),
+            gang("c-short", "ml-c", 2, estimated_runtime_s=100),
+            gang("c-long", "ml-c", 2, estimated_runtime_s=1000),
+        ],
     )
     decisions = decide(cluster, NOW_S, grace_period_s=300)
     assert decisions.preempted_ids == ("b-borrowed",)
@@ -375,7 +411,11 @@ def test_victims_come_only_from_tenants_that_borrow_in_the_short_flavor():
 
 def test_the_newest_work_is_the_borrowed_work():
     quotas = {"ml-b": tenant("ml-b", 4, 8)}
-    workloads = [running("b1", "ml-b", 3, started_at_s=0), running("b2", "ml-b", 3, started_at_s=5), running("b3", "ml-b", 2, started_at_s=9)]
+    workloads = [
+        running("b1", "ml-b", 3, started_at_s=0),
+        running("b2", "ml-b", 3, started_at_s=5),
+        running("b3", "ml-b", 2, started_at_s=9),
+    ]
     assert borrowed_units(workloads, quotas) == {"b2": {H100: 2}, "b3": {H100: 2}}
 
 
@@ -419,20 +459,27 @@ def test_a_small_gang_that_would_delay_the_reserved_one_does_not_backfill():
 
 
 def test_a_small_gang_that_ends_before_the_projected_start_backfills():
-    decisions = decide(large_gang_behind_running_work(gang("b-small", "ml-b", 2, submitted_at_s=2, estimated_runtime_s=400)), NOW_S)
+    decisions = decide(
+        large_gang_behind_running_work(gang("b-small", "ml-b", 2, submitted_at_s=2, estimated_runtime_s=400)), NOW_S
+    )
     assert decisions.admitted_ids == ("b-small",)
     assert decisions.admitted[0].backfilled
 
 
 def test_a_small_gang_that_ends_after_the_projected_start_does_not_backfill():
-    decisions = decide(large_gang_behind_running_work(gang("b-small", "ml-b", 2, submitted_at_s=2, estimated_runtime_s=600)), NOW_S)
+    decisions = decide(
+        large_gang_behind_running_work(gang("b-small", "ml-b", 2, submitted_at_s=2, estimated_runtime_s=600)), NOW_S
+    )
     assert decisions.admitted_ids == ()
 
 
 def test_a_small_gang_fits_in_capacity_the_reserved_gang_does_not_need():
     cluster = AdmissionSnapshot(
         {H100: 8, MIG: 7},
-        (TenantQuota("ml-a", {H100: FlavorQuota(0, 8)}), TenantQuota("ml-b", {H100: FlavorQuota(0, 8), MIG: FlavorQuota(0, 7)})),
+        (
+            TenantQuota("ml-a", {H100: FlavorQuota(0, 8)}),
+            TenantQuota("ml-b", {H100: FlavorQuota(0, 8), MIG: FlavorQuota(0, 7)}),
+        ),
         (running("b-running", "ml-b", 6),),
         (gang("a-large", "ml-a", 8, submitted_at_s=1), PendingGang("b-mig", "ml-b", {MIG: 3}, submitted_at_s=2)),
     )
@@ -446,7 +493,10 @@ def test_without_estimates_the_projected_start_is_unknown_and_nothing_backfills(
         8,
         [tenant("ml-a", 0, 8), tenant("ml-b", 0, 8)],
         [running("b-running", "ml-b", 6)],
-        [gang("a-large", "ml-a", 8, submitted_at_s=1), gang("b-small", "ml-b", 1, submitted_at_s=2, estimated_runtime_s=1)],
+        [
+            gang("a-large", "ml-a", 8, submitted_at_s=1),
+            gang("b-small", "ml-b", 1, submitted_at_s=2, estimated_runtime_s=1),
+        ],
     )
     decisions = decide(cluster, NOW_S)
     assert decisions.reservations[0].projected_start_s is None
@@ -480,3 +530,14 @@ def test_it_refuses_fractional_units():
 def test_it_refuses_a_snapshot_with_a_repeated_gang_id():
     with pytest.raises(ValueError, match="each pending gang must appear once"):
         snapshot(8, [tenant("ml-a", 4, 8)], [], [gang("a1", "ml-a", 1), gang("a1", "ml-a", 2)])
+
+
+def test_reasons_print_epoch_times_in_whole_seconds():
+    cluster = snapshot(
+        8,
+        [tenant("ml-a", 4, 8), tenant("ml-b", 0, 8)],
+        [running("b1", "ml-b", 8, started_at_s=1_700_000_000.0)],
+        [gang("a1", "ml-a", 4)],
+    )
+    decisions = decide(cluster, 1_700_000_000.0 + 3600, grace_period_s=300)
+    assert "expected start t=1700003900s" in decisions.reason_for("a1")

@@ -45,7 +45,9 @@ def clusters(draw, *, guarantees_fit=True, protected_work=True, all_preemptible=
                 left -= guaranteed
             quotas[name][flavor] = FlavorQuota(guaranteed, draw(st.integers(guaranteed, capacity[flavor] + 2)))
     tenants = [
-        TenantQuota(name, quotas[name], weight=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])), max_priority=draw(st.integers(0, 3)))
+        TenantQuota(
+            name, quotas[name], weight=draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])), max_priority=draw(st.integers(0, 3))
+        )
         for name in tenant_names
     ]
 
@@ -60,7 +62,9 @@ def clusters(draw, *, guarantees_fit=True, protected_work=True, all_preemptible=
         name = draw(st.sampled_from(tenant_names))
         units = units_for(4)
         # Running work got in through admission, so it fits capacity and its tenant's max.
-        if any(occupied[f] + u > capacity[f] or used[name, f] + u > quotas[name][f].max_units for f, u in units.items()):
+        if any(
+            occupied[f] + u > capacity[f] or used[name, f] + u > quotas[name][f].max_units for f, u in units.items()
+        ):
             continue
         for flavor, count in units.items():
             occupied[flavor] += count
@@ -119,7 +123,8 @@ def waiting_within_guarantee(cluster, decisions):
             continue
         own_hold = hold.held_units_by_flavor if hold else {}
         if all(
-            committed[gang.tenant][flavor] - own_hold.get(flavor, 0) + units <= quotas[gang.tenant].guaranteed_units(flavor)
+            committed[gang.tenant][flavor] - own_hold.get(flavor, 0) + units
+            <= quotas[gang.tenant].guaranteed_units(flavor)
             for flavor, units in gang.units_by_flavor.items()
         ):
             found.append((gang, reason))
@@ -208,7 +213,9 @@ def test_what_is_held_and_admitted_fits_once_the_preempted_work_has_stopped(clus
     gangs = {gang.id: gang for gang in cluster.pending}
     preempted = set(decisions.preempted_ids)
     for flavor, capacity in cluster.capacity_units_by_flavor.items():
-        staying = sum(w.units_by_flavor.get(flavor, 0) for w in cluster.running if not w.is_stopping and w.id not in preempted)
+        staying = sum(
+            w.units_by_flavor.get(flavor, 0) for w in cluster.running if not w.is_stopping and w.id not in preempted
+        )
         # Backfilled gangs promised to end before the holders start, so they do not count here.
         admitted = sum(gangs[a.gang_id].units_by_flavor.get(flavor, 0) for a in decisions.admitted if not a.backfilled)
         held = sum(r.held_units_by_flavor.get(flavor, 0) for r in decisions.reservations)
@@ -271,15 +278,22 @@ def settle(cluster, *, max_cycles=30):
         running = [w for w in running if w.stopping_deadline_s is None or w.stopping_deadline_s > now_s]
         snapshot = AdmissionSnapshot(cluster.capacity_units_by_flavor, cluster.tenants, tuple(running), tuple(pending))
         decisions = decide(snapshot, now_s, grace_period_s=GRACE_S)
-        if cycle > 0 and not decisions.admitted and not decisions.preemptions and not any(
-            r.kind == "guarantee" for r in decisions.reservations
+        if (
+            cycle > 0
+            and not decisions.admitted
+            and not decisions.preemptions
+            and not any(r.kind == "guarantee" for r in decisions.reservations)
         ):
             return snapshot, decisions
         deadlines = {p.workload_id: p.deadline_s for p in decisions.preemptions}
-        running = [dataclasses.replace(w, stopping_deadline_s=deadlines[w.id]) if w.id in deadlines else w for w in running]
+        running = [
+            dataclasses.replace(w, stopping_deadline_s=deadlines[w.id]) if w.id in deadlines else w for w in running
+        ]
         admitted = set(decisions.admitted_ids)
         running += [
-            RunningWorkload(g.id, g.tenant, g.units_by_flavor, g.priority, g.preemptible, now_s, 0.0, g.estimated_runtime_s)
+            RunningWorkload(
+                g.id, g.tenant, g.units_by_flavor, g.priority, g.preemptible, now_s, 0.0, g.estimated_runtime_s
+            )
             for g in pending
             if g.id in admitted
         ]

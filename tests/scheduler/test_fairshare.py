@@ -37,7 +37,9 @@ def test_within_guarantee_sorts_before_a_lower_share_that_borrows():
 
 def test_ties_fall_to_priority_then_submission_then_id():
     def key(priority, submitted_at_s, gang_id):
-        return gang_order_key(borrowing=False, tenant_share=0.5, priority=priority, submitted_at_s=submitted_at_s, gang_id=gang_id)
+        return gang_order_key(
+            borrowing=False, tenant_share=0.5, priority=priority, submitted_at_s=submitted_at_s, gang_id=gang_id
+        )
 
     assert sorted([key(0, 1, "c"), key(5, 9, "d"), key(0, 1, "b"), key(0, 0, "z")]) == [
         key(5, 9, "d"),
