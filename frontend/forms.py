@@ -1,8 +1,14 @@
 """Browser forms: shape and syntax only; the services decide what is allowed."""
 
+from decimal import Decimal
+
 from django import forms
 from django.core.exceptions import ValidationError
 
+from frontend.drawings import parse_layout
+from quotas.models import PartitionChange
+from runners.models import PartitionKind
+from runners.scheduler.mig import GPU_MODELS
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator
 
 
@@ -28,3 +34,81 @@ def add_service_errors(form: forms.Form, error: ValidationError) -> None:
     for field, messages in error.message_dict.items():
         # A service may name a field this form does not show (a namespace, say); say it anyway.
         form.add_error(field if field in form.fields else None, messages)
+
+
+# --- Quotas and partitions (staff) --------------------------------------------
+
+QUOTA_UNITS_MAX = 100_000
+
+
+class QuotaForm(forms.Form):
+    """One tenant's quota for one flavor; the service checks max and capacity."""
+
+    tenant = forms.ModelChoiceField(queryset=None, to_field_name="slug", empty_label="Choose a tenant")
+    flavor = forms.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a flavor")
+    guaranteed = forms.IntegerField(min_value=0, max_value=QUOTA_UNITS_MAX, help_text="Units always available to the tenant.")
+    max = forms.IntegerField(
+        min_value=0, max_value=QUOTA_UNITS_MAX, label="Max", help_text="Burst ceiling, borrowed when others leave room."
+    )
+    fair_share_weight = forms.DecimalField(
+        min_value=Decimal("0.01"), max_digits=6, decimal_places=2, initial=Decimal("1"), label="Fair-share weight"
+    )
+    max_priority = forms.IntegerField(min_value=0, max_value=1000, initial=100, label="Max priority")
+
+    def __init__(self, *args, tenants, flavors, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["tenant"].queryset = tenants
+        self.fields["flavor"].queryset = flavors
+        self.fields["flavor"].label_from_instance = lambda flavor: f"{flavor.name} ({flavor.gpu_model}, {flavor.kind})"
+        for name in ("guaranteed", "max", "fair_share_weight", "max_priority"):
+            self.fields[name].widget.attrs["inputmode"] = "numeric"
+
+
+def _gpu_model_choices():
+    return [(name, name + ("" if model.mig_capable else " (no MIG)")) for name, model in GPU_MODELS.items()]
+
+
+class PartitionPreviewForm(forms.Form):
+    """The geometry of a profile: enough to draw one GPU."""
+
+    gpu_model = forms.ChoiceField(choices=_gpu_model_choices, label="GPU model")
+    kind = forms.ChoiceField(choices=PartitionKind.choices, initial=PartitionKind.MIG)
+    layout = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="MIG profiles of one GPU, separated by commas or spaces, e.g. 4g.40gb, 3g.40gb.",
+        widget=forms.TextInput(attrs={"placeholder": "e.g. 3g.40gb 2g.20gb 1g.10gb 1g.10gb", "autocomplete": "off"}),
+    )
+    replicas = forms.IntegerField(
+        required=False, min_value=1, max_value=1000, help_text="Time-slicing only: how many processes share each GPU."
+    )
+
+    def clean_layout(self) -> list[str]:
+        return parse_layout(self.cleaned_data["layout"])
+
+
+class PartitionProfileForm(PartitionPreviewForm):
+    name = forms.RegexField(
+        regex=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=63,
+        error_messages={"invalid": "Use lowercase letters, digits, '-' and '.'; it becomes a node label value."},
+        help_text="Becomes the nvidia.com/mig.config label value.",
+        widget=forms.TextInput(attrs={"placeholder": "e.g. h100-4g-3g", "autocomplete": "off"}),
+    )
+    field_order = ["name", "gpu_model", "kind", "layout", "replicas"]
+
+
+class NodePoolApplyForm(forms.Form):
+    profile = forms.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a profile")
+    drain = forms.ChoiceField(
+        choices=[
+            (PartitionChange.Drain.WAIT, "Wait: refuse while work runs"),
+            (PartitionChange.Drain.PREEMPT, "Preempt: checkpoint and stop running work"),
+        ],
+        initial=PartitionChange.Drain.WAIT,
+        widget=forms.RadioSelect,
+    )
+
+    def __init__(self, *args, profiles, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["profile"].queryset = profiles

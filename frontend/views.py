@@ -1,14 +1,33 @@
 """Browser pages. Thin: read through selectors, write through services."""
 
+from functools import wraps
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.http import HttpResponse
-from django.shortcuts import redirect, render
+from django.http import Http404, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from frontend.forms import EnvironmentForm, MemberAddForm, add_service_errors
+from frontend import drawings
+from frontend.forms import (
+    EnvironmentForm,
+    MemberAddForm,
+    NodePoolApplyForm,
+    PartitionPreviewForm,
+    PartitionProfileForm,
+    QuotaForm,
+    add_service_errors,
+)
+from quotas import selectors as quota_selectors
+from quotas import services as quota_services
+from quotas.models import PartitionChange
+from runners import selectors as runner_selectors
+from runners.models import PartitionKind
+from runners.scheduler.mig import GPU_MODELS
+from runners.services import pool_workloads
 from tenants import selectors, services
 from tenants.models import ROLE_RANK, EnvironmentState, Role
 
@@ -156,3 +175,243 @@ def environment_delete(request, environment_id):
         return redirect("environment", environment_id=environment.id)
     messages.success(request, f"Deleting {environment.name}; it disappears from the list once it is gone.")
     return redirect("tenant", slug=environment.tenant.slug)
+
+
+# --- Quotas, partitions and node pools (staff), and a tenant's own quota ------------
+
+
+def staff_required(view):
+    """Staff pages are a 404 for everyone else: they do not exist for a tenant."""
+
+    @wraps(view)
+    @login_required
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_staff:
+            raise Http404("No such page.")
+        return view(request, *args, **kwargs)
+
+    return wrapped
+
+
+def _error_text(exc: PermissionDenied | ValidationError) -> str:
+    return " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+
+
+def _quota_form(request, data=None, initial=None):
+    return QuotaForm(
+        data, initial=initial, tenants=selectors.tenant_list(user=request.user).order_by("slug"),
+        flavors=quota_selectors.flavor_list(),
+    )
+
+
+def _render_quotas(request, form, *, status=200):
+    context = {"table": quota_selectors.quota_table(user=request.user), "form": form}
+    return render(request, "frontend/quotas.html", context, status=status)
+
+
+@staff_required
+@require_GET
+def quota_table(request):
+    """Tenants x flavors; ?tenant=&flavor= fills the form with that cell's quota to edit it."""
+    initial = {}
+    tenant_slug, flavor_name = request.GET.get("tenant"), request.GET.get("flavor")
+    if tenant_slug and flavor_name:
+        initial = {"tenant": tenant_slug, "flavor": flavor_name}
+        quota = quota_selectors.quota_list(user=request.user).filter(tenant__slug=tenant_slug, flavor__name=flavor_name).first()
+        if quota is not None:
+            initial.update(guaranteed=quota.guaranteed, max=quota.max, fair_share_weight=quota.fair_share_weight,
+                           max_priority=quota.max_priority)
+    return _render_quotas(request, _quota_form(request, initial=initial))
+
+
+@staff_required
+@require_POST
+def quota_set(request):
+    form = _quota_form(request, request.POST)
+    if form.is_valid():
+        try:
+            quota = quota_services.quota_set(actor=request.user, **form.cleaned_data)
+        except PermissionDenied as exc:
+            form.add_error(None, str(exc))
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+        else:
+            messages.success(
+                request, f"{quota.tenant.name}: {quota.flavor.name} is now {quota.guaranteed} guaranteed, {quota.max} max."
+            )
+            return redirect("quotas")
+    return _render_quotas(request, form, status=400)
+
+
+@staff_required
+@require_POST
+def quota_remove(request, quota_id):
+    quota = get_object_or_404(quota_selectors.quota_list(user=request.user), id=quota_id)
+    try:
+        quota_services.quota_delete(actor=request.user, quota=quota)
+    except (PermissionDenied, ValidationError) as exc:
+        messages.error(request, f"Could not remove the quota: {_error_text(exc)}")
+    else:
+        messages.success(request, f"Removed {quota.tenant.name}'s quota for {quota.flavor.name}.")
+    return redirect("quotas")
+
+
+def _render_partitions(request, form, *, preview=None, status=200):
+    profiles = [
+        {
+            "profile": profile,
+            "drawing": drawings.profile_drawing(profile),
+            "configs": quota_selectors.partition_profile_configs(profile),
+        }
+        for profile in quota_selectors.partition_profile_list()
+    ]
+    context = {"profiles": profiles, "form": form, "preview": preview}
+    return render(request, "frontend/partitions.html", context, status=status)
+
+
+@staff_required
+@require_GET
+def partition_list(request):
+    return _render_partitions(request, PartitionProfileForm())
+
+
+def _preview(form: PartitionPreviewForm) -> dict:
+    """The drawing of one GPU as the form asks, or why it cannot be cut that way."""
+    if not form.is_valid():
+        return {"problems": [f"{form.fields[field].label or field}: {' '.join(errors)}" if field != "__all__" else " ".join(errors)
+                             for field, errors in form.errors.items() if field != "name"]}
+    data = form.cleaned_data
+    problem = _geometry_problem(data["gpu_model"], data["kind"], data["layout"], data["replicas"])
+    if problem:
+        return {"problems": [problem]}
+    try:
+        drawing = drawings.layout_drawing(data["gpu_model"], data["kind"], data["layout"], data["replicas"])
+    except ValueError as exc:  # mig.MigError: the geometry's own reason
+        return {"problems": [f"Does not fit: {exc}."]}
+    return {"drawing": drawing, "data": data}
+
+
+def _geometry_problem(gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> str | None:
+    # The same rules partition_profile_create applies before it saves, so the preview never
+    # promises what Save then refuses; the layout itself is checked by mig.fit_layout.
+    if kind == PartitionKind.MIG:
+        if not GPU_MODELS[gpu_model].mig_capable:
+            return f"{gpu_model} does not support MIG; use kind whole or timeslice."
+        if not layout:
+            return "A mig profile needs a layout: the MIG profiles of one GPU."
+        if replicas not in (None, 1):
+            return "Only timeslice profiles take replicas."
+        return None
+    if layout:
+        return "Only mig profiles take a layout."
+    if kind == PartitionKind.TIMESLICE:
+        limit = quota_services.MAX_TIMESLICE_REPLICAS
+        if replicas is None or not 2 <= replicas <= limit:
+            return f"Time-slicing needs between 2 and {limit} replicas per GPU."
+    elif replicas not in (None, 1):
+        return "Only timeslice profiles take replicas."
+    return None
+
+
+@staff_required
+@require_GET
+def partition_preview(request):
+    """A fragment: one GPU drawn as the create form's fields describe it, or why not."""
+    return render(request, "frontend/fragments/partition_preview.html", _preview(PartitionPreviewForm(request.GET)))
+
+
+@staff_required
+@require_POST
+def partition_create(request):
+    form = PartitionProfileForm(request.POST)
+    if form.is_valid():
+        data = form.cleaned_data
+        try:
+            profile = quota_services.partition_profile_create(actor=request.user, **data)
+        except PermissionDenied as exc:
+            form.add_error(None, str(exc))
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+        else:
+            messages.success(request, f"Saved partition profile {profile.name}.")
+            return redirect(f"{reverse('partitions')}#profile-{profile.name}")
+    return _render_partitions(request, form, preview=_preview(PartitionPreviewForm(request.POST)), status=400)
+
+
+@staff_required
+@require_GET
+def node_pool_list(request):
+    latest = runner_selectors.partition_change_latest_by_pool(user=request.user)
+    pools = [{"pool": pool, "change": latest.get(pool.id)} for pool in runner_selectors.node_pool_list(user=request.user)]
+    return render(request, "frontend/node_pools.html", {"pools": pools})
+
+
+def _pool_live_context(request, pool) -> dict:
+    change = runner_selectors.partition_change_latest(user=request.user, pool=pool)
+    nodes = [
+        {"node": node, "gpus": [{"gpu": gpu, "drawing": drawings.gpu_drawing(gpu)} for gpu in node.gpus.all()]}
+        for node in runner_selectors.node_pool_nodes(user=request.user, pool=pool)
+    ]
+    return {
+        "pool": pool,
+        "change": change,
+        "change_in_flight": change is not None and change.state not in PartitionChange.FINISHED,
+        "nodes": nodes,
+    }
+
+
+def _render_pool(request, pool, form=None, *, status=200):
+    profiles = runner_selectors.node_pool_profiles(user=request.user, pool=pool)
+    context = {
+        **_pool_live_context(request, pool),
+        "form": form or NodePoolApplyForm(profiles=profiles),
+        "has_profiles": profiles.exists(),
+    }
+    return render(request, "frontend/node_pool.html", context, status=status)
+
+
+@staff_required
+@require_GET
+def node_pool_detail(request, pool_id):
+    return _render_pool(request, runner_selectors.node_pool_get(user=request.user, pool_id=pool_id))
+
+
+@never_cache
+@staff_required
+@require_GET
+def node_pool_live(request, pool_id):
+    """The pool's layouts and latest change, polled while the change is in flight."""
+    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    return render(request, "frontend/fragments/node_pool_live.html", _pool_live_context(request, pool))
+
+
+@staff_required
+@require_POST
+def node_pool_apply(request, pool_id):
+    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    form = NodePoolApplyForm(request.POST, profiles=runner_selectors.node_pool_profiles(user=request.user, pool=pool))
+    if form.is_valid():
+        try:
+            change = quota_services.node_pool_apply(
+                actor=request.user, pool=pool, workloads=pool_workloads(pool), **form.cleaned_data
+            )
+        except PermissionDenied as exc:
+            form.add_error(None, str(exc))
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+        else:
+            messages.success(request, f"Applying {change.profile.name} to {pool.name}; progress shows below.")
+            return redirect("node-pool", pool_id=pool.id)
+    return _render_pool(request, pool, form, status=400)
+
+
+@login_required
+@require_GET
+def tenant_quota(request, slug):
+    """What the tenant may use: any member, viewers included; a 404 for anyone else."""
+    tenant = selectors.tenant_get(user=request.user, slug=slug)
+    quotas = [
+        {"quota": quota, "price": quota_selectors.flavor_price_now(quota.flavor)}
+        for quota in quota_selectors.quota_list(user=request.user, tenant=tenant).order_by("flavor__gpu_model", "flavor__name")
+    ]
+    return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas, "role": selectors.user_role(user=request.user, tenant=tenant)})

@@ -109,3 +109,44 @@ def partition_profile_configs(profile: PartitionProfile) -> dict:
         "mig_parted_config": None,
         "device_plugin_config": None,
     }
+
+
+# --- Reads for the admin pages ----------------------------------------------
+
+
+def flavor_list() -> QuerySet[ResourceFlavor]:
+    """Every flavor; flavors are a public catalog, what a tenant may use is its quota."""
+    return ResourceFlavor.objects.order_by("gpu_model", "kind", "mig_profile", "name")
+
+
+def quota_table(*, user: AbstractBaseUser) -> dict:
+    """Tenants x flavors for the admin quota table: each cell the tenant's quota or None.
+
+    Each flavor comes with its capacity, current price and the guarantees already
+    handed out, so the table can show how much of the cluster is promised.
+    """
+    flavors = list(flavor_list())
+    tenants = list(tenant_list(user=user).order_by("slug"))
+    quotas = {(quota.tenant_id, quota.flavor_id): quota for quota in quota_list(user=user)}
+    columns = []
+    for flavor in flavors:
+        capacity = flavor_capacity(flavor)
+        guaranteed = guaranteed_total(flavor)
+        columns.append(
+            {
+                "flavor": flavor,
+                "capacity": capacity,
+                "price": flavor_price_now(flavor),
+                "guaranteed_total": guaranteed,
+                "over_capacity": guaranteed > capacity,
+            }
+        )
+    rows = [
+        {"tenant": tenant, "cells": [{"flavor": flavor, "quota": quotas.get((tenant.id, flavor.id))} for flavor in flavors]}
+        for tenant in tenants
+    ]
+    return {"columns": columns, "rows": rows}
+
+
+def partition_profile_list() -> QuerySet[PartitionProfile]:
+    return PartitionProfile.objects.prefetch_related("node_pools").order_by("gpu_model", "name")
