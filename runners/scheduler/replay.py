@@ -107,7 +107,9 @@ def replay(
     workload = inflate(pods, total_gpus, tune, rng)
     state.tie_rank = rng.permutation(state.n_nodes)
     # FGD's typical pods come from the trace as given, before inflation, as in the simulator.
-    typical = typical_pods([pod.request for pod in pods], [pod.gpu_spec for pod in pods])
+    typical = typical_pods(
+        [pod.request for pod in pods], [pod.gpu_spec for pod in pods], with_memory=policy_name == "portal"
+    )
     policy = make_policy(policy_name, typical)
     frag = policy.bind(state) if isinstance(policy, FgdPolicy) else FragModel(state, typical)
     frag_total = float(frag.frag_milli.sum())
