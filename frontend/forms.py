@@ -59,7 +59,6 @@ class QuotaForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["tenant"].queryset = tenants
         self.fields["flavor"].queryset = flavors
-        self.fields["flavor"].label_from_instance = lambda flavor: f"{flavor.name} ({flavor.gpu_model}, {flavor.kind})"
         for name in ("guaranteed", "max", "fair_share_weight", "max_priority"):
             self.fields[name].widget.attrs["inputmode"] = "numeric"
 
@@ -72,7 +71,14 @@ class PartitionPreviewForm(forms.Form):
     """The geometry of a profile: enough to draw one GPU."""
 
     gpu_model = forms.ChoiceField(choices=_gpu_model_choices, label="GPU model")
-    kind = forms.ChoiceField(choices=PartitionKind.choices, initial=PartitionKind.MIG)
+    kind = forms.ChoiceField(
+        choices=[
+            (PartitionKind.MIG, "MIG: isolated GPU instances"),
+            (PartitionKind.TIMESLICE, "Time-slicing: replicas take turns"),
+            (PartitionKind.WHOLE, "Whole: one workload per GPU"),
+        ],
+        initial=PartitionKind.MIG,
+    )
     layout = forms.CharField(
         required=False,
         max_length=200,

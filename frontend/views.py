@@ -342,7 +342,16 @@ def partition_create(request):
 @require_GET
 def node_pool_list(request):
     latest = runner_selectors.partition_change_latest_by_pool(user=request.user)
-    pools = [{"pool": pool, "change": latest.get(pool.id)} for pool in runner_selectors.node_pool_list(user=request.user)]
+    first_gpus = runner_selectors.node_pool_first_gpus(user=request.user)
+    pools = [
+        {
+            "pool": pool,
+            "change": latest.get(pool.id),
+            # A pool is partitioned alike, so its first GPU shows how each of them is cut.
+            "drawing": drawings.gpu_drawing(first_gpus[pool.id]) if pool.id in first_gpus else None,
+        }
+        for pool in runner_selectors.node_pool_list(user=request.user)
+    ]
     return render(request, "frontend/node_pools.html", {"pools": pools})
 
 

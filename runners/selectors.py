@@ -59,3 +59,12 @@ def partition_change_latest_by_pool(*, user: AbstractBaseUser) -> dict[int, Part
     for change in PartitionChange.objects.select_related("profile").order_by("pool_id", "-created_at", "-id"):
         latest.setdefault(change.pool_id, change)
     return latest
+
+
+def node_pool_first_gpus(*, user: AbstractBaseUser) -> dict[int, Gpu]:
+    """The first GPU (by node name, then index) of every pool that has one, by pool id."""
+    _require_staff(user)
+    first: dict[int, Gpu] = {}
+    for gpu in Gpu.objects.filter(node__pool__isnull=False).select_related("node").order_by("node__pool_id", "node__name", "index"):
+        first.setdefault(gpu.node.pool_id, gpu)
+    return first
