@@ -59,6 +59,7 @@ class QuotaForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["tenant"].queryset = tenants
         self.fields["flavor"].queryset = flavors
+        self.fields["tenant"].label_from_instance = lambda tenant: f"{tenant.name} ({tenant.slug})"
         for name in ("guaranteed", "max", "fair_share_weight", "max_priority"):
             self.fields[name].widget.attrs["inputmode"] = "numeric"
 

@@ -204,8 +204,8 @@ def _quota_form(request, data=None, initial=None):
     )
 
 
-def _render_quotas(request, form, *, status=200):
-    context = {"table": quota_selectors.quota_table(user=request.user), "form": form}
+def _render_quotas(request, form, *, editing=None, status=200):
+    context = {"table": quota_selectors.quota_table(user=request.user), "form": form, "editing": editing}
     return render(request, "frontend/quotas.html", context, status=status)
 
 
@@ -213,7 +213,7 @@ def _render_quotas(request, form, *, status=200):
 @require_GET
 def quota_table(request):
     """Tenants x flavors; ?tenant=&flavor= fills the form with that cell's quota to edit it."""
-    initial = {}
+    initial, quota = {}, None
     tenant_slug, flavor_name = request.GET.get("tenant"), request.GET.get("flavor")
     if tenant_slug and flavor_name:
         initial = {"tenant": tenant_slug, "flavor": flavor_name}
@@ -221,7 +221,7 @@ def quota_table(request):
         if quota is not None:
             initial.update(guaranteed=quota.guaranteed, max=quota.max, fair_share_weight=quota.fair_share_weight,
                            max_priority=quota.max_priority)
-    return _render_quotas(request, _quota_form(request, initial=initial))
+    return _render_quotas(request, _quota_form(request, initial=initial), editing=quota)
 
 
 @staff_required
@@ -423,4 +423,4 @@ def tenant_quota(request, slug):
         {"quota": quota, "price": quota_selectors.flavor_price_now(quota.flavor)}
         for quota in quota_selectors.quota_list(user=request.user, tenant=tenant).order_by("flavor__gpu_model", "flavor__name")
     ]
-    return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas, "role": selectors.user_role(user=request.user, tenant=tenant)})
+    return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas})

@@ -90,6 +90,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     form.get_by_label("Layout").fill("4g.40gb, 4g.40gb")
     form.get_by_role("button", name="Preview").click()
     expect(page.get_by_test_id("why-not")).to_contain_text("too many instances of 4g.40gb")
+    page.get_by_test_id("new-profile").locator("..").screenshot(path=str(screenshot_dir / "partitions-why-not.png"))
     form.get_by_label("Layout").fill("4g.40gb, 3g.40gb")
     form.get_by_role("button", name="Preview").click()
     preview = page.get_by_test_id("preview")
@@ -100,7 +101,11 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     page.screenshot(path=str(screenshot_dir / "partitions-preview.png"), full_page=True)
     form.get_by_role("button", name="Save profile").click()
     expect(page).to_have_url(f"{live_server.url}/partitions/#profile-h100-4g-3g")
-    expect(page.locator("#profile-h100-4g-3g").get_by_test_id("gpu-instance")).to_have_count(2)
+    saved = page.locator("#profile-h100-4g-3g")
+    expect(saved.get_by_test_id("gpu-instance")).to_have_count(2)
+    saved.get_by_text("GPU Operator config this applies").click()
+    expect(saved).to_contain_text("nvidia.com/mig.config=h100-4g-3g")
+    saved.screenshot(path=str(screenshot_dir / "partitions-operator-config.png"))
     page.screenshot(path=str(screenshot_dir / "partitions.png"), full_page=True)
 
     # 3. Apply it to the H100 pool and watch the change finish without a reload.
@@ -131,6 +136,13 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     change = PartitionChange.objects.get()
     assert change.state == "succeeded" and NodePool.objects.get(name="h100-pool").partition_profile.name == "h100-4g-3g"
     assert Gpu.objects.get(node__name="h100-node-2", index=7).mig_layout == [["4g.40gb", 0], ["3g.40gb", 4]]
+
+    # The pool has no whole H100s left, so the quota table warns that the guarantee cannot be met.
+    page.get_by_role("navigation").get_by_role("link", name="Quotas").click()
+    expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text(
+        "4 of 0 over capacity"
+    )
+    page.screenshot(path=str(screenshot_dir / "quotas-after-repartition.png"), full_page=True)
 
     # 4. The tenant's owner sees the new quota on the tenant's own page.
     page.get_by_role("button", name="Log out").click()

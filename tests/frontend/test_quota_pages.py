@@ -119,8 +119,19 @@ def test_the_quota_table_shows_tenants_by_flavors_with_capacity_and_price(
 def test_clicking_a_cell_fills_the_form_with_its_quota(staff_client, tenant, inventory, h100_flavor):
     Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=3, max=9)
     html = staff_client.get("/quotas/?tenant=acme&flavor=h100-80gb").content.decode()
-    assert '<option value="acme" selected>' in html
+    assert '<option value="acme" selected>Acme ML (acme)</option>' in html
     assert 'name="guaranteed" value="3"' in html and 'name="max" value="9"' in html
+
+
+def test_a_quota_can_be_removed_from_its_cell(staff_client, tenant, inventory, h100_flavor):
+    quota = Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=3, max=9)
+    html = staff_client.get("/quotas/?tenant=acme&flavor=h100-80gb").content.decode()
+    assert f'action="/quotas/{quota.id}/remove/"' in html and "data-confirm=" in html
+    response = staff_client.post(f"/quotas/{quota.id}/remove/")
+    assert response.status_code == 302 and response["Location"] == "/quotas/"
+    assert not Quota.objects.exists()
+    assert "Removed Acme ML&#x27;s quota for h100-80gb." in staff_client.get("/quotas/").content.decode()
+    assert staff_client.post(f"/quotas/{quota.id}/remove/").status_code == 404
 
 
 def test_setting_a_quota_through_the_form_creates_it(staff_client, tenant, inventory, h100_flavor):
