@@ -292,24 +292,11 @@ def _preview(form: PartitionPreviewForm) -> dict:
 
 
 def _geometry_problem(gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> str | None:
-    # The same rules partition_profile_create applies before it saves, so the preview never
-    # promises what Save then refuses; the layout itself is checked by mig.fit_layout.
-    if kind == PartitionKind.MIG:
-        if not GPU_MODELS[gpu_model].mig_capable:
-            return f"{gpu_model} does not support MIG; use kind whole or timeslice."
-        if not layout:
-            return "A mig profile needs a layout: the MIG profiles of one GPU."
-        if replicas not in (None, 1):
-            return "Only timeslice profiles take replicas."
-        return None
-    if layout:
-        return "Only mig profiles take a layout."
-    if kind == PartitionKind.TIMESLICE:
-        limit = quota_services.MAX_TIMESLICE_REPLICAS
-        if replicas is None or not 2 <= replicas <= limit:
-            return f"Time-slicing needs between 2 and {limit} replicas per GPU."
-    elif replicas not in (None, 1):
-        return "Only timeslice profiles take replicas."
+    # The service's own check, so the preview never promises what Save then refuses.
+    try:
+        quota_services.partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    except ValidationError as exc:
+        return " ".join(message for messages in exc.message_dict.values() for message in messages)
     return None
 
 

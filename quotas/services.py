@@ -62,14 +62,13 @@ def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour
     )
 
 
-def partition_profile_create(
-    *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
-) -> PartitionProfile:
-    """Validate a layout against NVIDIA's geometry and store it as a named profile."""
-    _require_staff(actor)
+def partition_profile_check(*, gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> int:
+    """Validate a profile's shape against NVIDIA's geometry; returns the replicas to store.
+
+    Raises ValidationError naming the field. The partition page's preview calls
+    this too, so it never promises what saving would refuse.
+    """
     model = _check_model("gpu_model", gpu_model)
-    if PartitionProfile.objects.filter(name=name).exists():
-        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
     if kind == PartitionKind.MIG:
         if not model.mig_capable:
             raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG; use kind whole or timeslice."})
@@ -79,20 +78,25 @@ def partition_profile_create(
             mig.fit_layout(gpu_model, layout)
         except mig.MigError as exc:
             raise ValidationError({"layout": str(exc)}) from None
-        if replicas not in (None, 1):
-            raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
-        replicas = 1
-    elif kind == PartitionKind.TIMESLICE:
-        if layout:
-            raise ValidationError({"layout": "Only mig profiles take a layout."})
+    elif layout:
+        raise ValidationError({"layout": "Only mig profiles take a layout."})
+    if kind == PartitionKind.TIMESLICE:
         if replicas is None or not 2 <= replicas <= MAX_TIMESLICE_REPLICAS:
             raise ValidationError({"replicas": f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU."})
-    else:
-        if layout:
-            raise ValidationError({"layout": "Only mig profiles take a layout."})
-        if replicas not in (None, 1):
-            raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
-        replicas = 1
+        return replicas
+    if replicas not in (None, 1):
+        raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
+    return 1
+
+
+def partition_profile_create(
+    *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
+) -> PartitionProfile:
+    """Validate a layout against NVIDIA's geometry and store it as a named profile."""
+    _require_staff(actor)
+    replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    if PartitionProfile.objects.filter(name=name).exists():
+        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
     return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
 
 

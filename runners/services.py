@@ -125,13 +125,13 @@ def partition_change_run(*, change_id: int) -> str:
     try:
         for name in nodes:
             backend.cordon(name)
+            Node.objects.filter(name=name).update(schedulable=False)
             _record(change_id, state=PartitionChange.State.CORDONING, node=name, message=f"Cordoned {name}.")
         busy = {name: backend.node_workloads(name) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
             listed = "; ".join(f"{name}: {', '.join(names)}" for name, names in sorted(busy.items()))
-            for name in nodes:
-                backend.uncordon(name)
+            _uncordon_all(backend, nodes)
             _record(
                 change_id,
                 state=PartitionChange.State.REFUSED,
@@ -155,17 +155,23 @@ def partition_change_run(*, change_id: int) -> str:
             _record(change_id, state=PartitionChange.State.WAITING, node=name, message=f"{name} reports {spec.name}.")
         for name in nodes:
             backend.uncordon(name)
+            Node.objects.filter(name=name).update(schedulable=True)
             _record(change_id, state=PartitionChange.State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
     except (PermanentBackendError, TimeoutError) as exc:
         if not relabeled:
-            for name in nodes:
-                backend.uncordon(name)
+            _uncordon_all(backend, nodes)
         _record(change_id, state=PartitionChange.State.FAILED, message=f"Failed: {exc}")
         return PartitionChange.State.FAILED
     NodePool.objects.filter(id=change.pool_id).update(partition_profile=change.profile, updated_at=timezone.now())
     inventory_sync()
     _record(change_id, state=PartitionChange.State.SUCCEEDED, message=f"Pool {change.pool.name} now runs {spec.name}.")
     return PartitionChange.State.SUCCEEDED
+
+
+def _uncordon_all(backend, nodes: list[str]) -> None:
+    for name in nodes:
+        backend.uncordon(name)
+    Node.objects.filter(name__in=nodes).update(schedulable=True)
 
 
 def _wait(predicate, *, what: str) -> None:

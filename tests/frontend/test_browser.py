@@ -1,72 +1,19 @@
 """The browser pages in a real Chromium, against a live server and a real Celery worker."""
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 from tenants.models import Environment, EnvironmentState
-from tests.conftest import PASSWORD
+from tests.frontend.conftest import LIVE_TIMEOUT_MS
+from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
+from tests.frontend.conftest import log_in as _log_in
+from tests.frontend.conftest import mark_loaded as _mark_loaded
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
 pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-LIVE_TIMEOUT_MS = 30_000
-
-
-@pytest.fixture(scope="module")
-def _allow_sync_db_next_to_playwright():
-    """Let the test thread use the ORM while Playwright's event loop runs in it.
-
-    Playwright's sync API keeps an asyncio loop running in this thread, which makes
-    Django refuse ORM calls here (SynchronousOnlyOperation). The calls are really
-    synchronous, so Django's documented escape hatch is safe for this module.
-    """
-    previous = os.environ.get("DJANGO_ALLOW_ASYNC_UNSAFE")
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    yield
-    if previous is None:
-        os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    else:
-        os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
-
-
-@pytest.fixture(scope="module")
-def browser(_allow_sync_db_next_to_playwright):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"Browser tests need Debian's Chromium at {CHROMIUM} (apt-get install chromium).")
-    with playwright_sync.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser, request, tmp_path):
-    """A fresh laptop-sized tab; a screenshot lands in tmp_path if the test fails."""
-    context = browser.new_context(viewport={"width": 1366, "height": 800})
-    page = context.new_page()
-    yield page
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        path = tmp_path / "failure.png"
-        page.screenshot(path=str(path), full_page=True)
-        print(f"Screenshot of the failing page: {path}")
-    context.close()
-
-
-@pytest.fixture
-def screenshot_dir(tmp_path) -> Path:
-    """Where page screenshots go: FRONTEND_SCREENSHOT_DIR if set (to look at them), else tmp_path."""
-    directory = Path(os.environ.get("FRONTEND_SCREENSHOT_DIR") or tmp_path)
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
 
 @pytest.fixture
 def provisioning_worker(settings, celery_worker_factory):
@@ -74,25 +21,6 @@ def provisioning_worker(settings, celery_worker_factory):
     # and one second makes `provisioning` last long enough to be seen on the page.
     settings.LOCAL_PROVISION_DELAY_S = 1
     return celery_worker_factory()
-
-
-def _log_in(page, live_server, username, screenshot_dir=None):
-    page.goto(f"{live_server.url}/login/")
-    if screenshot_dir:
-        page.screenshot(path=str(screenshot_dir / "login.png"))
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    expect(page.get_by_test_id("current-user")).to_have_text(username)
-
-
-def _mark_loaded(page):
-    """Tag this page load; a reload would lose the tag, so its presence later proves there was none."""
-    page.evaluate("window.__sameLoad = true")
-
-
-def _assert_not_reloaded(page):
-    assert page.evaluate("window.__sameLoad === true"), "the page reloaded; live updates must not need a reload"
 
 
 def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_it(

@@ -7,16 +7,9 @@ import pytest
 
 from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota
 from runners.models import Gpu, NodePool
-# The Chromium, page and login plumbing of the first browser tests, shared rather than copied.
-from tests.frontend.test_browser import (  # noqa: F401  (pytest fixtures, used by name)
-    _allow_sync_db_next_to_playwright,
-    _assert_not_reloaded,
-    _log_in,
-    _mark_loaded,
-    browser,
-    page,
-    screenshot_dir,
-)
+from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
+from tests.frontend.conftest import log_in as _log_in
+from tests.frontend.conftest import mark_loaded as _mark_loaded
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
