@@ -25,8 +25,6 @@ from quotas import selectors as quota_selectors
 from quotas import services as quota_services
 from quotas.models import PartitionChange
 from runners import selectors as runner_selectors
-from runners.models import PartitionKind
-from runners.scheduler.mig import GPU_MODELS
 from runners.services import pool_workloads
 from tenants import selectors, services
 from tenants.models import ROLE_RANK, EnvironmentState, Role

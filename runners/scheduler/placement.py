@@ -188,7 +188,7 @@ def place_gangs(
     if typical is None:
         # Without a workload history, the pods in this cycle are the best guess of what comes next.
         pods = [pod for gang in gangs for pod in gang.pods if pod.mig_profile is None]
-        typical = typical_pods(pods or [PodRequest("cpu", 1000, 1024)], with_memory=True)
+        typical = typical_pods(pods or [PodRequest("cpu", 1000, 1024)], with_memory=policy == "portal")
     decisions = []
     for gang in gangs:
         domains = _domains(state, gang.topology)
