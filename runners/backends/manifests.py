@@ -1,86 +1,119 @@
-"""Kubernetes objects for a tenant environment, built by pure functions from an EnvironmentSpec.
+"""The Kubernetes objects one environment is made of, as pure functions of its spec.
 
-Nothing here talks to a cluster; `kubernetes.py` sends what these return. Every
-object carries the same labels, so the backend can find (and prune) what it
-owns, and nothing a tenant typed reaches a manifest except the names the portal
-already validated as DNS labels.
+Nothing here talks to a cluster: each function turns an EnvironmentSpec into
+plain dicts the API server accepts as server-side apply bodies, so every object
+can be checked with kubernetes-validate and compared in tests. The backend
+applies them in the order `environment_manifests` returns (Namespace first).
 """
 
 from __future__ import annotations
 
-from runners.backends.base import EnvironmentSpec
+from runners.backends.base import TIMESLICE_RESOURCE, WHOLE_GPU_RESOURCE, EnvironmentSpec, MemberBinding
+from runners.scheduler import mig
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpu-portal"
 TENANT_LABEL = "portal.gpu/tenant"
 ENVIRONMENT_LABEL = "portal.gpu/environment-id"
+ENVIRONMENT_NAME_ANNOTATION = "portal.gpu/environment-name"
+
+POD_SECURITY_LEVEL = "restricted"
+# "latest" keeps the policy current as the cluster upgrades; tenants never need older, laxer rules.
+POD_SECURITY_VERSION = "latest"
+
+QUOTA_NAME = "gpu-quota"
+LIMIT_RANGE_NAME = "container-defaults"
 WORKLOAD_SERVICE_ACCOUNT = "workload"
+DEFAULT_DENY_POLICY = "default-deny"
+SAME_NAMESPACE_POLICY = "allow-same-namespace"
+DNS_POLICY = "allow-dns"
+VIEWER_ROLE = "portal-viewer"
+EDITOR_ROLE = "portal-editor"
 
-# Defaults for containers that do not say what they need; jobs built by the
-# portal always set their own requests.
-DEFAULT_CONTAINER_REQUEST = {"cpu": "250m", "memory": "512Mi"}
-DEFAULT_CONTAINER_LIMIT = {"cpu": "2", "memory": "8Gi"}
+# A namespace without a pods limit could be flooded with pending pods; 200 is plenty for one team.
+DEFAULT_PODS_LIMIT = 200
+DEFAULT_CONTAINER_REQUESTS = {"cpu": "250m", "memory": "512Mi"}
+DEFAULT_CONTAINER_LIMITS = {"cpu": "2", "memory": "8Gi"}
+# Nothing bigger than a whole large node; it catches typos like "memory: 80Ti".
 MAX_CONTAINER = {"cpu": "128", "memory": "2Ti"}
-MAX_PODS_PER_ENVIRONMENT = 200
 
-# Which portal roles get which Kubernetes Role. Viewers read; everyone who can
-# create environments can run and stop work in them. No role grants RBAC,
-# secrets to viewers, or anything cluster-wide.
-ROLE_FOR = {"viewer": "portal-viewer", "member": "portal-editor", "admin": "portal-editor", "owner": "portal-editor"}
-_READ = ["get", "list", "watch"]
-_WRITE = ["create", "update", "patch", "delete", "deletecollection"]
-VIEWER_RULES = [
-    {"apiGroups": [""], "resources": ["pods", "pods/log", "services", "events", "configmaps", "persistentvolumeclaims"], "verbs": _READ},
-    {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": _READ},
-    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"], "verbs": _READ},
-]
-EDITOR_RULES = [
-    {"apiGroups": [""], "resources": ["pods", "services", "configmaps", "persistentvolumeclaims", "secrets"], "verbs": _READ + _WRITE},
-    {"apiGroups": [""], "resources": ["pods/log", "events", "resourcequotas", "limitranges"], "verbs": _READ},
-    {"apiGroups": [""], "resources": ["pods/exec", "pods/portforward"], "verbs": ["create", "get"]},
-    {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": _READ + _WRITE},
-    {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"], "verbs": _READ + _WRITE},
-]
+RBAC_API_GROUP = "rbac.authorization.k8s.io"
+# Portal role -> Role tier. Everyone above viewer may run work; nobody may touch RBAC or quotas.
+ROLE_TIERS = {"viewer": VIEWER_ROLE, "member": EDITOR_ROLE, "admin": EDITOR_ROLE, "owner": EDITOR_ROLE}
+READ_VERBS = ["get", "list", "watch"]
+WRITE_VERBS = ["create", "delete", "deletecollection", "patch", "update"]
+
+
+def gpu_quota_keys() -> list[str]:
+    """Every ResourceQuota key for a GPU resource the portal knows, whole, shared or MIG."""
+    resources = {WHOLE_GPU_RESOURCE, TIMESLICE_RESOURCE}
+    for model in mig.GPU_MODELS.values():
+        resources.update(profile.kubernetes_resource for profile in model.profiles.values())
+    return sorted(f"requests.{resource}" for resource in resources)
 
 
 def common_labels(spec: EnvironmentSpec) -> dict[str, str]:
-    return {MANAGED_BY_LABEL: MANAGED_BY, TENANT_LABEL: spec.tenant_slug, ENVIRONMENT_LABEL: str(spec.environment_id)}
+    """Labels on every object of the environment; the backend finds its own objects by them."""
+    return {
+        MANAGED_BY_LABEL: MANAGED_BY,
+        TENANT_LABEL: spec.tenant_slug,
+        ENVIRONMENT_LABEL: str(spec.environment_id),
+    }
 
 
-def _metadata(spec: EnvironmentSpec, name: str, *, namespaced: bool = True) -> dict:
-    metadata = {"name": name, "labels": common_labels(spec)}
-    if namespaced:
-        metadata["namespace"] = spec.namespace
-    return metadata
+def ownership_selector(spec: EnvironmentSpec) -> str:
+    """The label selector that matches exactly the objects built for this environment."""
+    return f"{MANAGED_BY_LABEL}={MANAGED_BY},{ENVIRONMENT_LABEL}={spec.environment_id}"
+
+
+def _metadata(spec: EnvironmentSpec, name: str) -> dict:
+    return {"name": name, "namespace": spec.namespace, "labels": common_labels(spec)}
 
 
 def namespace_manifest(spec: EnvironmentSpec) -> dict:
+    """The Namespace, with tenant labels and Pod Security `restricted` enforced, audited and warned."""
     labels = common_labels(spec)
-    # Pod Security Admission: refuse privileged, hostPath, hostNetwork and root pods.
     for mode in ("enforce", "audit", "warn"):
-        labels[f"pod-security.kubernetes.io/{mode}"] = "restricted"
-        labels[f"pod-security.kubernetes.io/{mode}-version"] = "latest"
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": spec.namespace, "labels": labels}}
+        labels[f"pod-security.kubernetes.io/{mode}"] = POD_SECURITY_LEVEL
+        labels[f"pod-security.kubernetes.io/{mode}-version"] = POD_SECURITY_VERSION
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": spec.namespace,
+            "labels": labels,
+            # The display name is free text, so it goes in an annotation, not a label.
+            "annotations": {ENVIRONMENT_NAME_ANNOTATION: spec.name},
+        },
+    }
 
 
 def resource_quota_manifest(spec: EnvironmentSpec) -> dict:
-    """GPU limits from the tenant's quota; a GPU resource with no quota is granted zero."""
-    hard = {"requests.nvidia.com/gpu": "0", "pods": str(MAX_PODS_PER_ENVIRONMENT)}
-    hard.update({key: str(int(value)) for key, value in sorted(spec.quota_hard.items())})
-    return {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": _metadata(spec, "gpu-quota"), "spec": {"hard": hard}}
+    """The ResourceQuota: the tenant's limits, zero for every GPU resource it was not granted."""
+    # Kubernetes quota leaves an unlisted extended resource unlimited, so absence must be spelled "0".
+    hard = {key: "0" for key in gpu_quota_keys()}
+    hard["pods"] = str(DEFAULT_PODS_LIMIT)
+    hard.update({key: str(int(value)) for key, value in spec.quota_hard.items()})
+    return {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": _metadata(spec, QUOTA_NAME),
+        "spec": {"hard": dict(sorted(hard.items()))},
+    }
 
 
 def limit_range_manifest(spec: EnvironmentSpec) -> dict:
+    """The LimitRange: default requests and limits for containers that set none."""
     return {
         "apiVersion": "v1",
         "kind": "LimitRange",
-        "metadata": _metadata(spec, "container-defaults"),
+        "metadata": _metadata(spec, LIMIT_RANGE_NAME),
         "spec": {
             "limits": [
                 {
                     "type": "Container",
-                    "defaultRequest": dict(DEFAULT_CONTAINER_REQUEST),
-                    "default": dict(DEFAULT_CONTAINER_LIMIT),
+                    "defaultRequest": dict(DEFAULT_CONTAINER_REQUESTS),
+                    "default": dict(DEFAULT_CONTAINER_LIMITS),
                     "max": dict(MAX_CONTAINER),
                 }
             ]
@@ -89,77 +122,131 @@ def limit_range_manifest(spec: EnvironmentSpec) -> dict:
 
 
 def network_policy_manifests(spec: EnvironmentSpec) -> list[dict]:
-    """Deny everything, then allow traffic inside the namespace and DNS lookups."""
-    same_namespace = [{"podSelector": {}}]
+    """NetworkPolicies: deny all traffic, then allow the namespace to itself and DNS lookups."""
+    same_namespace_peer = [{"podSelector": {}}]  # A bare podSelector means "pods in this namespace".
+    dns_peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+    }
+
+    def policy(name: str, policy_spec: dict) -> dict:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(spec, name),
+            "spec": {"podSelector": {}, **policy_spec},
+        }
+
     return [
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": _metadata(spec, "default-deny"),
-            "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
-        },
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": _metadata(spec, "allow-same-namespace"),
-            "spec": {
-                "podSelector": {},
+        policy(DEFAULT_DENY_POLICY, {"policyTypes": ["Ingress", "Egress"]}),
+        policy(
+            SAME_NAMESPACE_POLICY,
+            {
                 "policyTypes": ["Ingress", "Egress"],
-                "ingress": [{"from": same_namespace}],
-                "egress": [{"to": same_namespace}],
+                "ingress": [{"from": same_namespace_peer}],
+                "egress": [{"to": same_namespace_peer}],
             },
-        },
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": _metadata(spec, "allow-dns"),
-            "spec": {
-                "podSelector": {},
+        ),
+        policy(
+            DNS_POLICY,
+            {
                 "policyTypes": ["Egress"],
                 "egress": [
                     {
-                        "to": [
-                            {
-                                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
-                                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
-                            }
-                        ],
+                        "to": [dns_peer],
                         "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
                     }
                 ],
             },
+        ),
+    ]
+
+
+def _viewer_rules() -> list[dict]:
+    # Secrets are left out on purpose: reading them would hand viewers every credential in the namespace.
+    return [
+        {
+            "apiGroups": [""],
+            "resources": [
+                "configmaps",
+                "events",
+                "limitranges",
+                "persistentvolumeclaims",
+                "pods",
+                "pods/log",
+                "resourcequotas",
+                "serviceaccounts",
+                "services",
+            ],
+            "verbs": list(READ_VERBS),
         },
+        {"apiGroups": ["batch"], "resources": ["cronjobs", "jobs"], "verbs": list(READ_VERBS)},
+        {"apiGroups": ["apps"], "resources": ["deployments", "replicasets", "statefulsets"], "verbs": list(READ_VERBS)},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": list(READ_VERBS)},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": list(READ_VERBS)},
+    ]
+
+
+def _editor_rules() -> list[dict]:
+    # Editors run work, but quotas, network policies, service accounts and RBAC stay the portal's:
+    # any write there would let a member lift the limits or escalate beyond their tier.
+    return _viewer_rules() + [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps", "persistentvolumeclaims", "pods", "secrets", "services"],
+            "verbs": list(WRITE_VERBS),
+        },
+        # Anyone who may create pods can mount a secret anyway, so reading them adds no power.
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": list(READ_VERBS)},
+        {"apiGroups": [""], "resources": ["pods/attach", "pods/exec", "pods/portforward"], "verbs": ["create", "get"]},
+        {"apiGroups": ["batch"], "resources": ["cronjobs", "jobs"], "verbs": list(WRITE_VERBS)},
+        {"apiGroups": ["apps"], "resources": ["deployments", "replicasets", "statefulsets"], "verbs": list(WRITE_VERBS)},
     ]
 
 
 def role_manifests(spec: EnvironmentSpec) -> list[dict]:
+    """The two Roles members are bound to: read-only for viewers, run-work for everyone else."""
     return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(spec, name), "rules": rules}
-        for name, rules in (("portal-viewer", VIEWER_RULES), ("portal-editor", EDITOR_RULES))
+        {"apiVersion": f"{RBAC_API_GROUP}/v1", "kind": "Role", "metadata": _metadata(spec, VIEWER_ROLE), "rules": _viewer_rules()},
+        {"apiVersion": f"{RBAC_API_GROUP}/v1", "kind": "Role", "metadata": _metadata(spec, EDITOR_ROLE), "rules": _editor_rules()},
     ]
+
+
+def subject_name(member: MemberBinding, *, username_template: str) -> str:
+    """The Kubernetes user a portal member authenticates as (an OIDC-prefixed name, say)."""
+    return username_template.format(username=member.username)
 
 
 def role_binding_manifests(spec: EnvironmentSpec, *, username_template: str) -> list[dict]:
-    """One RoleBinding per role that has members; a role nobody holds gets none."""
-    subjects: dict[str, list[dict]] = {}
-    for member in sorted(spec.members, key=lambda member: member.username):
-        subjects.setdefault(ROLE_FOR[member.role], []).append(
-            {"kind": "User", "name": username_template.format(username=member.username), "apiGroup": "rbac.authorization.k8s.io"}
+    """One RoleBinding per Role tier that has members; a tier without members gets none."""
+    subjects_by_role: dict[str, set[str]] = {}
+    for member in spec.members:
+        if member.role not in ROLE_TIERS:
+            raise ValueError(f"Unknown role {member.role!r} for {member.username!r}; expected one of {sorted(ROLE_TIERS)}.")
+        subjects_by_role.setdefault(ROLE_TIERS[member.role], set()).add(
+            subject_name(member, username_template=username_template)
         )
-    return [
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": _metadata(spec, f"{role}-members"),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
-            "subjects": role_subjects,
-        }
-        for role, role_subjects in sorted(subjects.items())
-    ]
+    bindings = []
+    for role_name in (VIEWER_ROLE, EDITOR_ROLE):
+        if role_name not in subjects_by_role:
+            continue
+        bindings.append(
+            {
+                "apiVersion": f"{RBAC_API_GROUP}/v1",
+                "kind": "RoleBinding",
+                "metadata": _metadata(spec, f"{role_name}-members"),
+                "roleRef": {"apiGroup": RBAC_API_GROUP, "kind": "Role", "name": role_name},
+                "subjects": [
+                    {"apiGroup": RBAC_API_GROUP, "kind": "User", "name": name}
+                    for name in sorted(subjects_by_role[role_name])
+                ],
+            }
+        )
+    return bindings
 
 
 def service_account_manifest(spec: EnvironmentSpec) -> dict:
-    # Workloads get no API token: a training job has no business calling the API server.
+    """The ServiceAccount workloads run as; no token is mounted, since jobs never call the API."""
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
@@ -172,10 +259,10 @@ def environment_manifests(spec: EnvironmentSpec, *, username_template: str = "{u
     """Every object of the environment, Namespace first, in the order they are applied."""
     return [
         namespace_manifest(spec),
+        service_account_manifest(spec),
         resource_quota_manifest(spec),
         limit_range_manifest(spec),
         *network_policy_manifests(spec),
-        service_account_manifest(spec),
         *role_manifests(spec),
         *role_binding_manifests(spec, username_template=username_template),
     ]
