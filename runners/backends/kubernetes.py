@@ -1,0 +1,246 @@
+"""The Kubernetes backend for environments: one namespace per environment, kept converged.
+
+Every object comes from `manifests.environment_manifests` and is sent with
+server-side apply under one field manager, so a repeated call changes nothing.
+A create that finds the object already there (409 AlreadyExists) counts as done,
+and so does a delete of something already gone (404). The official client makes
+every call; answers are read as plain JSON so errors keep the API's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import urllib3
+from kubernetes import client, config
+
+from runners.backends.base import (
+    BackendError,
+    EnvironmentSpec,
+    PermanentBackendError,
+    TransientBackendError,
+)
+from runners.backends.manifests import ENVIRONMENT_LABEL, environment_manifests, ownership_selector
+
+logger = logging.getLogger(__name__)
+
+APPLY_PATCH = "application/apply-patch+yaml"
+# Worth retrying: throttling, a server in trouble, or a request that timed out on its side.
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+DEFAULT_POLL_INTERVAL_S = 1.0
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Where the typed client keeps one kind's methods, and their name stem."""
+
+    api: str  # core | networking | rbac
+    method_stem: str
+    namespaced: bool = True
+
+
+KINDS = {
+    "Namespace": Kind("core", "namespace", namespaced=False),
+    "ServiceAccount": Kind("core", "service_account"),
+    "ResourceQuota": Kind("core", "resource_quota"),
+    "LimitRange": Kind("core", "limit_range"),
+    "NetworkPolicy": Kind("networking", "network_policy"),
+    "Role": Kind("rbac", "role"),
+    "RoleBinding": Kind("rbac", "role_binding"),
+}
+NAMESPACED_KINDS = tuple(kind for kind, where in KINDS.items() if where.namespaced)
+
+
+class ApiStatusError(Exception):
+    """An answer outside what the caller accepts, kept raw until the caller decides what it means."""
+
+    def __init__(self, status: int, body: dict, doing: str) -> None:
+        self.status = status
+        self.body = body
+        self.reason = body.get("reason", "")
+        self.api_message = body.get("message", "")
+        super().__init__(f"{doing}: the API server answered {status} {self.reason}: {self.api_message}".strip())
+
+    @property
+    def namespace_terminating(self) -> bool:
+        causes = (self.body.get("details") or {}).get("causes") or []
+        return any(cause.get("reason") == "NamespaceTerminating" for cause in causes) or (
+            "being terminated" in self.api_message
+        )
+
+    def backend_error(self) -> BackendError:
+        """The portal's view: retry later, or tell an operator what to fix."""
+        if self.status in TRANSIENT_STATUSES or self.status == 0:
+            return TransientBackendError(str(self))
+        if self.status == 403 and self.namespace_terminating:
+            return TransientBackendError(f"{self} (the namespace is still being deleted; trying again shortly)")
+        # A 409 other than AlreadyExists is an optimistic-concurrency conflict: someone wrote in between.
+        if self.status == 409 and self.reason != "AlreadyExists":
+            return TransientBackendError(str(self))
+        if self.status in (401, 403):
+            return PermanentBackendError(
+                f"{self}. Check the portal's Kubernetes credentials and the RBAC they are granted."
+            )
+        return PermanentBackendError(str(self))
+
+
+class KubernetesBackend:
+    """Environments as namespaces on a Kubernetes cluster, through the official client."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        *,
+        field_manager: str = "gpu-portal",
+        username_template: str = "{username}",
+        delete_timeout_s: float = 300,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        self.api_client = api_client
+        self.apis = {
+            "core": client.CoreV1Api(api_client),
+            "networking": client.NetworkingV1Api(api_client),
+            "rbac": client.RbacAuthorizationV1Api(api_client),
+        }
+        self.field_manager = field_manager
+        self.username_template = username_template
+        self.delete_timeout_s = delete_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.request_timeout_s = request_timeout_s
+
+    @classmethod
+    def from_settings(cls) -> "KubernetesBackend":
+        """The backend for the cluster the settings name: in-cluster config or a kubeconfig."""
+        from django.conf import settings
+
+        configuration = client.Configuration()
+        try:
+            if settings.KUBERNETES_IN_CLUSTER:
+                config.load_incluster_config(client_configuration=configuration)
+            else:
+                config.load_kube_config(config_file=settings.KUBECONFIG or None, client_configuration=configuration)
+        except config.ConfigException as exc:
+            raise PermanentBackendError(
+                f"Cannot load the Kubernetes configuration ({exc}); set KUBECONFIG or KUBERNETES_IN_CLUSTER=true."
+            ) from None
+        return cls(
+            client.ApiClient(configuration),
+            field_manager=settings.KUBERNETES_FIELD_MANAGER,
+            username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
+            delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
+            poll_interval_s=getattr(settings, "KUBERNETES_POLL_INTERVAL_S", DEFAULT_POLL_INTERVAL_S),
+        )
+
+    # --- One API call ------------------------------------------------------------
+
+    def _call(self, kind: str, verb: str, *args, accept: tuple[int, ...] = (200, 201), **kwargs) -> tuple[int, dict]:
+        """Call `<verb>_[namespaced_]<kind>` on the typed client; (status, JSON body) if accepted."""
+        where = KINDS[kind]
+        method = f"{verb}_namespaced_{where.method_stem}" if where.namespaced else f"{verb}_{where.method_stem}"
+        doing = f"{method}({', '.join(map(str, args))})"
+        try:
+            response = getattr(self.apis[where.api], method)(
+                *args, _preload_content=False, _request_timeout=self.request_timeout_s, **kwargs
+            )
+            status, data = response.status, response.data
+        except client.ApiException as exc:
+            status, data = exc.status or 0, exc.body or b""
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            # Connection refused, reset, or timed out: the API server may be back in a moment.
+            raise TransientBackendError(f"{doing}: the Kubernetes API could not be reached: {exc}") from None
+        body = _json(data)
+        if status not in accept:
+            raise ApiStatusError(status, body, doing)
+        return status, body
+
+    def _checked(self, *args, **kwargs) -> tuple[int, dict]:
+        """_call, with an unaccepted answer turned into the portal's backend error."""
+        try:
+            return self._call(*args, **kwargs)
+        except ApiStatusError as exc:
+            raise exc.backend_error() from None
+
+    def _apply(self, manifest: dict) -> dict:
+        """Server-side apply one object; force, since the portal is the only rightful owner of these fields."""
+        name = manifest["metadata"]["name"]
+        args = (name, manifest["metadata"]["namespace"]) if KINDS[manifest["kind"]].namespaced else (name,)
+        return self._checked(
+            manifest["kind"], "patch", *args,
+            body=manifest, field_manager=self.field_manager, force=True, _content_type=APPLY_PATCH,
+        )[1]
+
+    # --- Environments ------------------------------------------------------------
+
+    def ensure_environment(self, spec: EnvironmentSpec) -> None:
+        """Create or converge every object of the environment, then remove ones no longer wanted."""
+        manifests = environment_manifests(spec, username_template=self.username_template)
+        self._ensure_namespace(spec, manifests[0])
+        for manifest in manifests:
+            self._apply(manifest)
+        self._prune(spec, wanted={(m["kind"], m["metadata"]["name"]) for m in manifests})
+
+    def _ensure_namespace(self, spec: EnvironmentSpec, namespace: dict) -> None:
+        status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
+        if status == 404:
+            # Another worker may create it between our read and this create; that is just as good.
+            self._checked("Namespace", "create", body=namespace, field_manager=self.field_manager, accept=(201, 409))
+            return
+        if (current.get("status") or {}).get("phase") == "Terminating":
+            raise TransientBackendError(
+                f"Namespace {spec.namespace} is still being deleted; the environment is created once it is gone."
+            )
+        owner = ((current.get("metadata") or {}).get("labels") or {}).get(ENVIRONMENT_LABEL)
+        if owner not in (None, str(spec.environment_id)):
+            raise PermanentBackendError(
+                f"Namespace {spec.namespace} already belongs to portal environment {owner}; "
+                "give this environment another namespace."
+            )
+
+    def _prune(self, spec: EnvironmentSpec, *, wanted: set[tuple[str, str]]) -> None:
+        """Delete objects built for this environment earlier that it no longer has (members who left)."""
+        for kind in NAMESPACED_KINDS:
+            listing = self._checked(kind, "list", spec.namespace, label_selector=ownership_selector(spec))[1]
+            for item in listing.get("items") or []:
+                name = item["metadata"]["name"]
+                if (kind, name) not in wanted:
+                    logger.info("Removing %s %s/%s, which environment %s no longer has.", kind, spec.namespace, name,
+                                spec.environment_id)
+                    self._checked(kind, "delete", name, spec.namespace, accept=(200, 202, 404))
+
+    def delete_environment(self, spec: EnvironmentSpec) -> None:
+        """Delete the namespace (and with it everything inside), and return once it is gone."""
+        status, _ = self._checked("Namespace", "delete", spec.namespace, accept=(200, 202, 404))
+        if status == 404:
+            return
+        deadline = time.monotonic() + self.delete_timeout_s
+        while self.environment_exists(spec):
+            if time.monotonic() >= deadline:
+                raise TransientBackendError(
+                    f"Namespace {spec.namespace} still exists {self.delete_timeout_s:g}s after it was deleted; "
+                    "a finalizer may be stuck (`kubectl get namespace -o yaml` shows which)."
+                )
+            time.sleep(self.poll_interval_s)
+
+    def environment_exists(self, spec: EnvironmentSpec) -> bool:
+        """Whether the namespace exists, Terminating included."""
+        status, _ = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
+        return status == 200
+
+
+def _json(data) -> dict:
+    """An answer's body as JSON; text that is not JSON (a proxy's error page) becomes its message."""
+    if not data:
+        return {}
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        text = data.decode(errors="replace") if isinstance(data, bytes) else str(data)
+        return {"message": text[:300]}
+    return parsed if isinstance(parsed, dict) else {"message": str(parsed)[:300]}

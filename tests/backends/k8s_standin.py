@@ -1,0 +1,494 @@
+"""A local HTTP stand-in for the Kubernetes API server, for the endpoints the backend uses.
+
+It answers like a real API server where the backend can tell: Status objects
+with the real reasons (NotFound, AlreadyExists, Forbidden, Expired), server-side
+apply that creates or updates and bumps resourceVersion only when the content
+changes, namespaces that go Terminating on delete and vanish with everything in
+them a little later, and watches that answer 410 Gone for a compacted
+resourceVersion. It is not a validator, a scheduler, or a full apply merge: an
+apply replaces what its manager sent and keeps labels other managers set.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import yaml
+
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+@dataclass(frozen=True)
+class ResourceType:
+    """One REST resource the stand-in serves."""
+
+    plural: str
+    kind: str
+    api_version: str
+    namespaced: bool
+
+    @property
+    def prefix(self) -> str:
+        return "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+
+
+RESOURCE_TYPES = {
+    resource.plural: resource
+    for resource in (
+        ResourceType("namespaces", "Namespace", "v1", namespaced=False),
+        ResourceType("resourcequotas", "ResourceQuota", "v1", namespaced=True),
+        ResourceType("limitranges", "LimitRange", "v1", namespaced=True),
+        ResourceType("serviceaccounts", "ServiceAccount", "v1", namespaced=True),
+        ResourceType("networkpolicies", "NetworkPolicy", "networking.k8s.io/v1", namespaced=True),
+        ResourceType("roles", "Role", "rbac.authorization.k8s.io/v1", namespaced=True),
+        ResourceType("rolebindings", "RoleBinding", "rbac.authorization.k8s.io/v1", namespaced=True),
+    )
+}
+_PATH = re.compile(
+    r"^(?P<prefix>/api/v1|/apis/[^/]+/v1)"
+    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
+)
+# Fields the server owns; they never count as "the content changed".
+_SERVER_FIELDS = ("resourceVersion", "managedFields", "uid", "creationTimestamp", "generation", "deletionTimestamp")
+
+
+@dataclass
+class RecordedRequest:
+    """One request as the stand-in saw it, and what it answered."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    content_type: str
+    status: int = 0
+
+
+@dataclass
+class Fault:
+    """Answer the next `count` matching requests with `status` (or hang for `delay_s` first)."""
+
+    status: int
+    method: str | None = None
+    path_contains: str = ""
+    count: int = 1
+    reason: str = ""
+    message: str = "injected fault"
+    delay_s: float = 0.0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (self.method is None or self.method == method) and self.path_contains in path
+
+
+@dataclass
+class _State:
+    objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # (plural, namespace, name)
+    applied_labels: dict[tuple[str, str, str, str], set[str]] = field(default_factory=dict)  # + manager
+    events: list[tuple[int, str, str, dict]] = field(default_factory=list)  # (rv, type, plural, object)
+    resource_version: int = 100
+    oldest_watchable_rv: int = 0
+    namespace_gone_at: dict[str, float] = field(default_factory=dict)
+
+
+def status_body(code: int, reason: str, message: str, **details) -> dict:
+    """A metav1.Status as the API server sends it with an error."""
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+    if details:
+        body["details"] = details
+    return body
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str, **details):
+        super().__init__(message)
+        self.code = code
+        self.body = status_body(code, reason, message, **details)
+
+
+class KubernetesStandIn:
+    """Start with `with KubernetesStandIn() as api:`; `api.url` is the host for a kube client."""
+
+    def __init__(self, *, termination_delay_s: float = 0.2):
+        # How long a deleted namespace stays Terminating; float("inf") models a stuck finalizer.
+        self.termination_delay_s = termination_delay_s
+        self.requests: list[RecordedRequest] = []
+        self.faults: list[Fault] = []
+        self._state = _State()
+        self._lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- Lifecycle -------------------------------------------------------------
+
+    def start(self) -> "KubernetesStandIn":
+        standin = self
+
+        class Handler(_Handler):
+            api = standin
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="k8s-standin", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def __enter__(self) -> "KubernetesStandIn":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # --- Test helpers ------------------------------------------------------------
+
+    def inject(self, status: int, **fault) -> Fault:
+        """Make the next matching request(s) fail; see Fault for the knobs."""
+        injected = Fault(status=status, **fault)
+        with self._lock:
+            self.faults.append(injected)
+        return injected
+
+    def objects(self) -> dict[tuple[str, str, str], dict]:
+        """A snapshot of everything stored, keyed by (plural, namespace, name)."""
+        with self._lock:
+            self._reap()
+            return copy.deepcopy(self._state.objects)
+
+    def get(self, plural: str, name: str, namespace: str = "") -> dict | None:
+        return self.objects().get((plural, namespace, name))
+
+    def put(self, obj: dict) -> dict:
+        """Store an object directly, as if someone else had created it."""
+        resource = next(r for r in RESOURCE_TYPES.values() if r.kind == obj["kind"])
+        with self._lock:
+            return self._create(resource, obj.get("metadata", {}).get("namespace", ""), obj, manager="someone-else")
+
+    def compact(self) -> None:
+        """Forget the watch history, as etcd compaction does; older resourceVersions answer 410."""
+        with self._lock:
+            self._state.events.clear()
+            self._state.oldest_watchable_rv = self._state.resource_version
+
+    def clear_log(self) -> None:
+        with self._lock:
+            self.requests.clear()
+
+    def writes(self) -> list[RecordedRequest]:
+        """Requests that could change something (everything but GET)."""
+        return [r for r in self.requests if r.method != "GET"]
+
+    # --- The API ---------------------------------------------------------------
+
+    def handle(self, method: str, raw_path: str, content_type: str, body: bytes) -> tuple[int, object]:
+        url = urlsplit(raw_path)
+        query = parse_qs(url.query)
+        record = RecordedRequest(method, url.path, query, content_type)
+        with self._lock:
+            self.requests.append(record)
+            fault = next((f for f in self.faults if f.count > 0 and f.matches(method, url.path)), None)
+            if fault:
+                fault.count -= 1
+        if fault:
+            if fault.delay_s:
+                time.sleep(fault.delay_s)
+            record.status = fault.status
+            return fault.status, status_body(fault.status, fault.reason or _REASONS.get(fault.status, "InternalError"),
+                                             fault.message)
+        try:
+            with self._lock:
+                self._reap()
+                code, answer = self._route(method, url.path, query, content_type, body)
+        except ApiError as error:
+            code, answer = error.code, error.body
+        record.status = code
+        return code, answer
+
+    def _route(self, method, path, query, content_type, body):
+        match = _PATH.match(path)
+        resource = RESOURCE_TYPES.get(match["plural"]) if match else None
+        if not match or resource is None or resource.prefix != match["prefix"]:
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        namespace, name = match["namespace"] or "", match["name"]
+        if resource.namespaced != bool(namespace):
+            raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        if name is None:
+            if method == "GET":
+                return self._list(resource, namespace, query)
+            if method == "POST":
+                return 201, self._create(resource, namespace, self._parse(body), manager=_one(query, "fieldManager"))
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection here")
+        if method == "GET":
+            return 200, self._read(resource, namespace, name)
+        if method == "PATCH":
+            return self._apply(resource, namespace, name, content_type, query, self._parse(body))
+        if method == "DELETE":
+            return 200, self._delete(resource, namespace, name)
+        raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    @staticmethod
+    def _parse(body: bytes) -> dict:
+        try:
+            parsed = yaml.safe_load(body or b"{}")  # JSON is YAML, so this reads both.
+        except yaml.YAMLError as exc:
+            raise ApiError(400, "BadRequest", f"the body could not be decoded: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise ApiError(400, "BadRequest", "the body must be an object")
+        return parsed
+
+    def _key(self, resource: ResourceType, namespace: str, name: str) -> tuple[str, str, str]:
+        return (resource.plural, namespace, name)
+
+    def _not_found(self, resource: ResourceType, name: str) -> ApiError:
+        return ApiError(404, "NotFound", f'{resource.plural} "{name}" not found', name=name, kind=resource.plural)
+
+    def _read(self, resource, namespace, name) -> dict:
+        obj = self._state.objects.get(self._key(resource, namespace, name))
+        if obj is None:
+            raise self._not_found(resource, name)
+        return copy.deepcopy(obj)
+
+    def _list(self, resource, namespace, query):
+        if _one(query, "watch") in ("1", "true"):
+            return self._watch(resource, namespace, query)
+        selector = _parse_selector(_one(query, "labelSelector"))
+        items = [
+            copy.deepcopy(obj)
+            for (plural, obj_namespace, _name), obj in sorted(self._state.objects.items())
+            if plural == resource.plural and (not namespace or obj_namespace == namespace)
+            and _selects(selector, obj["metadata"].get("labels") or {})
+        ]
+        return 200, {
+            "kind": f"{resource.kind}List",
+            "apiVersion": resource.api_version,
+            "metadata": {"resourceVersion": str(self._state.resource_version)},
+            "items": items,
+        }
+
+    def _watch(self, resource, namespace, query):
+        since = int(_one(query, "resourceVersion") or self._state.resource_version)
+        if since < self._state.oldest_watchable_rv:
+            raise ApiError(410, "Expired", f"too old resource version: {since} ({self._state.oldest_watchable_rv})")
+        # One batch of events since the given version, then the stream ends (as on a timeoutSeconds).
+        lines = [
+            json.dumps({"type": kind, "object": obj})
+            for rv, kind, plural, obj in self._state.events
+            if rv > since and plural == resource.plural and (not namespace or obj["metadata"].get("namespace") == namespace)
+        ]
+        return 200, "\n".join(lines) + ("\n" if lines else "")
+
+    def _check_namespace_open(self, resource, namespace) -> None:
+        if not resource.namespaced:
+            return
+        ns = self._state.objects.get(("namespaces", "", namespace))
+        if ns is None:
+            raise ApiError(404, "NotFound", f'namespaces "{namespace}" not found', name=namespace, kind="namespaces")
+        if ns["status"].get("phase") == "Terminating":
+            # The real server's wording and cause, from the NamespaceLifecycle admission plugin.
+            raise ApiError(
+                403, "Forbidden",
+                f"{resource.plural} is forbidden: unable to create new content in namespace {namespace} "
+                "because it is being terminated",
+                kind=resource.plural,
+                causes=[{"reason": "NamespaceTerminating", "message": f"namespace {namespace} is being terminated",
+                         "field": "metadata.namespace"}],
+            )
+
+    def _check_identity(self, resource, namespace, obj, name=None) -> str:
+        if obj.get("apiVersion") != resource.api_version or obj.get("kind") != resource.kind:
+            raise ApiError(400, "BadRequest", f"the body is {obj.get('apiVersion')}/{obj.get('kind')}, "
+                                              f"this endpoint serves {resource.api_version}/{resource.kind}")
+        metadata = obj.get("metadata") or {}
+        if not metadata.get("name"):
+            raise ApiError(422, "Invalid", f"{resource.kind} is invalid: metadata.name: Required value", kind=resource.kind)
+        if name is not None and metadata["name"] != name:
+            raise ApiError(400, "BadRequest", "the name of the object does not match the name on the URL")
+        if resource.namespaced and metadata.get("namespace", namespace) != namespace:
+            raise ApiError(400, "BadRequest", "the namespace of the object does not match the namespace on the URL")
+        return metadata["name"]
+
+    def _bump(self) -> str:
+        self._state.resource_version += 1
+        return str(self._state.resource_version)
+
+    def _record_event(self, kind: str, resource: ResourceType, obj: dict) -> None:
+        self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj)))
+
+    def _create(self, resource, namespace, obj, *, manager) -> dict:
+        name = self._check_identity(resource, namespace, obj)
+        key = self._key(resource, namespace, name)
+        if key in self._state.objects:
+            raise ApiError(409, "AlreadyExists", f'{resource.plural} "{name}" already exists', name=name,
+                           kind=resource.plural)
+        self._check_namespace_open(resource, namespace)
+        stored = copy.deepcopy(obj)
+        metadata = stored.setdefault("metadata", {})
+        if resource.namespaced:
+            metadata["namespace"] = namespace
+        metadata.update(
+            uid=str(uuid.uuid4()),
+            creationTimestamp=_now(),
+            resourceVersion=self._bump(),
+            managedFields=[{"manager": manager or "unknown", "operation": "Update", "apiVersion": resource.api_version}],
+        )
+        if resource.kind == "Namespace":
+            # The API server adds these itself, as it does on a real cluster.
+            metadata.setdefault("labels", {})["kubernetes.io/metadata.name"] = name
+            stored["spec"] = {"finalizers": ["kubernetes"]}
+            stored["status"] = {"phase": "Active"}
+        self._state.objects[key] = stored
+        self._record_event("ADDED", resource, stored)
+        return copy.deepcopy(stored)
+
+    def _apply(self, resource, namespace, name, content_type, query, applied):
+        if content_type.split(";")[0].strip() != APPLY_PATCH:
+            raise ApiError(415, "UnsupportedMediaType", f"the stand-in only serves server-side apply, not {content_type}")
+        manager = _one(query, "fieldManager")
+        if not manager:
+            raise ApiError(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: "
+                                           "is required for apply patch")
+        self._check_identity(resource, namespace, applied, name)
+        key = self._key(resource, namespace, name)
+        labels_key = (*key, manager)
+        applied_labels = dict((applied.get("metadata") or {}).get("labels") or {})
+        existing = self._state.objects.get(key)
+        if existing is None:
+            created = self._create(resource, namespace, applied, manager=manager)
+            created["metadata"]["managedFields"][0]["operation"] = "Apply"
+            self._state.objects[key]["metadata"]["managedFields"][0]["operation"] = "Apply"
+            self._state.applied_labels[labels_key] = set(applied_labels)
+            return 201, created
+        if resource.kind == "RoleBinding" and "roleRef" in applied and applied["roleRef"] != existing.get("roleRef"):
+            raise ApiError(422, "Invalid", f'RoleBinding.rbac.authorization.k8s.io "{name}" is invalid: '
+                                           "roleRef: Invalid value: cannot change roleRef", kind="RoleBinding")
+        updated = copy.deepcopy(existing)
+        metadata = updated["metadata"]
+        # Labels this manager applied before but dropped now are removed; other managers' labels stay.
+        labels = dict(metadata.get("labels") or {})
+        for dropped in self._state.applied_labels.get(labels_key, set()) - set(applied_labels):
+            labels.pop(dropped, None)
+        labels.update(applied_labels)
+        metadata["labels"] = labels
+        annotations = dict(metadata.get("annotations") or {})
+        annotations.update((applied.get("metadata") or {}).get("annotations") or {})
+        if annotations:
+            metadata["annotations"] = annotations
+        for field_name, value in applied.items():
+            if field_name not in ("apiVersion", "kind", "metadata", "status"):
+                updated[field_name] = copy.deepcopy(value)
+        managers = [entry for entry in metadata.get("managedFields", []) if entry["manager"] != manager]
+        metadata["managedFields"] = managers + [{"manager": manager, "operation": "Apply", "apiVersion": resource.api_version}]
+        self._state.applied_labels[labels_key] = set(applied_labels)
+        if _content(updated) != _content(existing):
+            metadata["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", resource, updated)
+        self._state.objects[key] = updated
+        return 200, copy.deepcopy(updated)
+
+    def _delete(self, resource, namespace, name) -> dict:
+        key = self._key(resource, namespace, name)
+        obj = self._state.objects.get(key)
+        if obj is None:
+            raise self._not_found(resource, name)
+        if resource.kind == "Namespace":
+            if obj["status"].get("phase") != "Terminating":
+                obj["status"]["phase"] = "Terminating"
+                obj["metadata"]["deletionTimestamp"] = _now()
+                obj["metadata"]["resourceVersion"] = self._bump()
+                self._record_event("MODIFIED", resource, obj)
+                self._state.namespace_gone_at[name] = time.monotonic() + self.termination_delay_s
+            return copy.deepcopy(obj)
+        del self._state.objects[key]
+        obj["metadata"]["resourceVersion"] = self._bump()
+        self._record_event("DELETED", resource, obj)
+        return copy.deepcopy(obj)
+
+    def _reap(self) -> None:
+        """Finish deleting namespaces whose termination delay has passed, with everything in them."""
+        now = time.monotonic()
+        for namespace, gone_at in list(self._state.namespace_gone_at.items()):
+            if gone_at > now:
+                continue
+            del self._state.namespace_gone_at[namespace]
+            for key in [key for key in self._state.objects if key[1] == namespace or key == ("namespaces", "", namespace)]:
+                obj = self._state.objects.pop(key)
+                obj["metadata"]["resourceVersion"] = self._bump()
+                self._record_event("DELETED", RESOURCE_TYPES[key[0]], obj)
+            for labels_key in [k for k in self._state.applied_labels if k[1] == namespace or k[:3] == ("namespaces", "", namespace)]:
+                del self._state.applied_labels[labels_key]
+
+
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "AlreadyExists",
+            410: "Expired", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+            504: "Timeout"}
+
+
+def _one(query: dict[str, list[str]], name: str) -> str:
+    return (query.get(name) or [""])[0]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _content(obj: dict) -> dict:
+    stripped = copy.deepcopy(obj)
+    for name in _SERVER_FIELDS:
+        stripped.get("metadata", {}).pop(name, None)
+    return stripped
+
+
+def _parse_selector(selector: str) -> list[tuple[str, str]]:
+    """Equality-based label selectors only (`a=b,c==d`), which is all the backend sends."""
+    pairs = []
+    for term in filter(None, (part.strip() for part in selector.split(","))):
+        if "!=" in term or "=" not in term:
+            raise ApiError(400, "BadRequest", f"the stand-in understands only equality selectors, not {term!r}")
+        key, value = term.replace("==", "=").split("=", 1)
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def _selects(selector: list[tuple[str, str]], labels: dict[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api: KubernetesStandIn
+    protocol_version = "HTTP/1.1"  # Keep-alive, as the kube client's connection pool expects.
+    # Without these, Nagle and delayed ACKs add ~40 ms to every small request on loopback.
+    disable_nagle_algorithm = True
+    wbufsize = -1
+
+    def _serve(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body)
+        payload = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
+
+    def log_message(self, format, *args) -> None:  # Quiet: tests read the request log instead.
+        pass
