@@ -137,7 +137,10 @@ class KubernetesStandIn:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="k8s-standin", daemon=True)
+        # A short poll keeps stop() quick; the default half second would dominate a test run.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="k8s-standin", daemon=True
+        )
         self._thread.start()
         return self
 

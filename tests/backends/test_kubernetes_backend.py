@@ -1,0 +1,271 @@
+"""The Kubernetes backend's API calls, against a local stand-in that answers like an API server."""
+
+import time
+
+import pytest
+from kubernetes import client
+
+from runners.backends.base import MemberBinding, PermanentBackendError, TransientBackendError
+from runners.backends.kubernetes import KubernetesBackend
+from runners.backends.manifests import environment_manifests, service_account_manifest
+from tests.backends.conftest import client_for, make_spec
+from tests.backends.k8s_standin import APPLY_PATCH, KubernetesStandIn
+
+PLURALS = {
+    "Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ResourceQuota": "resourcequotas",
+    "LimitRange": "limitranges", "NetworkPolicy": "networkpolicies", "Role": "roles", "RoleBinding": "rolebindings",
+}
+
+
+def _keys(spec) -> set[tuple[str, str, str]]:
+    """Where the stand-in stores each object the spec should produce."""
+    return {
+        (PLURALS[m["kind"]], m["metadata"].get("namespace", ""), m["metadata"]["name"])
+        for m in environment_manifests(spec, username_template="oidc:{username}")
+    }
+
+
+def _versions(standin) -> dict:
+    return {key: obj["metadata"]["resourceVersion"] for key, obj in standin.objects().items()}
+
+
+# --- Provisioning ----------------------------------------------------------------
+
+
+def test_it_creates_every_object_of_the_environment(backend, standin, spec):
+    backend.ensure_environment(spec)
+    assert set(standin.objects()) == _keys(spec)
+    quota = standin.get("resourcequotas", "gpu-quota", "acme-vision")
+    assert quota["spec"]["hard"]["requests.nvidia.com/gpu"] == "2"
+    editors = standin.get("rolebindings", "portal-editor-members", "acme-vision")
+    assert [s["name"] for s in editors["subjects"]] == ["oidc:olivia", "oidc:tom"]
+
+
+def test_every_object_is_sent_by_server_side_apply_under_one_field_manager(backend, standin, spec):
+    backend.ensure_environment(spec)
+    patches = [r for r in standin.requests if r.method == "PATCH"]
+    assert len(patches) == len(_keys(spec))
+    for request in patches:
+        assert request.content_type == APPLY_PATCH
+        assert request.query["fieldManager"] == ["gpu-portal"]
+        assert request.query["force"] == ["true"]
+    namespace = standin.get("namespaces", "acme-vision")
+    assert {entry["manager"] for entry in namespace["metadata"]["managedFields"]} == {"gpu-portal"}
+
+
+def test_provisioning_twice_changes_nothing_the_second_time(backend, standin, spec):
+    backend.ensure_environment(spec)
+    before = _versions(standin)
+    standin.clear_log()
+    backend.ensure_environment(spec)
+    assert _versions(standin) == before
+    assert [r for r in standin.requests if r.method in ("POST", "DELETE")] == []
+    assert {r.status for r in standin.writes()} == {200}  # Applied, and found unchanged: no 201s.
+
+
+def test_a_namespace_that_already_exists_answering_409_is_success(backend, standin, spec):
+    # Another worker creates the namespace between this one's read and its create.
+    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision"}})
+    standin.inject(404, method="GET", path_contains="/api/v1/namespaces/acme-vision", reason="NotFound")
+    backend.ensure_environment(spec)
+    assert ("POST", 409) in [(r.method, r.status) for r in standin.requests]
+    assert set(standin.objects()) == _keys(spec)
+
+
+def test_it_adopts_a_bare_namespace_someone_created_beforehand(backend, standin, spec):
+    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision", "labels": {"team": "cv"}}})
+    backend.ensure_environment(spec)
+    labels = standin.get("namespaces", "acme-vision")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["team"] == "cv"  # Another manager's label is not ours to remove.
+
+
+def test_it_refuses_a_namespace_that_belongs_to_another_environment(backend, spec):
+    backend.ensure_environment(make_spec(environment_id=99))
+    with pytest.raises(PermanentBackendError, match="already belongs to portal environment 99"):
+        backend.ensure_environment(spec)
+
+
+def test_a_member_who_left_loses_their_rolebinding(backend, standin, spec):
+    backend.ensure_environment(spec)
+    assert standin.get("rolebindings", "portal-viewer-members", "acme-vision")
+    backend.ensure_environment(make_spec(members=(MemberBinding("olivia", "owner"),)))
+    assert standin.get("rolebindings", "portal-viewer-members", "acme-vision") is None
+    editors = standin.get("rolebindings", "portal-editor-members", "acme-vision")
+    assert [s["name"] for s in editors["subjects"]] == ["oidc:olivia"]
+    # Converged: a third call deletes and changes nothing more.
+    before = _versions(standin)
+    standin.clear_log()
+    backend.ensure_environment(make_spec(members=(MemberBinding("olivia", "owner"),)))
+    assert _versions(standin) == before and [r for r in standin.requests if r.method == "DELETE"] == []
+
+
+def test_objects_the_portal_did_not_make_are_left_alone(backend, standin, spec):
+    backend.ensure_environment(spec)
+    standin.put({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "platform-oncall", "namespace": "acme-vision"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "oncall"}],
+    })
+    backend.ensure_environment(make_spec(members=()))
+    assert standin.get("rolebindings", "platform-oncall", "acme-vision")
+
+
+def test_ensuring_while_the_namespace_is_terminating_is_transient(standin, make_backend, spec):
+    backend = make_backend()
+    backend.ensure_environment(spec)
+    client.CoreV1Api(client_for(standin.url)).delete_namespace("acme-vision")
+    with pytest.raises(TransientBackendError, match="still being deleted"):
+        backend.ensure_environment(spec)
+
+
+def test_a_create_refused_because_the_namespace_is_terminating_is_transient(backend, standin, spec):
+    # The namespace read said Active, then it went Terminating before the objects were applied.
+    backend.ensure_environment(spec)
+    client.CoreV1Api(client_for(standin.url)).delete_namespace("acme-vision")
+    late_object = service_account_manifest(spec) | {"metadata": {"name": "another", "namespace": "acme-vision"}}
+    with pytest.raises(TransientBackendError, match="being terminated"):
+        backend._apply(late_object)
+
+
+# --- Teardown --------------------------------------------------------------------
+
+
+def test_teardown_leaves_no_object_behind_and_returns_only_once_the_namespace_is_gone(standin, make_backend, spec):
+    standin.termination_delay_s = 0.3
+    backend = make_backend()
+    backend.ensure_environment(spec)
+    started = time.monotonic()
+    backend.delete_environment(spec)
+    assert time.monotonic() - started >= 0.3
+    assert standin.objects() == {}
+    assert not backend.environment_exists(spec)
+    reads = [r for r in standin.requests if r.method == "GET" and r.path == "/api/v1/namespaces/acme-vision"]
+    assert reads[-1].status == 404
+
+
+def test_deleting_an_environment_that_is_already_gone_is_a_no_op(backend, standin, spec):
+    backend.delete_environment(spec)
+    assert [(r.method, r.status) for r in standin.requests] == [("DELETE", 404)]
+
+
+def test_deleting_twice_while_terminating_waits_both_times(backend, standin, spec):
+    backend.ensure_environment(spec)
+    client.CoreV1Api(client_for(standin.url)).delete_namespace("acme-vision")
+    backend.delete_environment(spec)
+    assert standin.objects() == {}
+
+
+def test_a_namespace_stuck_terminating_times_out_as_transient(standin, make_backend, spec):
+    standin.termination_delay_s = float("inf")  # A finalizer that never finishes.
+    backend = make_backend(delete_timeout_s=0.3)
+    backend.ensure_environment(spec)
+    with pytest.raises(TransientBackendError, match="finalizer may be stuck"):
+        backend.delete_environment(spec)
+    assert backend.environment_exists(spec)
+
+
+def test_environment_exists_follows_the_namespace(backend, spec):
+    assert not backend.environment_exists(spec)
+    backend.ensure_environment(spec)
+    assert backend.environment_exists(spec)
+
+
+# --- Errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [500, 503, 429, 504])
+def test_server_trouble_and_throttling_are_transient(backend, standin, spec, status):
+    standin.inject(status, method="PATCH", message="etcdserver: request timed out")
+    with pytest.raises(TransientBackendError, match="etcdserver"):
+        backend.ensure_environment(spec)
+    backend.ensure_environment(spec)  # The retry succeeds.
+    assert set(standin.objects()) == _keys(spec)
+
+
+def test_forbidden_is_permanent_and_says_what_the_api_said(backend, standin, spec):
+    message = 'namespaces is forbidden: User "system:serviceaccount:portal:portal" cannot create resource "namespaces"'
+    standin.inject(403, method="POST", reason="Forbidden", message=message)
+    with pytest.raises(PermanentBackendError) as raised:
+        backend.ensure_environment(spec)
+    assert message in str(raised.value) and "credentials" in str(raised.value)
+
+
+@pytest.mark.parametrize("status", [400, 401, 422])
+def test_bad_requests_and_bad_credentials_are_permanent(backend, standin, spec, status):
+    standin.inject(status, method="PATCH", message="spec.hard: Invalid value")
+    with pytest.raises(PermanentBackendError, match="Invalid value"):
+        backend.ensure_environment(spec)
+
+
+def test_a_conflict_other_than_already_exists_is_transient(backend, standin, spec):
+    standin.inject(409, method="PATCH", reason="Conflict", message="the object has been modified")
+    with pytest.raises(TransientBackendError, match="has been modified"):
+        backend.ensure_environment(spec)
+
+
+def test_a_request_that_times_out_is_transient(standin, make_backend, spec):
+    backend = make_backend(request_timeout_s=0.2)
+    standin.inject(200, method="GET", delay_s=1.0, count=10)
+    with pytest.raises(TransientBackendError, match="could not be reached"):
+        backend.environment_exists(spec)
+
+
+def test_an_api_server_that_is_down_is_transient(spec):
+    with KubernetesStandIn() as gone:
+        url = gone.url
+    backend = KubernetesBackend(client_for(url), request_timeout_s=1)
+    with pytest.raises(TransientBackendError, match="could not be reached"):
+        backend.environment_exists(spec)
+
+
+# --- Settings and the stand-in itself --------------------------------------------------
+
+
+def test_from_settings_reads_the_kubeconfig(settings, standin, tmp_path, spec):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: standin\n"
+        f"clusters: [{{name: standin, cluster: {{server: '{standin.url}'}}}}]\n"
+        "users: [{name: portal, user: {token: not-a-secret}}]\n"
+        "contexts: [{name: standin, context: {cluster: standin, user: portal}}]\n"
+    )
+    settings.KUBECONFIG = str(kubeconfig)
+    settings.KUBERNETES_IN_CLUSTER = False
+    settings.KUBERNETES_USERNAME_TEMPLATE = "sso:{username}"
+    backend = KubernetesBackend.from_settings()
+    assert backend.name == "kubernetes" and backend.username_template == "sso:{username}"
+    backend.ensure_environment(spec)
+    assert standin.get("rolebindings", "portal-viewer-members", "acme-vision")["subjects"][0]["name"] == "sso:vera"
+
+
+def test_from_settings_without_a_kubeconfig_is_permanent(settings, tmp_path):
+    settings.KUBECONFIG = str(tmp_path / "missing")
+    settings.KUBERNETES_IN_CLUSTER = False
+    with pytest.raises(PermanentBackendError, match="KUBECONFIG"):
+        KubernetesBackend.from_settings()
+
+
+def test_the_standin_answers_not_found_and_already_exists_like_an_api_server(standin):
+    core = client.CoreV1Api(client_for(standin.url))
+    with pytest.raises(client.ApiException) as missing:
+        core.read_namespace("nowhere")
+    assert missing.value.status == 404 and '"reason": "NotFound"' in missing.value.body
+    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "here"}}
+    assert core.create_namespace(body).metadata.name == "here"
+    with pytest.raises(client.ApiException) as exists:
+        core.create_namespace(body)
+    assert exists.value.status == 409 and '"reason": "AlreadyExists"' in exists.value.body
+
+
+def test_the_standin_answers_410_gone_to_a_watch_from_a_compacted_version(standin):
+    core = client.CoreV1Api(client_for(standin.url))
+    old_version = core.list_namespace().metadata.resource_version
+    core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "later"}})
+    events = core.list_namespace(watch=True, resource_version=old_version, _preload_content=False).data
+    assert b'"ADDED"' in events and b'"later"' in events
+    standin.compact()
+    with pytest.raises(client.ApiException) as gone:
+        core.list_namespace(watch=True, resource_version=old_version, _preload_content=False)
+    assert gone.value.status == 410 and '"reason": "Expired"' in gone.value.body
