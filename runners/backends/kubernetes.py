@@ -76,6 +76,8 @@ class ApiStatusError(Exception):
         """The portal's view: retry later, or tell an operator what to fix."""
         if self.status in TRANSIENT_STATUSES or self.status == 0:
             return TransientBackendError(str(self))
+        if self.status == 404 and (self.body.get("details") or {}).get("kind") == "namespaces":
+            return TransientBackendError(f"{self} (the namespace was deleted meanwhile; trying again recreates it)")
         if self.status == 403 and self.namespace_terminating:
             return TransientBackendError(f"{self} (the namespace is still being deleted; trying again shortly)")
         # A 409 other than AlreadyExists is an optimistic-concurrency conflict: someone wrote in between.
@@ -180,7 +182,10 @@ class KubernetesBackend:
 
     def ensure_environment(self, spec: EnvironmentSpec) -> None:
         """Create or converge every object of the environment, then remove ones no longer wanted."""
-        manifests = environment_manifests(spec, username_template=self.username_template)
+        try:
+            manifests = environment_manifests(spec, username_template=self.username_template)
+        except ValueError as exc:
+            raise PermanentBackendError(f"Cannot build environment {spec.environment_id}: {exc}") from None
         self._ensure_namespace(spec, manifests[0])
         for manifest in manifests:
             self._apply(manifest)
@@ -196,7 +201,7 @@ class KubernetesBackend:
             raise TransientBackendError(
                 f"Namespace {spec.namespace} is still being deleted; the environment is created once it is gone."
             )
-        owner = ((current.get("metadata") or {}).get("labels") or {}).get(ENVIRONMENT_LABEL)
+        owner = _owner(current)
         if owner not in (None, str(spec.environment_id)):
             raise PermanentBackendError(
                 f"Namespace {spec.namespace} already belongs to portal environment {owner}; "
@@ -216,6 +221,19 @@ class KubernetesBackend:
 
     def delete_environment(self, spec: EnvironmentSpec) -> None:
         """Delete the namespace (and with it everything inside), and return once it is gone."""
+        status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
+        if status == 404:
+            return
+        owner = _owner(current)
+        if owner is None:
+            # Never labelled by the portal, so never this environment's: someone else's to delete.
+            logger.warning("Not deleting namespace %s: the portal did not make it.", spec.namespace)
+            return
+        if owner != str(spec.environment_id):
+            raise PermanentBackendError(
+                f"Namespace {spec.namespace} belongs to portal environment {owner}, not {spec.environment_id}; "
+                "refusing to delete it."
+            )
         status, _ = self._checked("Namespace", "delete", spec.namespace, accept=(200, 202, 404))
         if status == 404:
             return
@@ -229,9 +247,14 @@ class KubernetesBackend:
             time.sleep(self.poll_interval_s)
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
-        """Whether the namespace exists, Terminating included."""
-        status, _ = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
-        return status == 200
+        """Whether this environment's namespace exists, Terminating included."""
+        status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
+        return status == 200 and _owner(current) == str(spec.environment_id)
+
+
+def _owner(namespace: dict) -> str | None:
+    """The portal environment id a Namespace object is labelled with, if any."""
+    return ((namespace.get("metadata") or {}).get("labels") or {}).get(ENVIRONMENT_LABEL)
 
 
 def _json(data) -> dict:

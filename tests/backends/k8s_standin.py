@@ -74,7 +74,7 @@ class RecordedRequest:
 
 @dataclass
 class Fault:
-    """Answer the next `count` matching requests with `status` (or hang for `delay_s` first)."""
+    """Answer the next `count` matching requests with `status`, after `delay_s`; a 2xx status only delays."""
 
     status: int
     method: str | None = None
@@ -83,6 +83,7 @@ class Fault:
     reason: str = ""
     message: str = "injected fault"
     delay_s: float = 0.0
+    details: dict | None = None  # The Status's details (name, kind, causes), as a real error carries them.
 
     def matches(self, method: str, path: str) -> bool:
         return (self.method is None or self.method == method) and self.path_contains in path
@@ -213,8 +214,12 @@ class KubernetesStandIn:
             if fault.delay_s:
                 time.sleep(fault.delay_s)
             record.status = fault.status
-            return fault.status, status_body(fault.status, fault.reason or _REASONS.get(fault.status, "InternalError"),
-                                             fault.message)
+            if 200 <= fault.status < 300:
+                # A slow but successful answer: only the delay was wanted, so serve the real request.
+                fault = None
+            else:
+                return fault.status, status_body(fault.status, fault.reason or _REASONS.get(fault.status, "InternalError"),
+                                                 fault.message, **(fault.details or {}))
         try:
             with self._lock:
                 self._reap()

@@ -129,6 +129,18 @@ def test_a_create_refused_because_the_namespace_is_terminating_is_transient(back
         backend._apply(late_object)
 
 
+def test_a_namespace_deleted_while_applying_is_transient(backend, standin, spec):
+    standin.inject(404, method="PATCH", path_contains="/serviceaccounts/", reason="NotFound",
+                   message='namespaces "acme-vision" not found', details={"name": "acme-vision", "kind": "namespaces"})
+    with pytest.raises(TransientBackendError, match="deleted meanwhile"):
+        backend.ensure_environment(spec)
+
+
+def test_an_unknown_member_role_is_permanent(backend, spec):
+    with pytest.raises(PermanentBackendError, match="superuser"):
+        backend.ensure_environment(make_spec(members=(MemberBinding("mallory", "superuser"),)))
+
+
 # --- Teardown --------------------------------------------------------------------
 
 
@@ -147,7 +159,21 @@ def test_teardown_leaves_no_object_behind_and_returns_only_once_the_namespace_is
 
 def test_deleting_an_environment_that_is_already_gone_is_a_no_op(backend, standin, spec):
     backend.delete_environment(spec)
-    assert [(r.method, r.status) for r in standin.requests] == [("DELETE", 404)]
+    assert [(r.method, r.status) for r in standin.requests] == [("GET", 404)]
+
+
+def test_it_never_deletes_a_namespace_of_another_environment(backend, standin, spec):
+    backend.ensure_environment(make_spec(environment_id=99))
+    with pytest.raises(PermanentBackendError, match="refusing to delete"):
+        backend.delete_environment(spec)
+    assert standin.get("namespaces", "acme-vision")["status"]["phase"] == "Active"
+
+
+def test_it_leaves_a_namespace_the_portal_did_not_make(backend, standin, spec):
+    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision"}})
+    backend.delete_environment(spec)
+    assert standin.get("namespaces", "acme-vision")["status"]["phase"] == "Active"
+    assert not backend.environment_exists(spec)
 
 
 def test_deleting_twice_while_terminating_waits_both_times(backend, standin, spec):
