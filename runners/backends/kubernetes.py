@@ -194,9 +194,14 @@ class KubernetesBackend:
     def _ensure_namespace(self, spec: EnvironmentSpec, namespace: dict) -> None:
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
         if status == 404:
-            # Another worker may create it between our read and this create; that is just as good.
-            self._checked("Namespace", "create", body=namespace, field_manager=self.field_manager, accept=(201, 409))
-            return
+            status, _ = self._checked(
+                "Namespace", "create", body=namespace, field_manager=self.field_manager, accept=(201, 409)
+            )
+            if status == 201:
+                return
+            # 409: someone created it between our read and this create. That is just as good if it is
+            # ours, so look again before applying over it.
+            current = self._checked("Namespace", "read", spec.namespace)[1]
         if (current.get("status") or {}).get("phase") == "Terminating":
             raise TransientBackendError(
                 f"Namespace {spec.namespace} is still being deleted; the environment is created once it is gone."

@@ -72,6 +72,14 @@ def test_a_namespace_that_already_exists_answering_409_is_success(backend, stand
     assert set(standin.objects()) == _keys(spec)
 
 
+def test_a_namespace_another_environment_created_in_between_is_not_taken_over(backend, standin, spec):
+    backend.ensure_environment(make_spec(environment_id=99))
+    standin.inject(404, method="GET", path_contains="/api/v1/namespaces/acme-vision", reason="NotFound")
+    with pytest.raises(PermanentBackendError, match="already belongs to portal environment 99"):
+        backend.ensure_environment(spec)
+    assert standin.get("namespaces", "acme-vision")["metadata"]["labels"]["portal.gpu/environment-id"] == "99"
+
+
 def test_it_adopts_a_bare_namespace_someone_created_beforehand(backend, standin, spec):
     standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision", "labels": {"team": "cv"}}})
     backend.ensure_environment(spec)
