@@ -4,6 +4,7 @@ import time
 
 import pytest
 from kubernetes import client
+from kubernetes_validate.utils import latest_version
 
 from runners.backends.base import MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.kubernetes import KubernetesBackend
@@ -51,6 +52,22 @@ def test_every_object_is_sent_by_server_side_apply_under_one_field_manager(backe
         assert request.query["force"] == ["true"]
     namespace = standin.get("namespaces", "acme-vision")
     assert {entry["manager"] for entry in namespace["metadata"]["managedFields"]} == {"gpu-portal"}
+
+
+@pytest.mark.parametrize("version", ["1.30.0", latest_version()])
+def test_what_goes_over_the_wire_validates_strictly(spec, version):
+    with KubernetesStandIn(validate_version=version) as strict_api:
+        KubernetesBackend(client_for(strict_api.url)).ensure_environment(spec)
+        assert {r.status for r in strict_api.writes()} <= {200, 201}
+
+
+def test_the_strict_standin_refuses_an_invalid_object_as_permanent(spec):
+    with KubernetesStandIn(validate_version="1.30.0") as strict_api:
+        backend = KubernetesBackend(client_for(strict_api.url))
+        backend.ensure_environment(spec)
+        broken = service_account_manifest(spec) | {"automountServiceAccountToken": "nope"}
+        with pytest.raises(PermanentBackendError, match="422 Invalid"):
+            backend._apply(broken)
 
 
 def test_provisioning_twice_changes_nothing_the_second_time(backend, standin, spec):
