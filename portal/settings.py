@@ -232,6 +232,18 @@ KUBERNETES_USERNAME_TEMPLATE = env_str("KUBERNETES_USERNAME_TEMPLATE", "{usernam
 if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
     raise ImproperlyConfigured("KUBERNETES_USERNAME_TEMPLATE must contain {username}, e.g. 'oidc:{username}'.")
 KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 300, minimum=1)
+KUBERNETES_POLL_INTERVAL_S = env_float("KUBERNETES_POLL_INTERVAL_S", 1.0, minimum=0)
+KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, minimum=1)
+# Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at
+# (migManager.config.name and devicePlugin.config.name).
+KUBERNETES_GPU_OPERATOR_NAMESPACE = env_str("KUBERNETES_GPU_OPERATOR_NAMESPACE", "gpu-operator")
+KUBERNETES_MIG_PARTED_CONFIG_MAP = env_str("KUBERNETES_MIG_PARTED_CONFIG_MAP", "portal-mig-parted-config")
+KUBERNETES_DEVICE_PLUGIN_CONFIG_MAP = env_str("KUBERNETES_DEVICE_PLUGIN_CONFIG_MAP", "portal-device-plugin-config")
+# Node labels that carry the pool and the topology the scheduler packs gangs by.
+KUBERNETES_POOL_LABEL = env_str("KUBERNETES_POOL_LABEL", "portal.gpu/node-pool")
+KUBERNETES_RACK_LABEL = env_str("KUBERNETES_RACK_LABEL", "topology.portal.gpu/rack")
+KUBERNETES_BLOCK_LABEL = env_str("KUBERNETES_BLOCK_LABEL", "topology.portal.gpu/block")
+KUBERNETES_NVLINK_DOMAIN_LABEL = env_str("KUBERNETES_NVLINK_DOMAIN_LABEL", "topology.portal.gpu/nvlink-domain")
 
 LOGGING = {
     "version": 1,

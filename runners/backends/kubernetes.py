@@ -1,4 +1,4 @@
-"""The Kubernetes backend for environments: one namespace per environment, kept converged.
+"""The Kubernetes backend: one namespace per environment, partitions through the NVIDIA GPU Operator.
 
 Every object comes from `manifests.environment_manifests` and is sent with
 server-side apply under one field manager, so a repeated call changes nothing.
@@ -17,17 +17,27 @@ from dataclasses import dataclass
 import urllib3
 from kubernetes import client, config
 
+from runners.backends import k8s_inventory, k8s_partitions
 from runners.backends.base import (
     BackendError,
     EnvironmentSpec,
+    NodeInfo,
+    PartitionSpec,
     PermanentBackendError,
     TransientBackendError,
 )
-from runners.backends.manifests import ENVIRONMENT_LABEL, environment_manifests, ownership_selector
+from runners.backends.manifests import (
+    ENVIRONMENT_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    environment_manifests,
+    ownership_selector,
+)
 
 logger = logging.getLogger(__name__)
 
 APPLY_PATCH = "application/apply-patch+yaml"
+MERGE_PATCH = "application/merge-patch+json"
 # Worth retrying: throttling, a server in trouble, or a request that timed out on its side.
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_POLL_INTERVAL_S = 1.0
@@ -51,8 +61,12 @@ KINDS = {
     "NetworkPolicy": Kind("networking", "network_policy"),
     "Role": Kind("rbac", "role"),
     "RoleBinding": Kind("rbac", "role_binding"),
+    "Node": Kind("core", "node", namespaced=False),
+    "Pod": Kind("core", "pod"),
+    "ConfigMap": Kind("core", "config_map"),
 }
-NAMESPACED_KINDS = tuple(kind for kind, where in KINDS.items() if where.namespaced)
+# The kinds an environment is made of, and so the ones pruning may remove.
+ENVIRONMENT_KINDS = ("ServiceAccount", "ResourceQuota", "LimitRange", "NetworkPolicy", "Role", "RoleBinding")
 
 
 class ApiStatusError(Exception):
@@ -104,6 +118,10 @@ class KubernetesBackend:
         delete_timeout_s: float = 300,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        gpu_operator_namespace: str = "gpu-operator",
+        mig_parted_config_map: str = "portal-mig-parted-config",
+        device_plugin_config_map: str = "portal-device-plugin-config",
+        topology_labels: k8s_inventory.TopologyLabels = k8s_inventory.TopologyLabels(),
     ) -> None:
         self.api_client = api_client
         self.apis = {
@@ -116,6 +134,10 @@ class KubernetesBackend:
         self.delete_timeout_s = delete_timeout_s
         self.poll_interval_s = poll_interval_s
         self.request_timeout_s = request_timeout_s
+        self.gpu_operator_namespace = gpu_operator_namespace
+        self.mig_parted_config_map = mig_parted_config_map
+        self.device_plugin_config_map = device_plugin_config_map
+        self.topology_labels = topology_labels
 
     @classmethod
     def from_settings(cls) -> "KubernetesBackend":
@@ -137,15 +159,31 @@ class KubernetesBackend:
             field_manager=settings.KUBERNETES_FIELD_MANAGER,
             username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
             delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
-            poll_interval_s=getattr(settings, "KUBERNETES_POLL_INTERVAL_S", DEFAULT_POLL_INTERVAL_S),
+            poll_interval_s=settings.KUBERNETES_POLL_INTERVAL_S,
+            request_timeout_s=settings.KUBERNETES_REQUEST_TIMEOUT_S,
+            gpu_operator_namespace=settings.KUBERNETES_GPU_OPERATOR_NAMESPACE,
+            mig_parted_config_map=settings.KUBERNETES_MIG_PARTED_CONFIG_MAP,
+            device_plugin_config_map=settings.KUBERNETES_DEVICE_PLUGIN_CONFIG_MAP,
+            topology_labels=k8s_inventory.TopologyLabels(
+                pool=settings.KUBERNETES_POOL_LABEL,
+                rack=settings.KUBERNETES_RACK_LABEL,
+                block=settings.KUBERNETES_BLOCK_LABEL,
+                nvlink_domain=settings.KUBERNETES_NVLINK_DOMAIN_LABEL,
+            ),
         )
 
     # --- One API call ------------------------------------------------------------
 
-    def _call(self, kind: str, verb: str, *args, accept: tuple[int, ...] = (200, 201), **kwargs) -> tuple[int, dict]:
-        """Call `<verb>_[namespaced_]<kind>` on the typed client; (status, JSON body) if accepted."""
+    def _call(
+        self, kind: str, verb: str, *args, accept: tuple[int, ...] = (200, 201), subresource: str = "", **kwargs
+    ) -> tuple[int, dict]:
+        """Call `<verb>_[namespaced_]<kind>[_<subresource>]` on the typed client; (status, JSON body) if accepted."""
         where = KINDS[kind]
         method = f"{verb}_namespaced_{where.method_stem}" if where.namespaced else f"{verb}_{where.method_stem}"
+        if subresource:
+            method = f"{method}_{subresource}"
+        if verb == "list" and where.namespaced and not args:
+            method = f"list_{where.method_stem}_for_all_namespaces"
         doing = f"{method}({', '.join(map(str, args))})"
         try:
             response = getattr(self.apis[where.api], method)(
@@ -215,7 +253,7 @@ class KubernetesBackend:
 
     def _prune(self, spec: EnvironmentSpec, *, wanted: set[tuple[str, str]]) -> None:
         """Delete objects built for this environment earlier that it no longer has (members who left)."""
-        for kind in NAMESPACED_KINDS:
+        for kind in ENVIRONMENT_KINDS:
             listing = self._checked(kind, "list", spec.namespace, label_selector=ownership_selector(spec))[1]
             for item in listing.get("items") or []:
                 name = item["metadata"]["name"]
@@ -255,6 +293,98 @@ class KubernetesBackend:
         """Whether this environment's namespace exists, Terminating included."""
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
         return status == 200 and _owner(current) == str(spec.environment_id)
+
+
+    # --- Inventory and partitions ----------------------------------------------
+
+    def discover_inventory(self) -> list[NodeInfo]:
+        """GPU nodes (and nodes in a pool), from GFD labels and allocatable resources."""
+        items = self._checked("Node", "list")[1].get("items") or []
+        nodes = [k8s_inventory.node_info(item, labels=self.topology_labels) for item in items]
+        return [node for node in nodes if node.gpus or node.pool]
+
+    def _patch_node(self, node_name: str, patch: dict) -> dict:
+        return self._checked("Node", "patch", node_name, body=patch, _content_type=MERGE_PATCH)[1]
+
+    def cordon(self, node_name: str) -> None:
+        self._patch_node(node_name, {"spec": {"unschedulable": True}})
+
+    def uncordon(self, node_name: str) -> None:
+        self._patch_node(node_name, {"spec": {"unschedulable": None}})
+
+    def node_workloads(self, node_name: str) -> list[str]:
+        """Portal-launched pods on the node that have not finished; DaemonSets and system pods are not ours."""
+        items = self._checked(
+            "Pod", "list", field_selector=f"spec.nodeName={node_name}", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+        )[1].get("items") or []
+        return sorted(
+            f"{item['metadata']['namespace']}/{item['metadata']['name']}"
+            for item in items
+            if (item.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
+
+    def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
+        """Evict through the API, so PodDisruptionBudgets are honoured (429 means not yet: retried)."""
+        namespace, _, name = workload.partition("/")
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"gracePeriodSeconds": grace_period_s},
+        }
+        self._checked("Pod", "create", name, namespace, body=body, subresource="eviction", accept=(200, 201, 404))
+
+    def _update_config_map(self, name: str, change) -> None:
+        """Read-modify-write one of the GPU Operator's ConfigMaps; a concurrent writer makes us read again."""
+        for _attempt in range(5):
+            status, current = self._checked("ConfigMap", "read", name, self.gpu_operator_namespace, accept=(200, 404))
+            data = dict(current.get("data") or {}) if status == 200 else {}
+            desired = change(data)
+            if status == 200 and desired == data:
+                return
+            body = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": self.gpu_operator_namespace},
+                "data": desired,
+            }
+            try:
+                if status == 404:
+                    self._call("ConfigMap", "create", self.gpu_operator_namespace, body=body)
+                else:
+                    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+                    self._call("ConfigMap", "replace", name, self.gpu_operator_namespace, body=body)
+                return
+            except ApiStatusError as exc:
+                if exc.status != 409:
+                    raise exc.backend_error() from None
+        raise TransientBackendError(f"ConfigMap {self.gpu_operator_namespace}/{name} kept changing; trying again shortly.")
+
+    def apply_partition(self, node_name: str, partition: PartitionSpec) -> None:
+        """Write the profile into the operator's ConfigMap, then point the node's label at it."""
+        if partition.kind == "mig":
+            self._update_config_map(
+                self.mig_parted_config_map,
+                lambda data: {**data, "config.yaml": k8s_partitions.merged_mig_parted_config(data.get("config.yaml"), partition)},
+            )
+        elif partition.kind == "timeslice":
+            self._update_config_map(
+                self.device_plugin_config_map,
+                lambda data: {**data, partition.name: k8s_partitions.device_plugin_config(partition)},
+            )
+        labels = dict(k8s_partitions.node_partition_labels(partition))
+        # Forget the last outcome, so only MIG Manager's answer to this request counts as done.
+        labels["nvidia.com/mig.config.state"] = None
+        self._patch_node(node_name, {"metadata": {"labels": labels}})
+
+    def partition_applied(self, node_name: str, partition: PartitionSpec) -> bool:
+        node = self._checked("Node", "read", node_name)[1]
+        if k8s_partitions.partition_failed(node):
+            raise PermanentBackendError(
+                f"MIG Manager could not apply {partition.name} on {node_name} (nvidia.com/mig.config.state=failed); "
+                "see the nvidia-mig-manager pod's log on that node."
+            )
+        return k8s_partitions.partition_done(node, partition)
 
 
 def _owner(namespace: dict) -> str | None:

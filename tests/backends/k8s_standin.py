@@ -5,8 +5,15 @@ with the real reasons (NotFound, AlreadyExists, Forbidden, Expired), server-side
 apply that creates or updates and bumps resourceVersion only when the content
 changes, namespaces that go Terminating on delete and vanish with everything in
 them a little later, and watches that answer 410 Gone for a compacted
-resourceVersion. It is not a validator, a scheduler, or a full apply merge: an
-apply replaces what its manager sent and keeps labels other managers set.
+resourceVersion. For partition changes it also serves nodes (merge patches:
+cordon, labels), pods with their eviction subresource, and ConfigMaps (PUT with
+a resourceVersion check, 409 Conflict when stale), and plays a small GPU
+Operator: when a node's `nvidia.com/mig.config` or
+`nvidia.com/device-plugin.config` label changes, it reads the operator's
+ConfigMaps and, a moment later, advertises the new extended resources and sets
+`nvidia.com/mig.config.state`. It is not a validator, a scheduler, or a full
+apply merge: an apply replaces what its manager sent and keeps labels other
+managers set.
 """
 
 from __future__ import annotations
@@ -51,12 +58,20 @@ RESOURCE_TYPES = {
         ResourceType("networkpolicies", "NetworkPolicy", "networking.k8s.io/v1", namespaced=True),
         ResourceType("roles", "Role", "rbac.authorization.k8s.io/v1", namespaced=True),
         ResourceType("rolebindings", "RoleBinding", "rbac.authorization.k8s.io/v1", namespaced=True),
+        ResourceType("nodes", "Node", "v1", namespaced=False),
+        ResourceType("pods", "Pod", "v1", namespaced=True),
+        ResourceType("configmaps", "ConfigMap", "v1", namespaced=True),
     )
 }
 _PATH = re.compile(
     r"^(?P<prefix>/api/v1|/apis/[^/]+/v1)"
-    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?$"
+    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>eviction))?$"
 )
+MERGE_PATCH = "application/merge-patch+json"
+# What the simulated GPU Operator reads; the backend's defaults.
+GPU_OPERATOR_NAMESPACE = "gpu-operator"
+MIG_PARTED_CONFIG_MAP = "portal-mig-parted-config"
+DEVICE_PLUGIN_CONFIG_MAP = "portal-device-plugin-config"
 # Fields the server owns; they never count as "the content changed".
 _SERVER_FIELDS = ("resourceVersion", "managedFields", "uid", "creationTimestamp", "generation", "deletionTimestamp")
 
@@ -118,7 +133,12 @@ class ApiError(Exception):
 class KubernetesStandIn:
     """Start with `with KubernetesStandIn() as api:`; `api.url` is the host for a kube client."""
 
-    def __init__(self, *, termination_delay_s: float = 0.2, validate_version: str | None = None):
+    def __init__(
+        self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05
+    ):
+        # How long the simulated GPU Operator takes to re-partition a node after its label changes.
+        self.operator_delay_s = operator_delay_s
+        self._reconfigure_at: dict[str, float] = {}
         # How long a deleted namespace stays Terminating; float("inf") models a stuck finalizer.
         self.termination_delay_s = termination_delay_s
         # With a version, every body written is checked by kubernetes-validate in strict mode, as a
@@ -238,8 +258,13 @@ class KubernetesStandIn:
         if not match or resource is None or resource.prefix != match["prefix"]:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         namespace, name = match["namespace"] or "", match["name"]
-        if resource.namespaced != bool(namespace):
+        all_namespaces = resource.plural == "pods" and not namespace and name is None and method == "GET"
+        if resource.namespaced != bool(namespace) and not all_namespaces:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        if match["sub"] == "eviction":
+            if method != "POST" or resource.plural != "pods":
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            return 201, self._evict(namespace, name, self._parse(body))
         if name is None:
             if method == "GET":
                 return self._list(resource, namespace, query)
@@ -249,7 +274,11 @@ class KubernetesStandIn:
         if method == "GET":
             return 200, self._read(resource, namespace, name)
         if method == "PATCH":
+            if content_type.split(";")[0].strip() == MERGE_PATCH:
+                return 200, self._merge(resource, namespace, name, self._parse(body))
             return self._apply(resource, namespace, name, content_type, query, self._parse(body))
+        if method == "PUT":
+            return 200, self._replace(resource, namespace, name, self._parse(body))
         if method == "DELETE":
             return 200, self._delete(resource, namespace, name)
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
@@ -285,6 +314,7 @@ class KubernetesStandIn:
             for (plural, obj_namespace, _name), obj in sorted(self._state.objects.items())
             if plural == resource.plural and (not namespace or obj_namespace == namespace)
             and _selects(selector, obj["metadata"].get("labels") or {})
+            and _fields_select(_one(query, "fieldSelector"), obj)
         ]
         return 200, {
             "kind": f"{resource.kind}List",
@@ -442,8 +472,104 @@ class KubernetesStandIn:
         self._record_event("DELETED", resource, obj)
         return copy.deepcopy(obj)
 
+    def _merge(self, resource, namespace, name, patch) -> dict:
+        """A JSON merge patch (RFC 7386), as `kubectl cordon` and label changes send."""
+        key = self._key(resource, namespace, name)
+        existing = self._state.objects.get(key)
+        if existing is None:
+            raise self._not_found(resource, name)
+        updated = _merge_patch(existing, patch)
+        if _content(updated) != _content(existing):
+            updated["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", resource, updated)
+            if resource.kind == "Node" and _partition_labels(existing) != _partition_labels(updated):
+                self._reconfigure_at[name] = time.monotonic() + self.operator_delay_s
+        self._state.objects[key] = updated
+        return copy.deepcopy(updated)
+
+    def _replace(self, resource, namespace, name, obj) -> dict:
+        """PUT: replace the whole object, refusing a stale resourceVersion with 409 Conflict."""
+        self._check_identity(resource, namespace, obj, name)
+        key = self._key(resource, namespace, name)
+        existing = self._state.objects.get(key)
+        if existing is None:
+            raise self._not_found(resource, name)
+        sent = (obj.get("metadata") or {}).get("resourceVersion")
+        if sent and sent != existing["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource.plural} "{name}": the object '
+                                            "has been modified; please apply your changes to the latest version and try again")
+        updated = copy.deepcopy(obj)
+        for kept in ("uid", "creationTimestamp", "managedFields"):
+            updated["metadata"][kept] = existing["metadata"].get(kept)
+        updated["metadata"]["namespace"] = namespace
+        updated["metadata"]["resourceVersion"] = self._bump()
+        self._state.objects[key] = updated
+        self._record_event("MODIFIED", resource, updated)
+        return copy.deepcopy(updated)
+
+    def _evict(self, namespace, name, eviction) -> dict:
+        """The eviction subresource: the pod goes (no PodDisruptionBudgets here)."""
+        key = ("pods", namespace, name)
+        if key not in self._state.objects:
+            raise self._not_found(RESOURCE_TYPES["pods"], name)
+        if eviction.get("kind") != "Eviction":
+            raise ApiError(400, "BadRequest", "the body must be a policy/v1 Eviction")
+        pod = self._state.objects.pop(key)
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+
+    def _reconfigure_nodes(self) -> None:
+        """The GPU Operator's part: re-cut GPUs whose node asked for a new layout, once its delay passed."""
+        now = time.monotonic()
+        for name, due in list(self._reconfigure_at.items()):
+            if due > now:
+                continue
+            del self._reconfigure_at[name]
+            node = self._state.objects.get(("nodes", "", name))
+            if node is not None:
+                self._reconfigure(node)
+
+    def _config_map_data(self, name: str) -> dict:
+        config_map = self._state.objects.get(("configmaps", GPU_OPERATOR_NAMESPACE, name)) or {}
+        return config_map.get("data") or {}
+
+    def _reconfigure(self, node: dict) -> None:
+        from runners.scheduler.mig import kubernetes_resource_for
+
+        labels = node["metadata"].setdefault("labels", {})
+        gpu_count = int(labels.get("nvidia.com/gpu.count", "0"))
+        allocatable = {k: v for k, v in node["status"]["allocatable"].items() if not k.startswith("nvidia.com/")}
+        mig_config = labels.get("nvidia.com/mig.config", "all-disabled")
+        plugin_config = labels.get("nvidia.com/device-plugin.config")
+        state = "success"
+        if mig_config != "all-disabled":
+            parsed = yaml.safe_load(self._config_map_data(MIG_PARTED_CONFIG_MAP).get("config.yaml") or "{}") or {}
+            entries = (parsed.get("mig-configs") or {}).get(mig_config)
+            if not entries:
+                state = "failed"  # MIG Manager cannot find the layout the label names.
+            else:
+                for entry in entries:
+                    for profile, instances in (entry.get("mig-devices") or {}).items():
+                        resource = kubernetes_resource_for(profile)
+                        allocatable[resource] = str(int(allocatable.get(resource, "0")) + instances * gpu_count)
+        elif plugin_config:
+            parsed = yaml.safe_load(self._config_map_data(DEVICE_PLUGIN_CONFIG_MAP).get(plugin_config) or "{}") or {}
+            sharing = (parsed.get("sharing") or {}).get("timeSlicing") or {}
+            replicas = sum(item["replicas"] for item in sharing.get("resources", []) if item["name"] == "nvidia.com/gpu")
+            resource = "nvidia.com/gpu.shared" if sharing.get("renameByDefault") else "nvidia.com/gpu"
+            allocatable[resource] = str(replicas * gpu_count)
+        else:
+            allocatable["nvidia.com/gpu"] = str(gpu_count)
+        if state == "success":
+            node["status"]["allocatable"] = allocatable
+        labels["nvidia.com/mig.config.state"] = state
+        node["metadata"]["resourceVersion"] = self._bump()
+        self._record_event("MODIFIED", RESOURCE_TYPES["nodes"], node)
+
     def _reap(self) -> None:
         """Finish deleting namespaces whose termination delay has passed, with everything in them."""
+        self._reconfigure_nodes()
         now = time.monotonic()
         for namespace, gone_at in list(self._state.namespace_gone_at.items()):
             if gone_at > now:
@@ -475,6 +601,34 @@ def _content(obj: dict) -> dict:
     for name in _SERVER_FIELDS:
         stripped.get("metadata", {}).pop(name, None)
     return stripped
+
+
+def _merge_patch(target, patch):
+    """RFC 7386: null removes a key, objects merge, everything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = _merge_patch(merged.get(key), value)
+    return merged
+
+
+def _partition_labels(node: dict) -> tuple:
+    labels = node["metadata"].get("labels") or {}
+    return labels.get("nvidia.com/mig.config"), labels.get("nvidia.com/device-plugin.config")
+
+
+def _fields_select(selector: str, obj: dict) -> bool:
+    """The two field selectors the backend sends: spec.nodeName and status.phase."""
+    for term in filter(None, (part.strip() for part in selector.split(","))):
+        path, _, value = term.partition("=")
+        section, _, field_name = path.partition(".")
+        if (obj.get(section) or {}).get(field_name) != value:
+            return False
+    return True
 
 
 def _parse_selector(selector: str) -> list[tuple[str, str]]:
