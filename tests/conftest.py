@@ -133,6 +133,30 @@ def inventory(db):
 
 
 @pytest.fixture
+def kubernetes_cluster(settings, tmp_path):
+    """CLUSTER_BACKEND=kubernetes against the API server stand-in, through a real kubeconfig."""
+    import yaml
+
+    from runners.backends.registry import get_backend
+    from tests.backends.k8s_standin import KubernetesStandIn
+
+    with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05) as api:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+            "clusters": [{"name": "standin", "cluster": {"server": api.url}}],
+            "users": [{"name": "portal", "user": {"token": "standin-token"}}],
+            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "portal"}}],
+        }))
+        settings.CLUSTER_BACKEND = "kubernetes"
+        settings.KUBECONFIG = str(kubeconfig)
+        settings.KUBERNETES_POLL_INTERVAL_S = 0.02
+        get_backend.cache_clear()
+        yield api
+        get_backend.cache_clear()
+
+
+@pytest.fixture
 def flavor_factory(db):
     def make(name="h100-80gb", kind="whole", gpu_model="H100-80GB", mig_profile=""):
         from quotas.models import ResourceFlavor
