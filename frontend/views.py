@@ -27,20 +27,16 @@ from quotas.models import PartitionChange
 from runners import selectors as runner_selectors
 from runners.services import pool_workloads
 from tenants import selectors, services
-from tenants.models import ROLE_RANK, EnvironmentState, Role
-
-
-def _holds(role: str | None, at_least: str) -> bool:
-    """Whether a role is enough to show a control; the service still decides on submit."""
-    return role is not None and ROLE_RANK[role] >= ROLE_RANK[at_least]
+from tenants.models import EnvironmentState, Role
 
 
 def _abilities(user, tenant) -> dict:
     role = selectors.user_role(user=user, tenant=tenant)
     return {
         "role": role,
-        "can_change_environments": _holds(role, Role.MEMBER),
-        "can_manage_members": _holds(role, Role.ADMIN),
+        # Which controls to show; the services decide again on submit.
+        "can_change_environments": selectors.user_has_role(user=user, tenant=tenant, at_least=Role.MEMBER),
+        "can_manage_members": selectors.user_has_role(user=user, tenant=tenant, at_least=Role.ADMIN),
     }
 
 
