@@ -214,3 +214,16 @@ def test_fragmentation_counts_a_gpu_too_small_for_the_typical_pod():
     typical = typical_pods([PodRequest("t", 1000, 1024, 1, 500)])
     state = ClusterState([Node("a", 64000, 262144, [Gpu("T4", free_milli=300), Gpu("T4")])])
     assert FragModel(state, typical).total() == pytest.approx(300)
+
+
+def test_portal_keeps_cpu_beside_free_gpus():
+    # Two identical empty 8-GPU nodes, one already short of CPU: a CPU-heavy pod should go to the
+    # other one, whose CPU then still matches its free GPUs.
+    full = Node("short", 96000, 393216, [Gpu("G2") for _ in range(8)], cpu_used_milli=60000)
+    roomy = Node("roomy", 96000, 393216, [Gpu("G2") for _ in range(8)])
+    typical = typical_pods([PodRequest("t", 4000, 8192, 1, 1000)] * 4, with_memory=True)
+    state = ClusterState([full, roomy])
+    policy = make_policy("portal", typical)
+    pod = PodRequest("cpu-heavy", 30000, 8192)
+    row, _ = policy.select(state, pod, state.feasible(pod), np.random.default_rng(0))
+    assert state.node_names[row] == "roomy"
