@@ -227,3 +227,12 @@ def test_portal_keeps_cpu_beside_free_gpus():
     pod = PodRequest("cpu-heavy", 30000, 8192)
     row, _ = policy.select(state, pod, state.feasible(pod), np.random.default_rng(0))
     assert state.node_names[row] == "roomy"
+
+
+def test_the_scheduler_package_does_not_import_django():
+    import subprocess
+    import sys
+
+    code = "import sys, runners.scheduler.placement, runners.scheduler.replay; print('django' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
