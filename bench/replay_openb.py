@@ -38,7 +38,7 @@ from runners.scheduler.openb import TracePod, load_nodes, load_pods  # noqa: E40
 from runners.scheduler.policies import POLICY_NAMES  # noqa: E402
 from runners.scheduler.replay import replay  # noqa: E402
 
-OPENB = Path(os.environ.get("OPENB_DIR", "/work/shared/traces/openb"))
+OPENB = Path(os.environ.get("OPENB_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "openb"))
 TUNING_TRACES = ("default", "cpu050", "gpushare40", "gpuspec10", "multigpu20")
 ALL_TRACES = (
     "default", "cpu050", "cpu100", "cpu200", "cpu250", "gpushare40", "gpushare60", "gpushare80", "gpushare100",
