@@ -2,6 +2,7 @@
 
 import logging
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -9,7 +10,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError
+from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.registry import get_backend
 from tenants.models import (
     ROLE_RANK,
@@ -23,6 +24,8 @@ from tenants.selectors import user_has_role, user_role
 
 logger = logging.getLogger(__name__)
 NAMESPACE_MAX = 63
+# How many times provisioning re-applies when members or quota change under it.
+MAX_CONVERGE_ROUNDS = 3
 
 
 def require_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> str:
@@ -110,7 +113,7 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
         tenant=tenant,
         name=name,
         namespace=namespace,
-        backend=get_backend().name,
+        backend=settings.CLUSTER_BACKEND,
         created_by=actor,
         status_message="Waiting for a worker.",
     )
@@ -189,20 +192,48 @@ def environment_provision_run(*, environment_id: int) -> str:
         # Ready, failed, or being deleted: someone else has it, or it is done.
         return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
     environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    backend = get_backend()
     try:
-        backend.ensure_environment(environment_spec(environment))
+        backend = get_backend()
+        spec = environment_spec(environment)
+        for _round in range(MAX_CONVERGE_ROUNDS):
+            backend.ensure_environment(spec)
+            with transaction.atomic():
+                # Members or quota may have changed while we built it; their resync
+                # skips environments still provisioning, so catch up here, under the
+                # row lock that resyncs take too.
+                environment = Environment.objects.select_for_update().select_related("tenant").get(id=environment_id)
+                if environment.state != EnvironmentState.PROVISIONING:
+                    break
+                fresh = environment_spec(environment)
+                if fresh == spec:
+                    _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.READY,
+                               message="Ready.")
+                    return EnvironmentState.READY
+            spec = fresh
+        else:
+            raise TransientBackendError("The environment kept changing while it was provisioned; trying again.")
     except PermanentBackendError as exc:
         _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.FAILED, message=str(exc))
         return EnvironmentState.FAILED
-    if _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.READY, message="Ready."):
-        return EnvironmentState.READY
     # It was deleted while we were building it: undo what we just made, or the
     # teardown that already ran would leave it behind.
-    environment.refresh_from_db()
-    if environment.state in (EnvironmentState.DELETING, EnvironmentState.DELETED):
-        backend.delete_environment(environment_spec(environment))
-    return environment.state
+    _undo_if_deleted(environment_id)
+    return Environment.objects.get(id=environment_id).state
+
+
+def _undo_if_deleted(environment_id: int) -> None:
+    """Delete what a provision or sync just built when the environment was deleted meanwhile."""
+    from tenants.tasks import environment_teardown
+
+    environment = Environment.objects.select_related("tenant").get(id=environment_id)
+    if environment.state not in (EnvironmentState.DELETING, EnvironmentState.DELETED):
+        return
+    try:
+        get_backend().delete_environment(environment_spec(environment))
+    except TransientBackendError:
+        # Leave it to a teardown that retries; mark it deleting so the teardown claims it.
+        Environment.objects.filter(id=environment_id).update(state=EnvironmentState.DELETING)
+        transaction.on_commit(lambda: environment_teardown.delay(environment_id))
 
 
 def environment_provision_give_up(*, environment_id: int, reason: str) -> None:
@@ -235,11 +266,17 @@ def environment_teardown_run(*, environment_id: int) -> str:
 
 
 def environment_sync_run(*, environment_id: int) -> bool:
-    """Converge a ready environment after its members or quota changed."""
-    environment = Environment.objects.select_related("tenant").filter(id=environment_id).first()
-    if environment is None or environment.state != EnvironmentState.READY:
-        return False
-    get_backend().ensure_environment(environment_spec(environment))
+    """Converge a ready environment after its members or quota changed.
+
+    The row lock serialises syncs of one environment, so an older spec can never
+    be applied after a newer one. While the environment is still provisioning,
+    the provision run applies the latest spec itself.
+    """
+    with transaction.atomic():
+        environment = Environment.objects.select_for_update().select_related("tenant").filter(id=environment_id).first()
+        if environment is None or environment.state != EnvironmentState.READY:
+            return False
+        get_backend().ensure_environment(environment_spec(environment))
     return True
 
 

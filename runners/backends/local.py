@@ -80,6 +80,11 @@ class LocalBackend:
         if self.provision_delay_s:
             time.sleep(self.provision_delay_s)
         previous = self.read_record(spec)
+        if previous is not None and previous.get("environment_id") != spec.environment_id:
+            raise PermanentBackendError(
+                f"Workspace {workspace} belongs to environment {previous.get('environment_id')}; "
+                "it is being deleted or was left behind, so try again after its teardown."
+            )
         desired = {
             "environment_id": spec.environment_id,
             "tenant": spec.tenant_slug,
@@ -101,6 +106,10 @@ class LocalBackend:
     def delete_environment(self, spec: EnvironmentSpec) -> None:
         workspace = self.workspace(spec)
         if not workspace.exists():
+            return
+        record = self.read_record(spec)
+        if record is not None and record.get("environment_id") != spec.environment_id:
+            # A newer environment reuses the namespace; a late teardown of the old one must not touch it.
             return
         # Rename first so a half-deleted tree is never mistaken for a live workspace.
         doomed = workspace.with_name(f".deleting-{workspace.name}-{os.getpid()}-{time.monotonic_ns()}")

@@ -144,3 +144,39 @@ def test_a_membership_change_resyncs_ready_environments(environment, owner, make
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert {"username": "nina", "role": "viewer"} in record["members"]
     assert Membership.objects.filter(tenant=environment.tenant).count() == 2
+
+
+def test_a_member_removed_while_it_provisions_loses_access(environment, owner, teammate, settings, monkeypatch):
+    real = get_backend()
+    removed = []
+
+    class MemberLeavesMeanwhile:
+        name = "local"
+
+        def ensure_environment(self, spec):
+            real.ensure_environment(spec)
+            if not removed:
+                # The removal commits while the first apply is in flight; its resync skips
+                # environments that are not ready yet.
+                services.membership_remove(actor=owner, tenant=environment.tenant, username="tom")
+                removed.append(True)
+
+        def delete_environment(self, spec):
+            real.delete_environment(spec)
+
+    monkeypatch.setattr("tenants.services.get_backend", lambda: MemberLeavesMeanwhile())
+    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
+    assert [member["username"] for member in record["members"]] == ["olivia"]
+
+
+def test_a_late_teardown_of_an_old_environment_spares_the_new_one_with_its_namespace(environment, tenant, owner, settings):
+    services.environment_provision_run(environment_id=environment.id)
+    old_spec = services.environment_spec(environment)
+    Environment.objects.filter(id=environment.id).update(state="deleted")
+    get_backend().delete_environment(old_spec)
+    newer = Environment.objects.create(tenant=tenant, name="train", namespace="acme-train", backend="local")
+    assert services.environment_provision_run(environment_id=newer.id) == "ready"
+    get_backend().delete_environment(old_spec)  # a redelivered teardown of the old one
+    record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
+    assert record["environment_id"] == newer.id
