@@ -251,6 +251,10 @@ class NodePoolSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "gpu_model", "partition_profile", "nodes", "latest_change"]
 
     def get_latest_change(self, pool) -> dict | None:
+        # A change's steps name the workloads it drained, from every tenant: staff only.
+        request = self.context.get("request")
+        if request is None or not request.user.is_staff:
+            return None
         change = pool.partition_changes.order_by("-created_at", "-id").first()
         return PartitionChangeSerializer(change).data if change else None
 
@@ -284,6 +288,13 @@ class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
 
 
 class PartitionChangeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Partition changes, staff only: their steps name workloads of every tenant, so others get 404."""
+
     queryset = PartitionChange.objects.select_related("pool", "profile")
     serializer_class = PartitionChangeSerializer
     permission_classes = [StaffWritesOnly]
+
+    def get_queryset(self):
+        if not self.request.user.is_staff:
+            return PartitionChange.objects.none()
+        return super().get_queryset()

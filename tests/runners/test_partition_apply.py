@@ -122,3 +122,15 @@ def test_tenants_read_nodes_but_cannot_apply(client_for, owner, inventory, h100_
     assert client.get("/api/v1/nodes/").json()["count"] == 5
     pool = NodePool.objects.get(name="h100-pool")
     assert client.post(f"/api/v1/node-pools/{pool.id}/apply/", {"profile": "h100-4g-3g"}).status_code == 403
+
+
+def test_tenants_never_see_partition_changes_which_name_other_tenants_work(client_for, owner, staff, inventory, h100_mig):
+    pool = NodePool.objects.get(name="h100-pool")
+    change = PartitionChange.objects.create(
+        pool=pool, profile=h100_mig, drain="wait", state="refused", message="Refused: work is running (h100-node-1: globex-secret/job-1)"
+    )
+    client = client_for(owner)
+    assert client.get("/api/v1/partition-changes/").json()["results"] == []
+    assert client.get(f"/api/v1/partition-changes/{change.id}/").status_code == 404
+    assert client.get(f"/api/v1/node-pools/{pool.id}/").json()["latest_change"] is None
+    assert client_for(staff).get(f"/api/v1/partition-changes/{change.id}/").json()["message"].startswith("Refused")
