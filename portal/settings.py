@@ -208,12 +208,15 @@ INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "tenants.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
+    "partition-change-sweep": {"task": "runners.tasks.partition_change_sweep", "schedule": SWEEP_INTERVAL_S},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
 PARTITION_APPLY_TIMEOUT_S = env_int("PARTITION_APPLY_TIMEOUT_S", 900, minimum=1)
 PARTITION_POLL_INTERVAL_S = env_float("PARTITION_POLL_INTERVAL_S", 2.0, minimum=0)
 PREEMPTION_GRACE_PERIOD_S = env_int("PREEMPTION_GRACE_PERIOD_S", 120, minimum=0)
+# A running partition change renews its lease as it works; one not renewed for this long is resumed.
+PARTITION_LEASE_S = env_int("PARTITION_LEASE_S", 120, minimum=1)
 
 # Cluster backends.
 CLUSTER_BACKEND = env_choice("CLUSTER_BACKEND", "local", ("local", "kubernetes"))

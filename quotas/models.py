@@ -113,6 +113,11 @@ class PartitionChange(models.Model):
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     created_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The worker running the change renews this while it works; a redelivered copy of
+    # the task leaves a live lease alone, and the sweep resumes a change whose lease ran out.
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # Nodes an operator had cordoned before the change began; the change leaves them cordoned.
+    kept_cordoned = models.JSONField(default=list, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

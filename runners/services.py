@@ -2,13 +2,15 @@
 
 import logging
 import time
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from quotas.models import PartitionChange, PartitionProfile
-from runners.backends.base import NodeInfo, PartitionSpec, PermanentBackendError
+from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
 from runners.backends.registry import get_backend
 from runners.models import Gpu, Node, NodePool
 
@@ -95,7 +97,10 @@ def _record(change_id: int, *, state: str, message: str, node: str = "") -> None
         change.steps = [*change.steps, {"at": timezone.now().isoformat(), "node": node, "step": state, "message": message}]
         if state in PartitionChange.FINISHED:
             change.finished_at = timezone.now()
-        change.save(update_fields=["state", "message", "steps", "finished_at"])
+            change.lease_expires_at = None
+        else:
+            change.lease_expires_at = timezone.now() + timedelta(seconds=settings.PARTITION_LEASE_S)
+        change.save(update_fields=["state", "message", "steps", "finished_at", "lease_expires_at"])
 
 
 def partition_change_run(*, change_id: int) -> str:
@@ -106,18 +111,28 @@ def partition_change_run(*, change_id: int) -> str:
     failure uncordons what this run cordoned, since the old partition is
     still in place until the relabel step.
     """
-    claimed = PartitionChange.objects.filter(id=change_id, state=PartitionChange.State.PENDING).update(
-        state=PartitionChange.State.CORDONING
+    now = timezone.now()
+    claimed = (
+        PartitionChange.objects.filter(id=change_id)
+        .exclude(state__in=PartitionChange.FINISHED)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+        .update(lease_expires_at=now + timedelta(seconds=settings.PARTITION_LEASE_S))
     )
     change = PartitionChange.objects.select_related("pool", "profile").get(id=change_id)
     if not claimed:
-        if change.state in PartitionChange.FINISHED:
-            return change.state
-        # A redelivery after a worker died mid-way: every step is idempotent, so start over.
+        # Finished, or another worker holds a live lease (a redelivered copy of this task).
+        return change.state
+    nodes = list(change.pool.nodes.order_by("name").values_list("name", flat=True))
+    if change.state == PartitionChange.State.PENDING:
+        kept = list(change.pool.nodes.filter(schedulable=False).order_by("name").values_list("name", flat=True))
+        PartitionChange.objects.filter(id=change_id).update(state=PartitionChange.State.CORDONING, kept_cordoned=kept)
+        change.kept_cordoned = kept
+    else:
+        # A worker died mid-way and the lease ran out: every step is idempotent, so start over.
         logger.warning("Partition change %s resumed from state %s", change_id, change.state)
     backend = get_backend()
     spec = partition_spec(change.profile)
-    nodes = list(change.pool.nodes.order_by("name").values_list("name", flat=True))
+    handed_back = [name for name in nodes if name not in change.kept_cordoned]
     if not nodes:
         _record(change_id, state=PartitionChange.State.FAILED, message=f"Pool {change.pool.name} has no nodes.")
         return PartitionChange.State.FAILED
@@ -131,7 +146,7 @@ def partition_change_run(*, change_id: int) -> str:
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
             listed = "; ".join(f"{name}: {', '.join(names)}" for name, names in sorted(busy.items()))
-            _uncordon_all(backend, nodes)
+            _uncordon_all(backend, handed_back)
             _record(
                 change_id,
                 state=PartitionChange.State.REFUSED,
@@ -145,21 +160,21 @@ def partition_change_run(*, change_id: int) -> str:
                 change_id, state=PartitionChange.State.DRAINING, node=name,
                 message=f"Asked {len(names)} workload(s) on {name} to checkpoint and stop.",
             )
-        _wait(lambda: all(not backend.node_workloads(name) for name in nodes), what="workloads to stop")
+        _wait(change_id, lambda: all(not backend.node_workloads(name) for name in nodes), what="workloads to stop")
         for name in nodes:
             backend.apply_partition(name, spec)
             relabeled = True
             _record(change_id, state=PartitionChange.State.RELABELING, node=name, message=f"Asked {name} for {spec.name}.")
         for name in nodes:
-            _wait(lambda name=name: backend.partition_applied(name, spec), what=f"{name} to report {spec.name}")
+            _wait(change_id, lambda name=name: backend.partition_applied(name, spec), what=f"{name} to report {spec.name}")
             _record(change_id, state=PartitionChange.State.WAITING, node=name, message=f"{name} reports {spec.name}.")
-        for name in nodes:
+        for name in handed_back:
             backend.uncordon(name)
             Node.objects.filter(name=name).update(schedulable=True)
             _record(change_id, state=PartitionChange.State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
     except (PermanentBackendError, TimeoutError) as exc:
         if not relabeled:
-            _uncordon_all(backend, nodes)
+            _uncordon_all(backend, handed_back)
         _record(change_id, state=PartitionChange.State.FAILED, message=f"Failed: {exc}")
         return PartitionChange.State.FAILED
     NodePool.objects.filter(id=change.pool_id).update(partition_profile=change.profile, updated_at=timezone.now())
@@ -174,9 +189,54 @@ def _uncordon_all(backend, nodes: list[str]) -> None:
     Node.objects.filter(name__in=nodes).update(schedulable=True)
 
 
-def _wait(predicate, *, what: str) -> None:
+def _wait(change_id: int, predicate, *, what: str) -> None:
     deadline = time.monotonic() + settings.PARTITION_APPLY_TIMEOUT_S
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"Timed out after {settings.PARTITION_APPLY_TIMEOUT_S}s waiting for {what}.")
+        _renew_lease(change_id)
         time.sleep(settings.PARTITION_POLL_INTERVAL_S)
+
+
+def _renew_lease(change_id: int) -> None:
+    PartitionChange.objects.filter(id=change_id).update(
+        lease_expires_at=timezone.now() + timedelta(seconds=settings.PARTITION_LEASE_S)
+    )
+
+
+def partition_change_release(*, change_id: int) -> None:
+    """Let the next retry claim the change at once (after a transient error)."""
+    PartitionChange.objects.filter(id=change_id).update(lease_expires_at=None)
+
+
+def partition_change_give_up(*, change_id: int, reason: str) -> None:
+    """Mark a change failed after its retries ran out, handing back nodes not yet re-cut."""
+    change = PartitionChange.objects.select_related("pool").get(id=change_id)
+    if change.state in PartitionChange.FINISHED:
+        return
+    if change.state in (PartitionChange.State.PENDING, PartitionChange.State.CORDONING, PartitionChange.State.DRAINING):
+        # The old partition is still in place: the nodes can take work again.
+        nodes = [n for n in change.pool.nodes.values_list("name", flat=True) if n not in change.kept_cordoned]
+        try:
+            _uncordon_all(get_backend(), nodes)
+        except BackendError as exc:
+            reason = f"{reason}; could not uncordon either ({exc})"
+    _record(change_id, state=PartitionChange.State.FAILED, message=f"Gave up after repeated errors: {reason}")
+
+
+def partition_change_sweep(*, stuck_after_s: int) -> list[int]:
+    """Re-enqueue unfinished changes nobody holds: a lost message or a dead worker."""
+    from runners.tasks import partition_apply
+
+    now = timezone.now()
+    stale = (
+        PartitionChange.objects.exclude(state__in=PartitionChange.FINISHED)
+        .filter(Q(lease_expires_at__lt=now) | Q(lease_expires_at__isnull=True, created_at__lt=now - timedelta(seconds=stuck_after_s)))
+        .values_list("id", flat=True)
+    )
+    found = list(stale)
+    for change_id in found:
+        partition_apply.delay(change_id)
+    if found:
+        logger.warning("Sweep re-enqueued partition changes: %s", found)
+    return found

@@ -134,3 +134,57 @@ def test_tenants_never_see_partition_changes_which_name_other_tenants_work(clien
     assert client.get(f"/api/v1/partition-changes/{change.id}/").status_code == 404
     assert client.get(f"/api/v1/node-pools/{pool.id}/").json()["latest_change"] is None
     assert client_for(staff).get(f"/api/v1/partition-changes/{change.id}/").json()["message"].startswith("Refused")
+
+
+def test_a_redelivered_copy_leaves_a_change_with_a_live_lease_alone(inventory, h100_mig, staff):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    pool = NodePool.objects.get(name="h100-pool")
+    change = PartitionChange.objects.create(
+        pool=pool, profile=h100_mig, drain="wait", created_by=staff, state="waiting",
+        lease_expires_at=timezone.now() + timedelta(seconds=60),
+    )
+    assert services.partition_change_run(change_id=change.id) == "waiting"
+    state_file = get_backend().state_file
+    assert not state_file.exists() or json.loads(state_file.read_text())["nodes"] == {}, "no node was touched"
+    assert services.partition_change_sweep(stuck_after_s=120) == [], "a live lease is not stuck"
+
+
+def test_a_change_whose_worker_died_is_swept_and_resumed(inventory, h100_mig, staff, django_capture_on_commit_callbacks):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    pool = NodePool.objects.get(name="h100-pool")
+    change = PartitionChange.objects.create(
+        pool=pool, profile=h100_mig, drain="wait", created_by=staff, state="relabeling",
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )
+    assert services.partition_change_sweep(stuck_after_s=120) == [change.id]
+    assert services.partition_change_run(change_id=change.id) == "succeeded"
+    assert Node.objects.get(name="h100-node-2").gpu_resources == {"nvidia.com/mig-4g.40gb": 8, "nvidia.com/mig-3g.40gb": 8}
+
+
+def test_giving_up_before_the_relabel_hands_the_nodes_back(inventory, h100_mig, staff):
+    pool = NodePool.objects.get(name="h100-pool")
+    change = PartitionChange.objects.create(pool=pool, profile=h100_mig, drain="preempt", created_by=staff, state="draining")
+    for name in ("h100-node-1", "h100-node-2"):
+        get_backend().cordon(name)
+    services.partition_change_give_up(change_id=change.id, reason="eviction kept answering 429")
+    change.refresh_from_db()
+    assert change.state == "failed" and "429" in change.message
+    assert all(node.schedulable for node in get_backend().discover_inventory() if node.pool == "h100-pool")
+
+
+def test_a_node_an_operator_had_cordoned_stays_cordoned(inventory, h100_mig, staff):
+    from runners.services import inventory_sync
+
+    get_backend().cordon("h100-node-2")
+    inventory_sync()
+    pool = NodePool.objects.get(name="h100-pool")
+    change = PartitionChange.objects.create(pool=pool, profile=h100_mig, drain="wait", created_by=staff)
+    assert services.partition_change_run(change_id=change.id) == "succeeded"
+    assert Node.objects.get(name="h100-node-1").schedulable
+    assert not Node.objects.get(name="h100-node-2").schedulable
