@@ -119,9 +119,12 @@ def quota_set(
         raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
     # Lock the flavor so two concurrent changes cannot both fit under capacity.
     ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
+    current = Quota.objects.filter(tenant=tenant, flavor=flavor).values_list("guaranteed", flat=True).first() or 0
     capacity = flavor_capacity(flavor)
     others = guaranteed_total(flavor, excluding_tenant=tenant)
-    if others + guaranteed > capacity:
+    # Only a growing guarantee must fit: capacity can shrink under existing guarantees (a pool
+    # cordoned or re-cut), and staff must still be able to lower them or change anything else.
+    if guaranteed > current and others + guaranteed > capacity:
         raise ValidationError(
             {
                 "guaranteed": (

@@ -178,3 +178,15 @@ def test_a_profile_shows_the_gpu_operator_config_it_applies(client_for, staff):
         "renameByDefault": True,
         "resources": [{"name": "nvidia.com/gpu", "replicas": 4}],
     }
+
+
+def test_a_guarantee_can_be_lowered_after_capacity_shrank(client_for, staff, tenant, h100):
+    from runners.models import Node
+
+    quota_id = _quota(client_for(staff), guaranteed=16, max=16).json()["id"]
+    Node.objects.update(schedulable=False)  # every H100 node cordoned: capacity 0
+    client = client_for(staff)
+    assert client.patch(f"/api/v1/quotas/{quota_id}/", {"guaranteed": 8}).status_code == 200
+    assert client.patch(f"/api/v1/quotas/{quota_id}/", {"max_priority": 50}).status_code == 200
+    response = client.patch(f"/api/v1/quotas/{quota_id}/", {"guaranteed": 9})
+    assert response.status_code == 400 and "cluster holds 0" in response.json()["guaranteed"][0]
