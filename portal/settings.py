@@ -6,6 +6,7 @@ key. Tests and production set ``DATABASE_URL`` (PostgreSQL) and
 ``CELERY_BROKER_URL`` (Redis). Every variable is listed in the README.
 """
 
+import re
 from pathlib import Path
 
 import environ
@@ -146,10 +147,25 @@ REST_FRAMEWORK = {
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     "EXCEPTION_HANDLER": "portal.api.exception_handler",
-    "DEFAULT_THROTTLE_RATES": {"anon": env_str("API_LOGIN_RATE", "30/min")},
+    "NUM_PROXIES": env_int("NUM_PROXIES", 0, minimum=0),
 }
 
 from datetime import timedelta  # noqa: E402
+
+# Login attempts allowed per client address, and per username, e.g. 30/min.
+API_LOGIN_RATE = env_str("API_LOGIN_RATE", "30/min")
+if not re.fullmatch(r"\d+/(s|sec|m|min|h|hour|d|day)", API_LOGIN_RATE):
+    raise ImproperlyConfigured(f"API_LOGIN_RATE={API_LOGIN_RATE!r} must look like 30/min (per s, min, hour or day).")
+
+# The cache holds login counters; use Redis when several web processes serve the portal.
+CACHE_URL = env_url("CACHE_URL", "locmem://", schemes=("locmem", "redis", "rediss"))
+CACHES = {
+    "default": (
+        {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+        if CACHE_URL.startswith("locmem")
+        else {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": CACHE_URL}
+    )
+}
 
 REST_KNOX = {
     "TOKEN_TTL": timedelta(hours=env_int("API_TOKEN_TTL_HOURS", 24 * 30, minimum=1)),

@@ -9,7 +9,8 @@ from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
-from rest_framework.throttling import AnonRateThrottle
+from django.conf import settings
+from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from tenants import selectors, services
@@ -42,6 +43,32 @@ class TokenRequestSerializer(serializers.Serializer):
     password = serializers.CharField(max_length=256, trim_whitespace=False, style={"input_type": "password"})
 
 
+class _LoginThrottle(SimpleRateThrottle):
+    """Counts login attempts whether or not the caller is signed in, in the shared cache."""
+
+    def get_rate(self) -> str:
+        return settings.API_LOGIN_RATE
+
+
+class LoginAddressThrottle(_LoginThrottle):
+    scope = "login-address"
+
+    def get_cache_key(self, request, view):
+        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
+
+
+class LoginUsernameThrottle(_LoginThrottle):
+    """Guessing one user's password from many addresses is limited too."""
+
+    scope = "login-username"
+
+    def get_cache_key(self, request, view):
+        username = request.data.get("username") if hasattr(request.data, "get") else None
+        if not isinstance(username, str) or not username:
+            return None
+        return self.cache_format % {"scope": self.scope, "ident": username.strip().lower()[:150]}
+
+
 class TokenView(APIView):
     """Exchange a username and password for an API token, or revoke the token in use."""
 
@@ -49,7 +76,11 @@ class TokenView(APIView):
     # (and no CSRF token) is involved, and DELETE revokes the token it was sent with.
     authentication_classes = [TokenAuthentication]
     permission_classes = [AllowAny]
-    throttle_classes = [AnonRateThrottle]
+    throttle_classes = [LoginAddressThrottle, LoginUsernameThrottle]
+
+    def get_throttles(self):
+        # Only logins are limited; revoking a token is not.
+        return super().get_throttles() if self.request.method == "POST" else []
 
     @extend_schema(
         request=TokenRequestSerializer,

@@ -58,3 +58,29 @@ def test_a_revoked_token_stops_working(owner):
 
 def test_anonymous_requests_are_refused():
     assert APIClient().get("/api/v1/environments/").status_code in (401, 403)
+
+
+@pytest.fixture
+def two_logins_a_minute(settings):
+    from django.core.cache import cache
+
+    settings.API_LOGIN_RATE = "2/min"
+    cache.clear()
+    yield
+    cache.clear()
+
+
+def test_logins_are_limited_per_address_even_for_callers_with_a_token(owner, two_logins_a_minute):
+    _, token = AuthToken.objects.create(owner)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
+    codes = [client.post("/api/v1/auth/token/", {"username": f"user{i}", "password": "guess"}).status_code for i in range(4)]
+    assert codes == [401, 401, 429, 429]
+
+
+def test_logins_for_one_username_are_limited_from_any_address(owner, two_logins_a_minute):
+    codes = [
+        APIClient(REMOTE_ADDR=f"10.0.0.{i}").post("/api/v1/auth/token/", {"username": "olivia", "password": "guess"}).status_code
+        for i in range(4)
+    ]
+    assert codes == [401, 401, 429, 429]
