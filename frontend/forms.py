@@ -6,6 +6,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from frontend.drawings import parse_layout
+from portal import nulls
 from quotas.models import PartitionChange
 from runners.models import PartitionKind
 from runners.scheduler.mig import GPU_MODELS
@@ -44,8 +45,8 @@ QUOTA_UNITS_MAX = 100_000
 class QuotaForm(forms.Form):
     """One tenant's quota for one flavor; the service checks max and capacity."""
 
-    tenant = forms.ModelChoiceField(queryset=None, to_field_name="slug", empty_label="Choose a tenant")
-    flavor = forms.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a flavor")
+    tenant = nulls.ModelChoiceField(queryset=None, to_field_name="slug", empty_label="Choose a tenant")
+    flavor = nulls.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a flavor")
     guaranteed = forms.IntegerField(min_value=0, max_value=QUOTA_UNITS_MAX, help_text="Units always available to the tenant.")
     max = forms.IntegerField(
         min_value=0, max_value=QUOTA_UNITS_MAX, label="Max", help_text="Burst ceiling, borrowed when others leave room."
@@ -106,7 +107,7 @@ class PartitionProfileForm(PartitionPreviewForm):
 
 
 class NodePoolApplyForm(forms.Form):
-    profile = forms.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a profile")
+    profile = nulls.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a profile")
     drain = forms.ChoiceField(
         choices=[
             (PartitionChange.Drain.WAIT, "Wait: refuse while work runs"),

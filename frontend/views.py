@@ -25,6 +25,7 @@ from quotas import selectors as quota_selectors
 from quotas import services as quota_services
 from quotas.models import PartitionChange
 from runners import selectors as runner_selectors
+from portal import nulls
 from runners.services import pool_workloads
 from tenants import selectors, services
 from tenants.models import EnvironmentState, Role
@@ -209,7 +210,7 @@ def quota_table(request):
     """Tenants x flavors; ?tenant=&flavor= fills the form with that cell's quota to edit it."""
     initial, quota = {}, None
     tenant_slug, flavor_name = request.GET.get("tenant"), request.GET.get("flavor")
-    if tenant_slug and flavor_name:
+    if tenant_slug and flavor_name and not (nulls.has_null(tenant_slug) or nulls.has_null(flavor_name)):
         initial = {"tenant": tenant_slug, "flavor": flavor_name}
         quota = quota_selectors.quota_list(user=request.user).filter(tenant__slug=tenant_slug, flavor__name=flavor_name).first()
         if quota is not None:

@@ -9,6 +9,7 @@ from rest_framework.decorators import action
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.response import Response
 
+from portal import nulls
 from quotas import selectors, services
 from quotas.models import PartitionChange, PartitionProfile, Quota, ResourceFlavor
 from runners.models import Gpu, Node, NodePool, PartitionKind
@@ -115,8 +116,8 @@ class QuotaSerializer(serializers.ModelSerializer):
 
 
 class QuotaWriteSerializer(serializers.Serializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
-    flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    tenant = nulls.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
+    flavor = nulls.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     guaranteed = serializers.IntegerField(min_value=0, max_value=100_000)
     max = serializers.IntegerField(min_value=0, max_value=100_000)
     fair_share_weight = serializers.DecimalField(max_digits=6, decimal_places=2, min_value=Decimal("0.01"), default=Decimal("1"))
@@ -138,7 +139,7 @@ class QuotaViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
     permission_classes = [StaffWritesOnly]
 
     def refine_queryset(self, queryset):
-        tenant = self.request.query_params.get("tenant")
+        tenant = nulls.query_param(self.request, "tenant")
         if tenant:
             queryset = queryset.filter(tenant__slug=tenant)
         return queryset.order_by("tenant__slug", "flavor__name")
@@ -260,7 +261,7 @@ class NodePoolSerializer(serializers.ModelSerializer):
 
 
 class ApplySerializer(serializers.Serializer):
-    profile = serializers.SlugRelatedField(slug_field="name", queryset=PartitionProfile.objects.all())
+    profile = nulls.SlugRelatedField(slug_field="name", queryset=PartitionProfile.objects.all())
     drain = serializers.ChoiceField(choices=PartitionChange.Drain.choices, default=PartitionChange.Drain.WAIT)
 
 

@@ -13,6 +13,7 @@ from django.conf import settings
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
+from portal import nulls
 from tenants import selectors, services
 from tenants.models import (
     DNS_LABEL_RE,
@@ -231,8 +232,8 @@ class EnvironmentViewSet(
 
     def refine_queryset(self, queryset):
         if self.action == "list":
-            tenant = self.request.query_params.get("tenant")
-            state = self.request.query_params.get("state")
+            tenant = nulls.query_param(self.request, "tenant")
+            state = nulls.query_param(self.request, "state")
             if tenant:
                 queryset = queryset.filter(tenant__slug=tenant)
             if state:

@@ -106,3 +106,22 @@ def test_lists_are_paginated(client_for, owner, tenant):
         Environment.objects.create(tenant=tenant, name=f"e{index}", namespace=f"acme-e{index}", backend="local")
     body = client_for(owner).get("/api/v1/environments/?page=1").json()
     assert body["count"] == 3 and {"next", "previous", "results"} <= body.keys()
+
+
+@pytest.mark.parametrize(
+    ("url", "field"),
+    [("/api/v1/environments/?tenant=%00", "tenant"), ("/api/v1/environments/?state=%00", "state"),
+     ("/api/v1/quotas/?tenant=%00x", "tenant")],
+)
+def test_a_null_character_in_a_filter_is_a_400_naming_it(client_for, owner, tenant, url, field):
+    response = client_for(owner).get(url)
+    assert response.status_code == 400
+    assert field in response.json()
+
+
+def test_a_null_character_in_a_looked_up_field_is_a_400(client_for, staff, tenant):
+    response = client_for(staff).post(
+        "/api/v1/quotas/", {"tenant": "acme\x00", "flavor": "x", "guaranteed": 1, "max": 1}, format="json"
+    )
+    assert response.status_code == 400
+    assert response.json()["tenant"] == ["Null characters are not allowed."]
