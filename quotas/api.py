@@ -152,9 +152,7 @@ class QuotaViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
     def create(self, request):
         data = QuotaWriteSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        if Quota.objects.filter(tenant=data.validated_data["tenant"], flavor=data.validated_data["flavor"]).exists():
-            raise serializers.ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
-        quota = services.quota_set(actor=request.user, **data.validated_data)
+        quota = services.quota_set(actor=request.user, must_be_new=True, **data.validated_data)
         return Response(QuotaSerializer(quota).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=QuotaUpdateSerializer, responses={200: QuotaSerializer})

@@ -46,9 +46,13 @@ def flavor_create(
         raise ValidationError({"name": f"A flavor named {name!r} already exists."})
     if ResourceFlavor.objects.filter(kind=kind, gpu_model=gpu_model, mig_profile=mig_profile).exists():
         raise ValidationError({"kind": "A flavor for exactly this GPU model, kind and profile already exists."})
-    return ResourceFlavor.objects.create(
-        name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile, description=description
-    )
+    try:
+        with transaction.atomic():
+            return ResourceFlavor.objects.create(
+                name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile, description=description
+            )
+    except IntegrityError:
+        raise ValidationError({"name": "A flavor with this name or shape was created at the same moment."}) from None
 
 
 def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour: Decimal, currency: str, effective_from=None) -> PriceCard:
@@ -57,9 +61,13 @@ def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour
     effective_from = effective_from or timezone.now()
     if flavor.prices.filter(effective_from=effective_from).exists():
         raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."})
-    return PriceCard.objects.create(
-        flavor=flavor, price_per_hour=price_per_hour, currency=currency.upper(), effective_from=effective_from
-    )
+    try:
+        with transaction.atomic():
+            return PriceCard.objects.create(
+                flavor=flavor, price_per_hour=price_per_hour, currency=currency.upper(), effective_from=effective_from
+            )
+    except IntegrityError:
+        raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."}) from None
 
 
 def partition_profile_check(*, gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> int:
@@ -97,7 +105,11 @@ def partition_profile_create(
     replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     if PartitionProfile.objects.filter(name=name).exists():
         raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
-    return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    try:
+        with transaction.atomic():
+            return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    except IntegrityError:
+        raise ValidationError({"name": f"A partition profile named {name!r} already exists."}) from None
 
 
 @transaction.atomic
@@ -110,6 +122,7 @@ def quota_set(
     max: int,
     fair_share_weight: Decimal = Decimal("1"),
     max_priority: int = 100,
+    must_be_new: bool = False,
 ) -> Quota:
     """Create or change a tenant's quota for one flavor, then resync its environments."""
     _require_staff(actor)
@@ -119,7 +132,10 @@ def quota_set(
         raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
     # Lock the flavor so two concurrent changes cannot both fit under capacity.
     ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
-    current = Quota.objects.filter(tenant=tenant, flavor=flavor).values_list("guaranteed", flat=True).first() or 0
+    existing = Quota.objects.filter(tenant=tenant, flavor=flavor).values_list("guaranteed", flat=True).first()
+    if must_be_new and existing is not None:
+        raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
+    current = existing or 0
     capacity = flavor_capacity(flavor)
     others = guaranteed_total(flavor, excluding_tenant=tenant)
     # Only a growing guarantee must fit: capacity can shrink under existing guarantees (a pool

@@ -61,9 +61,14 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
     user = get_user_model().objects.filter(username=username).first()
     if user is None:
         raise ValidationError({"username": f"There is no user named {username!r}."})
+    duplicate = ValidationError({"username": f"{username} is already a member of {tenant.slug}."})
     if Membership.objects.filter(tenant=tenant, user=user).exists():
-        raise ValidationError({"username": f"{username} is already a member of {tenant.slug}."})
-    membership = Membership.objects.create(tenant=tenant, user=user, role=role)
+        raise duplicate
+    try:
+        with transaction.atomic():
+            membership = Membership.objects.create(tenant=tenant, user=user, role=role)
+    except IntegrityError:
+        raise duplicate from None  # a concurrent add won
     _resync_environments(tenant)
     return membership
 

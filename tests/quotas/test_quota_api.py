@@ -190,3 +190,10 @@ def test_a_guarantee_can_be_lowered_after_capacity_shrank(client_for, staff, ten
     assert client.patch(f"/api/v1/quotas/{quota_id}/", {"max_priority": 50}).status_code == 200
     response = client.patch(f"/api/v1/quotas/{quota_id}/", {"guaranteed": 9})
     assert response.status_code == 400 and "cluster holds 0" in response.json()["guaranteed"][0]
+
+
+def test_a_second_create_for_the_same_tenant_and_flavor_is_refused(client_for, staff, tenant, h100):
+    assert _quota(client_for(staff)).status_code == 201
+    response = _quota(client_for(staff), guaranteed=1, max=2)
+    assert response.status_code == 400 and "PATCH it instead" in response.json()["flavor"][0]
+    assert Quota.objects.get().guaranteed == 4
