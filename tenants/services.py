@@ -110,6 +110,8 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
         raise ValidationError(
             {"name": f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters."}
         )
+    if namespace.startswith("kube-") or namespace in ("default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE):
+        raise ValidationError({"name": f"The namespace {namespace!r} is reserved for the cluster; pick another name."})
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
         raise ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."})
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(namespace=namespace).exists():

@@ -245,7 +245,14 @@ class KubernetesBackend:
                 f"Namespace {spec.namespace} is still being deleted; the environment is created once it is gone."
             )
         owner = _owner(current)
-        if owner not in (None, str(spec.environment_id)):
+        if owner is None:
+            # Someone else's namespace (kube-system, an operator's, a team's own): taking it over
+            # would put our policies on it, and deleting the environment would delete it.
+            raise PermanentBackendError(
+                f"Namespace {spec.namespace} already exists and was not made by the portal; "
+                "give this environment another name."
+            )
+        if owner != str(spec.environment_id):
             raise PermanentBackendError(
                 f"Namespace {spec.namespace} already belongs to portal environment {owner}; "
                 "give this environment another namespace."

@@ -81,8 +81,10 @@ def test_provisioning_twice_changes_nothing_the_second_time(backend, standin, sp
 
 
 def test_a_namespace_that_already_exists_answering_409_is_success(backend, standin, spec):
-    # Another worker creates the namespace between this one's read and its create.
-    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision"}})
+    # Another worker (a redelivered copy of the task) creates the namespace between this one's read and its create.
+    from runners.backends.manifests import namespace_manifest
+
+    standin.put(namespace_manifest(spec))
     standin.inject(404, method="GET", path_contains="/api/v1/namespaces/acme-vision", reason="NotFound")
     backend.ensure_environment(spec)
     assert ("POST", 409) in [(r.method, r.status) for r in standin.requests]
@@ -97,12 +99,13 @@ def test_a_namespace_another_environment_created_in_between_is_not_taken_over(ba
     assert standin.get("namespaces", "acme-vision")["metadata"]["labels"]["portal.gpu/environment-id"] == "99"
 
 
-def test_it_adopts_a_bare_namespace_someone_created_beforehand(backend, standin, spec):
+def test_it_refuses_a_namespace_someone_else_created(backend, standin, spec):
     standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "acme-vision", "labels": {"team": "cv"}}})
-    backend.ensure_environment(spec)
+    with pytest.raises(PermanentBackendError, match="was not made by the portal"):
+        backend.ensure_environment(spec)
     labels = standin.get("namespaces", "acme-vision")["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
-    assert labels["team"] == "cv"  # Another manager's label is not ours to remove.
+    assert "pod-security.kubernetes.io/enforce" not in labels, "nothing of ours was put on it"
+    assert [key for key in standin.objects() if key[1] == "acme-vision"] == [], "no object was put in it"
 
 
 def test_it_refuses_a_namespace_that_belongs_to_another_environment(backend, spec):

@@ -125,3 +125,15 @@ def test_a_null_character_in_a_looked_up_field_is_a_400(client_for, staff, tenan
     )
     assert response.status_code == 400
     assert response.json()["tenant"] == ["Null characters are not allowed."]
+
+
+def test_a_name_that_would_make_a_cluster_namespace_is_refused(client_for, staff, make_user):
+    from tenants.models import Membership, Tenant
+
+    gpu = Tenant.objects.create(slug="gpu", name="GPU team")
+    owner = make_user("gina")
+    Membership.objects.create(user=owner, tenant=gpu, role="owner")
+    response = client_for(owner).post("/api/v1/environments/", {"tenant": "gpu", "name": "operator"})
+    assert response.status_code == 400
+    assert "reserved for the cluster" in response.json()["name"][0]
+    assert not Environment.objects.exists()
