@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kubernetes.utils import parse_quantity
+
 from quotas import catalog
 from runners.backends.base import TIMESLICE_RESOURCE, WHOLE_GPU_RESOURCE, GpuInfo, NodeInfo
 from runners.scheduler import mig
@@ -31,24 +33,13 @@ class TopologyLabels:
 
 
 def parse_quantity_milli(value: str) -> int:
-    """A CPU quantity ("8", "7500m") in millicores."""
-    value = str(value)
-    if value.endswith("m"):
-        return int(value[:-1])
-    return int(float(value) * 1000)
-
-
-_BINARY = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
-_DECIMAL = {"k": 1000 / 1048576, "M": 1e6 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576}
+    """A CPU quantity ("8", "7500m", "1e3") in millicores."""
+    return int(parse_quantity(str(value)) * 1000)
 
 
 def parse_quantity_mib(value: str) -> int:
-    """A memory quantity ("64Gi", "65536Mi", "68719476736") in MiB."""
-    value = str(value)
-    for suffix, factor in {**_BINARY, **_DECIMAL}.items():
-        if value.endswith(suffix):
-            return int(float(value[: -len(suffix)]) * factor)
-    return int(value) // 1048576
+    """A memory quantity ("64Gi", "65536Mi", "129e6", "68719476736") in MiB."""
+    return int(parse_quantity(str(value)) / 1048576)
 
 
 def node_info(node: dict, *, labels: TopologyLabels = TopologyLabels()) -> NodeInfo:

@@ -307,7 +307,13 @@ class KubernetesBackend:
     def discover_inventory(self) -> list[NodeInfo]:
         """GPU nodes (and nodes in a pool), from GFD labels and allocatable resources."""
         items = self._checked("Node", "list")[1].get("items") or []
-        nodes = [k8s_inventory.node_info(item, labels=self.topology_labels) for item in items]
+        nodes = []
+        for item in items:
+            try:
+                nodes.append(k8s_inventory.node_info(item, labels=self.topology_labels))
+            except (ValueError, ArithmeticError) as exc:
+                # One node with a quantity we cannot read must not hide the rest of the cluster.
+                logger.warning("Skipping node %s: %s", (item.get("metadata") or {}).get("name"), exc)
         return [node for node in nodes if node.gpus or node.pool]
 
     def _patch_node(self, node_name: str, patch: dict) -> dict:

@@ -59,3 +59,9 @@ def test_a_cordoned_cpu_node_has_no_gpus_and_is_not_schedulable():
 def test_a_clique_label_names_the_nvlink_domain():
     info = node_info(_node(labels={**H100_LABELS, "nvidia.com/gpu.clique": "cluster-a.0"}, allocatable={"nvidia.com/gpu": "8"}))
     assert info.nvlink_domain == "cluster-a.0"
+
+
+def test_every_quantity_form_kubernetes_allows_is_read():
+    assert parse_quantity_mib("129e6") == 123
+    assert parse_quantity_milli("1e3") == 1_000_000
+    assert parse_quantity_mib("1Gi") == 1024

@@ -134,3 +134,10 @@ def test_a_stale_config_map_write_is_retried(backend, standin, nodes):
     backend.apply_partition("gpu-2", other)
     config = yaml.safe_load(standin.get("configmaps", MIG_PARTED_CONFIG_MAP, GPU_OPERATOR_NAMESPACE)["data"]["config.yaml"])
     assert "h100-7x1g" in config["mig-configs"]
+
+
+def test_a_node_with_an_unreadable_quantity_does_not_hide_the_others(backend, standin, nodes):
+    broken = gpu_node("gpu-odd")
+    broken["status"]["allocatable"]["memory"] = "lots"
+    standin.put(broken)
+    assert sorted(node.name for node in backend.discover_inventory()) == ["gpu-1", "gpu-2"]
