@@ -219,7 +219,7 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = TIME_ZONE
 SWEEP_INTERVAL_S = env_int("SWEEP_INTERVAL_S", 30, minimum=1)
 # A transitional state untouched for this long is taken as a lost message.
-STUCK_AFTER_S = env_int("STUCK_AFTER_S", 120, minimum=1)
+STUCK_AFTER_S = env_int("STUCK_AFTER_S", 300, minimum=1)
 INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "tenants.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
@@ -250,7 +250,8 @@ KUBERNETES_FIELD_MANAGER = env_str("KUBERNETES_FIELD_MANAGER", "gpu-portal")
 KUBERNETES_USERNAME_TEMPLATE = env_str("KUBERNETES_USERNAME_TEMPLATE", "{username}")
 if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
     raise ImproperlyConfigured("KUBERNETES_USERNAME_TEMPLATE must contain {username}, e.g. 'oidc:{username}'.")
-KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 300, minimum=1)
+# Kept under CELERY_VISIBILITY_TIMEOUT_S, so a teardown still waiting is never handed to a second worker.
+KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 120, minimum=1)
 KUBERNETES_POLL_INTERVAL_S = env_float("KUBERNETES_POLL_INTERVAL_S", 1.0, minimum=0)
 KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, minimum=1)
 # Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at

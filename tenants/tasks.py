@@ -33,8 +33,10 @@ def environment_provision(self, environment_id: int) -> str:
     acks_late=True,
     autoretry_for=(TransientBackendError,),
     retry_backoff=2,
-    retry_backoff_max=120,
-    max_retries=None,  # Teardown must finish eventually; the sweep also re-enqueues it.
+    # Each attempt touches the row, so with attempts under a minute apart the sweep
+    # (STUCK_AFTER_S) never starts a second chain beside a live one.
+    retry_backoff_max=60,
+    max_retries=50,  # After that the sweep re-enqueues it: teardown always finishes eventually.
 )
 def environment_teardown(self, environment_id: int) -> str:
     return services.environment_teardown_run(environment_id=environment_id)
