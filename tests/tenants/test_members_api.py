@@ -93,3 +93,13 @@ def test_the_last_owner_cannot_be_removed(client_for, owner, tenant):
 
 def test_removing_someone_who_is_not_a_member_is_404(client_for, owner, tenant):
     assert client_for(owner).delete("/api/v1/tenants/acme/members/ghost/").status_code == 404
+
+
+def test_the_tenant_list_costs_the_same_queries_for_many_tenants(client_for, owner, django_assert_max_num_queries):
+    for index in range(6):
+        tenant = Tenant.objects.create(slug=f"t{index}", name=f"T{index}")
+        Membership.objects.create(user=owner, tenant=tenant, role="viewer")
+    client = client_for(owner)
+    with django_assert_max_num_queries(5):
+        body = client.get("/api/v1/tenants/").json()
+    assert {t["my_role"] for t in body["results"]} == {"owner", "viewer"}
