@@ -76,7 +76,9 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
 @transaction.atomic
 def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str) -> None:
     actor_role = require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
-    membership = Membership.objects.select_for_update().filter(tenant=tenant, user__username=username).first()
+    # Lock the tenant: two owners removing each other at once must not leave it ownerless.
+    Tenant.objects.select_for_update().get(pk=tenant.pk)
+    membership = Membership.objects.filter(tenant=tenant, user__username=username).first()
     if membership is None:
         from django.http import Http404
 
