@@ -128,9 +128,12 @@ def member_remove(request, slug, username):
 @login_required
 @require_GET
 def environment_detail(request, environment_id):
+    return render(request, "frontend/environment.html", _environment_context(request, environment_id))
+
+
+def _environment_context(request, environment_id) -> dict:
     environment = selectors.environment_get(user=request.user, environment_id=environment_id)
-    context = {"environment": environment, **_abilities(request.user, environment.tenant)}
-    return render(request, "frontend/environment.html", context)
+    return {"environment": environment, **_abilities(request.user, environment.tenant)}
 
 
 @never_cache
@@ -138,9 +141,7 @@ def environment_detail(request, environment_id):
 @require_GET
 def environment_status(request, environment_id):
     """The live status block of the environment page, polled while it is transitional."""
-    environment = selectors.environment_get(user=request.user, environment_id=environment_id)
-    context = {"environment": environment, **_abilities(request.user, environment.tenant)}
-    return render(request, "frontend/fragments/environment_status.html", context)
+    return render(request, "frontend/fragments/environment_status.html", _environment_context(request, environment_id))
 
 
 @never_cache

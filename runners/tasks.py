@@ -1,10 +1,11 @@
 """Celery tasks for the inventory and partition changes."""
 
 from celery import shared_task
+from django.conf import settings
 
+from portal.tasks import retry_or_give_up
 from runners import services
 from runners.backends.base import TransientBackendError
-
 
 PARTITION_MAX_RETRIES = 10
 
@@ -14,17 +15,17 @@ def partition_apply(self, change_id: int) -> str:
     try:
         return services.partition_change_run(change_id=change_id)
     except TransientBackendError as exc:
-        if self.request.retries >= self.max_retries:
-            services.partition_change_give_up(change_id=change_id, reason=str(exc))
-            return "failed"
-        services.partition_change_release(change_id=change_id)
-        raise self.retry(exc=exc, countdown=min(2 ** (self.request.retries + 1), 60)) from None
+        return retry_or_give_up(
+            self,
+            exc,
+            give_up=lambda reason: services.partition_change_give_up(change_id=change_id, reason=reason),
+            before_retry=lambda reason: services.partition_change_release(change_id=change_id),
+            cap_s=60,
+        )
 
 
 @shared_task
 def partition_change_sweep() -> list[int]:
-    from django.conf import settings
-
     return services.partition_change_sweep(stuck_after_s=settings.STUCK_AFTER_S)
 
 

@@ -5,6 +5,7 @@ import logging
 from celery import shared_task
 from django.conf import settings
 
+from portal.tasks import retry_or_give_up
 from runners.backends.base import TransientBackendError
 from tenants import services
 
@@ -12,20 +13,18 @@ logger = logging.getLogger(__name__)
 MAX_RETRIES = 8
 
 
-def _backoff_s(retries: int) -> int:
-    return min(2 ** (retries + 1), 120)
-
-
 @shared_task(bind=True, acks_late=True, max_retries=MAX_RETRIES)
 def environment_provision(self, environment_id: int) -> str:
     try:
         return services.environment_provision_run(environment_id=environment_id)
     except TransientBackendError as exc:
-        if self.request.retries >= self.max_retries:
-            services.environment_provision_give_up(environment_id=environment_id, reason=str(exc))
-            return "failed"
-        services.environment_note_retry(environment_id=environment_id, reason=str(exc))
-        raise self.retry(exc=exc, countdown=_backoff_s(self.request.retries)) from None
+        return retry_or_give_up(
+            self,
+            exc,
+            give_up=lambda reason: services.environment_provision_give_up(environment_id=environment_id, reason=reason),
+            before_retry=lambda reason: services.environment_note_retry(environment_id=environment_id, reason=reason),
+            cap_s=120,
+        )
 
 
 @shared_task(

@@ -80,7 +80,6 @@ def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, se
     backend = FlakyBackend(TransientBackendError("connection refused"))
     monkeypatch.setattr("tenants.services.get_backend", lambda: backend)
     settings.CELERY_TASK_ALWAYS_EAGER = True
-    monkeypatch.setattr(tasks, "_backoff_s", lambda retries: 0)
     from portal.celery import app
 
     app.conf.task_always_eager = True
