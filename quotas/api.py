@@ -160,12 +160,7 @@ class QuotaViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
         quota = self.get_object()
         data = QuotaUpdateSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        values = {
-            "guaranteed": quota.guaranteed, "max": quota.max,
-            "fair_share_weight": quota.fair_share_weight, "max_priority": quota.max_priority,
-            **data.validated_data,
-        }
-        quota = services.quota_set(actor=request.user, tenant=quota.tenant, flavor=quota.flavor, **values)
+        quota = services.quota_set(actor=request.user, tenant=quota.tenant, flavor=quota.flavor, **data.validated_data)
         return Response(QuotaSerializer(quota).data)
 
     @extend_schema(responses={204: None})

@@ -118,29 +118,37 @@ def quota_set(
     actor: AbstractBaseUser,
     tenant: Tenant,
     flavor: ResourceFlavor,
-    guaranteed: int,
-    max: int,
-    fair_share_weight: Decimal = Decimal("1"),
-    max_priority: int = 100,
+    guaranteed: int | None = None,
+    max: int | None = None,
+    fair_share_weight: Decimal | None = None,
+    max_priority: int | None = None,
     must_be_new: bool = False,
 ) -> Quota:
-    """Create or change a tenant's quota for one flavor, then resync its environments."""
+    """Create or change a tenant's quota for one flavor, then resync its environments.
+
+    A field left as None keeps its current value (or its default for a new quota);
+    the merge happens under the lock, so concurrent changes of different fields all land.
+    """
     _require_staff(actor)
+    # Lock the flavor so two concurrent changes cannot both fit under capacity.
+    ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
+    existing = Quota.objects.filter(tenant=tenant, flavor=flavor).first()
+    if must_be_new and existing is not None:
+        raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
+    current = existing or Quota(guaranteed=0, max=0, fair_share_weight=Decimal("1"), max_priority=100)
+    guaranteed = current.guaranteed if guaranteed is None else guaranteed
+    max = current.max if max is None else max
+    fair_share_weight = current.fair_share_weight if fair_share_weight is None else fair_share_weight
+    max_priority = current.max_priority if max_priority is None else max_priority
     if guaranteed > max:
         raise ValidationError({"guaranteed": f"guaranteed ({guaranteed}) cannot exceed max ({max})."})
     if fair_share_weight <= 0:
         raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
-    # Lock the flavor so two concurrent changes cannot both fit under capacity.
-    ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
-    existing = Quota.objects.filter(tenant=tenant, flavor=flavor).values_list("guaranteed", flat=True).first()
-    if must_be_new and existing is not None:
-        raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
-    current = existing or 0
     capacity = flavor_capacity(flavor)
     others = guaranteed_total(flavor, excluding_tenant=tenant)
     # Only a growing guarantee must fit: capacity can shrink under existing guarantees (a pool
     # cordoned or re-cut), and staff must still be able to lower them or change anything else.
-    if guaranteed > current and others + guaranteed > capacity:
+    if guaranteed > current.guaranteed and others + guaranteed > capacity:
         raise ValidationError(
             {
                 "guaranteed": (
