@@ -9,6 +9,11 @@ for portal, fgd and bestfit on `default`, beside the authors' curves.
 Every replay appends one JSON line to --results, so the bench can be run in parts and the table
 and plot rebuilt from what is there (`--report-only`).
 
+The trace files come from $OPENB_DIR, by default tests/data/openb: the part of the trace the
+repository ships (node list, the five tuning traces, multigpu50 and the published means; see its
+README). Other traces and --plot need OPENB_DIR set to the full openb folder
+(OPENB_DIR=../shared/traces/openb on this project's machines).
+
     python bench/replay_openb.py --traces default,cpu050 --seeds 42-51 --policies fgd,portal --jobs 2
     python bench/replay_openb.py --scaling 1,4,16
     python bench/replay_openb.py --report-only --plot bench/openb_default_allocation.png
@@ -38,7 +43,9 @@ from runners.scheduler.openb import TracePod, load_nodes, load_pods  # noqa: E40
 from runners.scheduler.policies import POLICY_NAMES  # noqa: E402
 from runners.scheduler.replay import replay  # noqa: E402
 
-OPENB = Path(os.environ.get("OPENB_DIR", Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "openb"))
+# The shipped subset of openb (tests/data/openb/README.md) unless OPENB_DIR names a full copy.
+OPENB = Path(os.environ.get("OPENB_DIR") or REPO / "tests" / "data" / "openb")
+NODE_LIST = "openb_node_list_gpu_node.csv"
 TUNING_TRACES = ("default", "cpu050", "gpushare40", "gpuspec10", "multigpu20")
 ALL_TRACES = (
     "default", "cpu050", "cpu100", "cpu200", "cpu250", "gpushare40", "gpushare60", "gpushare80", "gpushare100",
@@ -78,11 +85,16 @@ def replicate(nodes: list[Node], pods: list[TracePod], times: int) -> tuple[list
 def run_one(job: tuple[str, str, int, int]) -> dict:
     """One replay (in a worker process); returns its result with the job's labels."""
     trace, policy, seed, times = job
-    nodes, pods = replicate(load_nodes(OPENB / "openb_node_list_gpu_node.csv"), load_pods(OPENB / f"openb_pod_list_{trace}.csv"), times)
+    nodes, pods = replicate(load_nodes(OPENB / NODE_LIST), load_pods(OPENB / f"openb_pod_list_{trace}.csv"), times)
     result = replay(nodes, pods, policy, seed, trace=trace).as_dict()
     result["times"] = times
     result["n_nodes"] = len(nodes)
     return result
+
+
+def first_missing(paths: list[Path]) -> Path | None:
+    """The first of the trace files that is not there, or None."""
+    return next((path for path in paths if not path.is_file()), None)
 
 
 def load_results(path: Path) -> list[dict]:
@@ -195,6 +207,19 @@ def main() -> int:
         else:
             work = [(t, p, s, 1) for t in traces for p in args.policies.split(",") for s in parse_seeds(args.seeds)]
         work = [job for job in work if job not in done]
+    needed = [OPENB / "published_allocation_at_130.csv"]
+    if work:
+        needed += [OPENB / NODE_LIST] + [OPENB / f"openb_pod_list_{trace}.csv" for trace in dict.fromkeys(job[0] for job in work)]
+    if args.plot:
+        needed.append(OPENB / "expected_results" / "analysis_allo_discrete.csv")
+    missing = first_missing(needed)
+    if missing is not None:
+        print(
+            f"replay_openb: {missing} does not exist (the repository ships only part of openb); "
+            "set OPENB_DIR to the full openb folder, e.g. OPENB_DIR=../shared/traces/openb",
+            file=sys.stderr,
+        )
+        return 2
     started = time.perf_counter()
     if work:
         with ProcessPoolExecutor(max_workers=jobs) as pool, open(args.results, "a") as out:

@@ -6,7 +6,7 @@ import pytest
 
 from runners.backends.cluster_file import ClusterFileError, load_cluster_file
 
-OPENB_NODES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "openb" / "openb_node_list_gpu_node.csv"
+OPENB_NODES = Path(__file__).resolve().parents[1] / "data" / "openb" / "openb_node_list_gpu_node.csv"
 
 
 def test_the_demo_cluster_has_nvlink_h100s_a_mig_a100_and_time_sliced_t4s():
@@ -16,7 +16,6 @@ def test_the_demo_cluster_has_nvlink_h100s_a_mig_a100_and_time_sliced_t4s():
     assert nodes["t4-node-1"].gpu_resources == {"nvidia.com/gpu.shared": 16}
 
 
-@pytest.mark.skipif(not OPENB_NODES.exists(), reason="the shared traces are not checked out beside the repo")
 def test_the_openb_node_list_loads_as_an_inventory():
     nodes = load_cluster_file(OPENB_NODES)
     assert len(nodes) == 1213

@@ -13,8 +13,8 @@ from runners.scheduler.replay import inflate, replay
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-# The shared traces lie beside the checkout (../shared), in CI as on a developer machine.
-OPENB = REPO.parent / "shared" / "traces" / "openb"
+# The part of Alibaba's openb trace these tests replay, shipped in the repository (see its README).
+OPENB = REPO / "tests" / "data" / "openb"
 
 NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\n" + "".join(
     f"n{i},{32000 if i % 2 else 96000},{131072},{2 if i % 2 else 8},{'T4' if i % 2 else 'G2'}\n" for i in range(12)
