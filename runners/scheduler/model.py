@@ -4,7 +4,9 @@ Two layers live here. The dataclasses (`Node`, `Gpu`, `PodRequest`, `Gang`, `Sna
 the portal's scheduler cycle builds from the inventory and what tests write by hand. `ClusterState`
 is the same cluster as numpy arrays, one row per node and one column per GPU slot, so that a policy
 can score every node with a few vector operations instead of a Python loop per node; the trace
-replay and the placement functions both work on it and never touch the dataclasses again.
+replay and the placement functions both work on it and never touch the dataclasses again. Every
+change to a `ClusterState` goes through its methods (`place`, `place_mig`, `hide_gpus_outside`),
+which stamp the node with a new version; `copy()` gives a scratch state to try placements on.
 
 Units are in the names: `cpu_milli` (1000 = one core), `memory_mib`, `gpu_milli` (1000 = one whole
 GPU, less is a time-sliced share of one GPU).
@@ -12,13 +14,25 @@ GPU, less is a time-sliced share of one GPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional, get_args
 
 import numpy as np
 
+from . import mig
+
 GPU_MILLI = 1000
-TOPOLOGIES = ("none", "node", "nvlink", "rack")
+
+# Where a gang's pods must (or, not required, should) run together: anywhere, on one node, inside
+# one NVLink domain, or in one rack.
+Topology = Literal["none", "node", "nvlink", "rack"]
+TOPOLOGIES: tuple[Topology, ...] = get_args(Topology)
+
+# How a GPU is cut up: shared by milli-GPU (whole GPUs are 1000 of it), or MIG-partitioned.
+Partitioning = Literal["shared", "mig"]
+
+# What a pod asks for: no GPU, a share of one GPU, whole GPUs, or a MIG slice.
+RequestKind = Literal["cpu", "share", "whole", "mig"]
 
 # GPU-clustering groups pods by the shape of their GPU request; these are the columns of
 # `ClusterState.affinity_pods`, in the order the published simulator names them.
@@ -45,6 +59,11 @@ class Gpu:
     # None: not partitioned, shared by milli-GPU. A list (possibly empty): MIG mode, and these
     # instances exist; a MIG GPU takes MIG requests only.
     mig_instances: Optional[list[MigInstance]] = None
+
+    @property
+    def partitioning(self) -> Partitioning:
+        """'mig' for a MIG-partitioned GPU, 'shared' for one shared by milli-GPU."""
+        return "shared" if self.mig_instances is None else "mig"
 
 
 @dataclass
@@ -101,6 +120,15 @@ class PodRequest:
             raise ValueError(f"pod {self.name!r}: a MIG request asks for a profile, not num_gpu or gpu_milli")
 
     @property
+    def kind(self) -> RequestKind:
+        """'mig' for a MIG slice, else 'cpu' without GPUs, 'whole' for whole GPUs, 'share' for part of one."""
+        if self.mig_profile is not None:
+            return "mig"
+        if self.gpu_count == 0:
+            return "cpu"
+        return "whole" if self.gpu_milli == GPU_MILLI else "share"
+
+    @property
     def gpu_count(self) -> int:
         """GPUs this pod occupies on the milli-GPU path; a pod with gpu_milli 0 is a CPU pod."""
         return self.num_gpu if self.gpu_milli > 0 else 0
@@ -126,7 +154,8 @@ class Gang:
 
     name: str
     pods: tuple[PodRequest, ...]
-    topology: str = "none"
+    topology: Topology = "none"
+    # False: the topology is a preference, and the gang spreads over the cluster when no domain fits.
     required: bool = True
 
     def __post_init__(self) -> None:
@@ -169,8 +198,48 @@ class GangDecision:
         return bool(self.placements)
 
 
+class _VersionClock:
+    """Hands out node versions: one counter for a cluster state and every copy made of it.
+
+    Policies cache per-node scores under (row, version) and reuse them for as long as the node's
+    version is unchanged. Copies start from their original's versions and then go separate ways,
+    so if each counted on its own, two of them could stamp the same version on different contents
+    and a cache would mistake one for the other. Drawing every version from one counter means a
+    (row, version) pair names one content of that node, in whichever copy it is read.
+    """
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def tick(self) -> int:
+        """A version no state of this family has used yet."""
+        self.last += 1
+        return self.last
+
+
 class ClusterState:
-    """The cluster as arrays: one row per node, one column per GPU slot; mutated by `place`."""
+    """The cluster as arrays: one row per node, one column per GPU slot; changed only by its own methods.
+
+    The layout (names, capacities, models, topology) is fixed once built and shared by copies; its
+    arrays are read-only. The tie order is layout too: the replay replaces it as a whole before it
+    places anything, nothing writes into it. What placements change (the `_OCCUPANCY` arrays and
+    the MIG layouts) belongs to each copy.
+    """
+
+    # The arrays `copy()` copies; every other array is layout, read-only and shared.
+    _OCCUPANCY = (
+        "cpu_left_milli",
+        "memory_left_mib",
+        "gpu_left_milli",
+        "gpu_is_mig",
+        "affinity_pods",
+        "version",
+        "total_left_milli",
+        "max_left_milli",
+        "full_free_gpus",
+    )
 
     def __init__(self, nodes: list[Node] | tuple[Node, ...]):
         self.node_names = [node.name for node in nodes]
@@ -195,10 +264,10 @@ class ClusterState:
             for col, gpu in enumerate(node.gpus):
                 if gpu.nvlink_domain is not None:
                     self.gpu_nvlink[row, col] = domains.setdefault(gpu.nvlink_domain, len(domains))
-                if gpu.mig_instances is not None:
+                if gpu.partitioning == "mig":
                     # A MIG GPU is not shareable by milli-GPU: leaving it at 0 keeps it out of that path.
                     self.gpu_is_mig[row, col] = True
-                    self.mig[(row, col)] = [MigInstance(i.profile, i.start, i.pod) for i in gpu.mig_instances]
+                    self.mig[(row, col)] = [replace(instance) for instance in gpu.mig_instances]
                 else:
                     self.gpu_left_milli[row, col] = gpu.free_milli
         self.gpu_models = [[gpu.model for gpu in node.gpus] for node in nodes]
@@ -207,13 +276,35 @@ class ClusterState:
         self.rack_id = np.array([racks.setdefault(node.rack, len(racks)) for node in nodes], dtype=np.int64)
         self.rack_names = list(racks)
         self.affinity_pods = np.zeros((n_nodes, len(AFFINITY_TAGS)), dtype=np.int64)
-        # Bumped on every change to a node, so policies can cache per-node scores and rescore only those.
+        # Stamped anew (from the clock every copy shares) on every change to a node, so policies
+        # can cache per-node scores and rescore only the nodes that changed.
+        self._clock = _VersionClock()
         self.version = np.zeros(n_nodes, dtype=np.int64)
         # Equal scores go to the node ranked first here. The published simulator's scheduler breaks
         # ties by node order, and it names nodes with a random prefix per seed; the replay sets a
         # seeded permutation, a snapshot keeps its own order.
         self.tie_rank = np.arange(n_nodes, dtype=np.int64)
         self._refresh_summaries(np.arange(n_nodes))
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray) and name not in self._OCCUPANCY:
+                value.setflags(write=False)
+
+    def copy(self) -> ClusterState:
+        """A scratch copy to try placements on: its own occupancy and MIG layouts, the layout shared.
+
+        The copy draws versions from the same clock as this state, so a policy's per-node caches
+        stay valid for both of them and for every other copy (see `_VersionClock`).
+        """
+        clone = object.__new__(ClusterState)
+        clone.__dict__.update(vars(self))
+        for name in self._OCCUPANCY:
+            setattr(clone, name, getattr(self, name).copy())
+        clone.mig = {slot: [replace(instance) for instance in instances] for slot, instances in self.mig.items()}
+        return clone
+
+    def same_family(self, other: ClusterState) -> bool:
+        """True when `other` is this state or a copy of it (or of a copy): their versions compare."""
+        return other._clock is self._clock
 
     @property
     def n_nodes(self) -> int:
@@ -252,14 +343,16 @@ class ClusterState:
         ok = self.schedulable & (self.cpu_left_milli >= pod.cpu_milli) & (self.memory_left_mib >= pod.memory_mib)
         if mask is not None:
             ok &= mask
-        gpus = pod.gpu_count
-        if gpus:
+        kind = pod.kind
+        if kind in ("share", "whole"):
             ok &= self.model_access(pod)[self.model_id]
-            if pod.gpu_milli == GPU_MILLI:
-                ok &= self.full_free_gpus >= gpus
+            if kind == "whole":
+                ok &= self.full_free_gpus >= pod.gpu_count
             else:
                 ok &= self.max_left_milli >= pod.gpu_milli
         return np.flatnonzero(ok)
+
+    # --- changes: each one stamps the nodes it touches with a new version -------------------------
 
     def place(self, row: int, pod: PodRequest, gpu_indices: tuple[int, ...]) -> None:
         """Take the pod's CPU, memory and GPU share on node `row`; the caller checked it fits."""
@@ -270,7 +363,53 @@ class ClusterState:
                 self.gpu_left_milli[row, col] -= pod.gpu_milli
             self.affinity_pods[row, pod.affinity_tag] += 1
             self._refresh_summaries(np.array([row]))
-        self.version[row] += 1
+        self.version[row] = self._clock.tick()
+
+    def place_mig(self, row: int, col: int, start: int, pod: PodRequest) -> None:
+        """Give a MIG pod its instance at `start` on GPU `col` of node `row`: the idle one there, or a new one.
+
+        The one path for MIG bookkeeping, whether a placement is tried on a scratch copy or applied;
+        the caller found the slot with `mig_free_starts` or an idle instance of `mig_layout`.
+        """
+        instances = self.mig[(row, col)]
+        idle = next(
+            (i for i in instances if i.profile == pod.mig_profile and i.start == start and i.pod is None), None
+        )
+        if idle is not None:
+            idle.pod = pod.name
+        else:
+            instances.append(MigInstance(pod.mig_profile, start, pod.name))
+            # The layout must stay one NVIDIA accepts; free starts guarantee it, this keeps it checked.
+            mig.check_placement(self.gpu_models[row][col], self.mig_layout(row, col))
+        self.cpu_left_milli[row] -= pod.cpu_milli
+        self.memory_left_mib[row] -= pod.memory_mib
+        self.version[row] = self._clock.tick()
+
+    def hide_gpus_outside(self, gpu_mask: np.ndarray) -> None:
+        """Make every GPU outside the mask look fully taken (and not MIG), for a gang confined to those GPUs."""
+        hidden = ~gpu_mask
+        changed = (hidden & ((self.gpu_left_milli != 0) | self.gpu_is_mig)).any(axis=1)
+        self.gpu_left_milli[hidden] = 0
+        self.gpu_is_mig[hidden] = False
+        self._refresh_summaries(np.arange(self.n_nodes))
+        self.version[changed] = self._clock.tick()
+
+    # --- MIG layouts --------------------------------------------------------------------------------
+
+    def mig_layout(self, row: int, col: int) -> list[tuple[str, int]]:
+        """(profile, start) of every instance on a MIG GPU, held or idle, as `mig` checks layouts."""
+        return [(instance.profile, instance.start) for instance in self.mig[(row, col)]]
+
+    def mig_free_slices(self, row: int, col: int) -> int:
+        """Memory slices of a MIG GPU that no instance covers."""
+        profiles = mig.profiles_for(self.gpu_models[row][col])
+        return mig.MEMORY_SLICES - sum(profiles[instance.profile].span for instance in self.mig[(row, col)])
+
+    def mig_free_starts(self, row: int, col: int, profile: str) -> list[int]:
+        """Starts where a new instance of `profile` fits on a MIG GPU without moving anything."""
+        return mig.free_starts(self.gpu_models[row][col], self.mig_layout(row, col), profile)
+
+    # --- GPU choice on a node -----------------------------------------------------------------------
 
     def best_fit_gpu(self, row: int, gpu_milli: int) -> int:
         """The GPU a share goes to under the simulator's 'best' rule: the tightest fit, lowest index first."""
@@ -284,8 +423,9 @@ class ClusterState:
 
     def default_gpus(self, row: int, pod: PodRequest) -> tuple[int, ...]:
         """GPU indices for a pod on a node when the policy has no opinion of its own."""
-        if not pod.gpu_count:
-            return ()
-        if pod.gpu_milli < GPU_MILLI:
+        kind = pod.kind
+        if kind == "share":
             return (self.best_fit_gpu(row, pod.gpu_milli),)
-        return self.whole_gpus(row, pod.gpu_count)
+        if kind == "whole":
+            return self.whole_gpus(row, pod.gpu_count)
+        return ()

@@ -2,8 +2,8 @@
 
 The six baselines follow the published simulator of "Beware of Fragmentation" (Weng et al.,
 USENIX ATC'23; hkust-adsl/kubernetes-scheduler-simulator) rule for rule, including its integer
-scores, because the integer truncation decides how many nodes tie and ties are broken uniformly at
-random, as the Kubernetes scheduler's selectHost does:
+scores, because the integer truncation decides how many nodes tie; ties go to the first node in a
+fixed per-seed order, which is what reproduces the published numbers (see `pick_max`):
 
 * random: any feasible node.
 * bestfit: 100 x (1 - 0.5 (cpu_left - cpu) / 128 cores - 0.5 (gpu_left - gpu) / 8 GPUs), truncated.
@@ -16,18 +16,24 @@ random, as the Kubernetes scheduler's selectHost does:
 `portal` is our own: fragmentation gradient descent whose typical pods need memory too, with a
 penalty for nodes whose CPU would run out before their GPUs (see `PortalPolicy`).
 
-Everything is vectorised over nodes. FGD-style scores are cached per pod shape and per node
-version, so a pod only rescores the nodes that changed since the last pod of its shape.
+Every policy answers `select(state, pod, feasible, rng) -> Choice`: the row of the node among the
+feasible ones, and the GPU columns the pod takes there. Everything is vectorised over nodes.
+FGD-style scores are cached per pod shape and per node version, so a pod only rescores the nodes
+that changed since the last pod of its shape; the caches hold across copies of one cluster state
+(`ClusterState.copy`), so a policy built once serves a whole scheduling cycle, domain after domain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Literal, NamedTuple, Optional, Protocol, get_args
 
 import numpy as np
 
 from .model import GPU_MILLI, ClusterState, PodRequest
+
+PolicyName = Literal["random", "bestfit", "packing", "clustering", "dotprod", "fgd", "portal"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
 MAX_SPEC_CPU_MILLI = 128000
 MAX_SPEC_GPU_MILLI = 8000
@@ -89,6 +95,9 @@ class FragModel:
     there (no CPU, no GPU fitting, wrong model, or a CPU-only pod), else only the free milli on GPUs
     too small for it; the node's fragmentation is the frequency-weighted sum (the simulator's
     NodeGpuShareFragAmountScore, which counts CPU-only typical pods as fragment too).
+
+    It reads `state`, which `follow` may switch to another state of the same family: a row cached
+    at some version is valid in every state where the node has that version.
     """
 
     def __init__(self, state: ClusterState, typical: list[TypicalPod]):
@@ -112,6 +121,12 @@ class FragModel:
         self.version = np.full(n, -1, dtype=np.int64)
         self.state = state
         self.refresh(np.arange(n))
+
+    def follow(self, state: ClusterState) -> None:
+        """Read `state` from now on: a copy of the state this model was built on, or a copy of a copy."""
+        if not state.same_family(self.state):
+            raise ValueError("FragModel can follow only copies of the state it was built on; build a new one")
+        self.state = state
 
     def refresh(self, rows: np.ndarray) -> None:
         """Recompute the cached counts and fragmentation of the given nodes."""
@@ -162,10 +177,11 @@ class FragModel:
         can = self.can_satisfy[state.model_id[rows]]
         fits_count, small_left = self.fits_count[rows], self.small_left[rows]
         total_left = state.total_left_milli[rows]
-        if pod.gpu_count == 0:
+        kind = pod.kind
+        if kind == "cpu":
             frag = self._frag(cpu_after, memory_after, total_left, fits_count, small_left, can)
             return frag[:, None], np.ones((rows.size, 1), dtype=bool)
-        if pod.gpu_milli == GPU_MILLI:
+        if kind == "whole":
             # Whole GPUs: k free GPUs drop to 0 free, so each stops fitting every typical pod.
             frag = self._frag(
                 cpu_after, memory_after, total_left - GPU_MILLI * pod.num_gpu, fits_count - pod.num_gpu, small_left, can
@@ -184,12 +200,19 @@ class FragModel:
         return frag, valid
 
 
+class Choice(NamedTuple):
+    """Where a policy puts a pod: the node's row in the cluster state and the GPU columns it takes there."""
+
+    row: int
+    gpus: tuple[int, ...]
+
+
 class Policy(Protocol):
-    """Picks a node (and GPUs) for a pod among feasible nodes."""
+    """Picks a node (and GPUs) for a pod among feasible nodes (indices into the state's rows, never empty)."""
 
-    name: str
+    name: PolicyName
 
-    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> tuple[int, tuple[int, ...]]:
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         ...
 
 
@@ -207,42 +230,46 @@ def pick_max(state: ClusterState, feasible: np.ndarray, scores: np.ndarray) -> i
     return int(ties[np.argmin(state.tie_rank[feasible[ties]])])
 
 
+def _highest(state: ClusterState, pod: PodRequest, feasible: np.ndarray, scores: np.ndarray) -> Choice:
+    """The feasible node with the highest score (ties by `pick_max`), with the default GPUs there."""
+    row = int(feasible[pick_max(state, feasible, scores)])
+    return Choice(row, state.default_gpus(row, pod))
+
+
 class RandomPolicy:
     """Random-fit: any feasible node, uniformly."""
 
-    name = "random"
+    name: PolicyName = "random"
 
-    def select(self, state, pod, feasible, rng):
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         row = int(feasible[rng.integers(feasible.size)])
-        return row, state.default_gpus(row, pod)
+        return Choice(row, state.default_gpus(row, pod))
 
 
 class BestFitPolicy:
     """Best-fit: the node left with the least free CPU and GPU (each weighted 1/2 of a max node)."""
 
-    name = "bestfit"
+    name: PolicyName = "bestfit"
 
-    def select(self, state, pod, feasible, rng):
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         cpu_term = (state.cpu_left_milli[feasible] - pod.cpu_milli) / MAX_SPEC_CPU_MILLI * 0.5
         gpu_term = (state.total_left_milli[feasible] - pod.total_gpu_milli * (pod.gpu_count > 0)) / MAX_SPEC_GPU_MILLI * 0.5
         scores = ((1.0 - (0.0 + cpu_term + gpu_term)) * MAX_NODE_SCORE).astype(np.int64)
-        row = int(feasible[pick_max(state, feasible, scores)])
-        return row, state.default_gpus(row, pod)
+        return _highest(state, pod, feasible, scores)
 
 
 class PackingPolicy:
     """GPU packing: shared GPUs first, then free GPUs on used nodes, then untouched nodes."""
 
-    name = "packing"
+    name: PolicyName = "packing"
 
-    def select(self, state, pod, feasible, rng):
-        if pod.gpu_count == 0:
-            row = int(feasible[pick_max(state, feasible, np.zeros(feasible.size))])
-            return row, ()
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        if pod.kind == "cpu":
+            return _highest(state, pod, feasible, np.zeros(feasible.size))
         full_free = state.full_free_gpus[feasible]
         untouched = full_free == state.gpu_count[feasible]
         scores_untouched = np.maximum(MAX_NODE_SCORE // 3 - full_free, full_free)
-        if pod.gpu_milli == GPU_MILLI:
+        if pod.kind == "whole":
             scores_used = np.full(feasible.size, max(MAX_NODE_SCORE // 2 - pod.num_gpu, MAX_NODE_SCORE // 3))
         else:
             left = state.gpu_left_milli[feasible]
@@ -250,42 +277,38 @@ class PackingPolicy:
             share_score = np.maximum(MAX_NODE_SCORE - (tightest * 100 // GPU_MILLI) // 10, MAX_NODE_SCORE // 2)
             scores_used = np.where(tightest == GPU_MILLI, max(MAX_NODE_SCORE // 2 - 1, MAX_NODE_SCORE // 3), share_score)
         scores = np.where(untouched, scores_untouched, scores_used)
-        row = int(feasible[pick_max(state, feasible, scores)])
-        return row, state.default_gpus(row, pod)
+        return _highest(state, pod, feasible, scores)
 
 
 class ClusteringPolicy:
     """GPU clustering: nodes running only pods of the same GPU shape, then mixed, then idle, then others."""
 
-    name = "clustering"
+    name: PolicyName = "clustering"
 
-    def select(self, state, pod, feasible, rng):
-        if pod.gpu_count == 0:
-            row = int(feasible[pick_max(state, feasible, np.zeros(feasible.size))])
-            return row, ()
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        if pod.kind == "cpu":
+            return _highest(state, pod, feasible, np.zeros(feasible.size))
         counts = state.affinity_pods[feasible]
         same = counts[:, pod.affinity_tag] > 0
         kinds = (counts > 0).sum(axis=1)
         base = (MAX_NODE_SCORE // 4) * (MAX_SPEC_GPU_MILLI - state.total_left_milli[feasible]) // MAX_SPEC_GPU_MILLI
         bonus = np.where(same, np.where(kinds == 1, 75, 50), np.where(kinds == 0, 25, 0))
-        row = int(feasible[pick_max(state, feasible, base + bonus)])
-        return row, state.default_gpus(row, pod)
+        return _highest(state, pod, feasible, base + bonus)
 
 
 class DotProductPolicy:
     """Dot product (Tetris): the node whose free (CPU, GPU) aligns least with the request."""
 
-    name = "dotprod"
+    name: PolicyName = "dotprod"
 
-    def select(self, state, pod, feasible, rng):
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         node_cpu = state.cpu_left_milli[feasible] / MAX_SPEC_CPU_MILLI
         node_gpu = state.total_left_milli[feasible] / MAX_SPEC_GPU_MILLI
         pod_cpu = pod.cpu_milli / MAX_SPEC_CPU_MILLI
         pod_gpu = (pod.total_gpu_milli if pod.gpu_count else 0) / MAX_SPEC_GPU_MILLI
         dot = 0.0 + node_cpu * pod_cpu + node_gpu * pod_gpu
         scores = (MAX_NODE_SCORE * (1 - dot / 2)).astype(np.int64)
-        row = int(feasible[pick_max(state, feasible, scores)])
-        return row, state.default_gpus(row, pod)
+        return _highest(state, pod, feasible, scores)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -305,9 +328,9 @@ class _ShapeCache:
 
 
 class FgdPolicy:
-    """Fragmentation gradient descent, exactly as published: truncated sigmoid scores, random ties."""
+    """Fragmentation gradient descent, exactly as published: truncated sigmoid scores, ties by node order."""
 
-    name = "fgd"
+    name: PolicyName = "fgd"
 
     def __init__(self, typical: list[TypicalPod]):
         self.typical = typical
@@ -315,10 +338,17 @@ class FgdPolicy:
         self.caches: dict[tuple[int, int, int, int], _ShapeCache] = {}
 
     def bind(self, state: ClusterState) -> FragModel:
-        """Attach to a cluster state (once); returns the fragmentation model the replay can share."""
-        if self.frag is None or self.frag.state is not state:
+        """Attach to a cluster state; returns the fragmentation model the replay can share.
+
+        A copy of the state already bound (a placement's scratch state for one domain) keeps the
+        model and the score caches: entries are keyed by node version, which copies never reuse.
+        Any other state starts them afresh.
+        """
+        if self.frag is None or not state.same_family(self.frag.state):
             self.frag = FragModel(state, self.typical)
             self.caches = {}
+        elif self.frag.state is not state:
+            self.frag.follow(state)
         return self.frag
 
     def _node_scores(self, growth: np.ndarray) -> np.ndarray:
@@ -345,17 +375,18 @@ class FgdPolicy:
         return cache.score[feasible], cache.gpu[feasible]
 
     def _gpus(self, state: ClusterState, pod: PodRequest, row: int, gpu: int) -> tuple[int, ...]:
-        if pod.gpu_count == 0:
-            return ()
-        if pod.gpu_milli < GPU_MILLI:
+        kind = pod.kind
+        if kind == "share":
             return (gpu,)
-        return state.whole_gpus(row, pod.gpu_count)
+        if kind == "whole":
+            return state.whole_gpus(row, pod.gpu_count)
+        return ()
 
-    def select(self, state, pod, feasible, rng):
+    def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         scores, gpus = self._scores(state, pod, feasible)
         pick = pick_max(state, feasible, scores)
         row = int(feasible[pick])
-        return row, self._gpus(state, pod, row, int(gpus[pick]))
+        return Choice(row, self._gpus(state, pod, row, int(gpus[pick])))
 
 
 class PortalPolicy(FgdPolicy):
@@ -376,7 +407,7 @@ class PortalPolicy(FgdPolicy):
     (bench/README.md). The weight was chosen on the five tuning traces only.
     """
 
-    name = "portal"
+    name: PolicyName = "portal"
     CPU_BALANCE_WEIGHT = 50
 
     def _scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -389,12 +420,9 @@ class PortalPolicy(FgdPolicy):
         return scores - penalty, gpus
 
 
-POLICY_NAMES = ("random", "bestfit", "packing", "clustering", "dotprod", "fgd", "portal")
-
-
-def make_policy(name: str, typical: Optional[list[TypicalPod]] = None) -> Policy:
+def make_policy(name: PolicyName, typical: Optional[list[TypicalPod]] = None) -> Policy:
     """A fresh policy by name; FGD-style policies need the workload's typical pods."""
-    simple = {
+    simple: dict[str, type[Policy]] = {
         "random": RandomPolicy,
         "bestfit": BestFitPolicy,
         "packing": PackingPolicy,

@@ -32,9 +32,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import ClusterState, Node, PodRequest
+from .model import ClusterState, Node
 from .openb import TraceError, TracePod, load_nodes, load_pods
-from .policies import POLICY_NAMES, FgdPolicy, FragModel, make_policy, typical_pods
+from .policies import POLICY_NAMES, FgdPolicy, FragModel, PolicyName, make_policy, typical_pods
 
 ARRIVED_PCT_MAX = 130
 
@@ -97,7 +97,7 @@ def bin_by_arrived(arrived_milli: np.ndarray, values: np.ndarray, total_gpus: in
 
 
 def replay(
-    nodes: Sequence[Node], pods: list[TracePod], policy_name: str, seed: int, tune: float = 1.3, trace: str = ""
+    nodes: Sequence[Node], pods: list[TracePod], policy_name: PolicyName, seed: int, tune: float = 1.3, trace: str = ""
 ) -> ReplayResult:
     """Run the published procedure for one policy and seed; pure apart from the clock."""
     started = time.perf_counter()

@@ -3,8 +3,8 @@
 import pytest
 
 from runners.scheduler.admission import decide
-from runners.scheduler.admission_preemption import borrowed_units, choose_victims
-from runners.scheduler.admission_types import (
+from runners.scheduler.admission.preemption import borrowed_units, choose_victims
+from runners.scheduler.admission.types import (
     AdmissionSnapshot,
     FlavorQuota,
     PendingGang,

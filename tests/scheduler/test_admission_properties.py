@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runners.scheduler.admission import decide
-from runners.scheduler.admission_preemption import borrowed_units, choose_victims, is_protected
-from runners.scheduler.admission_types import (
+from runners.scheduler.admission.preemption import borrowed_units, choose_victims, is_protected
+from runners.scheduler.admission.types import (
     AdmissionSnapshot,
     FlavorQuota,
     PendingGang,
@@ -186,6 +186,13 @@ def test_every_pending_gang_is_admitted_or_told_why_not(cluster):
     answered = list(decisions.admitted_ids) + [waiting.gang_id for waiting in decisions.waiting]
     assert sorted(answered) == sorted(gang.id for gang in cluster.pending)
     assert all(waiting.reason.startswith(("waiting: ", "blocked: ")) for waiting in decisions.waiting)
+
+
+@PROPERTY_SETTINGS
+@given(clusters(guarantees_fit=False))
+def test_a_waiting_gangs_reason_starts_with_its_kind(cluster):
+    for waiting in decide(cluster, NOW_S).waiting:
+        assert waiting.kind in ("blocked", "waiting") and waiting.reason.startswith(f"{waiting.kind}: ")
 
 
 @PROPERTY_SETTINGS

@@ -185,6 +185,24 @@ def test_a_mig_request_waits_when_no_start_slot_is_free():
     assert not decision.placed
 
 
+def test_mig_slices_placed_by_one_gang_are_taken_when_the_next_gang_looks():
+    gpu = Gpu("A100-40GB", mig_instances=[])
+    gangs = [Gang(f"g{i}", (PodRequest(f"m{i}", 1000, 1024, mig_profile="3g.20gb"),)) for i in range(3)]
+    decisions = place_gangs(Snapshot((Node("a", 8000, 16384, [gpu]),)), gangs)
+    assert [d.placements[0].mig_start if d.placed else None for d in decisions] == [0, 4, None]
+
+
+def test_a_pod_request_says_what_kind_it_is():
+    kinds = [
+        PodRequest("c", 1000, 1024).kind,
+        PodRequest("s", 1000, 1024, 1, 500).kind,
+        PodRequest("w", 1000, 1024, 2, 1000).kind,
+        PodRequest("m", 1000, 1024, mig_profile="1g.5gb").kind,
+        PodRequest("no-share", 1000, 1024, 1, 0).kind,
+    ]
+    assert kinds == ["cpu", "share", "whole", "mig", "cpu"]
+
+
 def test_it_refuses_a_negative_request_naming_the_field():
     with pytest.raises(ValueError, match="cpu_milli"):
         PodRequest("p", -1, 1)

@@ -1,4 +1,4 @@
-"""Admission: which pending gangs start now, what is preempted for them, and what is held for later.
+"""The admission cycle, `decide`: which pending gangs start now, what is preempted for them, what is held.
 
 `decide` is a pure function of an `AdmissionSnapshot` and the time. The rules:
 
@@ -15,7 +15,7 @@
   rejects such input; clamping here keeps a stale row from jumping the queue).
 - Within guarantee: admitted if the units are free and not held; otherwise it
   claims free units plus units of work already stopping, and preempts other
-  tenants' borrowed work for the rest (see admission_preemption). It starts in
+  tenants' borrowed work for the rest (see `preemption`). It starts in
   a later cycle, once the victims have stopped; its claim is held until then.
 - Borrowing (past guarantee, up to max): only from idle capacity, i.e. free and
   not held for anyone. Borrowing never preempts. Non-preemptible gangs may not
@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
 
-from runners.scheduler.admission_preemption import VictimChoice, choose_victims
-from runners.scheduler.admission_types import (
+from ..fairshare import gang_order_key, weighted_dominant_share
+from .preemption import VictimChoice, choose_victims
+from .types import (
     CAPACITY_RESERVATION,
     GUARANTEE_CLAIM,
     Admission,
@@ -48,11 +49,12 @@ from runners.scheduler.admission_types import (
     PendingGang,
     Preemption,
     Reservation,
+    ReservationKind,
     RunningWorkload,
     TenantQuota,
     Waiting,
+    WaitingKind,
 )
-from runners.scheduler.fairshare import gang_order_key, weighted_dominant_share
 
 # Long enough for a training job to write a checkpoint of a large model to shared storage.
 DEFAULT_GRACE_PERIOD_S = 300.0
@@ -84,12 +86,28 @@ class _Hold:
 
     gang_id: str
     tenant: str
-    kind: str
+    kind: ReservationKind
     held_free_units: dict[str, int]
     pledged_stopping_units: dict[str, int]
     projected_start_s: Optional[float]
     borrowing: bool = False
     backfill_used_units: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _StoppingPiece:
+    """Units of one flavor that stopping work gives back at deadline_s, as far as no claimant has them yet."""
+
+    deadline_s: float
+    units: int
+
+
+@dataclass(frozen=True)
+class _Release:
+    """Units that come back at time_s: running work's estimated end, or stopping work's deadline."""
+
+    time_s: float
+    units_by_flavor: Mapping[str, int]
 
 
 def _units_text(units_by_flavor: Mapping[str, int]) -> str:
@@ -116,8 +134,8 @@ class _Cycle:
         self.committed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # Work that reclamation may still stop; work already stopping feeds the pool below instead.
         self.live: dict[str, RunningWorkload] = {}
-        # flavor -> [deadline_s, units] not yet promised to a claimant, earliest first.
-        self.stopping_pool: dict[str, list[list[float]]] = defaultdict(list)
+        # flavor -> what stopping work gives back and no claimant has yet, earliest deadline first.
+        self.stopping_pool: dict[str, list[_StoppingPiece]] = defaultdict(list)
         for workload in sorted(snapshot.running, key=lambda w: w.id):
             workload = self._clamped(workload)
             for flavor, units in workload.units_by_flavor.items():
@@ -131,7 +149,8 @@ class _Cycle:
         self.priority = {gang.id: self._clamped_priority(gang.tenant, gang.priority) for gang in self.pending}
         self.holds: list[_Hold] = []
         self.admitted: list[Admission] = []
-        self.admitted_ends: list[tuple[float, Mapping[str, int]]] = []
+        # When this cycle's admissions are estimated to end, for projected starts.
+        self.admitted_ends: list[_Release] = []
         self.preemptions: list[Preemption] = []
         self.waiting: list[Waiting] = []
 
@@ -147,8 +166,8 @@ class _Cycle:
 
     def _add_to_pool(self, workload: RunningWorkload, deadline_s: float) -> None:
         for flavor, units in workload.units_by_flavor.items():
-            self.stopping_pool[flavor].append([deadline_s, units])
-            self.stopping_pool[flavor].sort(key=lambda piece: piece[0])
+            self.stopping_pool[flavor].append(_StoppingPiece(deadline_s, units))
+            self.stopping_pool[flavor].sort(key=lambda piece: piece.deadline_s)
 
     def _unheld(self, flavor: str) -> int:
         """Units of a flavor that are free now and held for nobody."""
@@ -156,7 +175,7 @@ class _Cycle:
         return max(0, self.capacity.get(flavor, 0) - self.occupied[flavor] - held)
 
     def _pool_units(self, flavor: str) -> int:
-        return int(sum(units for _, units in self.stopping_pool.get(flavor, [])))
+        return sum(piece.units for piece in self.stopping_pool.get(flavor, []))
 
     def _borrowing(self, gang: PendingGang) -> bool:
         quota = self.quotas[gang.tenant]
@@ -168,7 +187,7 @@ class _Cycle:
     def _share(self, tenant: str) -> float:
         return weighted_dominant_share(self.committed[tenant], self.capacity, self.quotas[tenant].weight)
 
-    def _order_key(self, gang: PendingGang) -> tuple:
+    def _order_key(self, gang: PendingGang) -> tuple[int, float, int, float, str]:
         return gang_order_key(
             borrowing=self._borrowing(gang),
             tenant_share=self._share(gang.tenant),
@@ -177,8 +196,9 @@ class _Cycle:
             gang_id=gang.id,
         )
 
-    def _wait(self, gang: PendingGang, reason: str) -> None:
-        self.waiting.append(Waiting(gang_id=gang.id, tenant=gang.tenant, reason=reason))
+    def _wait(self, gang: PendingGang, kind: WaitingKind, detail: str) -> None:
+        """Record that the gang is not admitted; its reason reads '<kind>: <detail>'."""
+        self.waiting.append(Waiting(gang_id=gang.id, tenant=gang.tenant, kind=kind, reason=f"{kind}: {detail}"))
 
     # --- the cycle -----------------------------------------------------------
 
@@ -210,25 +230,26 @@ class _Cycle:
         """Wait with a 'blocked' reason if no amount of waiting would admit this gang."""
         quota = self.quotas.get(gang.tenant)
         if quota is None:
-            self._wait(gang, f"blocked: tenant {gang.tenant} has no quota; ask an admin to set one")
+            self._wait(gang, "blocked", f"tenant {gang.tenant} has no quota; ask an admin to set one")
             return True
         if not gang.units_by_flavor:
-            self._wait(gang, "blocked: the gang requests no units; ask for at least one unit of a flavor")
+            self._wait(gang, "blocked", "the gang requests no units; ask for at least one unit of a flavor")
             return True
         for flavor, units in gang.units_by_flavor.items():
             if quota.max_units(flavor) == 0:
-                self._wait(gang, f"blocked: tenant {gang.tenant} has no quota for {flavor}; ask an admin for one")
+                self._wait(gang, "blocked", f"tenant {gang.tenant} has no quota for {flavor}; ask an admin for one")
                 return True
             if units > quota.max_units(flavor):
                 self._wait(
                     gang,
-                    f"blocked: gang needs {units} {flavor} but tenant {gang.tenant}'s max is {quota.max_units(flavor)}; "
+                    "blocked",
+                    f"gang needs {units} {flavor} but tenant {gang.tenant}'s max is {quota.max_units(flavor)}; "
                     "make the gang smaller or ask for a larger quota",
                 )
                 return True
             if units > self.capacity.get(flavor, 0):
                 self._wait(
-                    gang, f"blocked: gang needs {units} {flavor} but the cluster has {self.capacity.get(flavor, 0)}"
+                    gang, "blocked", f"gang needs {units} {flavor} but the cluster has {self.capacity.get(flavor, 0)}"
                 )
                 return True
         return False
@@ -240,7 +261,8 @@ class _Cycle:
             if used[flavor] + units > quota.max_units(flavor):
                 self._wait(
                     gang,
-                    f"waiting: tenant {gang.tenant} at max for {flavor} "
+                    "waiting",
+                    f"tenant {gang.tenant} at max for {flavor} "
                     f"({used[flavor]}/{quota.max_units(flavor)}, gang needs {units})",
                 )
                 return
@@ -251,7 +273,8 @@ class _Cycle:
             )
             self._wait(
                 gang,
-                f"waiting: a non-preemptible gang must fit in tenant {gang.tenant}'s guarantee for {flavor} "
+                "waiting",
+                f"a non-preemptible gang must fit in tenant {gang.tenant}'s guarantee for {flavor} "
                 f"({used[flavor]}/{quota.guaranteed_units(flavor)} used, gang needs {units}); "
                 "mark it preemptible to borrow idle capacity",
             )
@@ -279,7 +302,7 @@ class _Cycle:
             if beyond:
                 borrowed[flavor] = beyond
         if gang.estimated_runtime_s is not None:
-            self.admitted_ends.append((self.now_s + gang.estimated_runtime_s, gang.units_by_flavor))
+            self.admitted_ends.append(_Release(self.now_s + gang.estimated_runtime_s, gang.units_by_flavor))
         self.admitted.append(
             Admission(
                 gang_id=gang.id,
@@ -371,12 +394,12 @@ class _Cycle:
             while units > 0:
                 # Enough is in the pool: the shortfall was covered by victims or by earlier stops.
                 piece = pieces[0]
-                take = int(min(piece[1], units))
-                piece[1] -= take
+                take = min(piece.units, units)
+                piece.units -= take
                 units -= take
                 pledged[flavor] = pledged.get(flavor, 0) + take
-                start_s = max(start_s, piece[0])
-                if piece[1] == 0:
+                start_s = max(start_s, piece.deadline_s)
+                if piece.units == 0:
                     pieces.pop(0)
         self.holds.append(
             _Hold(
@@ -392,7 +415,8 @@ class _Cycle:
             self.committed[gang.tenant][flavor] += units
         self._wait(
             gang,
-            f"waiting: preempted borrowed work is checkpointing to give tenant {gang.tenant} back its guarantee "
+            "waiting",
+            f"preempted borrowed work is checkpointing to give tenant {gang.tenant} back its guarantee "
             f"({_units_text(pledged)}); expected start {_time_text(start_s)}",
         )
         return None
@@ -411,18 +435,18 @@ class _Cycle:
             borrowed_flavor = next(
                 f for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f)
             )
-            reason = (
-                f"waiting: only {free_units} {flavor} idle, gang needs {units}; it would take tenant {gang.tenant} "
+            detail = (
+                f"only {free_units} {flavor} idle, gang needs {units}; it would take tenant {gang.tenant} "
                 f"past its guarantee for {borrowed_flavor} ({used[borrowed_flavor]}/{quota.guaranteed_units(borrowed_flavor)} "
                 "used), and borrowing uses idle capacity only"
             )
         else:
-            reason = f"waiting: only {free_units} {flavor} free, gang needs {units}"
+            detail = f"only {free_units} {flavor} free, gang needs {units}"
         held_by_others = sorted({hold.gang_id for hold in self.holds if hold.held_free_units.get(flavor, 0)})
         if held_by_others:
-            reason += f"; capacity is held for {', '.join(held_by_others)}"
+            detail += f"; capacity is held for {', '.join(held_by_others)}"
         if choice is not None and choice.protected_units_by_flavor:
-            reason += (
+            detail += (
                 f"; borrowed work of other tenants is protected ({_units_text(choice.protected_units_by_flavor)} "
                 f"non-preemptible or inside its minimum runtime, earliest eligible {_time_text(choice.protected_until_s)})"
             )
@@ -450,29 +474,29 @@ class _Cycle:
             )
             for flavor, units in held_free.items():
                 self.committed[gang.tenant][flavor] += units
-            reason += f"; reserved, projected start {_time_text(start_s)}"
-        self._wait(gang, reason)
+            detail += f"; reserved, projected start {_time_text(start_s)}"
+        self._wait(gang, "waiting", detail)
 
     def _projected_start(self, still_needed: Mapping[str, int]) -> Optional[float]:
         """When the still-needed units come back, going by estimated ends and preemption deadlines."""
-        releases: list[tuple[float, Mapping[str, int]]] = []
+        releases: list[_Release] = []
         for workload in self.live.values():
             if workload.estimated_runtime_s is not None:
                 releases.append(
-                    (max(self.now_s, workload.started_at_s + workload.estimated_runtime_s), workload.units_by_flavor)
+                    _Release(max(self.now_s, workload.started_at_s + workload.estimated_runtime_s), workload.units_by_flavor)
                 )
         releases.extend(self.admitted_ends)
         for flavor, pieces in sorted(self.stopping_pool.items()):
             releases.extend(
-                (max(self.now_s, deadline_s), {flavor: int(units)}) for deadline_s, units in pieces if units
+                _Release(max(self.now_s, piece.deadline_s), {flavor: piece.units}) for piece in pieces if piece.units
             )
         remaining = dict(still_needed)
-        for time_s, units_by_flavor in sorted(releases, key=lambda release: release[0]):
-            for flavor, units in units_by_flavor.items():
+        for release in sorted(releases, key=lambda release: release.time_s):
+            for flavor, units in release.units_by_flavor.items():
                 if flavor in remaining:
                     remaining[flavor] -= units
             if all(units <= 0 for units in remaining.values()):
-                return time_s
+                return release.time_s
         return None
 
 

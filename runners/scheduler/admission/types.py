@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Final, Literal, Mapping, Optional
+
+# What a reservation waits for: preempted work to stop ("guarantee"), or running work to end ("capacity").
+ReservationKind = Literal["guarantee", "capacity"]
+GUARANTEE_CLAIM: Final[ReservationKind] = "guarantee"
+CAPACITY_RESERVATION: Final[ReservationKind] = "capacity"
+
+# Why a gang was not admitted: "blocked" when no amount of waiting would admit it as it is (no
+# quota, bigger than its max or the cluster, no units asked), "waiting" when a later cycle may.
+WaitingKind = Literal["blocked", "waiting"]
 
 
 def frozen_units(owner: str, field_name: str, units_by_flavor: Mapping[str, int]) -> Mapping[str, int]:
@@ -161,11 +170,6 @@ class Preemption:
     deadline_s: float
 
 
-# Reservation kinds: waiting for preempted work to stop, or for running work to end.
-GUARANTEE_CLAIM = "guarantee"
-CAPACITY_RESERVATION = "capacity"
-
-
 @dataclass(frozen=True)
 class Reservation:
     """Units held for a gang that cannot start yet, so that later gangs cannot delay it.
@@ -177,17 +181,18 @@ class Reservation:
 
     gang_id: str
     tenant: str
-    kind: str
+    kind: ReservationKind
     held_units_by_flavor: Mapping[str, int]
     projected_start_s: Optional[float]
 
 
 @dataclass(frozen=True)
 class Waiting:
-    """A pending gang that was not admitted, with a reason its owner can read."""
+    """A pending gang that was not admitted, with a reason its owner can read; the reason starts with its kind."""
 
     gang_id: str
     tenant: str
+    kind: WaitingKind
     reason: str
 
 

@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-from runners.scheduler.admission_types import RunningWorkload, TenantQuota
+from .types import RunningWorkload, TenantQuota
 
 
 def borrowed_units(
@@ -55,7 +55,9 @@ class VictimChoice:
         return bool(self.victims)
 
 
-def _victim_order_key(workload: RunningWorkload, borrowed: Mapping[str, int], short_flavors: set[str]) -> tuple:
+def _victim_order_key(
+    workload: RunningWorkload, borrowed: Mapping[str, int], short_flavors: set[str]
+) -> tuple[int, int, float, str]:
     """Borrowed work first (wholly borrowed before partly), then lower priority, newest first, then id.
 
     Non-preemptible work never reaches this key: reclamation skips it, which is
