@@ -3,6 +3,8 @@
 from decimal import Decimal
 
 from django import forms
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
 
 from frontend.drawings import parse_layout
@@ -10,7 +12,36 @@ from portal import nulls
 from quotas.models import PartitionChange
 from runners.models import PartitionKind
 from runners.scheduler.mig import GPU_MODELS
+from tenants import login_throttle
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator
+
+
+class ThrottledLoginMixin:
+    """Counts the attempt before the password is checked, and a failure after (tenants/login_throttle.py)."""
+
+    throttled_s: int | None = None
+
+    def clean(self):
+        username = self.data.get("username")
+        username = username if isinstance(username, str) else None
+        wait_s = login_throttle.attempt(self.request, username)
+        if wait_s is not None:
+            self.throttled_s = wait_s
+            raise ValidationError(login_throttle.throttled_message(wait_s), code="throttled")
+        try:
+            return super().clean()
+        except ValidationError as error:
+            if getattr(error, "code", None) == "invalid_login":
+                login_throttle.failed(self.request, username)
+            raise
+
+
+class LoginForm(ThrottledLoginMixin, AuthenticationForm):
+    pass
+
+
+class AdminLoginForm(ThrottledLoginMixin, AdminAuthenticationForm):
+    pass
 
 
 class EnvironmentForm(forms.Form):

@@ -2,11 +2,16 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from frontend import views
+from frontend.forms import LoginForm
 
 urlpatterns = [
     path(
         "login/",
-        auth_views.LoginView.as_view(template_name="frontend/login.html", redirect_authenticated_user=True),
+        views.throttled_login(
+            auth_views.LoginView.as_view(
+                template_name="frontend/login.html", authentication_form=LoginForm, redirect_authenticated_user=True
+            )
+        ),
         name="login",
     ),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -31,6 +31,22 @@ from tenants import selectors, services
 from tenants.models import EnvironmentState, Role
 
 
+def throttled_login(view):
+    """A login view that answers 429 with Retry-After when its form was throttled."""
+
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        response = view(request, *args, **kwargs)
+        form = (getattr(response, "context_data", None) or {}).get("form")
+        wait_s = getattr(form, "throttled_s", None)
+        if wait_s:
+            response.status_code = 429
+            response["Retry-After"] = str(wait_s)
+        return response
+
+    return wrapper
+
+
 def _abilities(user, tenant) -> dict:
     role = selectors.user_role(user=user, tenant=tenant)
     return {

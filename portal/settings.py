@@ -49,6 +49,9 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: refuse control characters in headers, path and query before anything looks them up.
+    "portal.middleware.RequestHygieneMiddleware",
+    "portal.middleware.DegradedSendMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -60,7 +63,7 @@ MIDDLEWARE = [
 
 if not DEBUG:
     # Serves collected static files in production; runserver serves them under DEBUG.
-    MIDDLEWARE.insert(1, "whitenoise.middleware.WhiteNoiseMiddleware")
+    MIDDLEWARE.insert(3, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "portal.urls"
 WSGI_APPLICATION = "portal.wsgi.application"
@@ -141,16 +144,24 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
+    # ?page= must be a positive integer (400 naming it otherwise); past the last page is a 404.
+    "DEFAULT_PAGINATION_CLASS": "portal.pagination.PageNumberPagination",
     "PAGE_SIZE": env_int("API_PAGE_SIZE", 50, minimum=1),
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # Documents every error answer, with its body, next to the success one (portal/schema.py).
+    "DEFAULT_SCHEMA_CLASS": "portal.schema.PortalAutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    # JSON only, with size and nesting bounded (portal/parsers.py).
+    "DEFAULT_PARSER_CLASSES": ["portal.parsers.BoundedJSONParser"],
     "EXCEPTION_HANDLER": "portal.api.exception_handler",
     "NUM_PROXIES": env_int("NUM_PROXIES", 0, minimum=0),
 }
 
 from datetime import timedelta  # noqa: E402
+
+# Bounds on an API request body: its size in bytes and how deep its JSON may nest.
+API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
+API_MAX_JSON_DEPTH = env_int("API_MAX_JSON_DEPTH", 32, minimum=2)
 
 # Login attempts allowed per client address, and per username, e.g. 30/min.
 API_LOGIN_RATE = env_str("API_LOGIN_RATE", "30/min")
@@ -213,6 +224,9 @@ CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "portal")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = False  # Declared per task, only where the task is idempotent.
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# A web request that cannot reach the broker gives up quickly; the sweeps send the work later.
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+CELERY_BROKER_CONNECTION_TIMEOUT = env_float("CELERY_BROKER_CONNECTION_TIMEOUT_S", 2.0, minimum=0.1)
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"

@@ -1,6 +1,28 @@
-"""What the portal's Celery tasks share."""
+"""What the portal's Celery tasks share, and the one way a web request sends one.
 
+A request writes its rows, commits, then asks a worker to act. When the broker
+cannot be reached at that moment the write has still happened, and the beat
+sweeps pick the work up once the broker is back; so a failed send is logged and
+reported as *degraded* (the response carries ``X-Portal-Degraded``, ``/readyz``
+says so), never turned into a 500 for a write that committed.
+"""
+
+import contextvars
+import logging
+import time
 from collections.abc import Callable
+
+from django.core.cache import cache
+from django.db import transaction
+
+logger = logging.getLogger(__name__)
+
+# What failed to send during the current request; the middleware turns it into a header.
+_failed_sends: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("portal_failed_sends", default=())
+# When a send last failed, in the shared cache so /readyz of every web process sees it.
+LAST_SEND_FAILURE_KEY = "portal:broker:last-send-failure"
+# How long a failed send keeps /readyz degraded when the broker itself answers again.
+SEND_FAILURE_MEMORY_S = 60
 
 
 def backoff_s(retries: int, cap_s: int) -> int:
@@ -18,3 +40,53 @@ def retry_or_give_up(
     if before_retry is not None:
         before_retry(str(exc))
     raise task.retry(exc=exc, countdown=backoff_s(task.request.retries, cap_s))
+
+
+def send_task(task, *args, on_failure: Callable[[], None] | None = None) -> bool:
+    """Send a task now; False (logged, recorded as degraded) when the broker cannot take it."""
+    try:
+        task.apply_async(args=args)
+    except Exception as exc:  # kombu raises OperationalError, redis ConnectionError, socket errors...
+        logger.error("Could not send %s%r to the broker; the sweep will retry it: %s", task.name, args, exc)
+        _failed_sends.set((*_failed_sends.get(), task.name))
+        try:
+            cache.set(LAST_SEND_FAILURE_KEY, time.time(), SEND_FAILURE_MEMORY_S)
+        except Exception:  # The cache may be the same unreachable Redis; the log line stands.
+            pass
+        if on_failure is not None:
+            on_failure()
+        return False
+    return True
+
+
+def enqueue_on_commit(task, *args, before_send: Callable[[], bool] | None = None,
+                      on_failure: Callable[[], None] | None = None) -> None:
+    """Send a task once the current transaction commits (at once outside one).
+
+    ``before_send`` may decide, after commit, that no message is needed (a sync
+    already pending); ``on_failure`` undoes what it claimed when the send fails.
+    """
+
+    def send() -> None:
+        if before_send is not None and not before_send():
+            return
+        send_task(task, *args, on_failure=on_failure)
+
+    transaction.on_commit(send)
+
+
+def begin_request() -> contextvars.Token:
+    return _failed_sends.set(())
+
+
+def end_request(token: contextvars.Token) -> tuple[str, ...]:
+    failed = _failed_sends.get()
+    _failed_sends.reset(token)
+    return failed
+
+
+def last_send_failure() -> float | None:
+    try:
+        return cache.get(LAST_SEND_FAILURE_KEY)
+    except Exception:
+        return None

@@ -10,6 +10,7 @@ from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.response import Response
 
 from portal import nulls
+from portal.fields import StrictTypesMixin
 from quotas import selectors, services
 from quotas.models import PartitionChange, PartitionProfile, Quota, ResourceFlavor
 from runners.models import Gpu, Node, NodePool, PartitionKind
@@ -33,7 +34,7 @@ class StaffWritesOnly(BasePermission):
 # --- Flavors and prices -----------------------------------------------------
 
 
-class PriceSerializer(serializers.Serializer):
+class PriceSerializer(StrictTypesMixin, serializers.Serializer):
     price_per_hour = serializers.DecimalField(max_digits=10, decimal_places=4, min_value=Decimal("0"))
     currency = serializers.RegexField(r"^[A-Za-z]{3}$", default="USD", error_messages={"invalid": "Use a 3-letter ISO 4217 code."})
     effective_from = serializers.DateTimeField(required=False)
@@ -66,7 +67,7 @@ class FlavorSerializer(serializers.ModelSerializer):
         return {"price_per_hour": str(card.price_per_hour), "currency": card.currency, "effective_from": card.effective_from}
 
 
-class FlavorCreateSerializer(serializers.Serializer):
+class FlavorCreateSerializer(StrictTypesMixin, serializers.Serializer):
     name = serializers.RegexField(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63)
     kind = serializers.ChoiceField(choices=PartitionKind.choices)
     gpu_model = serializers.CharField(max_length=40)
@@ -115,7 +116,7 @@ class QuotaSerializer(serializers.ModelSerializer):
         return selectors.flavor_kubernetes_resource(quota.flavor)
 
 
-class QuotaWriteSerializer(serializers.Serializer):
+class QuotaWriteSerializer(StrictTypesMixin, serializers.Serializer):
     tenant = nulls.SlugRelatedField(slug_field="slug", queryset=Tenant.objects.all())
     flavor = nulls.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
     guaranteed = serializers.IntegerField(min_value=0, max_value=100_000)
@@ -124,7 +125,7 @@ class QuotaWriteSerializer(serializers.Serializer):
     max_priority = serializers.IntegerField(min_value=0, max_value=1000, default=100)
 
 
-class QuotaUpdateSerializer(serializers.Serializer):
+class QuotaUpdateSerializer(StrictTypesMixin, serializers.Serializer):
     guaranteed = serializers.IntegerField(min_value=0, max_value=100_000, required=False)
     max = serializers.IntegerField(min_value=0, max_value=100_000, required=False)
     fair_share_weight = serializers.DecimalField(max_digits=6, decimal_places=2, min_value=Decimal("0.01"), required=False)
@@ -136,6 +137,7 @@ class QuotaViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMode
 
     queryset = Quota.objects.select_related("tenant", "flavor")
     serializer_class = QuotaSerializer
+    lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
     def refine_queryset(self, queryset):
@@ -185,7 +187,7 @@ class PartitionProfileSerializer(serializers.ModelSerializer):
         return selectors.partition_profile_configs(profile)
 
 
-class PartitionProfileWriteSerializer(serializers.Serializer):
+class PartitionProfileWriteSerializer(StrictTypesMixin, serializers.Serializer):
     name = serializers.RegexField(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63,
                                   error_messages={"invalid": "Use lowercase letters, digits, '-' and '.'; it becomes a node label value."})
     gpu_model = serializers.CharField(max_length=40)
@@ -197,6 +199,7 @@ class PartitionProfileWriteSerializer(serializers.Serializer):
 class PartitionProfileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     queryset = PartitionProfile.objects.all()
     serializer_class = PartitionProfileSerializer
+    lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
     @extend_schema(request=PartitionProfileWriteSerializer, responses={201: PartitionProfileSerializer})
@@ -217,7 +220,7 @@ class GpuSerializer(serializers.ModelSerializer):
 
 
 class NodeSerializer(serializers.ModelSerializer):
-    pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # a node outside any pool
     gpus = GpuSerializer(many=True, read_only=True)
 
     class Meta:
@@ -236,7 +239,7 @@ class PartitionChangeSerializer(serializers.ModelSerializer):
 
 
 class NodePoolSerializer(serializers.ModelSerializer):
-    partition_profile = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    partition_profile = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # none applied yet
     nodes = serializers.SlugRelatedField(slug_field="name", many=True, read_only=True)
     latest_change = serializers.SerializerMethodField()
 
@@ -253,7 +256,7 @@ class NodePoolSerializer(serializers.ModelSerializer):
         return PartitionChangeSerializer(change).data if change else None
 
 
-class ApplySerializer(serializers.Serializer):
+class ApplySerializer(StrictTypesMixin, serializers.Serializer):
     profile = nulls.SlugRelatedField(slug_field="name", queryset=PartitionProfile.objects.all())
     drain = serializers.ChoiceField(choices=PartitionChange.Drain.choices, default=PartitionChange.Drain.WAIT)
 
@@ -261,6 +264,7 @@ class ApplySerializer(serializers.Serializer):
 class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     queryset = NodePool.objects.prefetch_related("nodes").select_related("partition_profile")
     serializer_class = NodePoolSerializer
+    lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
     @extend_schema(request=ApplySerializer, responses={202: PartitionChangeSerializer})
@@ -278,6 +282,7 @@ class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     queryset = Node.objects.select_related("pool").prefetch_related("gpus")
     serializer_class = NodeSerializer
+    lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
 
@@ -286,6 +291,7 @@ class PartitionChangeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, v
 
     queryset = PartitionChange.objects.select_related("pool", "profile")
     serializer_class = PartitionChangeSerializer
+    lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
     def get_queryset(self):

@@ -7,11 +7,13 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from portal.tasks import enqueue_on_commit
 from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import flavor_capacity, guaranteed_total
 from runners.models import NodePool, PartitionKind
 from runners.scheduler import mig
-from tenants.models import Environment, EnvironmentState, Tenant
+from tenants.models import Tenant
+from tenants.services import environments_resync
 
 MAX_TIMESLICE_REPLICAS = 64
 
@@ -131,7 +133,7 @@ def quota_set(
     """
     _require_staff(actor)
     # Lock the flavor so two concurrent changes cannot both fit under capacity.
-    ResourceFlavor.objects.select_for_update().get(pk=flavor.pk)
+    ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
     existing = Quota.objects.filter(tenant=tenant, flavor=flavor).first()
     if must_be_new and existing is not None:
         raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
@@ -175,13 +177,8 @@ def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
 
 
 def _propagate_quota(tenant: Tenant) -> None:
-    """After commit, have the workers rewrite every live environment's quota."""
-    from tenants.tasks import environment_sync
-
-    for environment_id in Environment.objects.filter(tenant=tenant, state=EnvironmentState.READY).values_list(
-        "id", flat=True
-    ):
-        transaction.on_commit(lambda environment_id=environment_id: environment_sync.delay(environment_id))
+    """After commit, have the workers rewrite every live environment's quota (coalesced)."""
+    environments_resync(tenant)
 
 
 def node_pool_apply(
@@ -212,7 +209,7 @@ def node_pool_apply(
     try:
         with transaction.atomic():
             change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
-            transaction.on_commit(lambda: partition_apply.delay(change.id))
+            enqueue_on_commit(partition_apply, change.id)
     except IntegrityError:
         raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
     return change

@@ -9,6 +9,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.tasks import send_task
 from quotas.models import PartitionChange, PartitionProfile
 from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
 from runners.backends.registry import get_backend
@@ -236,7 +237,7 @@ def partition_change_sweep(*, stuck_after_s: int) -> list[int]:
     )
     found = list(stale)
     for change_id in found:
-        partition_apply.delay(change_id)
+        send_task(partition_apply, change_id)
     if found:
         logger.warning("Sweep re-enqueued partition changes: %s", found)
     return found

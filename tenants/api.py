@@ -7,16 +7,16 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serial
 from knox.auth import TokenAuthentication
 from knox.models import AuthToken
 from rest_framework import mixins, serializers, status, viewsets
-from rest_framework.exceptions import AuthenticationFailed
+from rest_framework.exceptions import AuthenticationFailed, Throttled
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
-from django.conf import settings
-from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from portal import nulls
-from tenants import selectors, services
+from portal.fields import StrictTypesMixin
+from tenants import login_throttle, selectors, services
 from tenants.models import (
+    DNS_LABEL_MESSAGE,
     DNS_LABEL_RE,
     ENVIRONMENT_NAME_MAX,
     TENANT_SLUG_MAX,
@@ -28,11 +28,6 @@ from tenants.models import (
 )
 from tenants.scoping import TenantScopedMixin
 
-DNS_LABEL_MESSAGE = (
-    "Must be a DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit."
-)
-
-
 def dns_label_field(max_length: int) -> serializers.RegexField:
     return serializers.RegexField(DNS_LABEL_RE, max_length=max_length, error_messages={"invalid": DNS_LABEL_MESSAGE})
 
@@ -40,35 +35,9 @@ def dns_label_field(max_length: int) -> serializers.RegexField:
 # --- Tokens -----------------------------------------------------------------
 
 
-class TokenRequestSerializer(serializers.Serializer):
+class TokenRequestSerializer(StrictTypesMixin, serializers.Serializer):
     username = serializers.CharField(max_length=150)
     password = serializers.CharField(max_length=256, trim_whitespace=False, style={"input_type": "password"})
-
-
-class _LoginThrottle(SimpleRateThrottle):
-    """Counts login attempts whether or not the caller is signed in, in the shared cache."""
-
-    def get_rate(self) -> str:
-        return settings.API_LOGIN_RATE
-
-
-class LoginAddressThrottle(_LoginThrottle):
-    scope = "login-address"
-
-    def get_cache_key(self, request, view):
-        return self.cache_format % {"scope": self.scope, "ident": self.get_ident(request)}
-
-
-class LoginUsernameThrottle(_LoginThrottle):
-    """Guessing one user's password from many addresses is limited too."""
-
-    scope = "login-username"
-
-    def get_cache_key(self, request, view):
-        username = request.data.get("username") if hasattr(request.data, "get") else None
-        if not isinstance(username, str) or not username:
-            return None
-        return self.cache_format % {"scope": self.scope, "ident": username.strip().lower()[:150]}
 
 
 class TokenView(APIView):
@@ -78,11 +47,6 @@ class TokenView(APIView):
     # (and no CSRF token) is involved, and DELETE revokes the token it was sent with.
     authentication_classes = [TokenAuthentication]
     permission_classes = [AllowAny]
-    throttle_classes = [LoginAddressThrottle, LoginUsernameThrottle]
-
-    def get_throttles(self):
-        # Only logins are limited; revoking a token is not.
-        return super().get_throttles() if self.request.method == "POST" else []
 
     @extend_schema(
         request=TokenRequestSerializer,
@@ -90,10 +54,17 @@ class TokenView(APIView):
         auth=[],
     )
     def post(self, request):
+        # Every attempt counts, well-formed or not (tenants/login_throttle.py); revoking is not limited.
+        username = request.data.get("username") if isinstance(request.data, dict) else None
+        username = username if isinstance(username, str) else None
+        wait_s = login_throttle.attempt(request, username)
+        if wait_s is not None:
+            raise Throttled(wait=wait_s, detail=login_throttle.throttled_message(wait_s))
         data = TokenRequestSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         user = authenticate(request, **data.validated_data)
         if user is None or not user.is_active:
+            login_throttle.failed(request, username)
             raise AuthenticationFailed("Wrong username or password.")
         instance, token = AuthToken.objects.create(user)
         return Response({"token": token, "expiry": instance.expiry}, status=status.HTTP_201_CREATED)
@@ -125,7 +96,7 @@ class TenantSerializer(serializers.ModelSerializer):
         return selectors.user_role(user=user, tenant=tenant)
 
 
-class TenantCreateSerializer(serializers.Serializer):
+class TenantCreateSerializer(StrictTypesMixin, serializers.Serializer):
     slug = dns_label_field(TENANT_SLUG_MAX)
     name = serializers.CharField(max_length=100)
 
@@ -135,6 +106,7 @@ class TenantViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMod
     scope_field = ""
     serializer_class = TenantSerializer
     lookup_field = "slug"
+    lookup_value_regex = r"[a-z0-9-]+"  # the slug pattern, as on the members route
 
     def refine_queryset(self, queryset):
         role = Membership.objects.filter(tenant=OuterRef("pk"), user=self.request.user).values("role")[:1]
@@ -159,7 +131,7 @@ class MembershipSerializer(serializers.ModelSerializer):
         fields = ["username", "role", "created_at"]
 
 
-class MembershipCreateSerializer(serializers.Serializer):
+class MembershipCreateSerializer(StrictTypesMixin, serializers.Serializer):
     username = serializers.CharField(max_length=150)
     role = serializers.ChoiceField(choices=Role.choices)
 
@@ -204,7 +176,7 @@ class MemberViewSet(TenantScopedMixin, viewsets.GenericViewSet):
 
 class EnvironmentSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)  # user deleted
 
     class Meta:
         model = Environment
@@ -222,7 +194,7 @@ class EnvironmentSerializer(serializers.ModelSerializer):
         ]
 
 
-class EnvironmentCreateSerializer(serializers.Serializer):
+class EnvironmentCreateSerializer(StrictTypesMixin, serializers.Serializer):
     tenant = serializers.CharField(max_length=TENANT_SLUG_MAX)
     name = dns_label_field(ENVIRONMENT_NAME_MAX)
 
@@ -239,6 +211,7 @@ class EnvironmentViewSet(
 ):
     queryset = Environment.objects.select_related("tenant", "created_by")
     serializer_class = EnvironmentSerializer
+    lookup_value_regex = r"[0-9]+"
 
     def refine_queryset(self, queryset):
         if self.action == "list":

@@ -7,14 +7,27 @@ from django.db.models import Q
 
 from runners.backends.base import ROLES
 
-# A DNS-1123 label: what Kubernetes accepts as a namespace name.
-DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-dns_label_validator = RegexValidator(
-    DNS_LABEL_RE,
-    "Use lowercase letters, digits and '-', starting and ending with a letter or digit (a DNS-1123 label).",
+# A DNS-1123 label (what Kubernetes accepts as a namespace name) without "--": tenant slugs and
+# environment names never hold two hyphens in a row, so "--" can join them into a namespace.
+DNS_LABEL_RE = r"^[a-z0-9]+(-[a-z0-9]+)*$"
+DNS_LABEL_MESSAGE = (
+    "Must be a DNS-1123 label without '--': lowercase letters and digits, with single '-' between them."
 )
+dns_label_validator = RegexValidator(DNS_LABEL_RE, DNS_LABEL_MESSAGE)
 TENANT_SLUG_MAX = 30
 ENVIRONMENT_NAME_MAX = 32
+NAMESPACE_MAX = 63
+NAMESPACE_SEPARATOR = "--"
+
+
+def environment_namespace(tenant_slug: str, name: str) -> str:
+    """The namespace of a tenant's environment: unique by construction.
+
+    Neither part may hold "--" nor start or end with "-", so the one "--" in the
+    result says where the slug ends: no two (tenant, name) pairs share a
+    namespace, whatever either tenant names things.
+    """
+    return f"{tenant_slug}{NAMESPACE_SEPARATOR}{name}"
 
 
 class Tenant(models.Model):
@@ -87,6 +100,14 @@ class Environment(models.Model):
     state_changed_at = models.DateTimeField(auto_now_add=True)
     # How many times a worker started provisioning or teardown; redeliveries show here.
     task_runs = models.PositiveIntegerField(default=0)
+    # Re-syncs (members or quota changed) coalesce: each change bumps sync_generation, at most
+    # one sync message is pending (sync_pending), and the sync that holds the lease applies the
+    # newest state until synced_generation catches up. See tenants.services.environments_resync.
+    sync_generation = models.PositiveBigIntegerField(default=0)
+    synced_generation = models.PositiveBigIntegerField(default=0)
+    sync_pending = models.BooleanField(default=False)
+    sync_requested_at = models.DateTimeField(null=True, blank=True)
+    sync_lease_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["tenant__slug", "name"]

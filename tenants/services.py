@@ -7,23 +7,26 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
+
+from portal.tasks import enqueue_on_commit, send_task
 
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.registry import get_backend
 from tenants.models import (
+    NAMESPACE_MAX,
     ROLE_RANK,
     Environment,
     EnvironmentState,
     Membership,
     Role,
     Tenant,
+    environment_namespace,
 )
 from tenants.selectors import user_has_role, user_role
 
 logger = logging.getLogger(__name__)
-NAMESPACE_MAX = 63
 # How many times provisioning re-applies when members or quota change under it.
 MAX_CONVERGE_ROUNDS = 3
 
@@ -69,15 +72,16 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
             membership = Membership.objects.create(tenant=tenant, user=user, role=role)
     except IntegrityError:
         raise duplicate from None  # a concurrent add won
-    _resync_environments(tenant)
+    environments_resync(tenant)
     return membership
 
 
 @transaction.atomic
 def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str) -> None:
     actor_role = require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
-    # Lock the tenant: two owners removing each other at once must not leave it ownerless.
-    Tenant.objects.select_for_update().get(pk=tenant.pk)
+    # Lock the tenant: two owners removing each other at once must not leave it ownerless. A
+    # no-key lock, so creating an environment (whose foreign key takes a key-share lock) never waits.
+    Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
     membership = Membership.objects.filter(tenant=tenant, user__username=username).first()
     if membership is None:
         from django.http import Http404
@@ -90,16 +94,52 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
     ).exists():
         raise ValidationError({"username": f"{username} is the last owner of {tenant.slug}; add another owner first."})
     membership.delete()
-    _resync_environments(tenant)
+    environments_resync(tenant)
 
 
-def _resync_environments(tenant: Tenant) -> None:
-    """Ask the workers to converge every ready environment of the tenant (members, quota)."""
+# States in which a change of members or quota must reach the environment: ready ones are
+# re-synced; ones still being built notice it themselves (their row lock orders it).
+_SYNCED_STATES = [EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.READY]
+
+
+def environments_resync(tenant: Tenant) -> None:
+    """Have every live environment of the tenant converge on its members and quota, coalesced.
+
+    Each change bumps the environment's sync generation in the caller's
+    transaction. After commit at most one sync message is sent per environment
+    (``sync_pending``); the sync that runs reads the newest state, and the one
+    holding the lease goes on until no change came in while it applied. So a
+    burst of quota or membership changes costs one or two backend applies per
+    environment, not one per change.
+    """
     from tenants.tasks import environment_sync
 
-    ids = list(Environment.objects.filter(tenant=tenant, state=EnvironmentState.READY).values_list("id", flat=True))
+    ids = list(Environment.objects.filter(tenant=tenant, state__in=_SYNCED_STATES).values_list("id", flat=True))
+    if not ids:
+        return
+    Environment.objects.filter(id__in=ids, state__in=_SYNCED_STATES).update(
+        sync_generation=F("sync_generation") + 1, sync_requested_at=timezone.now()
+    )
     for environment_id in ids:
-        transaction.on_commit(lambda environment_id=environment_id: environment_sync.delay(environment_id))
+        enqueue_on_commit(
+            environment_sync,
+            environment_id,
+            before_send=lambda environment_id=environment_id: _claim_sync_message(environment_id),
+            on_failure=lambda environment_id=environment_id: _release_sync_message(environment_id),
+        )
+
+
+def _claim_sync_message(environment_id: int) -> bool:
+    """True when no sync message is pending for a ready environment, marking one pending."""
+    return bool(
+        Environment.objects.filter(id=environment_id, state=EnvironmentState.READY, sync_pending=False).update(
+            sync_pending=True
+        )
+    )
+
+
+def _release_sync_message(environment_id: int) -> None:
+    Environment.objects.filter(id=environment_id).update(sync_pending=False)
 
 
 def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -> Environment:
@@ -107,17 +147,22 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     from tenants.tasks import environment_provision
 
     require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
-    namespace = f"{tenant.slug}-{name}"
+    namespace = environment_namespace(tenant.slug, name)
     if len(namespace) > NAMESPACE_MAX:
         raise ValidationError(
-            {"name": f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters."}
+            {"name": f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
+                     f"names in {tenant.slug} can have at most {NAMESPACE_MAX - len(namespace) + len(name)}."}
         )
     if namespace.startswith("kube-") or namespace in ("default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE):
         raise ValidationError({"name": f"The namespace {namespace!r} is reserved for the cluster; pick another name."})
+    duplicate = ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."})
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
-        raise ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."})
+        raise duplicate
+    # The namespace is this tenant's by construction, so only an environment made before namespaces
+    # were built this way can hold it; the refusal names nothing of whose it is.
+    unavailable = ValidationError({"name": f"The name {name!r} cannot be used in {tenant.slug} at the moment; pick another."})
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(namespace=namespace).exists():
-        raise ValidationError({"name": f"The namespace {namespace!r} is already taken; pick another name."})
+        raise unavailable
     environment = Environment(
         tenant=tenant,
         name=name,
@@ -130,10 +175,12 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     try:
         with transaction.atomic():
             environment.save()
-            transaction.on_commit(lambda: environment_provision.delay(environment.id))
+            enqueue_on_commit(environment_provision, environment.id)
     except IntegrityError:
-        # Two requests raced past the check above; the constraint decided.
-        raise ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."}) from None
+        # Two requests raced past the checks above; the constraints decided.
+        if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
+            raise duplicate from None
+        raise unavailable from None
     return environment
 
 
@@ -149,7 +196,7 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
             .update(state=EnvironmentState.DELETING, status_message="Deleting.", state_changed_at=timezone.now())
         )
         if changed:
-            transaction.on_commit(lambda: environment_teardown.delay(environment.id))
+            enqueue_on_commit(environment_teardown, environment.id)
     environment.refresh_from_db()
     return environment
 
@@ -210,13 +257,18 @@ def environment_provision_run(*, environment_id: int) -> str:
                 # Members or quota may have changed while we built it; their resync
                 # skips environments still provisioning, so catch up here, under the
                 # row lock that resyncs take too.
-                environment = Environment.objects.select_for_update().select_related("tenant").get(id=environment_id)
+                environment = (
+                    Environment.objects.select_for_update(of=("self",)).select_related("tenant").get(id=environment_id)
+                )
                 if environment.state != EnvironmentState.PROVISIONING:
                     break
                 fresh = environment_spec(environment)
                 if fresh == spec:
-                    _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.READY,
-                               message="Ready.")
+                    # What was just applied is the newest state: no sync is owed for changes so far.
+                    Environment.objects.filter(id=environment_id, state=EnvironmentState.PROVISIONING).update(
+                        state=EnvironmentState.READY, status_message="Ready.", state_changed_at=timezone.now(),
+                        synced_generation=F("sync_generation"),
+                    )
                     return EnvironmentState.READY
             spec = fresh
         else:
@@ -242,7 +294,7 @@ def _undo_if_deleted(environment_id: int) -> None:
     except TransientBackendError:
         # Leave it to a teardown that retries; mark it deleting so the teardown claims it.
         Environment.objects.filter(id=environment_id).update(state=EnvironmentState.DELETING)
-        transaction.on_commit(lambda: environment_teardown.delay(environment_id))
+        enqueue_on_commit(environment_teardown, environment_id)
 
 
 def environment_provision_give_up(*, environment_id: int, reason: str) -> None:
@@ -275,26 +327,54 @@ def environment_teardown_run(*, environment_id: int) -> str:
 
 
 def environment_sync_run(*, environment_id: int) -> bool:
-    """Converge a ready environment after its members or quota changed.
+    """Converge a ready environment on its newest members and quota.
 
-    The row lock serialises syncs of one environment, so an older spec can never
-    be applied after a newer one. While the environment is still provisioning,
-    the provision run applies the latest spec itself.
+    Syncs of one environment are serialised by a lease on its row, taken and
+    released by conditional updates, so no lock is held across the backend call
+    and an older spec can never be applied after a newer one. The lease holder
+    applies again until the sync generation stayed put while it applied; a
+    sync that finds the lease taken leaves the work to the holder. While the
+    environment is still provisioning, the provision run applies the latest
+    spec itself. Returns whether this run applied anything.
     """
-    with transaction.atomic():
-        environment = Environment.objects.select_for_update().select_related("tenant").filter(id=environment_id).first()
-        if environment is None or environment.state != EnvironmentState.READY:
-            return False
-        get_backend().ensure_environment(environment_spec(environment))
-    return True
+    now = timezone.now()
+    claimed = (
+        Environment.objects.filter(id=environment_id, state=EnvironmentState.READY)
+        .filter(Q(sync_lease_until__isnull=True) | Q(sync_lease_until__lt=now))
+        .update(sync_pending=False, sync_lease_until=now + timezone.timedelta(seconds=settings.STUCK_AFTER_S))
+    )
+    if not claimed:
+        return False
+    try:
+        while True:
+            environment = Environment.objects.select_related("tenant").get(id=environment_id)
+            if environment.state != EnvironmentState.READY:
+                Environment.objects.filter(id=environment_id).update(sync_lease_until=None)
+                _undo_if_deleted(environment_id)  # deleted while an earlier round applied
+                return False
+            generation = environment.sync_generation
+            get_backend().ensure_environment(environment_spec(environment))
+            if Environment.objects.filter(id=environment_id, sync_generation=generation).update(
+                synced_generation=generation, sync_lease_until=None
+            ):
+                _undo_if_deleted(environment_id)
+                return True
+            # Changed while we applied: renew the lease and apply the newest state.
+            Environment.objects.filter(id=environment_id).update(
+                sync_lease_until=timezone.now() + timezone.timedelta(seconds=settings.STUCK_AFTER_S)
+            )
+    except BaseException:
+        # Let the retry (or the sweep) take it at once; a retry counts as the pending message.
+        Environment.objects.filter(id=environment_id).update(sync_lease_until=None, sync_pending=True)
+        raise
 
 
 def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
-    """Find environments whose task message was lost and enqueue them again."""
-    from tenants.tasks import environment_provision, environment_teardown
+    """Find environments whose task message was lost (or never sent) and enqueue them again."""
+    from tenants.tasks import environment_provision, environment_sync, environment_teardown
 
     cutoff = timezone.now() - timezone.timedelta(seconds=stuck_after_s)
-    found: dict[str, list[int]] = {"provision": [], "teardown": []}
+    found: dict[str, list[int]] = {"provision": [], "teardown": [], "sync": []}
     stale = Environment.objects.filter(state_changed_at__lt=cutoff)
     for environment_id, state in stale.filter(
         state__in=[EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.DELETING]
@@ -306,10 +386,21 @@ def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
             continue
         if state == EnvironmentState.DELETING:
             found["teardown"].append(environment_id)
-            environment_teardown.delay(environment_id)
+            send_task(environment_teardown, environment_id)
         else:
             found["provision"].append(environment_id)
-            environment_provision.delay(environment_id)
-    if found["provision"] or found["teardown"]:
+            send_task(environment_provision, environment_id)
+    # Ready environments behind on a change whose sync was lost: nobody holds the lease, and the
+    # change is older than the cutoff. Touch the request time so the next sweep waits again.
+    behind = Environment.objects.filter(
+        state=EnvironmentState.READY, sync_generation__gt=F("synced_generation"), sync_requested_at__lt=cutoff
+    ).filter(Q(sync_lease_until__isnull=True) | Q(sync_lease_until__lt=timezone.now()))
+    for environment_id in behind.values_list("id", flat=True):
+        if Environment.objects.filter(id=environment_id, sync_requested_at__lt=cutoff).update(
+            sync_requested_at=timezone.now(), sync_pending=True
+        ):
+            found["sync"].append(environment_id)
+            send_task(environment_sync, environment_id, on_failure=lambda i=environment_id: _release_sync_message(i))
+    if any(found.values()):
         logger.warning("Sweep re-enqueued stuck environments: %s", found)
     return found

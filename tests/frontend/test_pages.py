@@ -57,7 +57,7 @@ def test_environment_page_shows_its_state_and_polls_while_transitional(client, o
     response = _logged_in(client, owner).get(f"/environments/{environment.id}/")
     assert response.status_code == 200
     html = response.content.decode()
-    assert "acme-train" in html
+    assert "acme--train" in html
     assert f'data-poll-url="/environments/{environment.id}/status/"' in html
     assert f"/environments/{environment.id}/delete/" in html
 

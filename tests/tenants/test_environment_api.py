@@ -13,7 +13,7 @@ def test_a_member_requests_an_environment(client_for, teammate, tenant, django_c
     assert response.status_code == 201, response.content
     body = response.json()
     assert body["state"] == "requested"
-    assert body["namespace"] == "acme-train"
+    assert body["namespace"] == "acme--train", "slug and name joined by the separator neither may hold"
     assert body["tenant"] == "acme"
     assert len(callbacks) == 1, "provisioning is enqueued once, after commit"
 
@@ -130,10 +130,10 @@ def test_a_null_character_in_a_looked_up_field_is_a_400(client_for, staff, tenan
 def test_a_name_that_would_make_a_cluster_namespace_is_refused(client_for, staff, make_user):
     from tenants.models import Membership, Tenant
 
-    gpu = Tenant.objects.create(slug="gpu", name="GPU team")
+    kube = Tenant.objects.create(slug="kube", name="Kube team")
     owner = make_user("gina")
-    Membership.objects.create(user=owner, tenant=gpu, role="owner")
-    response = client_for(owner).post("/api/v1/environments/", {"tenant": "gpu", "name": "operator"})
+    Membership.objects.create(user=owner, tenant=kube, role="owner")
+    response = client_for(owner).post("/api/v1/environments/", {"tenant": "kube", "name": "system"})
     assert response.status_code == 400
     assert "reserved for the cluster" in response.json()["name"][0]
     assert not Environment.objects.exists()

@@ -130,9 +130,9 @@ def test_the_sweep_reenqueues_only_stuck_environments(environment, tenant, djang
     old = timezone.now() - timezone.timedelta(seconds=600)
     Environment.objects.filter(id__in=[environment.id, gone.id]).update(state_changed_at=old)
     found = services.environment_sweep_run(stuck_after_s=120)
-    assert found == {"provision": [environment.id], "teardown": [gone.id]}
+    assert found == {"provision": [environment.id], "teardown": [gone.id], "sync": []}
     assert fresh.id not in found["provision"]
-    assert services.environment_sweep_run(stuck_after_s=120) == {"provision": [], "teardown": []}
+    assert services.environment_sweep_run(stuck_after_s=120) == {"provision": [], "teardown": [], "sync": []}
 
 
 def test_a_membership_change_resyncs_ready_environments(environment, owner, make_user, settings):

@@ -18,10 +18,10 @@ def test_a_real_worker_provisions_and_tears_down(celery_worker, client_for, owne
     client = client_for(owner)
     environment_id = client.post("/api/v1/environments/", {"tenant": "acme", "name": "train"}).json()["id"]
     wait_for(lambda: _state(environment_id) == "ready", message="the environment to become ready")
-    assert (settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").exists()
+    assert (settings.LOCAL_WORKSPACE_DIR / "acme--train" / "environment.json").exists()
     assert client.delete(f"/api/v1/environments/{environment_id}/").status_code == 202
     wait_for(lambda: _state(environment_id) == "deleted", message="the environment to be deleted")
-    assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
+    assert not (settings.LOCAL_WORKSPACE_DIR / "acme--train").exists()
 
 
 def test_a_task_whose_worker_was_killed_is_redelivered(celery_worker_factory, client_for, owner, tenant, settings):
@@ -41,7 +41,7 @@ def test_a_task_whose_worker_was_killed_is_redelivered(celery_worker_factory, cl
     assert "environment_provision" in second.output()
     assert Environment.objects.count() == 1
     workspaces = [p.name for p in settings.LOCAL_WORKSPACE_DIR.iterdir()]
-    assert workspaces == ["acme-train"], "one workspace, no leftovers from the killed attempt"
-    assert sorted(os.listdir(settings.LOCAL_WORKSPACE_DIR / "acme-train")) == [
+    assert workspaces == ["acme--train"], "one workspace, no leftovers from the killed attempt"
+    assert sorted(os.listdir(settings.LOCAL_WORKSPACE_DIR / "acme--train")) == [
         "checkpoints", "data", "environment.json", "jobs"
     ]

@@ -1,0 +1,42 @@
+"""The API's one pagination: ``?page=N`` where N is a positive integer, as the schema says.
+
+DRF's PageNumberPagination takes an empty ``?page=`` as page 1 and answers 404
+"Invalid page." for ``?page=abc`` or ``?page=0``, which the schema (an integer)
+does not describe. Here a value that is not a positive integer is a 400 that
+names ``page``; a page past the last one is a 404, as documented on every
+paginated list.
+"""
+
+import re
+
+from rest_framework import pagination
+from rest_framework.exceptions import NotFound, ValidationError
+
+_DIGITS_RE = re.compile(r"[0-9]+")
+# Longer numbers are past the last page of any table (and int() refuses over 4300 digits).
+_MAX_DIGITS = 18
+PAGE_MESSAGE = "A page number is a positive integer: 1, 2, 3, ..."
+
+
+class PageNumberPagination(pagination.PageNumberPagination):
+    last_page_strings = ()  # ?page=last is not in the schema.
+    page_query_description = "A page number, from 1. A page past the last one is a 404."
+
+    def get_page_number(self, request, paginator):
+        values = request.query_params.getlist(self.page_query_param)
+        if not values:
+            return 1
+        raw = values[-1]  # The last one wins, as with any repeated query parameter here.
+        significant = raw.lstrip("0")
+        if not _DIGITS_RE.fullmatch(raw) or not significant:
+            raise ValidationError({self.page_query_param: [PAGE_MESSAGE]})
+        if len(significant) > _MAX_DIGITS:
+            raise NotFound(self.invalid_page_message)
+        return int(significant)
+
+    def get_schema_operation_parameters(self, view):
+        parameters = super().get_schema_operation_parameters(view)
+        for parameter in parameters:
+            if parameter["name"] == self.page_query_param:
+                parameter["schema"] = {"type": "integer", "minimum": 1}
+        return parameters
