@@ -22,8 +22,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python manage.py up
 
-## The test suite on PostgreSQL and Redis.
+## Lint, then the test suite on PostgreSQL and Redis.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	DATABASE_URL=$${DATABASE_URL:-$(TEST_DATABASE_URL)} \
 	CELERY_BROKER_URL=$${CELERY_BROKER_URL:-$(TEST_BROKER_URL)} \
 	API_LOGIN_RATE=10000/min \

@@ -21,11 +21,11 @@ from frontend.forms import (
     QuotaForm,
     add_service_errors,
 )
+from portal import nulls
 from quotas import selectors as quota_selectors
 from quotas import services as quota_services
 from quotas.models import PartitionChange
 from runners import selectors as runner_selectors
-from portal import nulls
 from runners.services import pool_workloads
 from tenants import selectors, services
 from tenants.models import EnvironmentState, Role

@@ -2,7 +2,6 @@
 
 from decimal import Decimal
 
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -17,7 +16,6 @@ from runners.models import Gpu, Node, NodePool, PartitionKind
 from runners.services import pool_workloads
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedMixin
-from tenants.selectors import tenant_list
 
 
 class StaffWritesOnly(BasePermission):

@@ -1,13 +1,13 @@
 """Reads of flavors, quotas, partition profiles and what the inventory can hold."""
 
 from collections import defaultdict
+
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from quotas.models import PriceCard, Quota, ResourceFlavor
 from quotas import catalog, nvidia_configs
-from quotas.models import PartitionProfile
+from quotas.models import PartitionProfile, PriceCard, Quota, ResourceFlavor
 from runners.models import Gpu, PartitionKind
 from tenants.models import Tenant
 from tenants.selectors import tenant_list

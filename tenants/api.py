@@ -28,6 +28,7 @@ from tenants.models import (
 )
 from tenants.scoping import TenantScopedMixin
 
+
 def dns_label_field(max_length: int) -> serializers.RegexField:
     return serializers.RegexField(DNS_LABEL_RE, max_length=max_length, error_messages={"invalid": DNS_LABEL_MESSAGE})
 

@@ -11,7 +11,6 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from portal.tasks import enqueue_on_commit, send_task
-
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.registry import get_backend
 from tenants.models import (

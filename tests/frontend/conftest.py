@@ -8,7 +8,6 @@ import pytest
 from tests.conftest import PASSWORD
 
 
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     # Kept on the item so the page fixture can take a screenshot only when the test failed.

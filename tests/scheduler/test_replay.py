@@ -5,12 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runners.scheduler.openb import TraceError, load_nodes, load_pods
 from runners.scheduler.replay import inflate, replay
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 # The part of Alibaba's openb trace these tests replay, shipped in the repository (see its README).
