@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 from runners.models import PartitionKind
-from runners.scheduler import mig
+from runners.nvidia import mig
 
 # One colour per NVIDIA profile kind (its profile ID), so a 3g looks the same everywhere.
 _COLOURS = {0: 1, 5: 2, 9: 3, 14: 4, 15: 5, 19: 6, 20: 7}

@@ -11,7 +11,7 @@ from frontend.drawings import parse_layout
 from portal import nulls
 from quotas.models import PartitionChange
 from runners.models import PartitionKind
-from runners.scheduler.mig import GPU_MODELS
+from runners.nvidia.mig import GPU_MODELS
 from tenants import login_throttle
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator
 
@@ -131,7 +131,7 @@ class PartitionProfileForm(PartitionPreviewForm):
         regex=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         max_length=63,
         error_messages={"invalid": "Use lowercase letters, digits, '-' and '.'; it becomes a node label value."},
-        help_text="Becomes the nvidia.com/mig.config label value.",
+        help_text="Becomes the value of the GPU Operator's MIG config node label.",
         widget=forms.TextInput(attrs={"placeholder": "e.g. h100-4g-3g", "autocomplete": "off"}),
     )
     field_order = ["name", "gpu_model", "kind", "layout", "replicas"]

@@ -6,9 +6,9 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from quotas import catalog, nvidia_configs
 from quotas.models import PartitionProfile, PriceCard, Quota, ResourceFlavor
 from runners.models import Gpu, PartitionKind
+from runners.nvidia import catalog, gpu_operator, names
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -19,7 +19,7 @@ def flavor_spec(flavor: ResourceFlavor) -> catalog.FlavorSpec:
         return catalog.mig_flavor(flavor.gpu_model, flavor.mig_profile)
     if flavor.kind == PartitionKind.TIMESLICE:
         # The portal's time-slicing configs rename shared replicas (renameByDefault), so the
-        # resource is nvidia.com/gpu.shared whatever the replica count; 2 is the smallest share.
+        # resource is names.TIMESLICE_RESOURCE whatever the replica count; 2 is the smallest share.
         return catalog.time_sliced_flavor(flavor.gpu_model, 2, rename_by_default=True)
     return catalog.whole_gpu_flavor(flavor.gpu_model)
 
@@ -33,7 +33,7 @@ def flavor_node_labels(flavor: ResourceFlavor) -> dict[str, str]:
     """Node labels (as GPU feature discovery sets them) that pick nodes offering the flavor."""
     labels = dict(flavor_spec(flavor).node_labels)
     # The replica count belongs to a pool's profile, not to the flavor.
-    labels.pop(catalog.GPU_REPLICAS_LABEL, None)
+    labels.pop(names.GPU_REPLICAS_LABEL, None)
     return labels
 
 
@@ -75,7 +75,7 @@ def environment_quota_hard(*, tenant: Tenant) -> dict[str, int]:
 
     A tenant with no quota for a resource is granted none of it: backends treat
     an absent resource as zero. Flavors of different models that share one
-    extended resource (nvidia.com/gpu) add up, since Kubernetes quota cannot
+    extended resource (names.GPU_RESOURCE) add up, since Kubernetes quota cannot
     tell them apart; the scheduler enforces the per-model split.
     """
     hard: dict[str, int] = defaultdict(int)
@@ -85,29 +85,19 @@ def environment_quota_hard(*, tenant: Tenant) -> dict[str, int]:
 
 
 def partition_profile_configs(profile: PartitionProfile) -> dict:
-    """The NVIDIA GPU Operator configuration that applying the profile amounts to."""
-    if profile.kind == PartitionKind.MIG:
-        return {
-            "node_labels": nvidia_configs.partition_node_labels(mig_config=profile.name),
-            "mig_parted_config": nvidia_configs.render_mig_parted_config(
-                {profile.name: list(profile.layout)}, gpu_model_name=profile.gpu_model
-            ),
-            "device_plugin_config": None,
-        }
-    if profile.kind == PartitionKind.TIMESLICE:
-        return {
-            "node_labels": nvidia_configs.partition_node_labels(
-                mig_config=nvidia_configs.ALL_DISABLED, device_plugin_config=profile.name
-            ),
-            "mig_parted_config": None,
-            "device_plugin_config": nvidia_configs.render_time_slicing_config(
-                {catalog.GPU_RESOURCE: profile.replicas}, rename_by_default=True
-            ),
-        }
+    """The NVIDIA GPU Operator configuration that applying the profile amounts to.
+
+    The same rendering the Kubernetes backend applies to each node
+    (`gpu_operator.node_partition_request`); a label shown as None is removed.
+    """
+    request = gpu_operator.node_partition_request(
+        name=profile.name, kind=profile.kind, gpu_model_name=profile.gpu_model, layout=profile.layout,
+        replicas=profile.replicas,
+    )
     return {
-        "node_labels": nvidia_configs.partition_node_labels(mig_config=nvidia_configs.ALL_DISABLED),
-        "mig_parted_config": None,
-        "device_plugin_config": None,
+        "node_labels": dict(request.node_labels),
+        "mig_parted_config": request.mig_parted_config_text(),
+        "device_plugin_config": request.device_plugin_config,
     }
 
 

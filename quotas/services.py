@@ -11,7 +11,7 @@ from portal.tasks import enqueue_on_commit
 from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import flavor_capacity, guaranteed_total
 from runners.models import NodePool, PartitionKind
-from runners.scheduler import mig
+from runners.nvidia import mig
 from tenants.models import Tenant
 from tenants.services import environments_resync
 

@@ -35,7 +35,7 @@ class Node(models.Model):
     block = models.CharField(max_length=63, blank=True)
     nvlink_domain = models.CharField(max_length=253, blank=True)
     labels = models.JSONField(default=dict, blank=True)
-    # Extended resources the node reports as allocatable (nvidia.com/gpu, nvidia.com/mig-1g.10gb, ...).
+    # Extended resources the node reports as allocatable (whole GPUs, MIG slices, shares; runners.nvidia.names).
     gpu_resources = models.JSONField(default=dict, blank=True)
     schedulable = models.BooleanField(default=True)
     source = models.CharField(max_length=20, help_text="The backend that reported this node.")

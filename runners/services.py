@@ -12,8 +12,8 @@ from django.utils import timezone
 from portal.tasks import send_task
 from quotas.models import PartitionChange, PartitionProfile
 from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
-from runners.backends.registry import get_backend
 from runners.models import Gpu, Node, NodePool
+from runners.registry import get_backend
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,6 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import Q
 
-from runners.backends.base import ROLES
-
 # A DNS-1123 label (what Kubernetes accepts as a namespace name) without "--": tenant slugs and
 # environment names never hold two hyphens in a row, so "--" can join them into a namespace.
 DNS_LABEL_RE = r"^[a-z0-9]+(-[a-z0-9]+)*$"
@@ -49,9 +47,13 @@ class Role(models.TextChoices):
     OWNER = "owner"
 
 
-assert tuple(Role.values) == ROLES, "Role choices must match runners.backends.base.ROLES, in order."
+# Roles from least to most privileged: each holds every right of those before it.
+ROLE_RANK = {role: rank for rank, role in enumerate(Role.values)}
 
-ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
+
+def role_at_least(role: str | None, at_least: str) -> bool:
+    """Whether a role (None for no membership) holds the rights of `at_least`: the one rank rule."""
+    return role is not None and ROLE_RANK[role] >= ROLE_RANK[at_least]
 
 
 class Membership(models.Model):
@@ -68,7 +70,7 @@ class Membership(models.Model):
         return f"{self.user} in {self.tenant} as {self.role}"
 
     def has_role(self, at_least: str) -> bool:
-        return ROLE_RANK[self.role] >= ROLE_RANK[at_least]
+        return role_at_least(self.role, at_least)
 
 
 class EnvironmentState(models.TextChoices):

@@ -4,7 +4,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 from django.http import Http404
 
-from tenants.models import Environment, EnvironmentState, Membership, Tenant
+from tenants.models import Environment, EnvironmentState, Membership, Tenant, role_at_least
 
 
 def tenant_list(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
@@ -66,7 +66,4 @@ def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environme
 
 def user_has_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> bool:
     """Whether the user holds at least this role in the tenant (staff hold every role)."""
-    from tenants.models import ROLE_RANK
-
-    role = user_role(user=user, tenant=tenant)
-    return role is not None and ROLE_RANK[role] >= ROLE_RANK[at_least]
+    return role_at_least(user_role(user=user, tenant=tenant), at_least)

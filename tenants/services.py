@@ -12,16 +12,16 @@ from django.utils import timezone
 
 from portal.tasks import enqueue_on_commit, send_task
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
-from runners.backends.registry import get_backend
+from runners.registry import get_backend
 from tenants.models import (
     NAMESPACE_MAX,
-    ROLE_RANK,
     Environment,
     EnvironmentState,
     Membership,
     Role,
     Tenant,
     environment_namespace,
+    role_at_least,
 )
 from tenants.selectors import user_has_role, user_role
 
@@ -58,7 +58,7 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
     actor_role = require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
     if role not in Role.values:
         raise ValidationError({"role": f"{role!r} is not a role; use one of {', '.join(Role.values)}."})
-    if ROLE_RANK[role] > ROLE_RANK[actor_role]:
+    if not role_at_least(actor_role, role):
         raise PermissionDenied(f"Granting {role} needs the {role} role yourself.")
     user = get_user_model().objects.filter(username=username).first()
     if user is None:
@@ -86,7 +86,7 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
         from django.http import Http404
 
         raise Http404(f"{username} is not a member of {tenant.slug}.")
-    if ROLE_RANK[membership.role] > ROLE_RANK[actor_role]:
+    if not role_at_least(actor_role, membership.role):
         raise PermissionDenied(f"Removing an {membership.role} needs the {membership.role} role yourself.")
     if membership.role == Role.OWNER and not Membership.objects.filter(tenant=tenant, role=Role.OWNER).exclude(
         id=membership.id

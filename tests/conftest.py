@@ -52,7 +52,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _isolated_workspaces(settings, tmp_path):
     """Each test gets its own local-backend workspace folder."""
-    from runners.backends.registry import get_backend
+    from runners.registry import get_backend
 
     settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
     settings.LOCAL_PROVISION_DELAY_S = 0
@@ -137,7 +137,7 @@ def kubernetes_cluster(settings, tmp_path):
     """CLUSTER_BACKEND=kubernetes against the API server stand-in, through a real kubeconfig."""
     import yaml
 
-    from runners.backends.registry import get_backend
+    from runners.registry import get_backend
     from tests.backends.k8s_standin import KubernetesStandIn
 
     with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05) as api:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-# Roles a member can hold in a tenant, from least to most privileged.
-ROLES = ("viewer", "member", "admin", "owner")
+from runners.nvidia import names
 
 
 class BackendError(Exception):
@@ -32,16 +31,16 @@ class MemberBinding:
     """One portal user's access to an environment."""
 
     username: str
-    role: str  # one of ROLES
+    role: str  # the tenant role's name (viewer, member, admin, owner); tenants.models.Role owns them
 
 
 @dataclass(frozen=True)
 class EnvironmentSpec:
     """Everything a backend needs to build one tenant environment.
 
-    ``quota_hard`` maps Kubernetes ResourceQuota keys (for example
-    ``requests.nvidia.com/gpu`` or ``requests.nvidia.com/mig-1g.10gb``) to whole
-    counts; a resource that is absent is not granted at all.
+    ``quota_hard`` maps Kubernetes ResourceQuota keys (``requests.`` and an
+    extended resource from ``runners.nvidia.names``) to whole counts; a
+    resource that is absent is not granted at all.
     """
 
     environment_id: int
@@ -55,11 +54,9 @@ class EnvironmentSpec:
         return hash((self.environment_id, self.namespace))
 
 
-# The extended resource time-sliced GPUs are advertised as: the device plugin's
+# Time-sliced GPUs are advertised as names.TIMESLICE_RESOURCE: the device plugin's
 # time-slicing config renames shared replicas (renameByDefault: true) so they can
 # never be mistaken for, or requested as, a whole GPU.
-TIMESLICE_RESOURCE = "nvidia.com/gpu.shared"
-WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 
 
 @dataclass(frozen=True)
@@ -108,35 +105,31 @@ class PartitionSpec:
 
     def expected_resources(self, gpu_count: int) -> dict[str, int]:
         """The extended resources a node with gpu_count such GPUs reports once this is applied."""
-        from runners.scheduler.mig import kubernetes_resource_for
-
         if gpu_count == 0:
             return {}
         if self.kind == "mig":
             resources: dict[str, int] = {}
             for profile in self.layout:
-                key = kubernetes_resource_for(profile)
+                key = names.mig_resource(profile)
                 resources[key] = resources.get(key, 0) + gpu_count
             return resources
         if self.kind == "timeslice":
-            return {TIMESLICE_RESOURCE: gpu_count * self.replicas}
-        return {WHOLE_GPU_RESOURCE: gpu_count}
+            return {names.TIMESLICE_RESOURCE: gpu_count * self.replicas}
+        return {names.GPU_RESOURCE: gpu_count}
 
 
 def resources_of(gpus: tuple[GpuInfo, ...]) -> dict[str, int]:
     """Extended resources a set of GPUs provides, as the device plugin would advertise them."""
-    from runners.scheduler.mig import kubernetes_resource_for
-
     resources: dict[str, int] = {}
     for gpu in gpus:
         if gpu.partition_kind == "mig":
             for profile, _start in gpu.mig_layout:
-                key = kubernetes_resource_for(profile)
+                key = names.mig_resource(profile)
                 resources[key] = resources.get(key, 0) + 1
         elif gpu.partition_kind == "timeslice":
-            resources[TIMESLICE_RESOURCE] = resources.get(TIMESLICE_RESOURCE, 0) + gpu.timeslice_replicas
+            resources[names.TIMESLICE_RESOURCE] = resources.get(names.TIMESLICE_RESOURCE, 0) + gpu.timeslice_replicas
         else:
-            resources[WHOLE_GPU_RESOURCE] = resources.get(WHOLE_GPU_RESOURCE, 0) + 1
+            resources[names.GPU_RESOURCE] = resources.get(names.GPU_RESOURCE, 0) + 1
     return resources
 
 

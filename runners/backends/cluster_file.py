@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from runners.backends.base import GpuInfo, NodeInfo, resources_of
-from runners.scheduler import mig
+from runners.nvidia import mig
 
 
 class ClusterFileError(ValueError):

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 
 from kubernetes.utils import parse_quantity
 
-from quotas import catalog
-from runners.backends.base import TIMESLICE_RESOURCE, WHOLE_GPU_RESOURCE, GpuInfo, NodeInfo
-from runners.scheduler import mig
-
-GPU_COUNT_LABEL = "nvidia.com/gpu.count"
-GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
-# GFD's label for a multi-node NVLink domain (GB200 NVL72 and the like).
-GPU_CLIQUE_LABEL = "nvidia.com/gpu.clique"
+from runners.backends.base import GpuInfo, NodeInfo
+from runners.nvidia import catalog, mig, names
 
 
 @dataclass(frozen=True)
@@ -51,10 +45,10 @@ def node_info(node: dict, *, labels: TopologyLabels = TopologyLabels()) -> NodeI
     gpu_resources = {
         key: int(value)
         for key, value in allocatable.items()
-        if key == WHOLE_GPU_RESOURCE or key == TIMESLICE_RESOURCE or key.startswith(mig.MIG_RESOURCE_PREFIX)
+        if key == names.GPU_RESOURCE or key == names.TIMESLICE_RESOURCE or key.startswith(names.MIG_RESOURCE_PREFIX)
     }
     gpus = _gpus(node_labels, gpu_resources)
-    nvlink_domain = node_labels.get(labels.nvlink_domain) or node_labels.get(GPU_CLIQUE_LABEL, "")
+    nvlink_domain = node_labels.get(labels.nvlink_domain) or node_labels.get(names.GPU_CLIQUE_LABEL, "")
     if not nvlink_domain and len(gpus) > 1:
         # Without a label, the GPUs of one node are taken to share its NVLink/NVSwitch fabric.
         nvlink_domain = name
@@ -74,16 +68,16 @@ def node_info(node: dict, *, labels: TopologyLabels = TopologyLabels()) -> NodeI
 
 
 def _gpus(labels: dict[str, str], resources: dict[str, int]) -> tuple[GpuInfo, ...]:
-    product = labels.get(catalog.GPU_PRODUCT_LABEL)
-    count = int(labels.get(GPU_COUNT_LABEL, "0") or 0)
+    product = labels.get(names.GPU_PRODUCT_LABEL)
+    count = int(labels.get(names.GPU_COUNT_LABEL, "0") or 0)
     if not product or count == 0:
         return ()
     try:
         model = catalog.model_for_product_label(product).name
     except mig.MigError:
         model = product  # A GPU the catalog does not know: listed, never partitioned.
-    memory_mib = int(labels.get(GPU_MEMORY_LABEL, "0") or 0)
-    mig_resources = {key: value for key, value in resources.items() if key.startswith(mig.MIG_RESOURCE_PREFIX)}
+    memory_mib = int(labels.get(names.GPU_MEMORY_LABEL, "0") or 0)
+    mig_resources = {key: value for key, value in resources.items() if key.startswith(names.MIG_RESOURCE_PREFIX)}
     if mig_resources and model in mig.GPU_MODELS and mig.GPU_MODELS[model].mig_capable:
         layout = _uniform_mig_layout(model, mig_resources, count)
         if layout is not None:
@@ -91,8 +85,8 @@ def _gpus(labels: dict[str, str], resources: dict[str, int]) -> tuple[GpuInfo, .
                 GpuInfo(index=i, model=model, memory_mib=memory_mib, partition_kind="mig", mig_layout=layout)
                 for i in range(count)
             )
-    if TIMESLICE_RESOURCE in resources:
-        replicas = max(resources[TIMESLICE_RESOURCE] // count, 1)
+    if names.TIMESLICE_RESOURCE in resources:
+        replicas = max(resources[names.TIMESLICE_RESOURCE] // count, 1)
         return tuple(
             GpuInfo(index=i, model=model, memory_mib=memory_mib, partition_kind="timeslice", timeslice_replicas=replicas)
             for i in range(count)
@@ -103,12 +97,12 @@ def _gpus(labels: dict[str, str], resources: dict[str, int]) -> tuple[GpuInfo, .
 def _uniform_mig_layout(model: str, mig_resources: dict[str, int], gpu_count: int) -> tuple[tuple[str, int], ...] | None:
     """The per-GPU layout when every GPU is cut alike (how the portal's profiles cut them)."""
     by_resource = {profile.kubernetes_resource: profile.name for profile in mig.profiles_for(model).values()}
-    names: list[str] = []
+    profiles: list[str] = []
     for resource, total in sorted(mig_resources.items()):
         if resource not in by_resource or total % gpu_count:
             return None
-        names += [by_resource[resource]] * (total // gpu_count)
+        profiles += [by_resource[resource]] * (total // gpu_count)
     try:
-        return tuple(mig.fit_layout(model, names))
+        return tuple(mig.fit_layout(model, profiles))
     except mig.MigError:
         return None

@@ -33,6 +33,7 @@ from runners.backends.manifests import (
     environment_manifests,
     ownership_selector,
 )
+from runners.nvidia import names
 
 logger = logging.getLogger(__name__)
 
@@ -140,37 +141,19 @@ class KubernetesBackend:
         self.topology_labels = topology_labels
 
     @classmethod
-    def from_settings(cls) -> "KubernetesBackend":
-        """The backend for the cluster the settings name: in-cluster config or a kubeconfig."""
-        from django.conf import settings
-
+    def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
+        """The backend for a cluster reached through in-cluster config or a kubeconfig file."""
         configuration = client.Configuration()
         try:
-            if settings.KUBERNETES_IN_CLUSTER:
+            if in_cluster:
                 config.load_incluster_config(client_configuration=configuration)
             else:
-                config.load_kube_config(config_file=settings.KUBECONFIG or None, client_configuration=configuration)
+                config.load_kube_config(config_file=kubeconfig or None, client_configuration=configuration)
         except config.ConfigException as exc:
             raise PermanentBackendError(
                 f"Cannot load the Kubernetes configuration ({exc}); set KUBECONFIG or KUBERNETES_IN_CLUSTER=true."
             ) from None
-        return cls(
-            client.ApiClient(configuration),
-            field_manager=settings.KUBERNETES_FIELD_MANAGER,
-            username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
-            delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
-            poll_interval_s=settings.KUBERNETES_POLL_INTERVAL_S,
-            request_timeout_s=settings.KUBERNETES_REQUEST_TIMEOUT_S,
-            gpu_operator_namespace=settings.KUBERNETES_GPU_OPERATOR_NAMESPACE,
-            mig_parted_config_map=settings.KUBERNETES_MIG_PARTED_CONFIG_MAP,
-            device_plugin_config_map=settings.KUBERNETES_DEVICE_PLUGIN_CONFIG_MAP,
-            topology_labels=k8s_inventory.TopologyLabels(
-                pool=settings.KUBERNETES_POOL_LABEL,
-                rack=settings.KUBERNETES_RACK_LABEL,
-                block=settings.KUBERNETES_BLOCK_LABEL,
-                nvlink_domain=settings.KUBERNETES_NVLINK_DOMAIN_LABEL,
-            ),
-        )
+        return cls(client.ApiClient(configuration), **options)
 
     # --- One API call ------------------------------------------------------------
 
@@ -374,27 +357,27 @@ class KubernetesBackend:
         raise TransientBackendError(f"ConfigMap {self.gpu_operator_namespace}/{name} kept changing; trying again shortly.")
 
     def apply_partition(self, node_name: str, partition: PartitionSpec) -> None:
-        """Write the profile into the operator's ConfigMap, then point the node's label at it."""
-        if partition.kind == "mig":
+        """Write the profile into the operator's ConfigMap, then point the node's labels at it."""
+        request = k8s_partitions.partition_request(partition)
+        if request.mig_parted_entry is not None:
             self._update_config_map(
                 self.mig_parted_config_map,
-                lambda data: {**data, "config.yaml": k8s_partitions.merged_mig_parted_config(data.get("config.yaml"), partition)},
+                lambda data: {
+                    **data,
+                    names.MIG_PARTED_CONFIG_KEY: request.mig_parted_config_text(data.get(names.MIG_PARTED_CONFIG_KEY)),
+                },
             )
-        elif partition.kind == "timeslice":
+        if request.device_plugin_config is not None:
             self._update_config_map(
-                self.device_plugin_config_map,
-                lambda data: {**data, partition.name: k8s_partitions.device_plugin_config(partition)},
+                self.device_plugin_config_map, lambda data: {**data, request.name: request.device_plugin_config}
             )
-        labels = dict(k8s_partitions.node_partition_labels(partition))
-        # Forget the last outcome, so only MIG Manager's answer to this request counts as done.
-        labels["nvidia.com/mig.config.state"] = None
-        self._patch_node(node_name, {"metadata": {"labels": labels}})
+        self._patch_node(node_name, {"metadata": {"labels": dict(request.node_labels)}})
 
     def partition_applied(self, node_name: str, partition: PartitionSpec) -> bool:
         node = self._checked("Node", "read", node_name)[1]
         if k8s_partitions.partition_failed(node):
             raise PermanentBackendError(
-                f"MIG Manager could not apply {partition.name} on {node_name} (nvidia.com/mig.config.state=failed); "
+                f"MIG Manager could not apply {partition.name} on {node_name} ({names.MIG_CONFIG_STATE_LABEL}={names.MIG_CONFIG_STATE_FAILED}); "
                 "see the nvidia-mig-manager pod's log on that node."
             )
         return k8s_partitions.partition_done(node, partition)

@@ -32,7 +32,7 @@ from runners.backends.base import (
     resources_of,
 )
 from runners.backends.cluster_file import ClusterFileError, load_cluster_file
-from runners.scheduler import mig
+from runners.nvidia import mig
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ applies them in the order `environment_manifests` returns (Namespace first).
 
 from __future__ import annotations
 
-from runners.backends.base import TIMESLICE_RESOURCE, WHOLE_GPU_RESOURCE, EnvironmentSpec, MemberBinding
-from runners.scheduler import mig
+from runners.backends.base import EnvironmentSpec, MemberBinding
+from runners.nvidia import mig, names
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "gpu-portal"
@@ -46,7 +46,7 @@ WRITE_VERBS = ["create", "delete", "deletecollection", "patch", "update"]
 
 def gpu_quota_keys() -> list[str]:
     """Every ResourceQuota key for a GPU resource the portal knows, whole, shared or MIG."""
-    resources = {WHOLE_GPU_RESOURCE, TIMESLICE_RESOURCE}
+    resources = {names.GPU_RESOURCE, names.TIMESLICE_RESOURCE}
     for model in mig.GPU_MODELS.values():
         resources.update(profile.kubernetes_resource for profile in model.profiles.values())
     return sorted(f"requests.{resource}" for resource in resources)

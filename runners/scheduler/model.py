@@ -19,7 +19,7 @@ from typing import Literal, Optional, get_args
 
 import numpy as np
 
-from . import mig
+from runners.nvidia import mig
 
 GPU_MILLI = 1000
 

@@ -20,7 +20,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from . import mig
+from runners.nvidia import mig
+
 from .model import ClusterState, Gang, GangDecision, Placement, PodRequest, Snapshot, Topology
 from .policies import Policy, PolicyName, TypicalPod, make_policy, typical_pods
 

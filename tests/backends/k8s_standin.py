@@ -535,7 +535,7 @@ class KubernetesStandIn:
         return config_map.get("data") or {}
 
     def _reconfigure(self, node: dict) -> None:
-        from runners.scheduler.mig import kubernetes_resource_for
+        from runners.nvidia.names import mig_resource
 
         labels = node["metadata"].setdefault("labels", {})
         gpu_count = int(labels.get("nvidia.com/gpu.count", "0"))
@@ -551,7 +551,7 @@ class KubernetesStandIn:
             else:
                 for entry in entries:
                     for profile, instances in (entry.get("mig-devices") or {}).items():
-                        resource = kubernetes_resource_for(profile)
+                        resource = mig_resource(profile)
                         allocatable[resource] = str(int(allocatable.get(resource, "0")) + instances * gpu_count)
         elif plugin_config:
             parsed = yaml.safe_load(self._config_map_data(DEVICE_PLUGIN_CONFIG_MAP).get(plugin_config) or "{}") or {}

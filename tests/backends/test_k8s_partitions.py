@@ -3,17 +3,23 @@
 import yaml
 
 from runners.backends.base import PartitionSpec
-from runners.backends.k8s_partitions import (
-    device_plugin_config,
-    merged_mig_parted_config,
-    node_partition_labels,
-    partition_done,
-    partition_failed,
-)
+from runners.backends.k8s_partitions import partition_done, partition_failed, partition_request
 
 MIG = PartitionSpec(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig", layout=("4g.40gb", "3g.40gb"))
 SHARED = PartitionSpec(name="t4-share-4", gpu_model="T4", kind="timeslice", replicas=4)
 WHOLE = PartitionSpec(name="h100-whole", gpu_model="H100-80GB", kind="whole")
+
+
+def node_partition_labels(spec):
+    return {key: value for key, value in partition_request(spec).node_labels.items() if key != "nvidia.com/mig.config.state"}
+
+
+def merged_mig_parted_config(existing, spec):
+    return partition_request(spec).mig_parted_config_text(existing)
+
+
+def device_plugin_config(spec):
+    return partition_request(spec).device_plugin_config
 
 
 def _node(labels, allocatable):
@@ -27,6 +33,11 @@ def test_labels_select_the_mig_layout_or_the_time_slicing_config():
         "nvidia.com/device-plugin.config": "t4-share-4",
     }
     assert node_partition_labels(WHOLE)["nvidia.com/mig.config"] == "all-disabled"
+
+
+def test_every_request_forgets_mig_managers_last_answer():
+    for spec in (MIG, SHARED, WHOLE):
+        assert partition_request(spec).node_labels["nvidia.com/mig.config.state"] is None
 
 
 def test_the_mig_parted_config_keeps_other_entries():

@@ -9,6 +9,7 @@ from kubernetes_validate.utils import latest_version
 from runners.backends.base import MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.kubernetes import KubernetesBackend
 from runners.backends.manifests import environment_manifests, service_account_manifest
+from runners.registry import kubernetes_backend_from_settings
 from tests.backends.conftest import client_for, make_spec
 from tests.backends.k8s_standin import APPLY_PATCH, KubernetesStandIn
 
@@ -288,7 +289,7 @@ def test_from_settings_reads_the_kubeconfig(settings, standin, tmp_path, spec):
     settings.KUBECONFIG = str(kubeconfig)
     settings.KUBERNETES_IN_CLUSTER = False
     settings.KUBERNETES_USERNAME_TEMPLATE = "sso:{username}"
-    backend = KubernetesBackend.from_settings()
+    backend = kubernetes_backend_from_settings()
     assert backend.name == "kubernetes" and backend.username_template == "sso:{username}"
     backend.ensure_environment(spec)
     assert standin.get("rolebindings", "portal-viewer-members", "acme-vision")["subjects"][0]["name"] == "sso:vera"
@@ -298,7 +299,7 @@ def test_from_settings_without_a_kubeconfig_is_permanent(settings, tmp_path):
     settings.KUBECONFIG = str(tmp_path / "missing")
     settings.KUBERNETES_IN_CLUSTER = False
     with pytest.raises(PermanentBackendError, match="KUBECONFIG"):
-        KubernetesBackend.from_settings()
+        kubernetes_backend_from_settings()
 
 
 def test_the_standin_answers_not_found_and_already_exists_like_an_api_server(standin):

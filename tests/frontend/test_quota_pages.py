@@ -6,8 +6,8 @@ from decimal import Decimal
 import pytest
 
 from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota
-from runners.backends.registry import get_backend
 from runners.models import NodePool
+from runners.registry import get_backend
 
 pytestmark = pytest.mark.django_db
 

@@ -165,7 +165,12 @@ def test_a_profile_shows_the_gpu_operator_config_it_applies(client_for, staff):
         {"name": "h100-4g-3g", "gpu_model": "H100-80GB", "kind": "mig", "layout": ["4g.40gb", "3g.40gb"]},
         format="json",
     ).json()["gpu_operator"]
-    assert mig_profile["node_labels"] == {"nvidia.com/mig.config": "h100-4g-3g"}
+    # The preview is the rendering the apply writes: the time-slicing key and MIG Manager's last answer go.
+    assert mig_profile["node_labels"] == {
+        "nvidia.com/mig.config": "h100-4g-3g",
+        "nvidia.com/device-plugin.config": None,
+        "nvidia.com/mig.config.state": None,
+    }
     parsed = yaml.safe_load(mig_profile["mig_parted_config"])
     assert parsed["mig-configs"]["h100-4g-3g"] == [
         {"devices": "all", "mig-enabled": True, "mig-devices": {"4g.40gb": 1, "3g.40gb": 1}}

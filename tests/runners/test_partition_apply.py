@@ -6,8 +6,8 @@ import pytest
 
 from quotas.models import PartitionChange, PartitionProfile
 from runners import services
-from runners.backends.registry import get_backend
 from runners.models import Gpu, Node, NodePool
+from runners.registry import get_backend
 
 pytestmark = pytest.mark.django_db
 

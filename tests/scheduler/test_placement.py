@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runners.scheduler import mig
+from runners.nvidia import mig
 from runners.scheduler.model import ClusterState, Gang, Gpu, MigInstance, Node, PodRequest, Snapshot
 from runners.scheduler.placement import place_gangs, place_pods
 from runners.scheduler.policies import POLICY_NAMES, FragModel, make_policy, typical_pods

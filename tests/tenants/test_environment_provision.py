@@ -6,7 +6,7 @@ import pytest
 from django.utils import timezone
 
 from runners.backends.base import PermanentBackendError, TransientBackendError
-from runners.backends.registry import get_backend
+from runners.registry import get_backend
 from tenants import services
 from tenants.models import Environment, Membership
 

@@ -11,7 +11,7 @@ import redis
 from django.conf import settings as django_settings
 from django.db import connection, connections
 
-from runners.backends.registry import get_backend
+from runners.registry import get_backend
 from tenants import services
 from tenants.models import Environment
 

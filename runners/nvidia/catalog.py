@@ -1,10 +1,10 @@
 """The GPU catalog: models, MIG profiles, and what each flavor kind is called in Kubernetes.
 
 Pure Python (no Django), so models, services and the scheduler can all use it. The MIG
-geometry itself lives in `runners.scheduler.mig` (the scheduler may not import Django apps);
-this module re-exports it and adds the Kubernetes side: the extended resource a pod requests
-for each flavor kind, and the node labels that the GPU Operator's components put on a node
-that offers it (GPU feature discovery and the device plugin).
+geometry lives in `runners.nvidia.mig` and the names in `runners.nvidia.names`; this module
+adds the Kubernetes side of a flavor: the extended resource a pod requests for each flavor
+kind, and the node labels that the GPU Operator's components put on a node that offers it
+(GPU feature discovery and the device plugin).
 
 Sources for the names:
 * Whole GPUs are `nvidia.com/gpu`. GFD labels the node `nvidia.com/gpu.product=<NVML name
@@ -27,68 +27,33 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-from runners.scheduler.mig import (
+from runners.nvidia.mig import (
     COMPUTE_SLICES,
     GPU_MODELS,
-    MEMORY_SLICES,
     GpuModel,
     LayoutError,
-    MigError,
-    MigNotSupportedError,
-    MigProfile,
     UnknownGpuModelError,
-    check_placement,
-    fit_layout,
-    fits,
-    free_starts,
     gpu_model,
-    kubernetes_resource_for,
     profiles_for,
-    valid_placement,
+)
+from runners.nvidia.names import (
+    GPU_PRODUCT_LABEL,
+    GPU_REPLICAS_LABEL,
+    GPU_RESOURCE,
+    MIG_STRATEGY_LABEL,
+    SHARED_PRODUCT_SUFFIX,
+    SHARED_RESOURCE_SUFFIX,
 )
 
 __all__ = [
-    "COMPUTE_SLICES",
-    "GPU_MODELS",
-    "GPU_PRODUCT_LABEL",
-    "GPU_REPLICAS_LABEL",
-    "GPU_RESOURCE",
-    "MEMORY_SLICES",
-    "MIG_CONFIG_LABEL",
-    "MIG_STRATEGY_LABEL",
-    "SHARED_PRODUCT_SUFFIX",
-    "SHARED_RESOURCE_SUFFIX",
     "FlavorKind",
     "FlavorSpec",
-    "GpuModel",
-    "LayoutError",
-    "MigError",
-    "MigNotSupportedError",
-    "MigProfile",
-    "UnknownGpuModelError",
-    "check_placement",
-    "fit_layout",
-    "fits",
-    "free_starts",
-    "gpu_model",
-    "kubernetes_resource_for",
     "mig_flavor",
     "model_for_product_label",
-    "profiles_for",
     "time_sliced_flavor",
-    "valid_placement",
     "whole_gpu_flavor",
 ]
 
-GPU_RESOURCE = "nvidia.com/gpu"
-# The device plugin's DefaultSharedResourceNameSuffix, used when renameByDefault is true.
-SHARED_RESOURCE_SUFFIX = ".shared"
-# GFD's suffix on the product label of a time-sliced GPU when the resource is not renamed.
-SHARED_PRODUCT_SUFFIX = "-SHARED"
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-GPU_REPLICAS_LABEL = "nvidia.com/gpu.replicas"
-MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
-MIG_CONFIG_LABEL = "nvidia.com/mig.config"
 
 # Flavor names become Kubernetes object names and label values: lowercase DNS-1123 subdomain
 # characters, at most 63 long.

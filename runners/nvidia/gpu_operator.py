@@ -26,23 +26,30 @@ from typing import Literal, Mapping, Sequence
 
 import yaml
 
-from runners.scheduler.mig import LayoutError, fit_layout, gpu_model, profiles_for
+from runners.nvidia.mig import LayoutError, fit_layout, gpu_model, profiles_for
+from runners.nvidia.names import (
+    DEVICE_PLUGIN_CONFIG_LABEL,
+    GPU_OPERATOR_NAMESPACE,
+    GPU_RESOURCE,
+    MIG,
+    MIG_ALL_DISABLED,
+    MIG_CONFIG_LABEL,
+    MIG_CONFIG_STATE_LABEL,
+    MIG_PARTED_CONFIG_KEY,
+    MIG_RESOURCE_PREFIX,
+    TIMESLICE,
+)
 
 __all__ = [
-    "ALL_DISABLED",
-    "DEFAULT_MIG_PARTED_CONFIG_MAP",
-    "DEVICE_PLUGIN_CONFIG_LABEL",
-    "GPU_OPERATOR_NAMESPACE",
-    "MIG_CONFIG_LABEL",
-    "MIG_CONFIG_STATE_LABEL",
-    "MIG_PARTED_CONFIG_KEY",
     "MigDeviceGroup",
+    "NodePartitionRequest",
     "SharedResource",
     "cluster_policy_patch",
     "config_map",
     "device_plugin_config_map_data",
     "mig_parted_config",
     "mig_parted_config_map_data",
+    "node_partition_request",
     "partition_node_labels",
     "render_mig_parted_config",
     "render_time_slicing_config",
@@ -50,15 +57,6 @@ __all__ = [
     "to_yaml",
 ]
 
-GPU_OPERATOR_NAMESPACE = "gpu-operator"
-# The ConfigMap the GPU Operator creates for MIG Manager; a custom one replaces it by name.
-DEFAULT_MIG_PARTED_CONFIG_MAP = "default-mig-parted-config"
-MIG_PARTED_CONFIG_KEY = "config.yaml"
-MIG_CONFIG_LABEL = "nvidia.com/mig.config"
-MIG_CONFIG_STATE_LABEL = "nvidia.com/mig.config.state"
-DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
-# Every mig-parted config the portal writes has this entry, so a node can always go back to whole GPUs.
-ALL_DISABLED = "all-disabled"
 CONFIG_VERSION = "v1"
 MIG_STRATEGIES = ("none", "single", "mixed")
 
@@ -147,7 +145,7 @@ def mig_parted_config(
     if gpu_model_name:
         gpu_model(gpu_model_name)
         profiles_for(gpu_model_name)
-    configs: dict[str, list[dict]] = {ALL_DISABLED: [{"devices": "all", "mig-enabled": False}]}
+    configs: dict[str, list[dict]] = {MIG_ALL_DISABLED: [{"devices": "all", "mig-enabled": False}]}
     for name, layout in layouts.items():
         _check_label_value("mig-parted config name", name)
         if layout is None:
@@ -161,8 +159,8 @@ def mig_parted_config(
         else:
             raise ValueError(f"mig-parted config {name!r}: mix of profile names and device groups; use one or the other")
         entries = [_group_entry(name, group, gpu_model_name) for group in groups]
-        if name == ALL_DISABLED and entries != configs[ALL_DISABLED]:
-            raise ValueError(f"{ALL_DISABLED!r} is reserved for MIG disabled on all GPUs; choose another name")
+        if name == MIG_ALL_DISABLED and entries != configs[MIG_ALL_DISABLED]:
+            raise ValueError(f"{MIG_ALL_DISABLED!r} is reserved for MIG disabled on all GPUs; choose another name")
         configs[name] = entries
     return {"version": CONFIG_VERSION, "mig-configs": configs}
 
@@ -217,7 +215,7 @@ def time_slicing_config(
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"time-slicing lists {', '.join(duplicates)} more than once")
-    mig_resources = [name for name in names if name.startswith("nvidia.com/mig-")]
+    mig_resources = [name for name in names if name.startswith(MIG_RESOURCE_PREFIX)]
     if mig_resources and mig_strategy != "mixed":
         raise ValueError(
             f"time-slicing {', '.join(mig_resources)} needs migStrategy 'mixed': only then does the device plugin "
@@ -312,3 +310,64 @@ def partition_node_labels(*, mig_config: str | None = None, device_plugin_config
         _check_label_value("device plugin config key", device_plugin_config)
         labels[DEVICE_PLUGIN_CONFIG_LABEL] = device_plugin_config
     return labels
+
+
+# --- Applying one partition profile to a node -------------------------------------
+
+
+@dataclass(frozen=True)
+class NodePartitionRequest:
+    """Everything applying one partition profile to a node writes: its one rendering.
+
+    The partition page's preview shows this and the Kubernetes backend applies
+    exactly this, so what staff read before an apply is what the cluster gets.
+    """
+
+    name: str
+    # Labels to merge-patch onto the node; None removes a label.
+    node_labels: Mapping[str, str | None]
+    # The profile's entry for MIG Manager's mig-parted config (merged with the entries already
+    # there); None when the profile is not MIG.
+    mig_parted_entry: Mapping[str, list] | None
+    # The device plugin config stored under the key `name` of its ConfigMap (time-slicing only).
+    device_plugin_config: str | None
+
+    def mig_parted_config_text(self, existing_yaml: str | None = None) -> str | None:
+        """The whole mig-parted config.yaml with this entry added or replaced, the others kept."""
+        if self.mig_parted_entry is None:
+            return None
+        existing = yaml.safe_load(existing_yaml) if existing_yaml else None
+        configs = dict((existing or {}).get("mig-configs") or {})
+        configs.setdefault(MIG_ALL_DISABLED, [{"devices": "all", "mig-enabled": False}])
+        configs.update(self.mig_parted_entry)
+        return to_yaml({"version": CONFIG_VERSION, "mig-configs": configs})
+
+
+def node_partition_request(
+    *, name: str, kind: str, gpu_model_name: str, layout: Sequence[str] = (), replicas: int = 1
+) -> NodePartitionRequest:
+    """What the GPU Operator must be told to cut a node's GPUs as the profile says.
+
+    MIG selects the profile's mig-parted entry and clears any time-slicing config;
+    time-slicing disables MIG and selects the profile's device plugin key; whole
+    GPUs disable MIG and clear time-slicing. MIG Manager's last answer is always
+    removed, so only its answer to this request counts as done.
+    """
+    _check_label_value("partition profile name", name)
+    labels: dict[str, str | None] = {MIG_CONFIG_STATE_LABEL: None}
+    mig_entry = None
+    plugin_config = None
+    if kind == MIG:
+        labels[MIG_CONFIG_LABEL] = name
+        labels[DEVICE_PLUGIN_CONFIG_LABEL] = None
+        mig_entry = {name: mig_parted_config({name: list(layout)}, gpu_model_name=gpu_model_name)["mig-configs"][name]}
+    elif kind == TIMESLICE:
+        labels[MIG_CONFIG_LABEL] = MIG_ALL_DISABLED
+        labels[DEVICE_PLUGIN_CONFIG_LABEL] = name
+        plugin_config = render_time_slicing_config({GPU_RESOURCE: replicas}, rename_by_default=True)
+    else:
+        labels[MIG_CONFIG_LABEL] = MIG_ALL_DISABLED
+        labels[DEVICE_PLUGIN_CONFIG_LABEL] = None
+    return NodePartitionRequest(
+        name=name, node_labels=labels, mig_parted_entry=mig_entry, device_plugin_config=plugin_config
+    )

@@ -5,8 +5,7 @@ import re
 import pytest
 import yaml
 
-from quotas.nvidia_configs import (
-    DEFAULT_MIG_PARTED_CONFIG_MAP,
+from runners.nvidia.gpu_operator import (
     LayoutError,
     MigDeviceGroup,
     SharedResource,
@@ -20,6 +19,7 @@ from quotas.nvidia_configs import (
     render_time_slicing_config,
     time_slicing_config,
 )
+from runners.nvidia.names import DEFAULT_MIG_PARTED_CONFIG_MAP
 
 # NVIDIA/mig-parted examples/config.yaml, verbatim.
 MIG_PARTED_EXAMPLE = """

@@ -1,7 +1,7 @@
 """NVIDIA GPU models and their MIG geometry: which profiles exist and where they may be placed.
 
 Pure Python (no Django): the scheduler imports this to decide whether a set of MIG slices fits
-on one GPU, and `quotas.catalog` re-exports it for the Django side.
+on one GPU; `runners.nvidia.catalog` builds the flavors on top of it.
 
 How NVIDIA places GPU instances, and how this module encodes it:
 
@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
+from runners.nvidia import names
+
 MEMORY_SLICES = 8
 COMPUTE_SLICES = 7
 MEDIA_EXTENSIONS_SUFFIX = "+me"
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 
 __all__ = [
     "COMPUTE_SLICES",
@@ -64,7 +65,6 @@ __all__ = [
     "fits",
     "free_starts",
     "gpu_model",
-    "kubernetes_resource_for",
     "profiles_for",
     "valid_placement",
 ]
@@ -112,7 +112,7 @@ class MigProfile:
     @property
     def kubernetes_resource(self) -> str:
         """The extended resource the device plugin advertises under the `mixed` strategy."""
-        return kubernetes_resource_for(self.name)
+        return names.mig_resource(self.name)
 
     def slots(self, start: int) -> range:
         """The memory positions an instance started at `start` occupies."""
@@ -138,11 +138,6 @@ class GpuModel:
     def product_labels(self) -> tuple[str, ...]:
         """Every `nvidia.com/gpu.product` value that means this model."""
         return (self.product_label, *self.other_product_labels)
-
-
-def kubernetes_resource_for(profile_name: str) -> str:
-    """The `mixed`-strategy resource name for a MIG profile: `1g.10gb+me` -> `nvidia.com/mig-1g.10gb.me`."""
-    return MIG_RESOURCE_PREFIX + profile_name.replace("+", ".")
 
 
 # NVIDIA's placement table, shared by every A100/H100/H200 (see the module docstring):

@@ -2,24 +2,20 @@
 
 import pytest
 
-from quotas import catalog
-from quotas.catalog import (
+from runners.nvidia import catalog, mig
+from runners.nvidia.catalog import (
     FlavorKind,
-    LayoutError,
-    MigNotSupportedError,
-    UnknownGpuModelError,
     mig_flavor,
     model_for_product_label,
     time_sliced_flavor,
     whole_gpu_flavor,
 )
-from runners.scheduler import mig
+from runners.nvidia.mig import LayoutError, MigNotSupportedError, UnknownGpuModelError
 
 
-def test_the_catalog_re_exports_the_scheduler_geometry_unchanged():
-    assert catalog.GPU_MODELS is mig.GPU_MODELS
-    assert catalog.fit_layout is mig.fit_layout
-    assert catalog.profiles_for("H200-141GB")["7g.141gb"].span == 8
+def test_the_catalog_builds_on_the_geometry_without_re_exporting_it():
+    assert "fit_layout" not in catalog.__all__ and "GPU_MODELS" not in catalog.__all__
+    assert mig.profiles_for("H200-141GB")["7g.141gb"].span == 8
 
 
 @pytest.mark.parametrize(
@@ -108,7 +104,7 @@ def test_it_names_an_unknown_product_label():
 
 
 def test_every_flavor_name_is_a_valid_kubernetes_name():
-    for model, entry in catalog.GPU_MODELS.items():
+    for model, entry in mig.GPU_MODELS.items():
         names = [whole_gpu_flavor(model).name, time_sliced_flavor(model, 8).name]
         names += [mig_flavor(model, profile).name for profile in entry.profiles]
         for name in names:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runners.scheduler.mig import (
+from runners.nvidia.mig import (
     GPU_MODELS,
     LayoutError,
     MigNotSupportedError,

@@ -1,0 +1,1 @@
+"""NVIDIA knowledge, pure: names, MIG geometry, the GPU catalog and the GPU Operator renderings."""

@@ -1,0 +1,51 @@
+"""Pick the configured cluster backend and build it from the settings.
+
+This is the Django side of `runners.backends`: the backends themselves take
+plain arguments and never read settings, so they stay testable without Django.
+"""
+
+from functools import cache
+
+from django.conf import settings
+
+from runners.backends.base import ClusterBackend
+
+
+def kubernetes_backend_from_settings():
+    """A Kubernetes backend configured by the KUBERNETES_* settings."""
+    from runners.backends import k8s_inventory
+    from runners.backends.kubernetes import KubernetesBackend
+
+    return KubernetesBackend.from_kubeconfig(
+        in_cluster=settings.KUBERNETES_IN_CLUSTER,
+        kubeconfig=settings.KUBECONFIG,
+        field_manager=settings.KUBERNETES_FIELD_MANAGER,
+        username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
+        delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
+        poll_interval_s=settings.KUBERNETES_POLL_INTERVAL_S,
+        request_timeout_s=settings.KUBERNETES_REQUEST_TIMEOUT_S,
+        gpu_operator_namespace=settings.KUBERNETES_GPU_OPERATOR_NAMESPACE,
+        mig_parted_config_map=settings.KUBERNETES_MIG_PARTED_CONFIG_MAP,
+        device_plugin_config_map=settings.KUBERNETES_DEVICE_PLUGIN_CONFIG_MAP,
+        topology_labels=k8s_inventory.TopologyLabels(
+            pool=settings.KUBERNETES_POOL_LABEL,
+            rack=settings.KUBERNETES_RACK_LABEL,
+            block=settings.KUBERNETES_BLOCK_LABEL,
+            nvlink_domain=settings.KUBERNETES_NVLINK_DOMAIN_LABEL,
+        ),
+    )
+
+
+@cache
+def get_backend() -> ClusterBackend:
+    """The backend named by CLUSTER_BACKEND, built once per process."""
+    if settings.CLUSTER_BACKEND == "kubernetes":
+        return kubernetes_backend_from_settings()
+    from runners.backends.local import LocalBackend
+
+    return LocalBackend(
+        workspace_dir=settings.LOCAL_WORKSPACE_DIR,
+        provision_delay_s=settings.LOCAL_PROVISION_DELAY_S,
+        cluster_file=settings.LOCAL_CLUSTER_FILE,
+        use_nvml=settings.LOCAL_USE_NVML,
+    )
