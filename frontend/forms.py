@@ -147,6 +147,11 @@ class NodePoolApplyForm(forms.Form):
         initial=PartitionChange.Drain.WAIT,
         widget=forms.RadioSelect,
     )
+    shrink_guarantees = forms.BooleanField(
+        required=False,
+        label="Lower guarantees that no longer fit, in proportion",
+        help_text="Without this, an apply that leaves guarantees above the new capacity is refused.",
+    )
 
     def __init__(self, *args, profiles, **kwargs):
         super().__init__(*args, **kwargs)

@@ -26,7 +26,7 @@ from quotas import selectors as quota_selectors
 from quotas import services as quota_services
 from quotas.models import PartitionChange
 from runners import selectors as runner_selectors
-from runners.services import pool_workloads
+from runners import services as runner_services
 from tenants import selectors, services
 from tenants.models import EnvironmentState, Role
 
@@ -400,9 +400,7 @@ def node_pool_apply(request, pool_id):
     form = NodePoolApplyForm(request.POST, profiles=runner_selectors.node_pool_profiles(user=request.user, pool=pool))
     if form.is_valid():
         try:
-            change = quota_services.node_pool_apply(
-                actor=request.user, pool=pool, workloads=pool_workloads(pool), **form.cleaned_data
-            )
+            change = runner_services.node_pool_apply(actor=request.user, pool=pool, **form.cleaned_data)["change"]
         except PermissionDenied as exc:
             form.add_error(None, str(exc))
         except ValidationError as exc:
@@ -419,7 +417,7 @@ def tenant_quota(request, slug):
     """What the tenant may use: any member, viewers included; a 404 for anyone else."""
     tenant = selectors.tenant_get(user=request.user, slug=slug)
     quotas = [
-        {"quota": quota, "price": quota_selectors.flavor_price_now(quota.flavor)}
+        quota_selectors.tenant_quota_row(quota)
         for quota in quota_selectors.quota_list(user=request.user, tenant=tenant).order_by("flavor__gpu_model", "flavor__name")
     ]
     return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas})

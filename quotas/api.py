@@ -12,8 +12,8 @@ from portal import nulls
 from portal.fields import StrictTypesMixin
 from quotas import selectors, services
 from quotas.models import PartitionChange, PartitionProfile, Quota, ResourceFlavor
+from runners import services as runner_services
 from runners.models import Gpu, Node, NodePool, PartitionKind
-from runners.services import pool_workloads
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedMixin
 
@@ -257,6 +257,25 @@ class NodePoolSerializer(serializers.ModelSerializer):
 class ApplySerializer(StrictTypesMixin, serializers.Serializer):
     profile = nulls.SlugRelatedField(slug_field="name", queryset=PartitionProfile.objects.all())
     drain = serializers.ChoiceField(choices=PartitionChange.Drain.choices, default=PartitionChange.Drain.WAIT)
+    shrink_guarantees = serializers.BooleanField(
+        default=False, help_text="Lower guarantees that would exceed the new capacity in proportion (recorded)."
+    )
+
+
+class CapacityChangeSerializer(serializers.Serializer):
+    flavor = serializers.CharField()
+    new_flavor = serializers.BooleanField(help_text="No flavor has this shape yet; discovery creates it, unpriced.")
+    kind = serializers.CharField()
+    gpu_model = serializers.CharField()
+    mig_profile = serializers.CharField()
+    capacity_before = serializers.IntegerField()
+    capacity_after = serializers.IntegerField()
+    guaranteed = serializers.IntegerField()
+    unbacked = serializers.ListField(child=serializers.DictField(), help_text="Guarantees the new capacity cannot back.")
+
+
+class ApplyPreviewSerializer(serializers.Serializer):
+    capacity = CapacityChangeSerializer(many=True)
 
 
 class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -265,16 +284,25 @@ class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
     lookup_value_regex = r"[0-9]+"
     permission_classes = [StaffWritesOnly]
 
-    @extend_schema(request=ApplySerializer, responses={202: PartitionChangeSerializer})
+    @extend_schema(
+        request=ApplySerializer,
+        parameters=[OpenApiParameter("dry_run", bool, description="Only say what the apply would do to capacity.")],
+        responses={202: PartitionChangeSerializer, 200: ApplyPreviewSerializer},
+    )
     @action(detail=True, methods=["post"])
     def apply(self, request, pk):
         pool = self.get_object()
+        dry_run = nulls.query_param(self.request, "dry_run") or "false"
+        if dry_run not in ("true", "false"):
+            raise serializers.ValidationError({"dry_run": "Use true or false."})
         data = ApplySerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        change = services.node_pool_apply(
-            actor=request.user, pool=pool, workloads=pool_workloads(pool), **data.validated_data
+        result = runner_services.node_pool_apply(
+            actor=request.user, pool=pool, dry_run=dry_run == "true", **data.validated_data
         )
-        return Response(PartitionChangeSerializer(change).data, status=status.HTTP_202_ACCEPTED)
+        if result["change"] is None:
+            return Response(ApplyPreviewSerializer(result).data)
+        return Response(PartitionChangeSerializer(result["change"]).data, status=status.HTTP_202_ACCEPTED)
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

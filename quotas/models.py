@@ -129,3 +129,19 @@ class PartitionChange(models.Model):
                 name="one_partition_change_in_flight_per_pool",
             )
         ]
+
+
+class GuaranteeReduction(models.Model):
+    """A guarantee lowered because the capacity behind it shrank (a partition change), for the record."""
+
+    quota = models.ForeignKey(Quota, null=True, on_delete=models.SET_NULL, related_name="reductions")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="guarantee_reductions")
+    flavor = models.ForeignKey(ResourceFlavor, on_delete=models.CASCADE, related_name="guarantee_reductions")
+    guaranteed_before = models.PositiveIntegerField()
+    guaranteed_after = models.PositiveIntegerField()
+    reason = models.CharField(max_length=500)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]

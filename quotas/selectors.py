@@ -63,6 +63,25 @@ def quota_list(*, user: AbstractBaseUser, tenant: Tenant | None = None) -> Query
     return queryset
 
 
+def tenant_quota_row(quota: Quota) -> dict:
+    """One row of a tenant's quota page: its quota, the price, and whether capacity backs the guarantee.
+
+    Capacity is the inventory as it is now. A guarantee is backed when all the
+    flavor's guarantees together fit in it; otherwise the tenant is told how
+    much of its own the cluster could honour in proportion.
+    """
+    capacity = flavor_capacity(quota.flavor)
+    total = guaranteed_total(quota.flavor)
+    backed = quota.guaranteed if total <= capacity else quota.guaranteed * capacity // total
+    return {
+        "quota": quota,
+        "price": flavor_price_now(quota.flavor),
+        "capacity": capacity,
+        "backed": backed,
+        "unbacked": quota.guaranteed - backed,
+    }
+
+
 def guaranteed_total(flavor: ResourceFlavor, *, excluding_tenant: Tenant | None = None) -> int:
     queryset = Quota.objects.filter(flavor=flavor)
     if excluding_tenant is not None:

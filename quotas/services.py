@@ -8,7 +8,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from portal.tasks import enqueue_on_commit
-from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
+from quotas.models import GuaranteeReduction, PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import flavor_capacity, guaranteed_total
 from runners.models import NodePool, PartitionKind
 from runners.nvidia import mig
@@ -18,7 +18,7 @@ from tenants.services import environments_resync
 MAX_TIMESLICE_REPLICAS = 64
 
 
-def _require_staff(actor: AbstractBaseUser) -> None:
+def require_staff(actor: AbstractBaseUser) -> None:
     if not (actor.is_authenticated and actor.is_staff):
         raise PermissionDenied("Only staff can change flavors, prices, quotas and partitions.")
 
@@ -33,7 +33,7 @@ def _check_model(field: str, model: str) -> mig.GpuModel:
 def flavor_create(
     *, actor: AbstractBaseUser, name: str, kind: str, gpu_model: str, mig_profile: str = "", description: str = ""
 ) -> ResourceFlavor:
-    _require_staff(actor)
+    require_staff(actor)
     model = _check_model("gpu_model", gpu_model)
     if kind == PartitionKind.MIG:
         if not model.mig_capable:
@@ -59,7 +59,7 @@ def flavor_create(
 
 def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour: Decimal, currency: str, effective_from=None) -> PriceCard:
     """Add a price card; earlier cards stay so past usage keeps its price."""
-    _require_staff(actor)
+    require_staff(actor)
     effective_from = effective_from or timezone.now()
     if flavor.prices.filter(effective_from=effective_from).exists():
         raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."})
@@ -103,7 +103,7 @@ def partition_profile_create(
     *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
 ) -> PartitionProfile:
     """Validate a layout against NVIDIA's geometry and store it as a named profile."""
-    _require_staff(actor)
+    require_staff(actor)
     replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     if PartitionProfile.objects.filter(name=name).exists():
         raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
@@ -131,7 +131,7 @@ def quota_set(
     A field left as None keeps its current value (or its default for a new quota);
     the merge happens under the lock, so concurrent changes of different fields all land.
     """
-    _require_staff(actor)
+    require_staff(actor)
     # Lock the flavor so two concurrent changes cannot both fit under capacity.
     ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
     existing = Quota.objects.filter(tenant=tenant, flavor=flavor).first()
@@ -170,7 +170,7 @@ def quota_set(
 
 @transaction.atomic
 def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
-    _require_staff(actor)
+    require_staff(actor)
     tenant = quota.tenant
     quota.delete()
     _propagate_quota(tenant)
@@ -192,7 +192,7 @@ def node_pool_apply(
     """
     from runners.tasks import partition_apply
 
-    _require_staff(actor)
+    require_staff(actor)
     if drain not in PartitionChange.Drain.values:
         raise ValidationError({"drain": f"{drain!r} is not one of: wait, preempt."})
     if pool.gpu_model and profile.gpu_model != pool.gpu_model:
@@ -213,3 +213,38 @@ def node_pool_apply(
     except IntegrityError:
         raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
     return change
+
+
+def guarantees_shrink(
+    *, actor: AbstractBaseUser, flavor: ResourceFlavor, capacity: int, reason: str
+) -> list[GuaranteeReduction]:
+    """Lower every guarantee on a flavor in proportion so that together they fit `capacity`.
+
+    Each tenant keeps the floor of its share (guaranteed * capacity / total), so the
+    sum never exceeds the capacity; every lowered guarantee is recorded with the reason.
+    Call it inside the transaction of the change that shrinks the capacity.
+    """
+    require_staff(actor)
+    ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
+    quotas = list(Quota.objects.select_for_update().filter(flavor=flavor, guaranteed__gt=0).select_related("tenant"))
+    total = sum(quota.guaranteed for quota in quotas)
+    if total <= capacity:
+        return []
+    reductions = []
+    tenants = {}
+    for quota in quotas:
+        after = quota.guaranteed * max(capacity, 0) // total
+        if after == quota.guaranteed:
+            continue
+        reductions.append(
+            GuaranteeReduction(
+                quota=quota, tenant=quota.tenant, flavor=flavor, guaranteed_before=quota.guaranteed,
+                guaranteed_after=after, reason=reason[:500], created_by=actor,
+            )
+        )
+        Quota.objects.filter(id=quota.id).update(guaranteed=after, updated_at=timezone.now())
+        tenants[quota.tenant_id] = quota.tenant
+    GuaranteeReduction.objects.bulk_create(reductions)
+    for tenant in tenants.values():
+        _propagate_quota(tenant)
+    return reductions

@@ -2,17 +2,20 @@
 
 import logging
 import time
+from collections import Counter
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
 from portal.tasks import send_task
-from quotas.models import PartitionChange, PartitionProfile
+from quotas.models import PartitionChange, PartitionProfile, Quota, ResourceFlavor
 from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
-from runners.models import Gpu, Node, NodePool
+from runners.models import Gpu, Node, NodePool, PartitionKind
+from runners.nvidia import catalog
 from runners.registry import get_backend
 
 logger = logging.getLogger(__name__)
@@ -180,6 +183,7 @@ def partition_change_run(*, change_id: int) -> str:
         return PartitionChange.State.FAILED
     NodePool.objects.filter(id=change.pool_id).update(partition_profile=change.profile, updated_at=timezone.now())
     inventory_sync()
+    flavors_discover()
     _record(change_id, state=PartitionChange.State.SUCCEEDED, message=f"Pool {change.pool.name} now runs {spec.name}.")
     return PartitionChange.State.SUCCEEDED
 
@@ -241,3 +245,139 @@ def partition_change_sweep(*, stuck_after_s: int) -> list[int]:
     if found:
         logger.warning("Sweep re-enqueued partition changes: %s", found)
     return found
+
+
+# --- Capacity per flavor, and what a partition change does to it ---------------------
+
+Shape = tuple[str, str, str]  # (partition kind, GPU model, MIG profile or "")
+
+
+def _gpu_units(kind: str, model: str, mig_profiles: list[str], replicas: int) -> Counter[Shape]:
+    """The flavor units one GPU offers when cut this way."""
+    if kind == PartitionKind.MIG:
+        return Counter((PartitionKind.MIG, model, profile) for profile in mig_profiles)
+    if kind == PartitionKind.TIMESLICE:
+        return Counter({(PartitionKind.TIMESLICE, model, ""): replicas})
+    return Counter({(PartitionKind.WHOLE, model, ""): 1})
+
+
+def _units_of(gpus) -> Counter[Shape]:
+    units: Counter[Shape] = Counter()
+    for gpu in gpus:
+        units += _gpu_units(gpu.partition_kind, gpu.model, [p for p, _start in gpu.mig_layout], gpu.timeslice_replicas)
+    return units
+
+
+def _discovered_flavor_name(shape: Shape) -> str:
+    kind, model, profile = shape
+    if kind == PartitionKind.MIG:
+        return catalog.mig_flavor(model, profile).name
+    if kind == PartitionKind.TIMESLICE:
+        return f"{catalog.whole_gpu_flavor(model).name}-shared"
+    return catalog.whole_gpu_flavor(model).name
+
+
+def flavors_discover() -> list[ResourceFlavor]:
+    """Give every kind of capacity the inventory reports a flavor; returns the ones created.
+
+    A new flavor has no price card: staff see it marked "no price yet" until they set one.
+    """
+    created = []
+    for shape in sorted(_units_of(Gpu.objects.all())):
+        kind, model, profile = shape
+        if ResourceFlavor.objects.filter(kind=kind, gpu_model=model, mig_profile=profile).exists():
+            continue
+        name = _discovered_flavor_name(shape)
+        if ResourceFlavor.objects.filter(name=name).exists():
+            name = f"{name}-{kind}"[:63]
+        try:
+            with transaction.atomic():
+                created.append(
+                    ResourceFlavor.objects.create(
+                        name=name, kind=kind, gpu_model=model, mig_profile=profile,
+                        description="Found in the inventory; no price yet.",
+                    )
+                )
+        except IntegrityError:
+            continue  # another sync made it at the same moment
+    return created
+
+
+def pool_capacity_change(*, pool: NodePool, profile: PartitionProfile) -> list[dict]:
+    """Per flavor: schedulable capacity now and once the profile is applied to the pool.
+
+    Each row also lists the tenants whose guarantees would then no longer fit
+    (the flavor's guarantees add up to more than the new capacity).
+    """
+    schedulable = Gpu.objects.filter(node__schedulable=True)
+    now = _units_of(schedulable)
+    pool_gpus = list(schedulable.filter(node__pool=pool))
+    after = now - _units_of(pool_gpus) + Counter()
+    for _gpu in pool_gpus:
+        after += _gpu_units(profile.kind, profile.gpu_model, list(profile.layout), profile.replicas)
+    flavors = {(f.kind, f.gpu_model, f.mig_profile): f for f in ResourceFlavor.objects.all()}
+    rows = []
+    for shape in sorted(set(now) | set(after)):
+        before_units, after_units = now.get(shape, 0), after.get(shape, 0)
+        if before_units == after_units:
+            continue
+        flavor = flavors.get(shape)
+        quotas = list(Quota.objects.filter(flavor=flavor, guaranteed__gt=0).select_related("tenant")) if flavor else []
+        guaranteed = sum(quota.guaranteed for quota in quotas)
+        rows.append(
+            {
+                "flavor": flavor.name if flavor else _discovered_flavor_name(shape),
+                "new_flavor": flavor is None,
+                "kind": shape[0],
+                "gpu_model": shape[1],
+                "mig_profile": shape[2],
+                "capacity_before": before_units,
+                "capacity_after": after_units,
+                "guaranteed": guaranteed,
+                "unbacked": [
+                    {"tenant": quota.tenant.slug, "guaranteed": quota.guaranteed}
+                    for quota in quotas
+                ] if guaranteed > after_units else [],
+            }
+        )
+    return rows
+
+
+def node_pool_apply(
+    *, actor, pool: NodePool, profile: PartitionProfile, drain: str, shrink_guarantees: bool = False,
+    dry_run: bool = False,
+) -> dict:
+    """Preview or start a partition change, refusing one that would strand guarantees.
+
+    Returns {"capacity": rows, "change": PartitionChange or None}. When guarantees
+    would exceed the new capacity the apply is refused (400 naming `profile`)
+    unless `shrink_guarantees`, which lowers them in proportion, recorded, in the
+    same transaction that starts the change.
+    """
+    from quotas import services as quota_services
+
+    capacity = pool_capacity_change(pool=pool, profile=profile)
+    if dry_run:
+        quota_services.require_staff(actor)
+        return {"capacity": capacity, "change": None}
+    stranded = [row for row in capacity if row["unbacked"]]
+    if stranded and not shrink_guarantees:
+        listed = "; ".join(
+            f"{row['flavor']}: {row['guaranteed']} guaranteed, {row['capacity_after']} left "
+            f"({', '.join(item['tenant'] for item in row['unbacked'])})"
+            for row in stranded
+        )
+        raise ValidationError(
+            {"profile": f"Applying {profile.name} to {pool.name} leaves guarantees without capacity ({listed}). "
+                        "Lower them first, or apply with shrink_guarantees=true to lower them in proportion."}
+        )
+    workloads = pool_workloads(pool)
+    with transaction.atomic():
+        for row in stranded:
+            quota_services.guarantees_shrink(
+                actor=actor, flavor=ResourceFlavor.objects.get(name=row["flavor"]), capacity=row["capacity_after"],
+                reason=f"Pool {pool.name} re-partitioned to {profile.name}: capacity {row['capacity_before']} -> "
+                       f"{row['capacity_after']}.",
+            )
+        change = quota_services.node_pool_apply(actor=actor, pool=pool, profile=profile, drain=drain, workloads=workloads)
+    return {"capacity": capacity, "change": change}

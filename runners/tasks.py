@@ -31,4 +31,6 @@ def partition_change_sweep() -> list[int]:
 
 @shared_task(autoretry_for=(TransientBackendError,), retry_backoff=5, max_retries=3)
 def inventory_sync() -> dict[str, int]:
-    return services.inventory_sync()
+    counts = services.inventory_sync()
+    counts["flavors_created"] = len(services.flavors_discover())
+    return counts

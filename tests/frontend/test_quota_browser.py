@@ -111,6 +111,14 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     form.get_by_label("Wait: refuse while work runs").check()
     page.once("dialog", lambda dialog: dialog.accept())  # the "Re-partition every GPU?" question
     form.get_by_role("button", name="Apply profile").click()
+    # acme's 4 whole H100s would have no capacity left: refused until the admin agrees to lower them.
+    form = page.get_by_test_id("apply-profile")
+    expect(form).to_contain_text("shrink_guarantees")
+    assert not PartitionChange.objects.exists()
+    form.get_by_label("Profile").select_option("h100-4g-3g")
+    form.get_by_label("Lower guarantees that no longer fit, in proportion").check()
+    page.once("dialog", lambda dialog: dialog.accept())
+    form.get_by_role("button", name="Apply profile").click()
 
     live = page.get_by_test_id("pool-live")
     expect(live.get_by_test_id("change-state")).to_have_text("pending")
@@ -130,11 +138,9 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     assert change.state == "succeeded" and NodePool.objects.get(name="h100-pool").partition_profile.name == "h100-4g-3g"
     assert Gpu.objects.get(node__name="h100-node-2", index=7).mig_layout == [["4g.40gb", 0], ["3g.40gb", 4]]
 
-    # The pool has no whole H100s left, so the quota table warns that the guarantee cannot be met.
+    # The pool has no whole H100s left, and acme's guarantee was lowered to fit: 0 of 0.
     page.get_by_role("navigation").get_by_role("link", name="Quotas").click()
-    expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text(
-        "4 of 0 over capacity"
-    )
+    expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text("0 of 0")
     page.screenshot(path=str(screenshot_dir / "quotas-after-repartition.png"), full_page=True)
 
     # 4. The tenant's owner sees the new quota on the tenant's own page.
@@ -145,7 +151,8 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     page.get_by_role("link", name="Quota", exact=True).click()
     expect(page).to_have_url(re.compile(r"/tenants/acme/quota/$"))
     row = page.get_by_test_id("tenant-quotas").locator('tr[data-flavor="h100-80gb"]')
-    expect(row.get_by_test_id("guaranteed")).to_have_text("4")
+    expect(row.get_by_test_id("guaranteed")).to_have_text("0")
+    expect(row.get_by_test_id("capacity")).to_have_text("0")
     expect(row.get_by_test_id("max")).to_have_text("8")
     expect(row).to_contain_text("USD 4.20")
     expect(page.get_by_test_id("tenant-quotas")).not_to_contain_text("t4-shared")

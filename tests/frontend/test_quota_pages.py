@@ -376,3 +376,23 @@ def test_my_quota_is_a_404_for_an_outsider(client, outsider, tenant, h100_flavor
     Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=4, max=8)
     client.force_login(outsider)
     assert client.get("/tenants/acme/quota/").status_code == 404
+
+
+def test_my_quota_shows_live_capacity_and_says_when_a_guarantee_is_not_backed(
+    client, viewer, tenant, other_tenant, inventory, h100_flavor
+):
+    from runners.models import Node
+
+    Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=8, max=16)
+    Quota.objects.create(tenant=other_tenant, flavor=h100_flavor, guaranteed=4, max=16)
+    client.force_login(viewer)
+
+    def row():
+        html = client.get("/tenants/acme/quota/").content.decode()
+        return re.search(r'<tr data-flavor="h100-80gb">(.*?)</tr>', html, re.S).group(1)
+
+    assert 'data-testid="capacity">16<' in row() and 'data-testid="unbacked"' not in row()
+    # Half the H100 nodes go away (cordoned): 8 left for 12 guaranteed, acme's 8 backed only 5 (8 * 8 // 12).
+    Node.objects.filter(name="h100-node-2").update(schedulable=False)
+    assert 'data-testid="capacity">8<' in row()
+    assert re.search(r'data-testid="unbacked"[^>]*>3 not backed', row())

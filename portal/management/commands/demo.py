@@ -5,7 +5,7 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from quotas.models import PartitionProfile, PriceCard, Quota, ResourceFlavor
-from runners.services import inventory_sync
+from runners.services import flavors_discover, inventory_sync
 from tenants.models import Membership, Tenant
 
 DEMO_PASSWORD = "portal-demo"
@@ -64,6 +64,7 @@ class Command(BaseCommand):
             )
             if created:
                 PriceCard.objects.create(flavor=flavors[name], price_per_hour=price, effective_from="2026-01-01T00:00Z")
+        flavors_discover()  # anything else the demo cluster offers gets a flavor, unpriced
         for name, model, kind, layout, replicas in DEMO_PROFILES:
             PartitionProfile.objects.get_or_create(
                 name=name, defaults={"gpu_model": model, "kind": kind, "layout": layout, "replicas": replicas}
