@@ -9,7 +9,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('quotas', '0003_partition_change_lease'),
-        ('tenants', '0003_guarantee_reduction'),
+        ('tenants', '0003_dns_label_message'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
