@@ -312,7 +312,7 @@ def pool_capacity_change(*, pool: NodePool, profile: PartitionProfile) -> list[d
     schedulable = Gpu.objects.filter(node__schedulable=True)
     now = _units_of(schedulable)
     pool_gpus = list(schedulable.filter(node__pool=pool))
-    after = now - _units_of(pool_gpus) + Counter()
+    after = now - _units_of(pool_gpus)
     for _gpu in pool_gpus:
         after += _gpu_units(profile.kind, profile.gpu_model, list(profile.layout), profile.replicas)
     flavors = {(f.kind, f.gpu_model, f.mig_profile): f for f in ResourceFlavor.objects.all()}
