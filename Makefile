@@ -13,7 +13,7 @@ TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,workloads]"
 	touch $(STAMP)
 
 install: $(STAMP)
