@@ -9,7 +9,7 @@ Guide draws them: position 7 is memory without a compute slice of its own.
 import re
 from dataclasses import dataclass
 
-from runners.models import PartitionKind
+from quotas.models import PartitionKind
 from runners.nvidia import mig
 
 # One colour per NVIDIA profile kind (its profile ID), so a 3g looks the same everywhere.

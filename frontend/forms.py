@@ -9,8 +9,8 @@ from django.core.exceptions import ValidationError
 
 from frontend.drawings import parse_layout
 from portal import nulls
-from quotas.models import PartitionChange
-from runners.models import PartitionKind
+from quotas.models import PartitionKind
+from runners.models import PartitionChange
 from runners.nvidia.mig import GPU_MODELS
 from tenants import login_throttle
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator

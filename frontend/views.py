@@ -24,11 +24,12 @@ from frontend.forms import (
 from portal import nulls
 from quotas import selectors as quota_selectors
 from quotas import services as quota_services
-from quotas.models import PartitionChange
+from runners import environments
 from runners import selectors as runner_selectors
 from runners import services as runner_services
+from runners.models import EnvironmentState, PartitionChange
 from tenants import selectors, services
-from tenants.models import EnvironmentState, Role
+from tenants.models import Role
 
 
 def throttled_login(view):
@@ -64,7 +65,7 @@ def dashboard(request):
         {"tenant": tenant, "role": selectors.user_role(user=request.user, tenant=tenant)}
         for tenant in selectors.tenant_list(user=request.user)
     ]
-    environments = selectors.environment_list(user=request.user)
+    environments = runner_selectors.environment_list(user=request.user)
     return render(request, "frontend/dashboard.html", {"tenants": tenants, "environments": environments})
 
 
@@ -72,7 +73,7 @@ def _render_tenant(request, tenant, *, environment_form=None, member_form=None, 
     context = {
         "tenant": tenant,
         "members": selectors.member_list(user=request.user, tenant=tenant),
-        "environments": selectors.environment_list(user=request.user, tenant=tenant),
+        "environments": runner_selectors.environment_list(user=request.user, tenant=tenant),
         "environment_form": environment_form or EnvironmentForm(),
         "member_form": member_form or MemberAddForm(),
         **_abilities(request.user, tenant),
@@ -93,7 +94,7 @@ def environment_create(request, slug):
     form = EnvironmentForm(request.POST)
     if form.is_valid():
         try:
-            environment = services.environment_request(actor=request.user, tenant=tenant, name=form.cleaned_data["name"])
+            environment = environments.environment_request(actor=request.user, tenant=tenant, name=form.cleaned_data["name"])
         except PermissionDenied as exc:
             messages.error(request, f"Could not create the environment: {exc}")
             return redirect("tenant", slug=tenant.slug)
@@ -148,7 +149,7 @@ def environment_detail(request, environment_id):
 
 
 def _environment_context(request, environment_id) -> dict:
-    environment = selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
     return {"environment": environment, **_abilities(request.user, environment.tenant)}
 
 
@@ -165,7 +166,7 @@ def environment_status(request, environment_id):
 @require_GET
 def environment_row(request, environment_id):
     """One row of an environment table; empty once the environment is deleted, so the row goes away."""
-    environment = selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
     if environment.state == EnvironmentState.DELETED:
         return HttpResponse("")
     context = {"environment": environment, "show_tenant": request.GET.get("show_tenant") == "1"}
@@ -176,12 +177,12 @@ def environment_row(request, environment_id):
 @require_http_methods(["GET", "POST"])
 def environment_delete(request, environment_id):
     """GET asks for confirmation; only the POST from that page deletes."""
-    environment = selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
     if request.method == "GET":
         context = {"environment": environment, **_abilities(request.user, environment.tenant)}
         return render(request, "frontend/environment_delete.html", context)
     try:
-        services.environment_delete(actor=request.user, environment=environment)
+        environments.environment_delete(actor=request.user, environment=environment)
     except PermissionDenied as exc:
         messages.error(request, f"Could not delete {environment.name}: {exc}")
         return redirect("environment", environment_id=environment.id)
@@ -273,9 +274,9 @@ def _render_partitions(request, form, *, preview=None, status=200):
         {
             "profile": profile,
             "drawing": drawings.profile_drawing(profile),
-            "configs": quota_selectors.partition_profile_configs(profile),
+            "configs": runner_selectors.partition_profile_configs(profile),
         }
-        for profile in quota_selectors.partition_profile_list()
+        for profile in runner_selectors.partition_profile_list()
     ]
     context = {"profiles": profiles, "form": form, "preview": preview}
     return render(request, "frontend/partitions.html", context, status=status)
@@ -306,7 +307,7 @@ def _preview(form: PartitionPreviewForm) -> dict:
 def _geometry_problem(gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> str | None:
     # The service's own check, so the preview never promises what Save then refuses.
     try:
-        quota_services.partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+        runner_services.partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     except ValidationError as exc:
         return " ".join(message for messages in exc.message_dict.values() for message in messages)
     return None
@@ -326,7 +327,7 @@ def partition_create(request):
     if form.is_valid():
         data = form.cleaned_data
         try:
-            profile = quota_services.partition_profile_create(actor=request.user, **data)
+            profile = runner_services.partition_profile_create(actor=request.user, **data)
         except PermissionDenied as exc:
             form.add_error(None, str(exc))
         except ValidationError as exc:

@@ -5,15 +5,16 @@ from rest_framework import exceptions
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from quotas.api import (
-    FlavorViewSet,
+from portal import errors
+from quotas.api import FlavorViewSet, QuotaViewSet
+from runners.api import (
+    EnvironmentViewSet,
     NodePoolViewSet,
     NodeViewSet,
     PartitionChangeViewSet,
     PartitionProfileViewSet,
-    QuotaViewSet,
 )
-from tenants.api import EnvironmentViewSet, MemberViewSet, TenantViewSet
+from tenants.api import MemberViewSet, TenantViewSet
 
 router = DefaultRouter()
 router.register("tenants", TenantViewSet, basename="tenant")
@@ -27,9 +28,19 @@ router.register("nodes", NodeViewSet, basename="node")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
 
 
+class ConflictError(exceptions.APIException):
+    status_code = 409
+    default_detail = "This does not fit the object's current state."
+    default_code = "conflict"
+
+
 def exception_handler(exc, context):
-    """Turn a service's Django ValidationError into a 400 that names the field."""
-    if isinstance(exc, DjangoValidationError):
+    """Map the portal's own exceptions (portal.errors) to HTTP; a ValidationError is a 400 naming the field."""
+    if isinstance(exc, errors.NotFound):
+        exc = exceptions.NotFound(str(exc))
+    elif isinstance(exc, errors.Conflict):
+        exc = ConflictError(str(exc))
+    elif isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         exc = exceptions.ValidationError(detail=detail)
     return drf_exception_handler(exc, context)

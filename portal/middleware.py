@@ -89,3 +89,24 @@ class DegradedSendMiddleware:
                 "broker-unreachable; saved, and the work starts once the broker is back: " + ", ".join(sorted(set(failed)))
             )
         return response
+
+
+class PortalErrorMiddleware:
+    """Answer the portal's own exceptions (portal.errors) raised under a page view."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        from django.http import Http404, HttpResponse
+
+        from portal.errors import Conflict, NotFound
+
+        if isinstance(exception, NotFound):
+            raise Http404(str(exception)) from exception
+        if isinstance(exception, Conflict):
+            return HttpResponse(str(exception), status=409, content_type="text/plain; charset=utf-8")
+        return None

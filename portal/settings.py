@@ -59,6 +59,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, so it sees what a view raised: portal.errors.NotFound is a 404 page, Conflict a 409.
+    "portal.middleware.PortalErrorMiddleware",
 ]
 
 if not DEBUG:
@@ -190,7 +192,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
-    "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "runners.models.PartitionKind"},
+    "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "quotas.models.PartitionKind"},
 }
 
 # Celery. The default broker is kombu's filesystem transport, which needs no
@@ -236,7 +238,7 @@ SWEEP_INTERVAL_S = env_int("SWEEP_INTERVAL_S", 30, minimum=1)
 STUCK_AFTER_S = env_int("STUCK_AFTER_S", 300, minimum=1)
 INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
 CELERY_BEAT_SCHEDULE = {
-    "environment-sweep": {"task": "tenants.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
+    "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
     "partition-change-sweep": {"task": "runners.tasks.partition_change_sweep", "schedule": SWEEP_INTERVAL_S},
 }

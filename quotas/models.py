@@ -1,4 +1,4 @@
-"""How much: resource flavors, prices, partition profiles, quotas."""
+"""How much: resource flavors (with the capacity the inventory reports for each), prices, quotas."""
 
 from decimal import Decimal
 
@@ -6,7 +6,15 @@ from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from runners.models import NodePool, PartitionKind
+from runners.nvidia import names
+
+
+class PartitionKind(models.TextChoices):
+    """How a GPU is cut; the strings are runners.nvidia.names' one spelling."""
+
+    WHOLE = names.WHOLE
+    MIG = names.MIG
+    TIMESLICE = names.TIMESLICE
 
 
 class ResourceFlavor(models.Model):
@@ -17,6 +25,10 @@ class ResourceFlavor(models.Model):
     gpu_model = models.CharField(max_length=40)
     mig_profile = models.CharField(max_length=20, blank=True)
     description = models.CharField(max_length=200, blank=True)
+    # Units of this flavor the schedulable inventory holds now. Written by the inventory's owner
+    # (runners: every inventory sync, cordon and uncordon) so quotas can check guarantees against it.
+    capacity = models.PositiveIntegerField(default=0)
+    capacity_updated_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -43,24 +55,6 @@ class PriceCard(models.Model):
         constraints = [models.UniqueConstraint(fields=["flavor", "effective_from"], name="one_price_per_flavor_and_start")]
 
 
-class PartitionProfile(models.Model):
-    """A named way to cut every GPU of one model: whole, a MIG layout, or time-slicing replicas."""
-
-    name = models.CharField(max_length=63, unique=True)
-    gpu_model = models.CharField(max_length=40)
-    kind = models.CharField(max_length=10, choices=PartitionKind.choices)
-    # MIG profile names for one GPU, e.g. ["4g.40gb", "3g.40gb"]; empty unless kind is mig.
-    layout = models.JSONField(default=list, blank=True)
-    replicas = models.PositiveSmallIntegerField(default=1)
-    created_at = models.DateTimeField(auto_now_add=True)
-
-    class Meta:
-        ordering = ["gpu_model", "name"]
-
-    def __str__(self) -> str:
-        return self.name
-
-
 class Quota(models.Model):
     """A tenant's share of one flavor: guaranteed units, a burst ceiling, and scheduling weight."""
 
@@ -81,54 +75,6 @@ class Quota(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.slug}: {self.flavor.name} {self.guaranteed}/{self.max}"
-
-
-class PartitionChange(models.Model):
-    """One application of a partition profile to a node pool, with its progress."""
-
-    class State(models.TextChoices):
-        PENDING = "pending"
-        CORDONING = "cordoning"
-        DRAINING = "draining"
-        RELABELING = "relabeling"
-        WAITING = "waiting"
-        UNCORDONING = "uncordoning"
-        SUCCEEDED = "succeeded"
-        REFUSED = "refused"
-        FAILED = "failed"
-
-    class Drain(models.TextChoices):
-        WAIT = "wait"
-        PREEMPT = "preempt"
-
-    FINISHED = (State.SUCCEEDED, State.REFUSED, State.FAILED)
-
-    pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="partition_changes")
-    profile = models.ForeignKey(PartitionProfile, on_delete=models.PROTECT, related_name="changes")
-    drain = models.CharField(max_length=10, choices=Drain.choices, default=Drain.WAIT)
-    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
-    message = models.CharField(max_length=1000, blank=True)
-    # [{"at": iso time, "node": name or "", "step": state, "message": text}, ...]
-    steps = models.JSONField(default=list, blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
-    created_at = models.DateTimeField(auto_now_add=True)
-    finished_at = models.DateTimeField(null=True, blank=True)
-    # The worker running the change renews this while it works; a redelivered copy of
-    # the task leaves a live lease alone, and the sweep resumes a change whose lease ran out.
-    lease_expires_at = models.DateTimeField(null=True, blank=True)
-    # Nodes an operator had cordoned before the change began; the change leaves them cordoned.
-    kept_cordoned = models.JSONField(default=list, blank=True)
-
-    class Meta:
-        ordering = ["-created_at", "-id"]
-        constraints = [
-            # One change in flight per pool: two would fight over the same labels.
-            models.UniqueConstraint(
-                fields=["pool"],
-                condition=~models.Q(state__in=["succeeded", "refused", "failed"]),
-                name="one_partition_change_in_flight_per_pool",
-            )
-        ]
 
 
 class GuaranteeReduction(models.Model):

@@ -1,4 +1,4 @@
-"""Reads of flavors, quotas, partition profiles and what the inventory can hold."""
+"""Reads of flavors, prices and quotas; a flavor's capacity is what runners last wrote on it."""
 
 from collections import defaultdict
 
@@ -6,9 +6,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from quotas.models import PartitionProfile, PriceCard, Quota, ResourceFlavor
-from runners.models import Gpu, PartitionKind
-from runners.nvidia import catalog, gpu_operator, names
+from quotas.models import PartitionKind, PriceCard, Quota, ResourceFlavor
+from runners.nvidia import catalog, names
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -37,19 +36,6 @@ def flavor_node_labels(flavor: ResourceFlavor) -> dict[str, str]:
     return labels
 
 
-def flavor_capacity(flavor: ResourceFlavor) -> int:
-    """Units of the flavor the schedulable inventory holds under its current partitions."""
-    gpus = Gpu.objects.filter(model=flavor.gpu_model, node__schedulable=True, partition_kind=flavor.kind)
-    if flavor.kind == PartitionKind.WHOLE:
-        return gpus.count()
-    if flavor.kind == PartitionKind.TIMESLICE:
-        return sum(gpus.values_list("timeslice_replicas", flat=True))
-    return sum(
-        1 for layout in gpus.values_list("mig_layout", flat=True) for profile, _start in layout
-        if profile == flavor.mig_profile
-    )
-
-
 def flavor_price_now(flavor: ResourceFlavor, *, at=None) -> PriceCard | None:
     """The price card in force at a moment (now by default): the newest that has started."""
     return flavor.prices.filter(effective_from__lte=at or timezone.now()).order_by("-effective_from").first()
@@ -70,7 +56,7 @@ def tenant_quota_row(quota: Quota) -> dict:
     flavor's guarantees together fit in it; otherwise the tenant is told how
     much of its own the cluster could honour in proportion.
     """
-    capacity = flavor_capacity(quota.flavor)
+    capacity = quota.flavor.capacity
     total = guaranteed_total(quota.flavor)
     backed = quota.guaranteed if total <= capacity else quota.guaranteed * capacity // total
     return {
@@ -103,23 +89,6 @@ def environment_quota_hard(*, tenant: Tenant) -> dict[str, int]:
     return dict(sorted(hard.items()))
 
 
-def partition_profile_configs(profile: PartitionProfile) -> dict:
-    """The NVIDIA GPU Operator configuration that applying the profile amounts to.
-
-    The same rendering the Kubernetes backend applies to each node
-    (`gpu_operator.node_partition_request`); a label shown as None is removed.
-    """
-    request = gpu_operator.node_partition_request(
-        name=profile.name, kind=profile.kind, gpu_model_name=profile.gpu_model, layout=profile.layout,
-        replicas=profile.replicas,
-    )
-    return {
-        "node_labels": dict(request.node_labels),
-        "mig_parted_config": request.mig_parted_config_text(),
-        "device_plugin_config": request.device_plugin_config,
-    }
-
-
 # --- Reads for the admin pages ----------------------------------------------
 
 
@@ -139,7 +108,7 @@ def quota_table(*, user: AbstractBaseUser) -> dict:
     quotas = {(quota.tenant_id, quota.flavor_id): quota for quota in quota_list(user=user)}
     columns = []
     for flavor in flavors:
-        capacity = flavor_capacity(flavor)
+        capacity = flavor.capacity
         guaranteed = guaranteed_total(flavor)
         columns.append(
             {
@@ -155,7 +124,3 @@ def quota_table(*, user: AbstractBaseUser) -> dict:
         for tenant in tenants
     ]
     return {"columns": columns, "rows": rows}
-
-
-def partition_profile_list() -> QuerySet[PartitionProfile]:
-    return PartitionProfile.objects.prefetch_related("node_pools").order_by("gpu_model", "name")

@@ -1,29 +1,32 @@
-"""Writes for flavors, prices, partition profiles, quotas and partition changes. Staff only."""
+"""Writes for flavors, prices and quotas. Staff only.
+
+A change of a tenant's quota is announced (quotas.signals.quota_changed): runners
+subscribes and re-syncs the tenant's environments. The capacity a guarantee must
+fit in is the flavor's ``capacity``, which runners keeps current from the inventory.
+"""
 
 from decimal import Decimal
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from portal.tasks import enqueue_on_commit
-from quotas.models import GuaranteeReduction, PartitionChange, PartitionProfile, PriceCard, Quota, ResourceFlavor
-from quotas.selectors import flavor_capacity, guaranteed_total
-from runners.models import NodePool, PartitionKind
+from portal.errors import NotAllowed
+from quotas.models import GuaranteeReduction, PartitionKind, PriceCard, Quota, ResourceFlavor
+from quotas.selectors import guaranteed_total
+from quotas.signals import quota_changed
 from runners.nvidia import mig
 from tenants.models import Tenant
-from tenants.services import environments_resync
-
-MAX_TIMESLICE_REPLICAS = 64
 
 
 def require_staff(actor: AbstractBaseUser) -> None:
     if not (actor.is_authenticated and actor.is_staff):
-        raise PermissionDenied("Only staff can change flavors, prices, quotas and partitions.")
+        raise NotAllowed("Only staff can change flavors, prices, quotas and partitions.")
 
 
-def _check_model(field: str, model: str) -> mig.GpuModel:
+def gpu_model_check(field: str, model: str) -> mig.GpuModel:
+    """The catalog entry of a GPU model; Invalid naming `field` when NVIDIA's geometry does not know it."""
     try:
         return mig.gpu_model(model)
     except mig.UnknownGpuModelError as exc:
@@ -34,7 +37,7 @@ def flavor_create(
     *, actor: AbstractBaseUser, name: str, kind: str, gpu_model: str, mig_profile: str = "", description: str = ""
 ) -> ResourceFlavor:
     require_staff(actor)
-    model = _check_model("gpu_model", gpu_model)
+    model = gpu_model_check("gpu_model", gpu_model)
     if kind == PartitionKind.MIG:
         if not model.mig_capable:
             raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG."})
@@ -72,48 +75,6 @@ def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour
         raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."}) from None
 
 
-def partition_profile_check(*, gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> int:
-    """Validate a profile's shape against NVIDIA's geometry; returns the replicas to store.
-
-    Raises ValidationError naming the field. The partition page's preview calls
-    this too, so it never promises what saving would refuse.
-    """
-    model = _check_model("gpu_model", gpu_model)
-    if kind == PartitionKind.MIG:
-        if not model.mig_capable:
-            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG; use kind whole or timeslice."})
-        if not layout:
-            raise ValidationError({"layout": "A mig profile needs a layout: the MIG profiles of one GPU."})
-        try:
-            mig.fit_layout(gpu_model, layout)
-        except mig.MigError as exc:
-            raise ValidationError({"layout": str(exc)}) from None
-    elif layout:
-        raise ValidationError({"layout": "Only mig profiles take a layout."})
-    if kind == PartitionKind.TIMESLICE:
-        if replicas is None or not 2 <= replicas <= MAX_TIMESLICE_REPLICAS:
-            raise ValidationError({"replicas": f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU."})
-        return replicas
-    if replicas not in (None, 1):
-        raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
-    return 1
-
-
-def partition_profile_create(
-    *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
-) -> PartitionProfile:
-    """Validate a layout against NVIDIA's geometry and store it as a named profile."""
-    require_staff(actor)
-    replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
-    if PartitionProfile.objects.filter(name=name).exists():
-        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
-    try:
-        with transaction.atomic():
-            return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
-    except IntegrityError:
-        raise ValidationError({"name": f"A partition profile named {name!r} already exists."}) from None
-
-
 @transaction.atomic
 def quota_set(
     *,
@@ -132,12 +93,12 @@ def quota_set(
     the merge happens under the lock, so concurrent changes of different fields all land.
     """
     require_staff(actor)
-    # Lock the flavor so two concurrent changes cannot both fit under capacity.
-    ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
+    # Lock the flavor so two concurrent changes cannot both fit under capacity; read its capacity fresh.
+    flavor = ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
     existing = Quota.objects.filter(tenant=tenant, flavor=flavor).first()
     if must_be_new and existing is not None:
         raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
-    current = existing or Quota(guaranteed=0, max=0, fair_share_weight=Decimal("1"), max_priority=100)
+    current = existing or Quota()  # a new quota starts from the model's defaults
     guaranteed = current.guaranteed if guaranteed is None else guaranteed
     max = current.max if max is None else max
     fair_share_weight = current.fair_share_weight if fair_share_weight is None else fair_share_weight
@@ -146,7 +107,7 @@ def quota_set(
         raise ValidationError({"guaranteed": f"guaranteed ({guaranteed}) cannot exceed max ({max})."})
     if fair_share_weight <= 0:
         raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
-    capacity = flavor_capacity(flavor)
+    capacity = flavor.capacity
     others = guaranteed_total(flavor, excluding_tenant=tenant)
     # Only a growing guarantee must fit: capacity can shrink under existing guarantees (a pool
     # cordoned or re-cut), and staff must still be able to lower them or change anything else.
@@ -164,7 +125,7 @@ def quota_set(
         flavor=flavor,
         defaults={"guaranteed": guaranteed, "max": max, "fair_share_weight": fair_share_weight, "max_priority": max_priority},
     )
-    _propagate_quota(tenant)
+    _announce(tenant)
     return quota
 
 
@@ -173,46 +134,12 @@ def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
     require_staff(actor)
     tenant = quota.tenant
     quota.delete()
-    _propagate_quota(tenant)
+    _announce(tenant)
 
 
-def _propagate_quota(tenant: Tenant) -> None:
-    """After commit, have the workers rewrite every live environment's quota (coalesced)."""
-    environments_resync(tenant)
-
-
-def node_pool_apply(
-    *, actor: AbstractBaseUser, pool: NodePool, profile: PartitionProfile, drain: str, workloads: dict[str, list[str]]
-) -> PartitionChange:
-    """Start applying a profile to a pool; refuse while work runs unless asked to preempt it.
-
-    ``workloads`` is what runs on each of the pool's nodes now (the caller asks
-    the backend); the task checks again after cordoning, since work may have
-    started in between.
-    """
-    from runners.tasks import partition_apply
-
-    require_staff(actor)
-    if drain not in PartitionChange.Drain.values:
-        raise ValidationError({"drain": f"{drain!r} is not one of: wait, preempt."})
-    if pool.gpu_model and profile.gpu_model != pool.gpu_model:
-        raise ValidationError(
-            {"profile": f"Profile {profile.name} is for {profile.gpu_model}; pool {pool.name} has {pool.gpu_model} GPUs."}
-        )
-    busy = {node: names for node, names in workloads.items() if names}
-    if busy and drain == PartitionChange.Drain.WAIT:
-        listed = "; ".join(f"{node}: {', '.join(names)}" for node, names in sorted(busy.items()))
-        raise ValidationError(
-            {"drain": f"Work is running on pool {pool.name} ({listed}). Wait for it to finish, or apply with drain=preempt "
-                      "to checkpoint and preempt it."}
-        )
-    try:
-        with transaction.atomic():
-            change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
-            enqueue_on_commit(partition_apply, change.id)
-    except IntegrityError:
-        raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
-    return change
+def _announce(tenant: Tenant) -> None:
+    """Tell the apps above (runners re-syncs the tenant's environments) that its quota changed."""
+    quota_changed.send(sender=Quota, tenant=tenant)
 
 
 def guarantees_shrink(
@@ -246,5 +173,5 @@ def guarantees_shrink(
         tenants[quota.tenant_id] = quota.tenant
     GuaranteeReduction.objects.bulk_create(reductions)
     for tenant in tenants.values():
-        _propagate_quota(tenant)
+        _announce(tenant)
     return reductions

@@ -1,12 +1,11 @@
-"""Where work runs: the inventory of node pools, nodes and GPUs the backend discovered."""
+"""Where work runs: environments, the inventory (node pools, nodes, GPUs) and how its GPUs are cut."""
 
+from django.conf import settings
 from django.db import models
+from django.db.models import Q
 
-
-class PartitionKind(models.TextChoices):
-    WHOLE = "whole"
-    MIG = "mig"
-    TIMESLICE = "timeslice"
+from quotas.models import PartitionKind
+from tenants.models import ENVIRONMENT_NAME_MAX, dns_label_validator
 
 
 class NodePool(models.Model):
@@ -15,7 +14,7 @@ class NodePool(models.Model):
     name = models.CharField(max_length=63, unique=True)
     gpu_model = models.CharField(max_length=40, blank=True)
     partition_profile = models.ForeignKey(
-        "quotas.PartitionProfile", null=True, blank=True, on_delete=models.SET_NULL, related_name="node_pools"
+        "runners.PartitionProfile", null=True, blank=True, on_delete=models.SET_NULL, related_name="node_pools"
     )
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -65,3 +64,128 @@ class Gpu(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.index} ({self.model})"
+
+
+class PartitionProfile(models.Model):
+    """A named way to cut every GPU of one model: whole, a MIG layout, or time-slicing replicas."""
+
+    name = models.CharField(max_length=63, unique=True)
+    gpu_model = models.CharField(max_length=40)
+    kind = models.CharField(max_length=10, choices=PartitionKind.choices)
+    # MIG profile names for one GPU, e.g. ["4g.40gb", "3g.40gb"]; empty unless kind is mig.
+    layout = models.JSONField(default=list, blank=True)
+    replicas = models.PositiveSmallIntegerField(default=1)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["gpu_model", "name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PartitionChange(models.Model):
+    """One application of a partition profile to a node pool, with its progress."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        CORDONING = "cordoning"
+        DRAINING = "draining"
+        RELABELING = "relabeling"
+        WAITING = "waiting"
+        UNCORDONING = "uncordoning"
+        SUCCEEDED = "succeeded"
+        REFUSED = "refused"
+        FAILED = "failed"
+
+    class Drain(models.TextChoices):
+        WAIT = "wait"
+        PREEMPT = "preempt"
+
+    FINISHED = (State.SUCCEEDED, State.REFUSED, State.FAILED)
+
+    pool = models.ForeignKey(NodePool, on_delete=models.CASCADE, related_name="partition_changes")
+    profile = models.ForeignKey(PartitionProfile, on_delete=models.PROTECT, related_name="changes")
+    drain = models.CharField(max_length=10, choices=Drain.choices, default=Drain.WAIT)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
+    message = models.CharField(max_length=1000, blank=True)
+    # [{"at": iso time, "node": name or "", "step": state, "message": text}, ...]
+    steps = models.JSONField(default=list, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # The worker running the change renews this while it works; a redelivered copy of
+    # the task leaves a live lease alone, and the sweep resumes a change whose lease ran out.
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    # Nodes an operator had cordoned before the change began; the change leaves them cordoned.
+    kept_cordoned = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            # One change in flight per pool: two would fight over the same labels.
+            models.UniqueConstraint(
+                fields=["pool"],
+                condition=~models.Q(state__in=["succeeded", "refused", "failed"]),
+                name="one_partition_change_in_flight_per_pool",
+            )
+        ]
+
+
+class EnvironmentState(models.TextChoices):
+    REQUESTED = "requested"
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    DELETING = "deleting"
+    DELETED = "deleted"
+    FAILED = "failed"
+
+
+LIVE_STATES = [s for s in EnvironmentState.values if s != EnvironmentState.DELETED]
+
+
+class Environment(models.Model):
+    """A tenant's isolated slice of the cluster: a namespace (or workspace) with its quota."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="environments")
+    name = models.CharField(max_length=ENVIRONMENT_NAME_MAX, validators=[dns_label_validator])
+    namespace = models.CharField(max_length=63)
+    backend = models.CharField(max_length=20)
+    state = models.CharField(max_length=20, choices=EnvironmentState.choices, default=EnvironmentState.REQUESTED)
+    status_message = models.CharField(max_length=500, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="environments_created"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    # Touched by every state change; the sweep uses it to find lost messages.
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    # How many times a worker started provisioning or teardown; redeliveries show here.
+    task_runs = models.PositiveIntegerField(default=0)
+    # Re-syncs (members or quota changed) coalesce: each change bumps sync_generation, at most
+    # one sync message is pending (sync_pending), and the sync that holds the lease applies the
+    # newest state until synced_generation catches up. See runners.environments.environments_resync.
+    sync_generation = models.PositiveBigIntegerField(default=0)
+    synced_generation = models.PositiveBigIntegerField(default=0)
+    sync_pending = models.BooleanField(default=False)
+    sync_requested_at = models.DateTimeField(null=True, blank=True)
+    sync_lease_until = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["tenant__slug", "name"]
+        constraints = [
+            # Deleted environments keep their row for history; a live name is unique per tenant.
+            models.UniqueConstraint(
+                fields=["tenant", "name"], condition=~Q(state="deleted"), name="unique_live_environment_name"
+            ),
+            models.UniqueConstraint(
+                fields=["namespace"], condition=~Q(state="deleted"), name="unique_live_environment_namespace"
+            ),
+        ]
+        indexes = [models.Index(fields=["state", "state_changed_at"], name="environment_state_age")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}"
+
+    @property
+    def is_transitional(self) -> bool:
+        return self.state in (EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.DELETING)

@@ -1,20 +1,33 @@
-"""Reads of the inventory (node pools, nodes, GPUs) and of partition changes. Staff only.
+"""Reads of environments, the inventory and partition changes, with the one visibility rule for each.
 
-The inventory is the operator's view of the cluster, not tenant data, so every read
-here refuses anyone but staff with a 404: the pages and their fragments cannot forget it.
+- Environments are tenant data: a user sees those of the tenants they belong to
+  (staff all); anyone else's is NotFound.
+- The inventory is the operator's view of the cluster: pools, nodes, GPUs and
+  partition changes are staff's, and every read of them here refuses anyone
+  else with NotFound, so the pages, their fragments and the API cannot forget
+  it. What a tenant may know of the cluster is per-flavor capacity and what is
+  free (``flavor_availability``), which names no node and no other tenant.
 """
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, QuerySet
-from django.http import Http404
 
-from quotas.models import PartitionChange, PartitionProfile
-from runners.models import Gpu, Node, NodePool
+from portal.errors import NotFound
+from quotas.models import ResourceFlavor
+from runners.models import Environment, EnvironmentState, Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.nvidia import gpu_operator
+from tenants.models import Tenant
+from tenants.selectors import tenant_list
+
+
+def is_inventory_reader(user: AbstractBaseUser) -> bool:
+    """Who may see pools, nodes, GPUs and partition changes: staff."""
+    return bool(user.is_authenticated and user.is_staff)
 
 
 def _require_staff(user: AbstractBaseUser) -> None:
-    if not (user.is_authenticated and user.is_staff):
-        raise Http404("No such page.")
+    if not is_inventory_reader(user):
+        raise NotFound("No such page.")
 
 
 def node_pool_list(*, user: AbstractBaseUser) -> QuerySet[NodePool]:
@@ -31,7 +44,7 @@ def node_pool_get(*, user: AbstractBaseUser, pool_id: int) -> NodePool:
     try:
         return node_pool_list(user=user).get(id=pool_id)
     except (NodePool.DoesNotExist, ValueError):
-        raise Http404("No such node pool.") from None
+        raise NotFound("No such node pool.") from None
 
 
 def node_pool_nodes(*, user: AbstractBaseUser, pool: NodePool) -> QuerySet[Node]:
@@ -68,3 +81,87 @@ def node_pool_first_gpus(*, user: AbstractBaseUser) -> dict[int, Gpu]:
     for gpu in Gpu.objects.filter(node__pool__isnull=False).select_related("node").order_by("node__pool_id", "node__name", "index"):
         first.setdefault(gpu.node.pool_id, gpu)
     return first
+
+
+# The API lists below are empty for anyone but staff, so a list says nothing and an id is a 404.
+
+
+def node_list(*, user: AbstractBaseUser) -> QuerySet[Node]:
+    """Every node with its pool and GPUs (staff; nothing for anyone else)."""
+    nodes = Node.objects.select_related("pool").prefetch_related(Prefetch("gpus", queryset=Gpu.objects.order_by("index")))
+    return nodes.order_by("name") if is_inventory_reader(user) else nodes.none()
+
+
+def node_pool_api_list(*, user: AbstractBaseUser) -> QuerySet[NodePool]:
+    """Node pools with their nodes (staff; nothing for anyone else)."""
+    pools = NodePool.objects.prefetch_related("nodes").select_related("partition_profile").order_by("name")
+    return pools if is_inventory_reader(user) else pools.none()
+
+
+def partition_change_list(*, user: AbstractBaseUser) -> QuerySet[PartitionChange]:
+    """Partition changes, newest first (staff; nothing for anyone else: their steps name every tenant's work)."""
+    changes = PartitionChange.objects.select_related("pool", "profile").order_by("-created_at", "-id")
+    return changes if is_inventory_reader(user) else changes.none()
+
+
+def flavor_availability(*, user: AbstractBaseUser) -> list[dict]:
+    """What anyone signed in may know of the cluster: per flavor, its capacity now.
+
+    No node, pool or other tenant is named. (What is free follows once jobs hold
+    capacity; until then all of it is free.)
+    """
+    if not user.is_authenticated:
+        raise NotFound("No such page.")
+    return [
+        {"flavor": flavor.name, "capacity": flavor.capacity, "free": flavor.capacity}
+        for flavor in ResourceFlavor.objects.order_by("gpu_model", "kind", "mig_profile", "name")
+    ]
+
+
+# --- Partition profiles: a public catalog of shapes, applied by staff ---------------
+
+
+def partition_profile_configs(profile: PartitionProfile) -> dict:
+    """The NVIDIA GPU Operator configuration that applying the profile amounts to.
+
+    The same rendering the Kubernetes backend applies to each node
+    (`gpu_operator.node_partition_request`); a label shown as None is removed.
+    """
+    request = gpu_operator.node_partition_request(
+        name=profile.name, kind=profile.kind, gpu_model_name=profile.gpu_model, layout=profile.layout,
+        replicas=profile.replicas,
+    )
+    return {
+        "node_labels": dict(request.node_labels),
+        "mig_parted_config": request.mig_parted_config_text(),
+        "device_plugin_config": request.device_plugin_config,
+    }
+
+
+
+def partition_profile_list() -> QuerySet[PartitionProfile]:
+    return PartitionProfile.objects.prefetch_related("node_pools").order_by("gpu_model", "name")
+
+
+# --- Environments ----------------------------------------------------------------
+
+
+def environment_list(
+    *, user: AbstractBaseUser, tenant: Tenant | None = None, state: str | None = None, include_deleted: bool = False
+) -> QuerySet[Environment]:
+    """Environments of the user's tenants, newest first."""
+    queryset = Environment.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant", "created_by")
+    if tenant is not None:
+        queryset = queryset.filter(tenant=tenant)
+    if state is not None:
+        queryset = queryset.filter(state=state)
+    elif not include_deleted:
+        queryset = queryset.exclude(state=EnvironmentState.DELETED)
+    return queryset.order_by("-created_at", "-id")
+
+
+def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environment:
+    try:
+        return environment_list(user=user, include_deleted=True).get(id=environment_id)
+    except (Environment.DoesNotExist, ValueError):
+        raise NotFound("No such environment.") from None

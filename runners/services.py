@@ -1,4 +1,10 @@
-"""Writes for the inventory and partition changes: the Django side of the backends."""
+"""Writes for the inventory, flavor capacity, partition profiles and partition changes.
+
+The Django side of the backends. Runners owns the inventory, so it writes down
+what quotas needs from it: after every change of the schedulable inventory
+(sync, cordon, uncordon) each flavor's ``capacity`` is recomputed here
+(``flavor_capacity_refresh``), with the one rule for how many units a GPU offers.
+"""
 
 import logging
 import time
@@ -6,17 +12,21 @@ from collections import Counter
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.tasks import send_task
-from quotas.models import PartitionChange, PartitionProfile, Quota, ResourceFlavor
+from portal.tasks import enqueue_on_commit, send_task
+from quotas.models import PartitionKind, Quota, ResourceFlavor
+from quotas.services import gpu_model_check, guarantees_shrink, require_staff
 from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
-from runners.models import Gpu, Node, NodePool, PartitionKind
-from runners.nvidia import catalog
+from runners.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.nvidia import catalog, mig
 from runners.registry import get_backend
+
+MAX_TIMESLICE_REPLICAS = 64
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +83,7 @@ def inventory_sync(*, nodes: list[NodeInfo] | None = None) -> dict[str, int]:
             )
         Gpu.objects.filter(node=node).exclude(index__in=indexes).delete()
     removed, _ = Node.objects.exclude(id__in=seen).delete()
+    flavor_capacity_refresh()
     return {"nodes": len(seen), "pools": len(pools), "removed": removed}
 
 
@@ -84,6 +95,48 @@ def partition_spec(profile: PartitionProfile) -> PartitionSpec:
         layout=tuple(profile.layout),
         replicas=profile.replicas,
     )
+
+
+def partition_profile_check(*, gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> int:
+    """Validate a profile's shape against NVIDIA's geometry; returns the replicas to store.
+
+    Raises ValidationError naming the field. The partition page's preview calls
+    this too, so it never promises what saving would refuse.
+    """
+    model = gpu_model_check("gpu_model", gpu_model)
+    if kind == PartitionKind.MIG:
+        if not model.mig_capable:
+            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG; use kind whole or timeslice."})
+        if not layout:
+            raise ValidationError({"layout": "A mig profile needs a layout: the MIG profiles of one GPU."})
+        try:
+            mig.fit_layout(gpu_model, layout)
+        except mig.MigError as exc:
+            raise ValidationError({"layout": str(exc)}) from None
+    elif layout:
+        raise ValidationError({"layout": "Only mig profiles take a layout."})
+    if kind == PartitionKind.TIMESLICE:
+        if replicas is None or not 2 <= replicas <= MAX_TIMESLICE_REPLICAS:
+            raise ValidationError({"replicas": f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU."})
+        return replicas
+    if replicas not in (None, 1):
+        raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
+    return 1
+
+
+def partition_profile_create(
+    *, actor: AbstractBaseUser, name: str, gpu_model: str, kind: str, layout: list[str], replicas: int | None
+) -> PartitionProfile:
+    """Validate a layout against NVIDIA's geometry and store it as a named profile."""
+    require_staff(actor)
+    replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    if PartitionProfile.objects.filter(name=name).exists():
+        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
+    try:
+        with transaction.atomic():
+            return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+    except IntegrityError:
+        raise ValidationError({"name": f"A partition profile named {name!r} already exists."}) from None
 
 
 def pool_workloads(pool: NodePool) -> dict[str, list[str]]:
@@ -144,7 +197,7 @@ def partition_change_run(*, change_id: int) -> str:
     try:
         for name in nodes:
             backend.cordon(name)
-            Node.objects.filter(name=name).update(schedulable=False)
+            _set_schedulable([name], False)
             _record(change_id, state=PartitionChange.State.CORDONING, node=name, message=f"Cordoned {name}.")
         busy = {name: backend.node_workloads(name) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
@@ -174,7 +227,7 @@ def partition_change_run(*, change_id: int) -> str:
             _record(change_id, state=PartitionChange.State.WAITING, node=name, message=f"{name} reports {spec.name}.")
         for name in handed_back:
             backend.uncordon(name)
-            Node.objects.filter(name=name).update(schedulable=True)
+            _set_schedulable([name], True)
             _record(change_id, state=PartitionChange.State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
     except (PermanentBackendError, TimeoutError) as exc:
         if not relabeled:
@@ -191,7 +244,13 @@ def partition_change_run(*, change_id: int) -> str:
 def _uncordon_all(backend, nodes: list[str]) -> None:
     for name in nodes:
         backend.uncordon(name)
-    Node.objects.filter(name__in=nodes).update(schedulable=True)
+    _set_schedulable(nodes, True)
+
+
+def _set_schedulable(nodes: list[str], schedulable: bool) -> None:
+    """Record a cordon or uncordon the backend just did, and the capacity it leaves."""
+    Node.objects.filter(name__in=nodes).update(schedulable=schedulable)
+    flavor_capacity_refresh()
 
 
 def _wait(change_id: int, predicate, *, what: str) -> None:
@@ -268,6 +327,18 @@ def _units_of(gpus) -> Counter[Shape]:
     return units
 
 
+def flavor_capacity_refresh() -> int:
+    """Write every flavor's capacity (units the schedulable inventory holds now); returns how many changed."""
+    units = _units_of(Gpu.objects.filter(node__schedulable=True))
+    now = timezone.now()
+    changed = 0
+    for flavor in ResourceFlavor.objects.only("id", "kind", "gpu_model", "mig_profile", "capacity"):
+        capacity = units.get((flavor.kind, flavor.gpu_model, flavor.mig_profile), 0)
+        if capacity != flavor.capacity:
+            changed += ResourceFlavor.objects.filter(id=flavor.id).update(capacity=capacity, capacity_updated_at=now)
+    return changed
+
+
 def _discovered_flavor_name(shape: Shape) -> str:
     kind, model, profile = shape
     if kind == PartitionKind.MIG:
@@ -300,6 +371,8 @@ def flavors_discover() -> list[ResourceFlavor]:
                 )
         except IntegrityError:
             continue  # another sync made it at the same moment
+    if created:
+        flavor_capacity_refresh()
     return created
 
 
@@ -354,11 +427,9 @@ def node_pool_apply(
     unless `shrink_guarantees`, which lowers them in proportion, recorded, in the
     same transaction that starts the change.
     """
-    from quotas import services as quota_services
-
     capacity = pool_capacity_change(pool=pool, profile=profile)
     if dry_run:
-        quota_services.require_staff(actor)
+        require_staff(actor)
         return {"capacity": capacity, "change": None}
     stranded = [row for row in capacity if row["unbacked"]]
     if stranded and not shrink_guarantees:
@@ -374,10 +445,44 @@ def node_pool_apply(
     workloads = pool_workloads(pool)
     with transaction.atomic():
         for row in stranded:
-            quota_services.guarantees_shrink(
+            guarantees_shrink(
                 actor=actor, flavor=ResourceFlavor.objects.get(name=row["flavor"]), capacity=row["capacity_after"],
                 reason=f"Pool {pool.name} re-partitioned to {profile.name}: capacity {row['capacity_before']} -> "
                        f"{row['capacity_after']}.",
             )
-        change = quota_services.node_pool_apply(actor=actor, pool=pool, profile=profile, drain=drain, workloads=workloads)
+        change = partition_change_start(actor=actor, pool=pool, profile=profile, drain=drain, workloads=workloads)
     return {"capacity": capacity, "change": change}
+
+
+def partition_change_start(
+    *, actor: AbstractBaseUser, pool: NodePool, profile: PartitionProfile, drain: str, workloads: dict[str, list[str]]
+) -> PartitionChange:
+    """Start applying a profile to a pool; refuse while work runs unless asked to preempt it.
+
+    ``workloads`` is what runs on each of the pool's nodes now (the caller asks
+    the backend); the task checks again after cordoning, since work may have
+    started in between.
+    """
+    from runners.tasks import partition_apply
+
+    require_staff(actor)
+    if drain not in PartitionChange.Drain.values:
+        raise ValidationError({"drain": f"{drain!r} is not one of: wait, preempt."})
+    if pool.gpu_model and profile.gpu_model != pool.gpu_model:
+        raise ValidationError(
+            {"profile": f"Profile {profile.name} is for {profile.gpu_model}; pool {pool.name} has {pool.gpu_model} GPUs."}
+        )
+    busy = {node: names for node, names in workloads.items() if names}
+    if busy and drain == PartitionChange.Drain.WAIT:
+        listed = "; ".join(f"{node}: {', '.join(names)}" for node, names in sorted(busy.items()))
+        raise ValidationError(
+            {"drain": f"Work is running on pool {pool.name} ({listed}). Wait for it to finish, or apply with drain=preempt "
+                      "to checkpoint and preempt it."}
+        )
+    try:
+        with transaction.atomic():
+            change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
+            enqueue_on_commit(partition_apply, change.id)
+    except IntegrityError:
+        raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
+    return change

@@ -1,13 +1,14 @@
-"""Celery tasks for the inventory and partition changes."""
+"""Celery tasks for environments, the inventory and partition changes: take ids, reload, call a service."""
 
 from celery import shared_task
 from django.conf import settings
 
 from portal.tasks import retry_or_give_up
-from runners import services
+from runners import environments, services
 from runners.backends.base import TransientBackendError
 
 PARTITION_MAX_RETRIES = 10
+ENVIRONMENT_MAX_RETRIES = 8
 
 
 @shared_task(bind=True, acks_late=True, max_retries=PARTITION_MAX_RETRIES)
@@ -34,3 +35,48 @@ def inventory_sync() -> dict[str, int]:
     counts = services.inventory_sync()
     counts["flavors_created"] = len(services.flavors_discover())
     return counts
+
+
+@shared_task(bind=True, acks_late=True, max_retries=ENVIRONMENT_MAX_RETRIES)
+def environment_provision(self, environment_id: int) -> str:
+    try:
+        return environments.environment_provision_run(environment_id=environment_id)
+    except TransientBackendError as exc:
+        return retry_or_give_up(
+            self,
+            exc,
+            give_up=lambda reason: environments.environment_provision_give_up(environment_id=environment_id, reason=reason),
+            before_retry=lambda reason: environments.environment_note_retry(environment_id=environment_id, reason=reason),
+            cap_s=120,
+        )
+
+
+@shared_task(
+    bind=True,
+    acks_late=True,
+    autoretry_for=(TransientBackendError,),
+    retry_backoff=2,
+    # Each attempt touches the row, so with attempts under a minute apart the sweep
+    # (STUCK_AFTER_S) never starts a second chain beside a live one.
+    retry_backoff_max=60,
+    max_retries=50,  # After that the sweep re-enqueues it: teardown always finishes eventually.
+)
+def environment_teardown(self, environment_id: int) -> str:
+    return environments.environment_teardown_run(environment_id=environment_id)
+
+
+@shared_task(
+    bind=True,
+    acks_late=True,
+    autoretry_for=(TransientBackendError,),
+    retry_backoff=2,
+    retry_backoff_max=120,
+    max_retries=ENVIRONMENT_MAX_RETRIES,
+)
+def environment_sync(self, environment_id: int) -> bool:
+    return environments.environment_sync_run(environment_id=environment_id)
+
+
+@shared_task
+def environment_sweep() -> dict[str, list[int]]:
+    return environments.environment_sweep_run(stuck_after_s=settings.STUCK_AFTER_S)

@@ -1,9 +1,9 @@
-"""REST API for tenants, members, environments and API tokens."""
+"""REST API for tenants, members and API tokens."""
 
 from django.contrib.auth import authenticate
 from django.db.models import OuterRef, Subquery
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import extend_schema, inline_serializer
 from knox.auth import TokenAuthentication
 from knox.models import AuthToken
 from rest_framework import mixins, serializers, status, viewsets
@@ -12,16 +12,12 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal import nulls
 from portal.fields import StrictTypesMixin
 from tenants import login_throttle, selectors, services
 from tenants.models import (
     DNS_LABEL_MESSAGE,
     DNS_LABEL_RE,
-    ENVIRONMENT_NAME_MAX,
     TENANT_SLUG_MAX,
-    Environment,
-    EnvironmentState,
     Membership,
     Role,
     Tenant,
@@ -170,85 +166,3 @@ class MemberViewSet(TenantScopedMixin, viewsets.GenericViewSet):
         get_object_or_404(self.get_queryset(), user__username=username)
         services.membership_remove(actor=request.user, tenant=tenant, username=username)
         return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-# --- Environments -----------------------------------------------------------
-
-
-class EnvironmentSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)  # user deleted
-
-    class Meta:
-        model = Environment
-        fields = [
-            "id",
-            "tenant",
-            "name",
-            "namespace",
-            "backend",
-            "state",
-            "status_message",
-            "created_by",
-            "created_at",
-            "state_changed_at",
-        ]
-
-
-class EnvironmentCreateSerializer(StrictTypesMixin, serializers.Serializer):
-    tenant = serializers.CharField(max_length=TENANT_SLUG_MAX)
-    name = dns_label_field(ENVIRONMENT_NAME_MAX)
-
-    def validate_tenant(self, slug: str) -> Tenant:
-        # Another tenant's slug reads exactly like one that does not exist.
-        tenant = selectors.tenant_list(user=self.context["request"].user).filter(slug=slug).first()
-        if tenant is None:
-            raise serializers.ValidationError(f"There is no tenant {slug!r} that you belong to.")
-        return tenant
-
-
-class EnvironmentViewSet(
-    TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
-):
-    queryset = Environment.objects.select_related("tenant", "created_by")
-    serializer_class = EnvironmentSerializer
-    lookup_value_regex = r"[0-9]+"
-
-    def refine_queryset(self, queryset):
-        if self.action == "list":
-            tenant = nulls.query_param(self.request, "tenant")
-            state = nulls.query_param(self.request, "state")
-            if tenant:
-                queryset = queryset.filter(tenant__slug=tenant)
-            if state:
-                queryset = queryset.filter(state=state)
-            else:
-                queryset = queryset.exclude(state=EnvironmentState.DELETED)
-        return queryset.order_by("-created_at", "-id")
-
-    @extend_schema(
-        parameters=[
-            OpenApiParameter("tenant", str, description="Only this tenant's environments (its slug)."),
-            OpenApiParameter(
-                "state", str, enum=EnvironmentState.values, description="Only this state; deleted ones only when asked."
-            ),
-        ]
-    )
-    def list(self, request):
-        state = request.query_params.get("state")
-        if state and state not in EnvironmentState.values:
-            raise serializers.ValidationError({"state": f"Use one of {', '.join(EnvironmentState.values)}."})
-        return super().list(request)
-
-    @extend_schema(request=EnvironmentCreateSerializer, responses={201: EnvironmentSerializer})
-    def create(self, request):
-        data = EnvironmentCreateSerializer(data=request.data, context={"request": request})
-        data.is_valid(raise_exception=True)
-        environment = services.environment_request(actor=request.user, **data.validated_data)
-        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_201_CREATED)
-
-    @extend_schema(responses={202: EnvironmentSerializer})
-    def destroy(self, request, pk):
-        environment = self.get_object()
-        environment = services.environment_delete(actor=request.user, environment=environment)
-        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_202_ACCEPTED)

@@ -3,4 +3,4 @@ from django.apps import AppConfig
 
 class TenantsConfig(AppConfig):
     name = "tenants"
-    verbose_name = "Tenants and environments"
+    verbose_name = "Tenants and members"

@@ -2,9 +2,9 @@
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
-from django.http import Http404
 
-from tenants.models import Environment, EnvironmentState, Membership, Tenant, role_at_least
+from portal.errors import NotFound
+from tenants.models import Membership, Tenant, role_at_least
 
 
 def tenant_list(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
@@ -21,7 +21,7 @@ def tenant_get(*, user: AbstractBaseUser, slug: str) -> Tenant:
     try:
         return tenant_list(user=user).get(slug=slug)
     except Tenant.DoesNotExist:
-        raise Http404("No such tenant.") from None
+        raise NotFound("No such tenant.") from None
 
 
 def membership_get(*, user: AbstractBaseUser, tenant: Tenant) -> Membership | None:
@@ -41,27 +41,6 @@ def user_role(*, user: AbstractBaseUser, tenant: Tenant) -> str | None:
 def member_list(*, user: AbstractBaseUser, tenant: Tenant) -> QuerySet[Membership]:
     tenant_get(user=user, slug=tenant.slug)  # re-checks scope; raises 404 for outsiders
     return Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
-
-
-def environment_list(
-    *, user: AbstractBaseUser, tenant: Tenant | None = None, state: str | None = None, include_deleted: bool = False
-) -> QuerySet[Environment]:
-    """Environments of the user's tenants, newest first."""
-    queryset = Environment.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant", "created_by")
-    if tenant is not None:
-        queryset = queryset.filter(tenant=tenant)
-    if state is not None:
-        queryset = queryset.filter(state=state)
-    elif not include_deleted:
-        queryset = queryset.exclude(state=EnvironmentState.DELETED)
-    return queryset.order_by("-created_at", "-id")
-
-
-def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environment:
-    try:
-        return environment_list(user=user, include_deleted=True).get(id=environment_id)
-    except (Environment.DoesNotExist, ValueError):
-        raise Http404("No such environment.") from None
 
 
 def user_has_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> bool:

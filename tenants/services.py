@@ -1,33 +1,22 @@
-"""Writes for tenants, members and environments. Business rules live here."""
+"""Writes for tenants and their members. Business rules live here.
+
+A change of members is announced (tenants.signals.members_changed); the apps above that
+keep copies of the member list (runners' environments) subscribe to it.
+"""
 
 import logging
 
-from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q
-from django.utils import timezone
 
-from portal.tasks import enqueue_on_commit, send_task
-from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
-from runners.registry import get_backend
-from tenants.models import (
-    NAMESPACE_MAX,
-    Environment,
-    EnvironmentState,
-    Membership,
-    Role,
-    Tenant,
-    environment_namespace,
-    role_at_least,
-)
+from portal.errors import NotFound
+from tenants.models import Membership, Role, Tenant, role_at_least
 from tenants.selectors import user_has_role, user_role
+from tenants.signals import members_changed
 
 logger = logging.getLogger(__name__)
-# How many times provisioning re-applies when members or quota change under it.
-MAX_CONVERGE_ROUNDS = 3
 
 
 def require_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> str:
@@ -71,7 +60,7 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
             membership = Membership.objects.create(tenant=tenant, user=user, role=role)
     except IntegrityError:
         raise duplicate from None  # a concurrent add won
-    environments_resync(tenant)
+    members_changed.send(sender=Tenant, tenant=tenant)
     return membership
 
 
@@ -83,9 +72,7 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
     Tenant.objects.select_for_update(no_key=True).get(pk=tenant.pk)
     membership = Membership.objects.filter(tenant=tenant, user__username=username).first()
     if membership is None:
-        from django.http import Http404
-
-        raise Http404(f"{username} is not a member of {tenant.slug}.")
+        raise NotFound(f"{username} is not a member of {tenant.slug}.")
     if not role_at_least(actor_role, membership.role):
         raise PermissionDenied(f"Removing an {membership.role} needs the {membership.role} role yourself.")
     if membership.role == Role.OWNER and not Membership.objects.filter(tenant=tenant, role=Role.OWNER).exclude(
@@ -93,313 +80,6 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
     ).exists():
         raise ValidationError({"username": f"{username} is the last owner of {tenant.slug}; add another owner first."})
     membership.delete()
-    environments_resync(tenant)
+    members_changed.send(sender=Tenant, tenant=tenant)
 
 
-# States in which a change of members or quota must reach the environment: ready ones are
-# re-synced; ones still being built notice it themselves (their row lock orders it).
-_SYNCED_STATES = [EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.READY]
-
-
-def environments_resync(tenant: Tenant) -> None:
-    """Have every live environment of the tenant converge on its members and quota, coalesced.
-
-    Each change bumps the environment's sync generation in the caller's
-    transaction. After commit at most one sync message is sent per environment
-    (``sync_pending``); the sync that runs reads the newest state, and the one
-    holding the lease goes on until no change came in while it applied. So a
-    burst of quota or membership changes costs one or two backend applies per
-    environment, not one per change.
-    """
-    from tenants.tasks import environment_sync
-
-    ids = list(Environment.objects.filter(tenant=tenant, state__in=_SYNCED_STATES).values_list("id", flat=True))
-    if not ids:
-        return
-    Environment.objects.filter(id__in=ids, state__in=_SYNCED_STATES).update(
-        sync_generation=F("sync_generation") + 1, sync_requested_at=timezone.now()
-    )
-    for environment_id in ids:
-        enqueue_on_commit(
-            environment_sync,
-            environment_id,
-            before_send=lambda environment_id=environment_id: _claim_sync_message(environment_id),
-            on_failure=lambda environment_id=environment_id: _release_sync_message(environment_id),
-        )
-
-
-def _claim_sync_message(environment_id: int) -> bool:
-    """True when no sync message is pending for a ready environment, marking one pending."""
-    return bool(
-        Environment.objects.filter(id=environment_id, state=EnvironmentState.READY, sync_pending=False).update(
-            sync_pending=True
-        )
-    )
-
-
-def _release_sync_message(environment_id: int) -> None:
-    Environment.objects.filter(id=environment_id).update(sync_pending=False)
-
-
-def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -> Environment:
-    """Record a new environment as requested; a worker provisions it after commit."""
-    from tenants.tasks import environment_provision
-
-    require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
-    namespace = environment_namespace(tenant.slug, name)
-    if len(namespace) > NAMESPACE_MAX:
-        raise ValidationError(
-            {"name": f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
-                     f"names in {tenant.slug} can have at most {NAMESPACE_MAX - len(namespace) + len(name)}."}
-        )
-    if namespace.startswith("kube-") or namespace in ("default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE):
-        raise ValidationError({"name": f"The namespace {namespace!r} is reserved for the cluster; pick another name."})
-    duplicate = ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."})
-    if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
-        raise duplicate
-    # The namespace is this tenant's by construction, so only an environment made before namespaces
-    # were built this way can hold it; the refusal names nothing of whose it is.
-    unavailable = ValidationError({"name": f"The name {name!r} cannot be used in {tenant.slug} at the moment; pick another."})
-    if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(namespace=namespace).exists():
-        raise unavailable
-    environment = Environment(
-        tenant=tenant,
-        name=name,
-        namespace=namespace,
-        backend=settings.CLUSTER_BACKEND,
-        created_by=actor,
-        status_message="Waiting for a worker.",
-    )
-    environment.full_clean(validate_constraints=False)
-    try:
-        with transaction.atomic():
-            environment.save()
-            enqueue_on_commit(environment_provision, environment.id)
-    except IntegrityError:
-        # Two requests raced past the checks above; the constraints decided.
-        if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
-            raise duplicate from None
-        raise unavailable from None
-    return environment
-
-
-def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> Environment:
-    """Mark the environment for teardown; a worker deletes it after commit."""
-    from tenants.tasks import environment_teardown
-
-    require_role(user=actor, tenant=environment.tenant, at_least=Role.MEMBER)
-    with transaction.atomic():
-        changed = (
-            Environment.objects.filter(id=environment.id)
-            .exclude(state__in=[EnvironmentState.DELETING, EnvironmentState.DELETED])
-            .update(state=EnvironmentState.DELETING, status_message="Deleting.", state_changed_at=timezone.now())
-        )
-        if changed:
-            enqueue_on_commit(environment_teardown, environment.id)
-    environment.refresh_from_db()
-    return environment
-
-
-def environment_spec(environment: Environment) -> EnvironmentSpec:
-    """The plain description a backend builds the environment from."""
-    from quotas.selectors import environment_quota_hard
-
-    members = tuple(
-        MemberBinding(username=username, role=role)
-        for username, role in Membership.objects.filter(tenant=environment.tenant)
-        .order_by("user__username")
-        .values_list("user__username", "role")
-    )
-    return EnvironmentSpec(
-        environment_id=environment.id,
-        tenant_slug=environment.tenant.slug,
-        name=environment.name,
-        namespace=environment.namespace,
-        members=members,
-        quota_hard=environment_quota_hard(tenant=environment.tenant),
-    )
-
-
-def _set_state(environment_id: int, *, expect: list[str], state: str, message: str) -> bool:
-    """Conditionally move an environment to a new state; False if it was elsewhere."""
-    return bool(
-        Environment.objects.filter(id=environment_id, state__in=expect).update(
-            state=state, status_message=message[:500], state_changed_at=timezone.now()
-        )
-    )
-
-
-def environment_provision_run(*, environment_id: int) -> str:
-    """Bring one environment to ready. Safe to run twice, or after a worker died mid-way.
-
-    Returns the state the environment is left in. Transient backend errors
-    propagate so the task can retry; permanent ones mark it failed.
-    """
-    claimed = Environment.objects.filter(
-        id=environment_id, state__in=[EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING]
-    ).update(
-        state=EnvironmentState.PROVISIONING,
-        status_message="Provisioning.",
-        state_changed_at=timezone.now(),
-        task_runs=F("task_runs") + 1,
-    )
-    if not claimed:
-        # Ready, failed, or being deleted: someone else has it, or it is done.
-        return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
-    environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    try:
-        backend = get_backend()
-        spec = environment_spec(environment)
-        for _round in range(MAX_CONVERGE_ROUNDS):
-            backend.ensure_environment(spec)
-            with transaction.atomic():
-                # Members or quota may have changed while we built it; their resync
-                # skips environments still provisioning, so catch up here, under the
-                # row lock that resyncs take too.
-                environment = (
-                    Environment.objects.select_for_update(of=("self",)).select_related("tenant").get(id=environment_id)
-                )
-                if environment.state != EnvironmentState.PROVISIONING:
-                    break
-                fresh = environment_spec(environment)
-                if fresh == spec:
-                    # What was just applied is the newest state: no sync is owed for changes so far.
-                    Environment.objects.filter(id=environment_id, state=EnvironmentState.PROVISIONING).update(
-                        state=EnvironmentState.READY, status_message="Ready.", state_changed_at=timezone.now(),
-                        synced_generation=F("sync_generation"),
-                    )
-                    return EnvironmentState.READY
-            spec = fresh
-        else:
-            raise TransientBackendError("The environment kept changing while it was provisioned; trying again.")
-    except PermanentBackendError as exc:
-        _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.FAILED, message=str(exc))
-        return EnvironmentState.FAILED
-    # It was deleted while we were building it: undo what we just made, or the
-    # teardown that already ran would leave it behind.
-    _undo_if_deleted(environment_id)
-    return Environment.objects.get(id=environment_id).state
-
-
-def _undo_if_deleted(environment_id: int) -> None:
-    """Delete what a provision or sync just built when the environment was deleted meanwhile."""
-    from tenants.tasks import environment_teardown
-
-    environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    if environment.state not in (EnvironmentState.DELETING, EnvironmentState.DELETED):
-        return
-    try:
-        get_backend().delete_environment(environment_spec(environment))
-    except TransientBackendError:
-        # Leave it to a teardown that retries; mark it deleting so the teardown claims it.
-        Environment.objects.filter(id=environment_id).update(state=EnvironmentState.DELETING)
-        enqueue_on_commit(environment_teardown, environment_id)
-
-
-def environment_provision_give_up(*, environment_id: int, reason: str) -> None:
-    """Mark an environment failed after its retries ran out."""
-    _set_state(
-        environment_id,
-        expect=[EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING],
-        state=EnvironmentState.FAILED,
-        message=f"Gave up after repeated errors: {reason}",
-    )
-
-
-def environment_note_retry(*, environment_id: int, reason: str) -> None:
-    Environment.objects.filter(id=environment_id, state=EnvironmentState.PROVISIONING).update(
-        status_message=f"Retrying after a transient error: {reason}"[:500]
-    )
-
-
-def environment_teardown_run(*, environment_id: int) -> str:
-    """Delete one environment from its backend and mark it deleted. Idempotent."""
-    claimed = Environment.objects.filter(id=environment_id, state=EnvironmentState.DELETING).update(
-        state_changed_at=timezone.now(), task_runs=F("task_runs") + 1
-    )
-    if not claimed:
-        return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
-    environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    get_backend().delete_environment(environment_spec(environment))
-    _set_state(environment_id, expect=[EnvironmentState.DELETING], state=EnvironmentState.DELETED, message="Deleted.")
-    return EnvironmentState.DELETED
-
-
-def environment_sync_run(*, environment_id: int) -> bool:
-    """Converge a ready environment on its newest members and quota.
-
-    Syncs of one environment are serialised by a lease on its row, taken and
-    released by conditional updates, so no lock is held across the backend call
-    and an older spec can never be applied after a newer one. The lease holder
-    applies again until the sync generation stayed put while it applied; a
-    sync that finds the lease taken leaves the work to the holder. While the
-    environment is still provisioning, the provision run applies the latest
-    spec itself. Returns whether this run applied anything.
-    """
-    now = timezone.now()
-    claimed = (
-        Environment.objects.filter(id=environment_id, state=EnvironmentState.READY)
-        .filter(Q(sync_lease_until__isnull=True) | Q(sync_lease_until__lt=now))
-        .update(sync_pending=False, sync_lease_until=now + timezone.timedelta(seconds=settings.STUCK_AFTER_S))
-    )
-    if not claimed:
-        return False
-    try:
-        while True:
-            environment = Environment.objects.select_related("tenant").get(id=environment_id)
-            if environment.state != EnvironmentState.READY:
-                Environment.objects.filter(id=environment_id).update(sync_lease_until=None)
-                _undo_if_deleted(environment_id)  # deleted while an earlier round applied
-                return False
-            generation = environment.sync_generation
-            get_backend().ensure_environment(environment_spec(environment))
-            if Environment.objects.filter(id=environment_id, sync_generation=generation).update(
-                synced_generation=generation, sync_lease_until=None
-            ):
-                _undo_if_deleted(environment_id)
-                return True
-            # Changed while we applied: renew the lease and apply the newest state.
-            Environment.objects.filter(id=environment_id).update(
-                sync_lease_until=timezone.now() + timezone.timedelta(seconds=settings.STUCK_AFTER_S)
-            )
-    except BaseException:
-        # Let the retry (or the sweep) take it at once; a retry counts as the pending message.
-        Environment.objects.filter(id=environment_id).update(sync_lease_until=None, sync_pending=True)
-        raise
-
-
-def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
-    """Find environments whose task message was lost (or never sent) and enqueue them again."""
-    from tenants.tasks import environment_provision, environment_sync, environment_teardown
-
-    cutoff = timezone.now() - timezone.timedelta(seconds=stuck_after_s)
-    found: dict[str, list[int]] = {"provision": [], "teardown": [], "sync": []}
-    stale = Environment.objects.filter(state_changed_at__lt=cutoff)
-    for environment_id, state in stale.filter(
-        state__in=[EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.DELETING]
-    ).values_list("id", "state"):
-        # Touch the row so the next sweep waits a full interval before trying again.
-        if not Environment.objects.filter(id=environment_id, state=state, state_changed_at__lt=cutoff).update(
-            state_changed_at=timezone.now()
-        ):
-            continue
-        if state == EnvironmentState.DELETING:
-            found["teardown"].append(environment_id)
-            send_task(environment_teardown, environment_id)
-        else:
-            found["provision"].append(environment_id)
-            send_task(environment_provision, environment_id)
-    # Ready environments behind on a change whose sync was lost: nobody holds the lease, and the
-    # change is older than the cutoff. Touch the request time so the next sweep waits again.
-    behind = Environment.objects.filter(
-        state=EnvironmentState.READY, sync_generation__gt=F("synced_generation"), sync_requested_at__lt=cutoff
-    ).filter(Q(sync_lease_until__isnull=True) | Q(sync_lease_until__lt=timezone.now()))
-    for environment_id in behind.values_list("id", flat=True):
-        if Environment.objects.filter(id=environment_id, sync_requested_at__lt=cutoff).update(
-            sync_requested_at=timezone.now(), sync_pending=True
-        ):
-            found["sync"].append(environment_id)
-            send_task(environment_sync, environment_id, on_failure=lambda i=environment_id: _release_sync_message(i))
-    if any(found.values()):
-        logger.warning("Sweep re-enqueued stuck environments: %s", found)
-    return found

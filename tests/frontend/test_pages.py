@@ -3,19 +3,20 @@
 import pytest
 from django.urls import reverse
 
-from tenants import services
-from tenants.models import Environment, EnvironmentState, Membership
+from runners import environments
+from runners.models import Environment, EnvironmentState
+from tenants.models import Membership
 from tests.conftest import PASSWORD
 
 
 @pytest.fixture
 def environment(owner, tenant):
-    return services.environment_request(actor=owner, tenant=tenant, name="train")
+    return environments.environment_request(actor=owner, tenant=tenant, name="train")
 
 
 @pytest.fixture
 def foreign_environment(outsider, other_tenant):
-    return services.environment_request(actor=outsider, tenant=other_tenant, name="secret")
+    return environments.environment_request(actor=outsider, tenant=other_tenant, name="secret")
 
 
 def _logged_in(client, user):

@@ -5,8 +5,8 @@ from decimal import Decimal
 
 import pytest
 
-from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota
-from runners.models import NodePool
+from quotas.models import PriceCard, Quota
+from runners.models import NodePool, PartitionChange, PartitionProfile
 from runners.registry import get_backend
 
 pytestmark = pytest.mark.django_db
@@ -381,7 +381,8 @@ def test_my_quota_is_a_404_for_an_outsider(client, outsider, tenant, h100_flavor
 def test_my_quota_shows_live_capacity_and_says_when_a_guarantee_is_not_backed(
     client, viewer, tenant, other_tenant, inventory, h100_flavor
 ):
-    from runners.models import Node
+    from runners.registry import get_backend
+    from runners.services import inventory_sync
 
     Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=8, max=16)
     Quota.objects.create(tenant=other_tenant, flavor=h100_flavor, guaranteed=4, max=16)
@@ -393,6 +394,7 @@ def test_my_quota_shows_live_capacity_and_says_when_a_guarantee_is_not_backed(
 
     assert 'data-testid="capacity">16<' in row() and 'data-testid="unbacked"' not in row()
     # Half the H100 nodes go away (cordoned): 8 left for 12 guaranteed, acme's 8 backed only 5 (8 * 8 // 12).
-    Node.objects.filter(name="h100-node-2").update(schedulable=False)
+    get_backend().cordon("h100-node-2")
+    inventory_sync()
     assert 'data-testid="capacity">8<' in row()
     assert re.search(r'data-testid="unbacked"[^>]*>3 not backed', row())

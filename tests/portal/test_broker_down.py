@@ -4,8 +4,8 @@ import pytest
 from django.test import Client
 
 from portal.middleware import DEGRADED_HEADER
-from tenants import services
-from tenants.models import Environment
+from runners import environments
+from runners.models import Environment
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -48,7 +48,7 @@ def test_an_environment_request_answers_201_and_says_degraded(broker_down, clien
 
 def test_a_quota_patch_answers_200_and_is_saved(broker_down, client_for, staff, owner, tenant, inventory,
                                                 flavor_factory):
-    environment = services.environment_request(actor=owner, tenant=tenant, name="train")
+    environment = environments.environment_request(actor=owner, tenant=tenant, name="train")
     Environment.objects.filter(id=environment.id).update(state="ready")
     flavor = flavor_factory()
     created = client_for(staff).post("/api/v1/quotas/", {"tenant": "acme", "flavor": flavor.name, "guaranteed": 0,
@@ -64,7 +64,7 @@ def test_a_quota_patch_answers_200_and_is_saved(broker_down, client_for, staff, 
 
 
 def test_a_delete_and_a_page_form_answer_success_too(broker_down, client_for, owner, tenant):
-    environment = services.environment_request(actor=owner, tenant=tenant, name="train")
+    environment = environments.environment_request(actor=owner, tenant=tenant, name="train")
     Environment.objects.filter(id=environment.id).update(state="ready")
     assert client_for(owner).delete(f"/api/v1/environments/{environment.id}/").status_code == 202
     page = Client()
@@ -97,5 +97,5 @@ def test_once_the_broker_is_back_the_sweep_sends_the_work(client_for, owner, ten
     finally:
         _point_celery_at(None)
     assert Environment.objects.get(id=environment_id).state == "requested"
-    assert services.environment_sweep_run(stuck_after_s=0)["provision"] == [environment_id]
+    assert environments.environment_sweep_run(stuck_after_s=0)["provision"] == [environment_id]
     wait_for(lambda: Environment.objects.get(id=environment_id).state == "ready", message="the swept environment")

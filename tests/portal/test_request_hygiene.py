@@ -15,9 +15,8 @@ import pytest
 from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
-from quotas.models import PartitionProfile, Quota
-from runners.models import NodePool
-from tenants.models import Environment
+from quotas.models import Quota
+from runners.models import Environment, NodePool, PartitionProfile
 
 pytestmark = pytest.mark.django_db
 

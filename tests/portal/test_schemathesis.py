@@ -163,9 +163,8 @@ def fast_passwords(settings):
 @pytest.fixture
 def world(fast_passwords, db, tenant, owner, staff, inventory, flavor_factory):
     """One tenant with a member, an environment and a quota; staff; the demo inventory and its extras."""
-    from quotas.models import PartitionChange, PartitionProfile, PriceCard, Quota
-    from runners.models import Node, NodePool
-    from tenants.models import Environment
+    from quotas.models import PriceCard, Quota
+    from runners.models import Environment, Node, NodePool, PartitionChange, PartitionProfile
 
     flavor = flavor_factory()
     PriceCard.objects.create(flavor=flavor, price_per_hour="4.2", effective_from="2026-01-01T00:00Z")

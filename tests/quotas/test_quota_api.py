@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from quotas.models import PartitionProfile, Quota, ResourceFlavor
-from tenants.models import Environment
+from quotas.models import Quota, ResourceFlavor
+from runners.models import Environment, PartitionProfile
 
 pytestmark = pytest.mark.django_db
 
@@ -47,12 +47,12 @@ def test_a_quota_change_is_patched_and_propagated(client_for, staff, tenant, h10
 
 
 def test_a_quota_change_reaches_the_local_workspace_record(client_for, staff, owner, tenant, h100, settings):
-    from tenants import services
+    from runners import environments
 
     environment = Environment.objects.create(tenant=tenant, name="train", namespace="acme-train", backend="local")
-    services.environment_provision_run(environment_id=environment.id)
+    environments.environment_provision_run(environment_id=environment.id)
     _quota(client_for(staff), guaranteed=2, max=6)
-    services.environment_sync_run(environment_id=environment.id)
+    environments.environment_sync_run(environment_id=environment.id)
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert record["quota_hard"] == {"requests.nvidia.com/gpu": 6}
 
@@ -186,10 +186,13 @@ def test_a_profile_shows_the_gpu_operator_config_it_applies(client_for, staff):
 
 
 def test_a_guarantee_can_be_lowered_after_capacity_shrank(client_for, staff, tenant, h100):
-    from runners.models import Node
+    from runners.registry import get_backend
+    from runners.services import inventory_sync
 
     quota_id = _quota(client_for(staff), guaranteed=16, max=16).json()["id"]
-    Node.objects.update(schedulable=False)  # every H100 node cordoned: capacity 0
+    for node in ("h100-node-1", "h100-node-2"):  # every H100 node cordoned: capacity 0
+        get_backend().cordon(node)
+    inventory_sync()
     client = client_for(staff)
     assert client.patch(f"/api/v1/quotas/{quota_id}/", {"guaranteed": 8}).status_code == 200
     assert client.patch(f"/api/v1/quotas/{quota_id}/", {"max_priority": 50}).status_code == 200

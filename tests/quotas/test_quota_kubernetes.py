@@ -4,8 +4,8 @@ import kubernetes_validate
 import pytest
 
 from quotas import services as quota_services
-from tenants import services
-from tenants.models import Environment
+from runners import environments
+from runners.models import Environment
 from tests.backends.test_kubernetes_nodes import gpu_node
 
 pytestmark = pytest.mark.django_db
@@ -17,20 +17,20 @@ def test_a_quota_change_reaches_each_environments_resource_quota(kubernetes_clus
     kubernetes_cluster.put(gpu_node("gpu-1"))
     inventory_sync()
     flavor = flavor_factory()
-    environments = [
-        services.environment_request(actor=owner, tenant=tenant, name=name) for name in ("train", "serve")
+    created = [
+        environments.environment_request(actor=owner, tenant=tenant, name=name) for name in ("train", "serve")
     ]
-    for environment in environments:
-        assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    for environment in created:
+        assert environments.environment_provision_run(environment_id=environment.id) == "ready"
         quota = kubernetes_cluster.get("resourcequotas", "gpu-quota", environment.namespace)
         assert quota["spec"]["hard"]["requests.nvidia.com/gpu"] == "0", "no quota yet: no GPUs"
 
     quota_services.quota_set(actor=staff, tenant=tenant, flavor=flavor, guaranteed=2, max=6)
     # What the workers do after commit: resync every ready environment.
     for environment_id in Environment.objects.filter(tenant=tenant, state="ready").values_list("id", flat=True):
-        assert services.environment_sync_run(environment_id=environment_id)
+        assert environments.environment_sync_run(environment_id=environment_id)
 
-    for environment in environments:
+    for environment in created:
         quota = kubernetes_cluster.get("resourcequotas", "gpu-quota", environment.namespace)
         assert quota["spec"]["hard"]["requests.nvidia.com/gpu"] == "6"
         sent = {key: value for key, value in quota.items() if key != "status"}

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from quotas.models import PartitionChange, PartitionProfile
+from quotas.models import ResourceFlavor
 from runners import services
-from runners.models import Gpu, Node, NodePool
+from runners.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
 from runners.registry import get_backend
 
 pytestmark = pytest.mark.django_db
@@ -117,11 +117,20 @@ def test_bad_apply_input_gets_400_naming_the_field(client_for, staff, inventory,
     assert not PartitionChange.objects.exists()
 
 
-def test_tenants_read_nodes_but_cannot_apply(client_for, owner, inventory, h100_mig):
+def test_the_inventory_is_staffs_and_tenants_see_capacity_per_flavor(client_for, owner, staff, inventory, h100_mig):
+    """Pools and nodes are the operator's view: a tenant lists none and gets 404 for one; flavors show capacity."""
     client = client_for(owner)
-    assert client.get("/api/v1/nodes/").json()["count"] == 5
+    assert client_for(staff).get("/api/v1/nodes/").json()["count"] == 5
+    assert client.get("/api/v1/nodes/").json()["count"] == 0
+    assert client.get("/api/v1/node-pools/").json()["count"] == 0
+    node = Node.objects.get(name="h100-node-1")
+    assert client.get(f"/api/v1/nodes/{node.id}/").status_code == 404
     pool = NodePool.objects.get(name="h100-pool")
+    assert client.get(f"/api/v1/node-pools/{pool.id}/").status_code == 404
     assert client.post(f"/api/v1/node-pools/{pool.id}/apply/", {"profile": "h100-4g-3g"}).status_code == 403
+    ResourceFlavor.objects.create(name="h100-80gb", kind="whole", gpu_model="H100-80GB")
+    flavors = {flavor["name"]: flavor for flavor in client.get("/api/v1/flavors/").json()["results"]}
+    assert flavors["h100-80gb"]["capacity"] == 16
 
 
 def test_tenants_never_see_partition_changes_which_name_other_tenants_work(client_for, owner, staff, inventory, h100_mig):
@@ -132,7 +141,7 @@ def test_tenants_never_see_partition_changes_which_name_other_tenants_work(clien
     client = client_for(owner)
     assert client.get("/api/v1/partition-changes/").json()["results"] == []
     assert client.get(f"/api/v1/partition-changes/{change.id}/").status_code == 404
-    assert client.get(f"/api/v1/node-pools/{pool.id}/").json()["latest_change"] is None
+    assert client.get(f"/api/v1/node-pools/{pool.id}/").status_code == 404
     assert client_for(staff).get(f"/api/v1/partition-changes/{change.id}/").json()["message"].startswith("Refused")
 
 

@@ -2,9 +2,8 @@
 
 import pytest
 
-from quotas.models import PartitionChange, PartitionProfile
 from runners import services
-from runners.models import Node, NodePool
+from runners.models import Node, NodePool, PartitionChange, PartitionProfile
 from tests.backends.test_kubernetes_nodes import gpu_node, portal_pod
 
 pytestmark = pytest.mark.django_db

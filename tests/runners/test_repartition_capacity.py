@@ -2,9 +2,9 @@
 
 import pytest
 
-from quotas.models import GuaranteeReduction, PartitionChange, Quota, ResourceFlavor
+from quotas.models import GuaranteeReduction, Quota, ResourceFlavor
 from runners import services
-from runners.models import NodePool
+from runners.models import NodePool, PartitionChange
 
 pytestmark = pytest.mark.django_db
 

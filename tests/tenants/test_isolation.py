@@ -2,7 +2,8 @@
 
 import pytest
 
-from tenants.models import Environment, Membership
+from runners.models import Environment
+from tenants.models import Membership
 
 pytestmark = pytest.mark.django_db
 

@@ -4,7 +4,8 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
-from quotas.models import PartitionProfile, PriceCard, Quota, ResourceFlavor
+from quotas.models import PriceCard, Quota, ResourceFlavor
+from runners.models import PartitionProfile
 from runners.services import flavors_discover, inventory_sync
 from tenants.models import Membership, Tenant
 

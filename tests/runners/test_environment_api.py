@@ -2,7 +2,7 @@
 
 import pytest
 
-from tenants.models import Environment
+from runners.models import Environment
 
 pytestmark = pytest.mark.django_db
 

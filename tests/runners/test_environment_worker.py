@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tenants.models import Environment
+from runners.models import Environment
 from tests.conftest import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]

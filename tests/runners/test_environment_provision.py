@@ -5,10 +5,12 @@ import json
 import pytest
 from django.utils import timezone
 
+from runners import environments
 from runners.backends.base import PermanentBackendError, TransientBackendError
+from runners.models import Environment
 from runners.registry import get_backend
 from tenants import services
-from tenants.models import Environment, Membership
+from tenants.models import Membership
 
 pytestmark = pytest.mark.django_db
 
@@ -41,7 +43,7 @@ class FlakyBackend:
 
 
 def test_it_provisions_a_local_workspace_with_members(environment, settings, teammate):
-    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    assert environments.environment_provision_run(environment_id=environment.id) == "ready"
     environment.refresh_from_db()
     assert (environment.state, environment.status_message, environment.task_runs) == ("ready", "Ready.", 1)
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
@@ -50,35 +52,35 @@ def test_it_provisions_a_local_workspace_with_members(environment, settings, tea
 
 
 def test_provisioning_again_changes_nothing(environment, settings):
-    services.environment_provision_run(environment_id=environment.id)
+    environments.environment_provision_run(environment_id=environment.id)
     path = settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json"
     first = path.read_text(), path.stat().st_mtime_ns
     Environment.objects.filter(id=environment.id).update(state="provisioning")  # as after a redelivery
-    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    assert environments.environment_provision_run(environment_id=environment.id) == "ready"
     assert (path.read_text(), path.stat().st_mtime_ns) == first
 
 
 def test_a_ready_environment_is_left_alone_by_a_late_duplicate(environment):
-    services.environment_provision_run(environment_id=environment.id)
-    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    environments.environment_provision_run(environment_id=environment.id)
+    assert environments.environment_provision_run(environment_id=environment.id) == "ready"
     environment.refresh_from_db()
     assert environment.task_runs == 1
 
 
 def test_a_permanent_error_fails_it_with_the_reason(environment, monkeypatch):
     backend = FlakyBackend(PermanentBackendError("namespace quota admission webhook denied the request"))
-    monkeypatch.setattr("tenants.services.get_backend", lambda: backend)
-    assert services.environment_provision_run(environment_id=environment.id) == "failed"
+    monkeypatch.setattr("runners.environments.get_backend", lambda: backend)
+    assert environments.environment_provision_run(environment_id=environment.id) == "failed"
     environment.refresh_from_db()
     assert environment.state == "failed"
     assert "webhook denied" in environment.status_message
 
 
 def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, settings):
-    from tenants import tasks
+    from runners import tasks
 
     backend = FlakyBackend(TransientBackendError("connection refused"))
-    monkeypatch.setattr("tenants.services.get_backend", lambda: backend)
+    monkeypatch.setattr("runners.environments.get_backend", lambda: backend)
     settings.CELERY_TASK_ALWAYS_EAGER = True
     from portal.celery import app
 
@@ -88,19 +90,19 @@ def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, se
     finally:
         app.conf.task_always_eager = False
     environment.refresh_from_db()
-    assert backend.calls == tasks.MAX_RETRIES + 1
+    assert backend.calls == tasks.ENVIRONMENT_MAX_RETRIES + 1
     assert environment.state == "failed"
     assert "connection refused" in environment.status_message
 
 
 def test_teardown_removes_the_workspace(environment, settings):
-    services.environment_provision_run(environment_id=environment.id)
-    services.environment_delete(actor=environment.created_by, environment=environment)
-    assert services.environment_teardown_run(environment_id=environment.id) == "deleted"
+    environments.environment_provision_run(environment_id=environment.id)
+    environments.environment_delete(actor=environment.created_by, environment=environment)
+    assert environments.environment_teardown_run(environment_id=environment.id) == "deleted"
     environment.refresh_from_db()
     assert environment.state == "deleted"
     assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
-    assert services.environment_teardown_run(environment_id=environment.id) == "deleted"
+    assert environments.environment_teardown_run(environment_id=environment.id) == "deleted"
 
 
 def test_an_environment_deleted_mid_provisioning_leaves_nothing_behind(environment, settings, monkeypatch):
@@ -117,8 +119,8 @@ def test_an_environment_deleted_mid_provisioning_leaves_nothing_behind(environme
         def delete_environment(self, spec):
             real.delete_environment(spec)
 
-    monkeypatch.setattr("tenants.services.get_backend", lambda: DeletedMeanwhile())
-    assert services.environment_provision_run(environment_id=environment.id) == "deleted"
+    monkeypatch.setattr("runners.environments.get_backend", lambda: DeletedMeanwhile())
+    assert environments.environment_provision_run(environment_id=environment.id) == "deleted"
     assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
 
 
@@ -129,17 +131,17 @@ def test_the_sweep_reenqueues_only_stuck_environments(environment, tenant, djang
     )
     old = timezone.now() - timezone.timedelta(seconds=600)
     Environment.objects.filter(id__in=[environment.id, gone.id]).update(state_changed_at=old)
-    found = services.environment_sweep_run(stuck_after_s=120)
+    found = environments.environment_sweep_run(stuck_after_s=120)
     assert found == {"provision": [environment.id], "teardown": [gone.id], "sync": []}
     assert fresh.id not in found["provision"]
-    assert services.environment_sweep_run(stuck_after_s=120) == {"provision": [], "teardown": [], "sync": []}
+    assert environments.environment_sweep_run(stuck_after_s=120) == {"provision": [], "teardown": [], "sync": []}
 
 
 def test_a_membership_change_resyncs_ready_environments(environment, owner, make_user, settings):
-    services.environment_provision_run(environment_id=environment.id)
+    environments.environment_provision_run(environment_id=environment.id)
     make_user("nina")
     services.membership_add(actor=owner, tenant=environment.tenant, username="nina", role="viewer")
-    assert services.environment_sync_run(environment_id=environment.id)
+    assert environments.environment_sync_run(environment_id=environment.id)
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert {"username": "nina", "role": "viewer"} in record["members"]
     assert Membership.objects.filter(tenant=environment.tenant).count() == 2
@@ -163,19 +165,19 @@ def test_a_member_removed_while_it_provisions_loses_access(environment, owner, t
         def delete_environment(self, spec):
             real.delete_environment(spec)
 
-    monkeypatch.setattr("tenants.services.get_backend", lambda: MemberLeavesMeanwhile())
-    assert services.environment_provision_run(environment_id=environment.id) == "ready"
+    monkeypatch.setattr("runners.environments.get_backend", lambda: MemberLeavesMeanwhile())
+    assert environments.environment_provision_run(environment_id=environment.id) == "ready"
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert [member["username"] for member in record["members"]] == ["olivia"]
 
 
 def test_a_late_teardown_of_an_old_environment_spares_the_new_one_with_its_namespace(environment, tenant, owner, settings):
-    services.environment_provision_run(environment_id=environment.id)
-    old_spec = services.environment_spec(environment)
+    environments.environment_provision_run(environment_id=environment.id)
+    old_spec = environments.environment_spec(environment)
     Environment.objects.filter(id=environment.id).update(state="deleted")
     get_backend().delete_environment(old_spec)
     newer = Environment.objects.create(tenant=tenant, name="train", namespace="acme-train", backend="local")
-    assert services.environment_provision_run(environment_id=newer.id) == "ready"
+    assert environments.environment_provision_run(environment_id=newer.id) == "ready"
     get_backend().delete_environment(old_spec)  # a redelivered teardown of the old one
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert record["environment_id"] == newer.id

@@ -11,9 +11,10 @@ import redis
 from django.conf import settings as django_settings
 from django.db import connection, connections
 
+from runners import environments
+from runners.models import Environment
 from runners.registry import get_backend
 from tenants import services
-from tenants.models import Environment
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -23,8 +24,8 @@ def ready_environments(tenant, owner):
     def make(*names):
         made = []
         for name in names:
-            environment = services.environment_request(actor=owner, tenant=tenant, name=name)
-            assert services.environment_provision_run(environment_id=environment.id) == "ready"
+            environment = environments.environment_request(actor=owner, tenant=tenant, name=name)
+            assert environments.environment_provision_run(environment_id=environment.id) == "ready"
             made.append(environment)
         return made
 
@@ -56,7 +57,7 @@ def test_an_environment_is_created_in_under_a_second_while_its_tenants_others_sy
     syncing, other = ready_environments("syncing", "other")
     settings.LOCAL_PROVISION_DELAY_S = 4  # every backend apply now takes 4 s
     get_backend.cache_clear()
-    threads = [_in_thread(lambda e=e: services.environment_sync_run(environment_id=e.id)) for e in (syncing, other)]
+    threads = [_in_thread(lambda e=e: environments.environment_sync_run(environment_id=e.id)) for e in (syncing, other)]
     _wait_for_lease(syncing.id)
     _wait_for_lease(other.id)
     time.sleep(0.2)  # both are inside the backend call now
@@ -64,7 +65,7 @@ def test_an_environment_is_created_in_under_a_second_while_its_tenants_others_sy
         # No lock is held across the backend call: not on the tenant, not on the environments.
         cursor.execute("SET lock_timeout = '200ms'")
         cursor.execute("SELECT id FROM tenants_tenant WHERE id = %s FOR UPDATE NOWAIT", [tenant.id])
-        cursor.execute("SELECT id FROM tenants_environment WHERE id IN (%s, %s) FOR UPDATE NOWAIT", [syncing.id, other.id])
+        cursor.execute("SELECT id FROM runners_environment WHERE id IN (%s, %s) FOR UPDATE NOWAIT", [syncing.id, other.id])
     started = time.monotonic()
     response = client_for(owner).post("/api/v1/environments/", {"tenant": "acme", "name": "fresh"})
     elapsed = time.monotonic() - started
@@ -81,7 +82,7 @@ def _queued_syncs(environment_ids: set[int]) -> Counter:
     counts: Counter = Counter()
     for raw in client.lrange(django_settings.CELERY_TASK_DEFAULT_QUEUE, 0, -1):
         headers = json.loads(raw)["headers"]
-        if headers["task"] == "tenants.tasks.environment_sync":
+        if headers["task"] == "runners.tasks.environment_sync":
             environment_id = int(headers["argsrepr"].strip("(),"))
             if environment_id in environment_ids:
                 counts[environment_id] += 1
@@ -91,8 +92,8 @@ def _queued_syncs(environment_ids: set[int]) -> Counter:
 def test_two_hundred_quota_changes_leave_at_most_one_pending_sync_per_environment(
     ready_environments, client_for, staff, tenant, inventory, flavor_factory, settings
 ):
-    environments = ready_environments("a", "b", "c")
-    ids = {environment.id for environment in environments}
+    ready = ready_environments("a", "b", "c")
+    ids = {environment.id for environment in ready}
     flavor = flavor_factory()
     admin = client_for(staff)
     quota_id = admin.post(
@@ -106,8 +107,8 @@ def test_two_hundred_quota_changes_leave_at_most_one_pending_sync_per_environmen
     assert max(counts.values()) == 1
 
     # The one sync per environment applies the newest quota.
-    for environment in environments:
-        assert services.environment_sync_run(environment_id=environment.id)
+    for environment in ready:
+        assert environments.environment_sync_run(environment_id=environment.id)
         record = json.loads((settings.LOCAL_WORKSPACE_DIR / environment.namespace / "environment.json").read_text())
         assert record["quota_hard"] == {"requests.nvidia.com/gpu": 200}
         environment.refresh_from_db()
@@ -123,10 +124,10 @@ def test_a_change_while_a_sync_applies_is_applied_by_the_lease_holder(ready_envi
     settings.LOCAL_PROVISION_DELAY_S = 1
     get_backend.cache_clear()
     results = []
-    thread = _in_thread(lambda: results.append(services.environment_sync_run(environment_id=environment.id)))
+    thread = _in_thread(lambda: results.append(environments.environment_sync_run(environment_id=environment.id)))
     _wait_for_lease(environment.id)
     # A second sync while the first holds the lease leaves the work to the holder...
-    assert services.environment_sync_run(environment_id=environment.id) is False
+    assert environments.environment_sync_run(environment_id=environment.id) is False
     # ...which sees the change made while it applied and applies again.
     services.membership_add(actor=owner, tenant=tenant, username=make_user("nina").username, role="viewer")
     thread.join(timeout=30)
@@ -144,8 +145,8 @@ def test_a_lost_sync_is_sent_again_by_the_sweep(ready_environments, tenant, owne
     services.membership_add(actor=owner, tenant=tenant, username=make_user("nina").username, role="viewer")
     # Its message was lost: nothing pending, the change older than the cutoff.
     Environment.objects.filter(id=environment.id).update(sync_pending=False)
-    assert services.environment_sweep_run(stuck_after_s=3600)["sync"] == []
+    assert environments.environment_sweep_run(stuck_after_s=3600)["sync"] == []
     requested_at = Environment.objects.get(id=environment.id).sync_requested_at
     Environment.objects.filter(id=environment.id).update(sync_requested_at=requested_at - timedelta(hours=2))
-    assert services.environment_sweep_run(stuck_after_s=3600)["sync"] == [environment.id]
-    assert services.environment_sweep_run(stuck_after_s=3600)["sync"] == [], "touched, so not sent twice"
+    assert environments.environment_sweep_run(stuck_after_s=3600)["sync"] == [environment.id]
+    assert environments.environment_sweep_run(stuck_after_s=3600)["sync"] == [], "touched, so not sent twice"

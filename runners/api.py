@@ -1,0 +1,243 @@
+"""REST API for environments, partition profiles, node pools, nodes and partition changes.
+
+Querysets come from runners.selectors, which hold the visibility rules: environments
+are scoped to the caller's tenants; pools, nodes and partition changes are staff's
+(anyone else gets 404). Tenants learn the cluster's capacity per flavor from
+/api/v1/flavors/.
+"""
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from portal import nulls
+from portal.fields import StrictTypesMixin
+from quotas.api import StaffWritesOnly
+from quotas.models import PartitionKind
+from runners import environments, selectors, services
+from runners.filters import EnvironmentFilter
+from runners.models import Environment, EnvironmentState, Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from tenants.api import dns_label_field
+from tenants.models import ENVIRONMENT_NAME_MAX, TENANT_SLUG_MAX, Tenant
+from tenants.scoping import TenantScopedMixin
+from tenants.selectors import tenant_list
+
+# --- Environments -----------------------------------------------------------
+
+
+class EnvironmentSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)  # user deleted
+
+    class Meta:
+        model = Environment
+        fields = [
+            "id",
+            "tenant",
+            "name",
+            "namespace",
+            "backend",
+            "state",
+            "status_message",
+            "created_by",
+            "created_at",
+            "state_changed_at",
+        ]
+
+
+class EnvironmentCreateSerializer(StrictTypesMixin, serializers.Serializer):
+    tenant = serializers.CharField(max_length=TENANT_SLUG_MAX)
+    name = dns_label_field(ENVIRONMENT_NAME_MAX)
+
+    def validate_tenant(self, slug: str) -> Tenant:
+        # Another tenant's slug reads exactly like one that does not exist.
+        tenant = tenant_list(user=self.context["request"].user).filter(slug=slug).first()
+        if tenant is None:
+            raise serializers.ValidationError(f"There is no tenant {slug!r} that you belong to.")
+        return tenant
+
+
+class EnvironmentViewSet(
+    TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    queryset = Environment.objects.select_related("tenant", "created_by")
+    serializer_class = EnvironmentSerializer
+    filterset_class = EnvironmentFilter
+    lookup_value_regex = r"[0-9]+"
+
+    def refine_queryset(self, queryset):
+        if self.action == "list" and not self.request.query_params.get("state"):
+            queryset = queryset.exclude(state=EnvironmentState.DELETED)  # deleted ones only when asked for
+        return queryset.order_by("-created_at", "-id")
+
+    @extend_schema(request=EnvironmentCreateSerializer, responses={201: EnvironmentSerializer})
+    def create(self, request):
+        data = EnvironmentCreateSerializer(data=request.data, context={"request": request})
+        data.is_valid(raise_exception=True)
+        environment = environments.environment_request(actor=request.user, **data.validated_data)
+        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={202: EnvironmentSerializer})
+    def destroy(self, request, pk):
+        environment = self.get_object()
+        environment = environments.environment_delete(actor=request.user, environment=environment)
+        return Response(EnvironmentSerializer(environment).data, status=status.HTTP_202_ACCEPTED)
+
+
+# --- Partition profiles -----------------------------------------------------
+
+
+class PartitionProfileSerializer(serializers.ModelSerializer):
+    gpu_operator = serializers.SerializerMethodField(
+        help_text="Node labels, mig-parted config and device plugin config this profile applies."
+    )
+
+    class Meta:
+        model = PartitionProfile
+        fields = ["id", "name", "gpu_model", "kind", "layout", "replicas", "gpu_operator", "created_at"]
+
+    def get_gpu_operator(self, profile) -> dict:
+        return selectors.partition_profile_configs(profile)
+
+
+class PartitionProfileWriteSerializer(StrictTypesMixin, serializers.Serializer):
+    name = serializers.RegexField(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63,
+                                  error_messages={"invalid": "Use lowercase letters, digits, '-' and '.'; it becomes a node label value."})
+    gpu_model = serializers.CharField(max_length=40)
+    kind = serializers.ChoiceField(choices=PartitionKind.choices)
+    layout = serializers.ListField(child=serializers.CharField(max_length=20), required=False, default=list, max_length=7)
+    replicas = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=1)
+
+
+class PartitionProfileViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    queryset = PartitionProfile.objects.all()
+    serializer_class = PartitionProfileSerializer
+    lookup_value_regex = r"[0-9]+"
+    permission_classes = [StaffWritesOnly]
+
+    @extend_schema(request=PartitionProfileWriteSerializer, responses={201: PartitionProfileSerializer})
+    def create(self, request):
+        data = PartitionProfileWriteSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        profile = services.partition_profile_create(actor=request.user, **data.validated_data)
+        return Response(PartitionProfileSerializer(profile).data, status=status.HTTP_201_CREATED)
+
+
+# --- Inventory ----------------------------------------------------------------
+
+
+class GpuSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Gpu
+        fields = ["index", "model", "memory_mib", "uuid", "partition_kind", "mig_layout", "timeslice_replicas"]
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # a node outside any pool
+    gpus = GpuSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Node
+        fields = ["id", "name", "pool", "cpu_milli", "memory_mib", "rack", "block", "nvlink_domain", "schedulable",
+                  "labels", "gpu_resources", "gpus", "source", "seen_at"]
+
+
+class PartitionChangeSerializer(serializers.ModelSerializer):
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    profile = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = PartitionChange
+        fields = ["id", "pool", "profile", "drain", "state", "message", "steps", "created_at", "finished_at"]
+
+
+class NodePoolSerializer(serializers.ModelSerializer):
+    partition_profile = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)  # none applied yet
+    nodes = serializers.SlugRelatedField(slug_field="name", many=True, read_only=True)
+    latest_change = serializers.SerializerMethodField()
+
+    class Meta:
+        model = NodePool
+        fields = ["id", "name", "gpu_model", "partition_profile", "nodes", "latest_change"]
+
+    def get_latest_change(self, pool) -> dict | None:
+        change = pool.partition_changes.order_by("-created_at", "-id").first()
+        return PartitionChangeSerializer(change).data if change else None
+
+
+class ApplySerializer(StrictTypesMixin, serializers.Serializer):
+    profile = nulls.SlugRelatedField(slug_field="name", queryset=PartitionProfile.objects.all())
+    drain = serializers.ChoiceField(choices=PartitionChange.Drain.choices, default=PartitionChange.Drain.WAIT)
+    shrink_guarantees = serializers.BooleanField(
+        default=False, help_text="Lower guarantees that would exceed the new capacity in proportion (recorded)."
+    )
+
+
+class CapacityChangeSerializer(serializers.Serializer):
+    flavor = serializers.CharField()
+    new_flavor = serializers.BooleanField(help_text="No flavor has this shape yet; discovery creates it, unpriced.")
+    kind = serializers.CharField()
+    gpu_model = serializers.CharField()
+    mig_profile = serializers.CharField()
+    capacity_before = serializers.IntegerField()
+    capacity_after = serializers.IntegerField()
+    guaranteed = serializers.IntegerField()
+    unbacked = serializers.ListField(child=serializers.DictField(), help_text="Guarantees the new capacity cannot back.")
+
+
+class ApplyPreviewSerializer(serializers.Serializer):
+    capacity = CapacityChangeSerializer(many=True)
+
+
+class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Node pools, staff only (others list nothing and get 404): the operator's view of the cluster."""
+
+    serializer_class = NodePoolSerializer
+    lookup_value_regex = r"[0-9]+"
+    permission_classes = [StaffWritesOnly]
+
+    def get_queryset(self):
+        return selectors.node_pool_api_list(user=self.request.user)
+
+    @extend_schema(
+        request=ApplySerializer,
+        parameters=[OpenApiParameter("dry_run", bool, description="Only say what the apply would do to capacity.")],
+        responses={202: PartitionChangeSerializer, 200: ApplyPreviewSerializer},
+    )
+    @action(detail=True, methods=["post"])
+    def apply(self, request, pk):
+        pool = self.get_object()
+        dry_run = nulls.query_param(self.request, "dry_run") or "false"
+        if dry_run not in ("true", "false"):
+            raise serializers.ValidationError({"dry_run": "Use true or false."})
+        data = ApplySerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        result = services.node_pool_apply(
+            actor=request.user, pool=pool, dry_run=dry_run == "true", **data.validated_data
+        )
+        if result["change"] is None:
+            return Response(ApplyPreviewSerializer(result).data)
+        return Response(PartitionChangeSerializer(result["change"]).data, status=status.HTTP_202_ACCEPTED)
+
+
+class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Nodes and their GPUs, staff only (others list nothing and get 404)."""
+
+    serializer_class = NodeSerializer
+    lookup_value_regex = r"[0-9]+"
+    permission_classes = [StaffWritesOnly]
+
+    def get_queryset(self):
+        return selectors.node_list(user=self.request.user)
+
+
+class PartitionChangeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Partition changes, staff only: their steps name workloads of every tenant, so others get 404."""
+
+    serializer_class = PartitionChangeSerializer
+    lookup_value_regex = r"[0-9]+"
+    permission_classes = [StaffWritesOnly]
+
+    def get_queryset(self):
+        return selectors.partition_change_list(user=self.request.user)

@@ -1,0 +1,16 @@
+"""List filters for the runners API (django-filter); an unknown choice is a 400 naming the parameter."""
+
+import django_filters
+
+from runners.models import Environment, EnvironmentState
+
+
+class EnvironmentFilter(django_filters.FilterSet):
+    tenant = django_filters.CharFilter(field_name="tenant__slug", help_text="Only this tenant's environments (its slug).")
+    state = django_filters.ChoiceFilter(
+        choices=EnvironmentState.choices, help_text="Only this state; deleted ones are listed only when asked for."
+    )
+
+    class Meta:
+        model = Environment
+        fields = ["tenant", "state"]

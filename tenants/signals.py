@@ -1,0 +1,6 @@
+"""What tenants announce to the apps above it, which subscribe (tenants imports none of them)."""
+
+from django.dispatch import Signal
+
+# Sent inside the transaction that added or removed a member; keyword argument: tenant.
+members_changed = Signal()
