@@ -42,10 +42,10 @@ def retry_or_give_up(
     raise task.retry(exc=exc, countdown=backoff_s(task.request.retries, cap_s))
 
 
-def send_task(task, *args, on_failure: Callable[[], None] | None = None) -> bool:
-    """Send a task now; False (logged, recorded as degraded) when the broker cannot take it."""
+def send_task(task, *args, on_failure: Callable[[], None] | None = None, countdown: float | None = None) -> bool:
+    """Send a task now (to run after `countdown` seconds); False (logged, degraded) when the broker cannot take it."""
     try:
-        task.apply_async(args=args)
+        task.apply_async(args=args, countdown=countdown)
     except Exception as exc:  # kombu raises OperationalError, redis ConnectionError, socket errors...
         logger.error("Could not send %s%r to the broker; the sweep will retry it: %s", task.name, args, exc)
         _failed_sends.set((*_failed_sends.get(), task.name))

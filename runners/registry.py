@@ -11,14 +11,11 @@ from django.conf import settings
 from runners.backends.base import ClusterBackend
 
 
-def kubernetes_backend_from_settings():
-    """A Kubernetes backend configured by the KUBERNETES_* settings."""
+def kubernetes_backend_options() -> dict:
+    """The Kubernetes backend's options from the KUBERNETES_* settings: their one set of defaults."""
     from runners.backends import k8s_inventory
-    from runners.backends.kubernetes import KubernetesBackend
 
-    return KubernetesBackend.from_kubeconfig(
-        in_cluster=settings.KUBERNETES_IN_CLUSTER,
-        kubeconfig=settings.KUBECONFIG,
+    return dict(
         field_manager=settings.KUBERNETES_FIELD_MANAGER,
         username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
         delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
@@ -33,6 +30,15 @@ def kubernetes_backend_from_settings():
             block=settings.KUBERNETES_BLOCK_LABEL,
             nvlink_domain=settings.KUBERNETES_NVLINK_DOMAIN_LABEL,
         ),
+    )
+
+
+def kubernetes_backend_from_settings():
+    """A Kubernetes backend configured by the KUBERNETES_* settings."""
+    from runners.backends.kubernetes import KubernetesBackend
+
+    return KubernetesBackend.from_kubeconfig(
+        in_cluster=settings.KUBERNETES_IN_CLUSTER, kubeconfig=settings.KUBECONFIG, **kubernetes_backend_options()
     )
 
 

@@ -7,9 +7,8 @@ what quotas needs from it: after every change of the schedulable inventory
 """
 
 import logging
-import time
 from collections import Counter
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -160,85 +159,144 @@ def _record(change_id: int, *, state: str, message: str, node: str = "") -> None
         change.save(update_fields=["state", "message", "steps", "finished_at", "lease_expires_at"])
 
 
-def partition_change_run(*, change_id: int) -> str:
-    """Cordon, drain, relabel, wait and uncordon every node of the pool, recording each step.
+def partition_change_step(*, change_id: int, lease: str | None = None) -> tuple[str, float | None, str | None]:
+    """Advance a partition change by one step; never waits for the cluster.
 
-    Each node is handed back (uncordoned) only once it reports the new
-    resources, so nothing is scheduled onto a GPU that is being re-cut. A
-    failure uncordons what this run cordoned, since the old partition is
-    still in place until the relabel step.
+    Steps, one per call: cordon every node and look for work (refuse, or evict
+    it when ``drain`` is preempt); wait for evicted work to stop; relabel every
+    node; wait until every node reports the new resources; uncordon and finish.
+    A node is handed back only once it reports the new resources, so nothing is
+    scheduled onto a GPU being re-cut; a failure before the relabel uncordons
+    what the change cordoned, since the old partition is still in place.
+
+    Returns ``(state, delay_s, lease)``: run again after ``delay_s`` passing
+    ``lease`` (None when the change finished, or when this call could not claim
+    it: another run holds a live lease). Between steps the change stays leased
+    to that follow-up, so the sweep only resends it when the follow-up is lost;
+    no lock is held across a backend call.
     """
     now = timezone.now()
+    free = Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
+    if lease:
+        free |= Q(lease_expires_at=datetime.fromisoformat(lease))
     claimed = (
         PartitionChange.objects.filter(id=change_id)
         .exclude(state__in=PartitionChange.FINISHED)
-        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now))
+        .filter(free)
         .update(lease_expires_at=now + timedelta(seconds=settings.PARTITION_LEASE_S))
     )
     change = PartitionChange.objects.select_related("pool", "profile").get(id=change_id)
     if not claimed:
-        # Finished, or another worker holds a live lease (a redelivered copy of this task).
-        return change.state
-    nodes = list(change.pool.nodes.order_by("name").values_list("name", flat=True))
-    if change.state == PartitionChange.State.PENDING:
-        kept = list(change.pool.nodes.filter(schedulable=False).order_by("name").values_list("name", flat=True))
-        PartitionChange.objects.filter(id=change_id).update(state=PartitionChange.State.CORDONING, kept_cordoned=kept)
-        change.kept_cordoned = kept
-    else:
-        # A worker died mid-way and the lease ran out: every step is idempotent, so start over.
-        logger.warning("Partition change %s resumed from state %s", change_id, change.state)
+        return change.state, None, None
     backend = get_backend()
-    spec = partition_spec(change.profile)
-    handed_back = [name for name in nodes if name not in change.kept_cordoned]
+    nodes = list(change.pool.nodes.order_by("name").values_list("name", flat=True))
     if not nodes:
         _record(change_id, state=PartitionChange.State.FAILED, message=f"Pool {change.pool.name} has no nodes.")
-        return PartitionChange.State.FAILED
-    relabeled = False
+        return PartitionChange.State.FAILED, None, None
+    relabeled = change.state in (
+        PartitionChange.State.RELABELING, PartitionChange.State.WAITING, PartitionChange.State.UNCORDONING
+    )
     try:
+        delay = _partition_step(change, backend, nodes)
+    except (PermanentBackendError, TimeoutError) as exc:
+        if not relabeled:
+            _uncordon_all(backend, _handed_back(change, nodes))
+        _record(change_id, state=PartitionChange.State.FAILED, message=f"Failed: {exc}")
+        return PartitionChange.State.FAILED, None, None
+    state = PartitionChange.objects.values_list("state", flat=True).get(id=change_id)
+    if delay is None:
+        return state, None, None
+    until = timezone.now() + timedelta(seconds=delay + settings.PARTITION_LEASE_S)
+    PartitionChange.objects.filter(id=change_id).update(lease_expires_at=until)
+    return state, delay, until.isoformat()
+
+
+def _handed_back(change: PartitionChange, nodes: list[str]) -> list[str]:
+    """The nodes the change uncordons at the end: all but those an operator had cordoned before."""
+    return [name for name in nodes if name not in change.kept_cordoned]
+
+
+def _phase_started(change: PartitionChange, state: str) -> datetime:
+    """When the change entered a state, from its recorded steps."""
+    times = [datetime.fromisoformat(step["at"]) for step in change.steps if step["step"] == state]
+    return min(times) if times else timezone.now()
+
+
+def _check_timeout(change: PartitionChange, state: str, what: str) -> None:
+    waited = (timezone.now() - _phase_started(change, state)).total_seconds()
+    if waited > settings.PARTITION_APPLY_TIMEOUT_S:
+        raise TimeoutError(f"Timed out after {settings.PARTITION_APPLY_TIMEOUT_S}s waiting for {what}.")
+
+
+def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float | None:
+    """Do the one step the change's state calls for; the delay before the next one, or None when finished."""
+    State = PartitionChange.State
+    poll = settings.PARTITION_POLL_INTERVAL_S
+    spec = partition_spec(change.profile)
+    if change.state in (State.PENDING, State.CORDONING):
+        if change.state == State.PENDING:
+            kept = list(change.pool.nodes.filter(schedulable=False).order_by("name").values_list("name", flat=True))
+            PartitionChange.objects.filter(id=change.id).update(state=State.CORDONING, kept_cordoned=kept)
+            change.kept_cordoned = kept
         for name in nodes:
             backend.cordon(name)
             _set_schedulable([name], False)
-            _record(change_id, state=PartitionChange.State.CORDONING, node=name, message=f"Cordoned {name}.")
+            _record(change.id, state=State.CORDONING, node=name, message=f"Cordoned {name}.")
         busy = {name: backend.node_workloads(name) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
             listed = "; ".join(f"{name}: {', '.join(names)}" for name, names in sorted(busy.items()))
-            _uncordon_all(backend, handed_back)
+            _uncordon_all(backend, _handed_back(change, nodes))
             _record(
-                change_id,
-                state=PartitionChange.State.REFUSED,
+                change.id, state=State.REFUSED,
                 message=f"Refused: work is running ({listed}). Apply with drain=preempt to checkpoint and preempt it.",
             )
-            return PartitionChange.State.REFUSED
+            return None
         for name, names in sorted(busy.items()):
             for workload in names:
                 backend.evict(name, workload, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
             _record(
-                change_id, state=PartitionChange.State.DRAINING, node=name,
+                change.id, state=State.DRAINING, node=name,
                 message=f"Asked {len(names)} workload(s) on {name} to checkpoint and stop.",
             )
-        _wait(change_id, lambda: all(not backend.node_workloads(name) for name in nodes), what="workloads to stop")
+        if busy:
+            return poll
+        _record(change.id, state=State.RELABELING, message="No work runs on the pool; relabeling.")
+        return 0
+    if change.state == State.DRAINING:
+        if any(backend.node_workloads(name) for name in nodes):
+            _check_timeout(change, State.DRAINING, "workloads to stop")
+            return poll
+        _record(change.id, state=State.RELABELING, message="The pool's work has stopped; relabeling.")
+        return 0
+    if change.state == State.RELABELING:
         for name in nodes:
             backend.apply_partition(name, spec)
-            relabeled = True
-            _record(change_id, state=PartitionChange.State.RELABELING, node=name, message=f"Asked {name} for {spec.name}.")
+            _record(change.id, state=State.RELABELING, node=name, message=f"Asked {name} for {spec.name}.")
+        _record(change.id, state=State.WAITING, message=f"Waiting for every node to report {spec.name}.")
+        return poll
+    if change.state == State.WAITING:
+        reported = {step["node"] for step in change.steps if step["step"] == State.WAITING and step["node"]}
         for name in nodes:
-            _wait(change_id, lambda name=name: backend.partition_applied(name, spec), what=f"{name} to report {spec.name}")
-            _record(change_id, state=PartitionChange.State.WAITING, node=name, message=f"{name} reports {spec.name}.")
-        for name in handed_back:
-            backend.uncordon(name)
-            _set_schedulable([name], True)
-            _record(change_id, state=PartitionChange.State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
-    except (PermanentBackendError, TimeoutError) as exc:
-        if not relabeled:
-            _uncordon_all(backend, handed_back)
-        _record(change_id, state=PartitionChange.State.FAILED, message=f"Failed: {exc}")
-        return PartitionChange.State.FAILED
+            if name not in reported and backend.partition_applied(name, spec):
+                _record(change.id, state=State.WAITING, node=name, message=f"{name} reports {spec.name}.")
+                reported.add(name)
+        if not set(nodes) <= reported:
+            missing = ", ".join(name for name in nodes if name not in reported)
+            _check_timeout(change, State.WAITING, f"{missing} to report {spec.name}")
+            return poll
+        _record(change.id, state=State.UNCORDONING, message="Every node reports the new partition.")
+        return 0
+    # UNCORDONING: hand the nodes back, then take in what the cluster now reports.
+    for name in _handed_back(change, nodes):
+        backend.uncordon(name)
+        _set_schedulable([name], True)
+        _record(change.id, state=State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
     NodePool.objects.filter(id=change.pool_id).update(partition_profile=change.profile, updated_at=timezone.now())
     inventory_sync()
     flavors_discover()
-    _record(change_id, state=PartitionChange.State.SUCCEEDED, message=f"Pool {change.pool.name} now runs {spec.name}.")
-    return PartitionChange.State.SUCCEEDED
+    _record(change.id, state=State.SUCCEEDED, message=f"Pool {change.pool.name} now runs {spec.name}.")
+    return None
 
 
 def _uncordon_all(backend, nodes: list[str]) -> None:
@@ -251,21 +309,6 @@ def _set_schedulable(nodes: list[str], schedulable: bool) -> None:
     """Record a cordon or uncordon the backend just did, and the capacity it leaves."""
     Node.objects.filter(name__in=nodes).update(schedulable=schedulable)
     flavor_capacity_refresh()
-
-
-def _wait(change_id: int, predicate, *, what: str) -> None:
-    deadline = time.monotonic() + settings.PARTITION_APPLY_TIMEOUT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Timed out after {settings.PARTITION_APPLY_TIMEOUT_S}s waiting for {what}.")
-        _renew_lease(change_id)
-        time.sleep(settings.PARTITION_POLL_INTERVAL_S)
-
-
-def _renew_lease(change_id: int) -> None:
-    PartitionChange.objects.filter(id=change_id).update(
-        lease_expires_at=timezone.now() + timedelta(seconds=settings.PARTITION_LEASE_S)
-    )
 
 
 def partition_change_release(*, change_id: int) -> None:

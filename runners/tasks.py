@@ -3,7 +3,7 @@
 from celery import shared_task
 from django.conf import settings
 
-from portal.tasks import retry_or_give_up
+from portal.tasks import retry_or_give_up, send_task
 from runners import environments, services
 from runners.backends.base import TransientBackendError
 
@@ -12,9 +12,10 @@ ENVIRONMENT_MAX_RETRIES = 8
 
 
 @shared_task(bind=True, acks_late=True, max_retries=PARTITION_MAX_RETRIES)
-def partition_apply(self, change_id: int) -> str:
+def partition_apply(self, change_id: int, lease: str | None = None) -> str:
+    """One step of a partition change, then the next step is sent with a countdown: no worker waits."""
     try:
-        return services.partition_change_run(change_id=change_id)
+        state, delay_s, next_lease = services.partition_change_step(change_id=change_id, lease=lease)
     except TransientBackendError as exc:
         return retry_or_give_up(
             self,
@@ -23,6 +24,10 @@ def partition_apply(self, change_id: int) -> str:
             before_retry=lambda reason: services.partition_change_release(change_id=change_id),
             cap_s=60,
         )
+    if delay_s is not None:
+        # Lost (the broker is down): the change's lease runs out and the sweep sends it again.
+        send_task(partition_apply, change_id, next_lease, countdown=delay_s)
+    return state
 
 
 @shared_task

@@ -1,11 +1,6 @@
 """Shared test setup: real PostgreSQL and Redis, personas, and a real Celery worker."""
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
@@ -13,6 +8,8 @@ from urllib.parse import urlparse
 import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
+
+from tests.support.worker import WorkerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "correct-horse-battery"
@@ -138,7 +135,7 @@ def kubernetes_cluster(settings, tmp_path):
     import yaml
 
     from runners.registry import get_backend
-    from tests.backends.k8s_standin import KubernetesStandIn
+    from tests.support.k8s_standin import KubernetesStandIn
 
     with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05) as api:
         kubeconfig = tmp_path / "kubeconfig"
@@ -181,70 +178,7 @@ def client_for():
     return make
 
 
-# --- A real Celery worker -----------------------------------------------------
-
-
-def worker_environment(**overrides) -> dict[str, str]:
-    """Environment for a worker process that shares this test run's database and queue."""
-    database = settings.DATABASES["default"]
-    env = dict(os.environ)
-    env.update(
-        DATABASE_URL=f"postgres://{database['USER']}@{database['HOST']}:{database['PORT'] or 5432}/{database['NAME']}",
-        CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
-        CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
-        LOCAL_WORKSPACE_DIR=str(settings.LOCAL_WORKSPACE_DIR),
-        LOCAL_PROVISION_DELAY_S=str(settings.LOCAL_PROVISION_DELAY_S),
-        LOCAL_USE_NVML=str(settings.LOCAL_USE_NVML),
-        LOCAL_CLUSTER_FILE=str(settings.LOCAL_CLUSTER_FILE),
-        PARTITION_POLL_INTERVAL_S=str(settings.PARTITION_POLL_INTERVAL_S),
-        CLUSTER_BACKEND=settings.CLUSTER_BACKEND,
-        PYTHONUNBUFFERED="1",
-    )
-    env.update({key: str(value) for key, value in overrides.items()})
-    return env
-
-
-class WorkerProcess:
-    """A `celery worker` subprocess; start() waits until it consumes from the queue."""
-
-    def __init__(self, log_path: Path, **env_overrides):
-        self.log_path = log_path
-        self.env = worker_environment(**env_overrides)
-        self.process: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 60) -> "WorkerProcess":
-        self.log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "1",
-             "--without-gossip", "--without-mingle", "--hostname", f"test-{uuid.uuid4().hex[:8]}@%h"],
-            cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"Worker exited early; see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
-            if b"ready." in self.log_path.read_bytes():
-                return self
-            time.sleep(0.2)
-        raise RuntimeError(f"Worker did not become ready in {timeout_s}s; see {self.log_path}")
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker (main process and pool children), like a lost node."""
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
+# --- A real Celery worker (the harness is tests/support/worker.py) ---------------
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -283,14 +217,3 @@ def celery_worker_factory(transactional_db, tmp_path):
 @pytest.fixture
 def celery_worker(celery_worker_factory):
     return celery_worker_factory()
-
-
-def wait_for(predicate, *, timeout_s: float = 30, interval_s: float = 0.2, message: str = "condition"):
-    """Poll until predicate() is truthy; fail with the message otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"Timed out after {timeout_s}s waiting for {message}.")

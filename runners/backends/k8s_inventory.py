@@ -18,12 +18,15 @@ from runners.nvidia import catalog, mig, names
 
 @dataclass(frozen=True)
 class TopologyLabels:
-    """Which node labels carry the pool and topology; clusters name these differently."""
+    """Which node labels carry the pool and topology; clusters name these differently.
 
-    pool: str = "portal.gpu/node-pool"
-    rack: str = "topology.portal.gpu/rack"
-    block: str = "topology.portal.gpu/block"
-    nvlink_domain: str = "topology.portal.gpu/nvlink-domain"
+    No defaults: they are the KUBERNETES_*_LABEL settings, defaulted in portal/settings.py.
+    """
+
+    pool: str
+    rack: str
+    block: str
+    nvlink_domain: str
 
 
 def parse_quantity_milli(value: str) -> int:
@@ -36,7 +39,7 @@ def parse_quantity_mib(value: str) -> int:
     return int(parse_quantity(str(value)) / 1048576)
 
 
-def node_info(node: dict, *, labels: TopologyLabels = TopologyLabels()) -> NodeInfo:
+def node_info(node: dict, *, labels: TopologyLabels) -> NodeInfo:
     """One Node object (as JSON) as a NodeInfo."""
     metadata = node.get("metadata", {})
     node_labels: dict[str, str] = dict(metadata.get("labels") or {})

@@ -41,8 +41,6 @@ APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 # Worth retrying: throttling, a server in trouble, or a request that timed out on its side.
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-DEFAULT_POLL_INTERVAL_S = 1.0
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -114,15 +112,17 @@ class KubernetesBackend:
         self,
         api_client: client.ApiClient,
         *,
-        field_manager: str = "gpu-portal",
-        username_template: str = "{username}",
-        delete_timeout_s: float = 300,
-        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-        gpu_operator_namespace: str = "gpu-operator",
-        mig_parted_config_map: str = "portal-mig-parted-config",
-        device_plugin_config_map: str = "portal-device-plugin-config",
-        topology_labels: k8s_inventory.TopologyLabels = k8s_inventory.TopologyLabels(),
+        # No defaults here: every option is a KUBERNETES_* setting, with its one default in
+        # portal/settings.py (runners.registry.kubernetes_backend_options reads them).
+        field_manager: str,
+        username_template: str,
+        delete_timeout_s: float,
+        poll_interval_s: float,
+        request_timeout_s: float,
+        gpu_operator_namespace: str,
+        mig_parted_config_map: str,
+        device_plugin_config_map: str,
+        topology_labels: k8s_inventory.TopologyLabels,
     ) -> None:
         self.api_client = api_client
         self.apis = {

@@ -1,25 +1,12 @@
 """A Kubernetes API stand-in per test, and a backend pointed at it."""
 
 import pytest
-from kubernetes import client
 
-from runners.backends.base import EnvironmentSpec, MemberBinding
+from runners.backends.base import EnvironmentSpec
 from runners.backends.kubernetes import KubernetesBackend
-from tests.backends.k8s_standin import KubernetesStandIn
-
-
-def make_spec(**overrides) -> EnvironmentSpec:
-    """An environment with an owner, a member and a viewer, and two GPUs."""
-    values = dict(
-        environment_id=7,
-        tenant_slug="acme",
-        name="Vision research",
-        namespace="acme-vision",
-        members=(MemberBinding("olivia", "owner"), MemberBinding("tom", "member"), MemberBinding("vera", "viewer")),
-        quota_hard={"requests.nvidia.com/gpu": 2},
-    )
-    values.update(overrides)
-    return EnvironmentSpec(**values)
+from runners.registry import kubernetes_backend_options
+from tests.support.k8s import client_for, make_spec
+from tests.support.k8s_standin import KubernetesStandIn
 
 
 @pytest.fixture
@@ -33,10 +20,6 @@ def standin():
         yield api
 
 
-def client_for(url: str) -> client.ApiClient:
-    configuration = client.Configuration()
-    configuration.host = url
-    return client.ApiClient(configuration)
 
 
 @pytest.fixture
@@ -44,7 +27,7 @@ def make_backend(standin):
     """A backend for the stand-in; keyword arguments override the constructor's."""
 
     def make(**overrides) -> KubernetesBackend:
-        options = dict(
+        options = kubernetes_backend_options() | dict(
             field_manager="gpu-portal",
             username_template="oidc:{username}",
             delete_timeout_s=5,

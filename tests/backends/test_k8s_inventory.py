@@ -1,6 +1,13 @@
 """Reading the inventory from Kubernetes Node objects and GPU feature discovery labels."""
 
-from runners.backends.k8s_inventory import node_info, parse_quantity_mib, parse_quantity_milli
+from runners.backends.k8s_inventory import node_info as _node_info
+from runners.backends.k8s_inventory import parse_quantity_mib, parse_quantity_milli
+from runners.registry import kubernetes_backend_options
+
+
+def node_info(node: dict):
+    """Read a node with the topology labels the settings name."""
+    return _node_info(node, labels=kubernetes_backend_options()["topology_labels"])
 
 
 def _node(name="gpu-1", labels=None, allocatable=None, unschedulable=False):

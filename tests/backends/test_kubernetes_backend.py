@@ -9,9 +9,9 @@ from kubernetes_validate.utils import latest_version
 from runners.backends.base import MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.kubernetes import KubernetesBackend
 from runners.backends.manifests import environment_manifests, service_account_manifest
-from runners.registry import kubernetes_backend_from_settings
-from tests.backends.conftest import client_for, make_spec
-from tests.backends.k8s_standin import APPLY_PATCH, KubernetesStandIn
+from runners.registry import kubernetes_backend_from_settings, kubernetes_backend_options
+from tests.support.k8s import client_for, make_spec
+from tests.support.k8s_standin import APPLY_PATCH, KubernetesStandIn
 
 PLURALS = {
     "Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ResourceQuota": "resourcequotas",
@@ -58,13 +58,13 @@ def test_every_object_is_sent_by_server_side_apply_under_one_field_manager(backe
 @pytest.mark.parametrize("version", ["1.30.0", latest_version()])
 def test_what_goes_over_the_wire_validates_strictly(spec, version):
     with KubernetesStandIn(validate_version=version) as strict_api:
-        KubernetesBackend(client_for(strict_api.url)).ensure_environment(spec)
+        KubernetesBackend(client_for(strict_api.url), **kubernetes_backend_options()).ensure_environment(spec)
         assert {r.status for r in strict_api.writes()} <= {200, 201}
 
 
 def test_the_strict_standin_refuses_an_invalid_object_as_permanent(spec):
     with KubernetesStandIn(validate_version="1.30.0") as strict_api:
-        backend = KubernetesBackend(client_for(strict_api.url))
+        backend = KubernetesBackend(client_for(strict_api.url), **kubernetes_backend_options())
         backend.ensure_environment(spec)
         broken = service_account_manifest(spec) | {"automountServiceAccountToken": "nope"}
         with pytest.raises(PermanentBackendError, match="422 Invalid"):
@@ -270,7 +270,7 @@ def test_a_request_that_times_out_is_transient(standin, make_backend, spec):
 def test_an_api_server_that_is_down_is_transient(spec):
     with KubernetesStandIn() as gone:
         url = gone.url
-    backend = KubernetesBackend(client_for(url), request_timeout_s=1)
+    backend = KubernetesBackend(client_for(url), **kubernetes_backend_options() | {"request_timeout_s": 1})
     with pytest.raises(TransientBackendError, match="could not be reached"):
         backend.environment_exists(spec)
 

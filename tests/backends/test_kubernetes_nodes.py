@@ -4,39 +4,11 @@ import pytest
 import yaml
 
 from runners.backends.base import PartitionSpec, PermanentBackendError
-from tests.backends.k8s_standin import DEVICE_PLUGIN_CONFIG_MAP, GPU_OPERATOR_NAMESPACE, MIG_PARTED_CONFIG_MAP
+from tests.support.k8s import gpu_node, portal_pod
+from tests.support.k8s_standin import DEVICE_PLUGIN_CONFIG_MAP, GPU_OPERATOR_NAMESPACE, MIG_PARTED_CONFIG_MAP
 
 MIG = PartitionSpec(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig", layout=("4g.40gb", "3g.40gb"))
 SHARED = PartitionSpec(name="h100-share-4", gpu_model="H100-80GB", kind="timeslice", replicas=4)
-
-
-def gpu_node(name, *, pool="h100-pool", rack="rack-a"):
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "labels": {
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "nvidia.com/gpu.count": "8",
-                "nvidia.com/gpu.memory": "81559",
-                "portal.gpu/node-pool": pool,
-                "topology.portal.gpu/rack": rack,
-            },
-        },
-        "spec": {},
-        "status": {"allocatable": {"cpu": "192", "memory": "2Ti", "nvidia.com/gpu": "8"}},
-    }
-
-
-def portal_pod(name, node, namespace="acme-train", phase="Running"):
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "gpu-portal"}},
-        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "trainer"}]},
-        "status": {"phase": phase},
-    }
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from runners.backends.manifests import (
     role_binding_manifests,
     role_manifests,
 )
-from tests.backends.conftest import make_spec
+from tests.support.k8s import make_spec
 
 # The oldest Kubernetes the portal supports, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.30.0", latest_version())

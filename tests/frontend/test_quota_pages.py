@@ -301,9 +301,9 @@ def test_the_apply_form_starts_a_partition_change_that_the_page_follows_live(
     assert 'data-testid="change-state">pending<' in html
 
     # Play the worker's part; the fragment then shows the steps, the new layout, and stops polling.
-    from runners.services import partition_change_run
+    from tests.support.partitions import drive_partition_change
 
-    partition_change_run(change_id=change.id)
+    drive_partition_change(change.id)
     fragment = staff_client.get(f"/node-pools/{pool.id}/live/").content.decode()
     assert "<html" not in fragment
     assert 'data-testid="change-state">succeeded<' in fragment

@@ -6,7 +6,7 @@ from django.test import Client
 from portal.middleware import DEGRADED_HEADER
 from runners import environments
 from runners.models import Environment
-from tests.conftest import wait_for
+from tests.support.worker import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -6,7 +6,7 @@ import pytest
 from quotas import services as quota_services
 from runners import environments
 from runners.models import Environment
-from tests.backends.test_kubernetes_nodes import gpu_node
+from tests.support.k8s import gpu_node
 
 pytestmark = pytest.mark.django_db
 

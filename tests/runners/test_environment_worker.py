@@ -5,7 +5,7 @@ import os
 import pytest
 
 from runners.models import Environment
-from tests.conftest import wait_for
+from tests.support.worker import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 

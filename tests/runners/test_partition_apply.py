@@ -8,6 +8,7 @@ from quotas.models import ResourceFlavor
 from runners import services
 from runners.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
 from runners.registry import get_backend
+from tests.support.partitions import drive_partition_change
 
 pytestmark = pytest.mark.django_db
 
@@ -34,7 +35,7 @@ def _apply(client, pool, captured, **payload):
         response = client.post(f"/api/v1/node-pools/{pool.id}/apply/", payload)
     assert response.status_code == 202, response.content
     assert len(callbacks) == 1
-    services.partition_change_run(change_id=response.json()["id"])
+    drive_partition_change(response.json()["id"])
     return PartitionChange.objects.get(id=response.json()["id"])
 
 
@@ -93,7 +94,7 @@ def test_work_that_starts_after_the_request_is_caught_after_cordoning(inventory,
     change = PartitionChange.objects.create(pool=pool, profile=h100_mig, drain="wait", created_by=staff)
     with get_backend()._state(write=True) as state:
         state["workloads"]["h100-node-1"] = ["acme-train/late-job"]
-    assert services.partition_change_run(change_id=change.id) == "refused"
+    assert drive_partition_change(change.id) == "refused"
     change.refresh_from_db()
     assert "late-job" in change.message
     assert all(node.schedulable for node in Node.objects.all()), "a refused change uncordons what it cordoned"
@@ -155,7 +156,7 @@ def test_a_redelivered_copy_leaves_a_change_with_a_live_lease_alone(inventory, h
         pool=pool, profile=h100_mig, drain="wait", created_by=staff, state="waiting",
         lease_expires_at=timezone.now() + timedelta(seconds=60),
     )
-    assert services.partition_change_run(change_id=change.id) == "waiting"
+    assert drive_partition_change(change.id) == "waiting"
     state_file = get_backend().state_file
     assert not state_file.exists() or json.loads(state_file.read_text())["nodes"] == {}, "no node was touched"
     assert services.partition_change_sweep(stuck_after_s=120) == [], "a live lease is not stuck"
@@ -172,7 +173,7 @@ def test_a_change_whose_worker_died_is_swept_and_resumed(inventory, h100_mig, st
         lease_expires_at=timezone.now() - timedelta(seconds=1),
     )
     assert services.partition_change_sweep(stuck_after_s=120) == [change.id]
-    assert services.partition_change_run(change_id=change.id) == "succeeded"
+    assert drive_partition_change(change.id) == "succeeded"
     assert Node.objects.get(name="h100-node-2").gpu_resources == {"nvidia.com/mig-4g.40gb": 8, "nvidia.com/mig-3g.40gb": 8}
 
 
@@ -194,6 +195,6 @@ def test_a_node_an_operator_had_cordoned_stays_cordoned(inventory, h100_mig, sta
     inventory_sync()
     pool = NodePool.objects.get(name="h100-pool")
     change = PartitionChange.objects.create(pool=pool, profile=h100_mig, drain="wait", created_by=staff)
-    assert services.partition_change_run(change_id=change.id) == "succeeded"
+    assert drive_partition_change(change.id) == "succeeded"
     assert Node.objects.get(name="h100-node-1").schedulable
     assert not Node.objects.get(name="h100-node-2").schedulable

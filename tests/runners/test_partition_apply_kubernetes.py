@@ -4,7 +4,8 @@ import pytest
 
 from runners import services
 from runners.models import Node, NodePool, PartitionChange, PartitionProfile
-from tests.backends.test_kubernetes_nodes import gpu_node, portal_pod
+from tests.support.k8s import gpu_node, portal_pod
+from tests.support.partitions import drive_partition_change
 
 pytestmark = pytest.mark.django_db
 
@@ -38,7 +39,7 @@ def test_nodes_are_cordoned_labelled_waited_on_and_uncordoned_in_that_order(clie
         response = client_for(staff).post(f"/api/v1/node-pools/{pool.id}/apply/", {"profile": "h100-4g-3g"})
     assert response.status_code == 202, response.content
     cluster.clear_log()
-    assert services.partition_change_run(change_id=response.json()["id"]) == "succeeded"
+    assert drive_partition_change(response.json()["id"]) == "succeeded"
 
     writes = [(r.method, r.path, r.content_type) for r in cluster.requests if r.method != "GET"]
     node_patches = [path.rsplit("/", 1)[1] for method, path, _ in writes if "/nodes/" in path]
@@ -74,7 +75,7 @@ def test_with_drain_preempt_the_pod_is_evicted_before_relabelling(client_for, st
     pool = NodePool.objects.get(name="h100-pool")
     with django_capture_on_commit_callbacks():
         response = client_for(staff).post(f"/api/v1/node-pools/{pool.id}/apply/", {"profile": "h100-4g-3g", "drain": "preempt"})
-    assert services.partition_change_run(change_id=response.json()["id"]) == "succeeded"
+    assert drive_partition_change(response.json()["id"]) == "succeeded"
     paths = [r.path for r in cluster.requests if r.method in ("POST", "PATCH")]
     eviction = next(i for i, path in enumerate(paths) if path.endswith("/eviction"))
     configmap = next(i for i, path in enumerate(paths) if "/configmaps" in path)

@@ -3,8 +3,8 @@
 import pytest
 
 from quotas.models import GuaranteeReduction, Quota, ResourceFlavor
-from runners import services
 from runners.models import NodePool, PartitionChange
+from tests.support.partitions import drive_partition_change
 
 pytestmark = pytest.mark.django_db
 
@@ -79,7 +79,7 @@ def test_shrinking_lowers_guarantees_in_proportion_records_them_and_the_new_slic
     assert recorded == [("acme", 8, 0), ("globex", 4, 0)]
     assert "h100-3g-2x2g" in GuaranteeReduction.objects.first().reason
 
-    change = services.partition_change_run(change_id=response.json()["id"])
+    change = drive_partition_change(response.json()["id"])
     assert change == "succeeded"
     three_g = ResourceFlavor.objects.get(kind="mig", gpu_model="H100-80GB", mig_profile="3g.40gb")
     two_g = ResourceFlavor.objects.get(kind="mig", gpu_model="H100-80GB", mig_profile="2g.20gb")

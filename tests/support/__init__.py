@@ -1,0 +1,1 @@
+"""What tests share beyond fixtures: the worker harness, the API stand-in, drivers for multi-step work."""
