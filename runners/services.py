@@ -216,14 +216,22 @@ def _handed_back(change: PartitionChange, nodes: list[str]) -> list[str]:
     return [name for name in nodes if name not in change.kept_cordoned]
 
 
-def _phase_started(change: PartitionChange, state: str) -> datetime:
-    """When the change entered a state, from its recorded steps."""
+def _phase_started(change: PartitionChange, state: str, *, latest: bool = False) -> datetime:
+    """When the change recorded its first (or latest) step of a state."""
     times = [datetime.fromisoformat(step["at"]) for step in change.steps if step["step"] == state]
-    return min(times) if times else timezone.now()
+    if not times:
+        return timezone.now()
+    return max(times) if latest else min(times)
 
 
-def _check_timeout(change: PartitionChange, state: str, what: str) -> None:
-    waited = (timezone.now() - _phase_started(change, state)).total_seconds()
+def _move(change_id: int, state: str) -> None:
+    """Go on to the next state without a visible step (the per-node steps tell the story)."""
+    PartitionChange.objects.filter(id=change_id).update(state=state)
+
+
+def _check_timeout(change: PartitionChange, state: str, what: str, *, latest: bool = False) -> None:
+    """Fail once `what` has been awaited longer than PARTITION_APPLY_TIMEOUT_S since the step of `state`."""
+    waited = (timezone.now() - _phase_started(change, state, latest=latest)).total_seconds()
     if waited > settings.PARTITION_APPLY_TIMEOUT_S:
         raise TimeoutError(f"Timed out after {settings.PARTITION_APPLY_TIMEOUT_S}s waiting for {what}.")
 
@@ -261,19 +269,19 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
             )
         if busy:
             return poll
-        _record(change.id, state=State.RELABELING, message="No work runs on the pool; relabeling.")
+        _move(change.id, State.RELABELING)
         return 0
     if change.state == State.DRAINING:
         if any(backend.node_workloads(name) for name in nodes):
             _check_timeout(change, State.DRAINING, "workloads to stop")
             return poll
-        _record(change.id, state=State.RELABELING, message="The pool's work has stopped; relabeling.")
+        _move(change.id, State.RELABELING)
         return 0
     if change.state == State.RELABELING:
         for name in nodes:
             backend.apply_partition(name, spec)
             _record(change.id, state=State.RELABELING, node=name, message=f"Asked {name} for {spec.name}.")
-        _record(change.id, state=State.WAITING, message=f"Waiting for every node to report {spec.name}.")
+        _move(change.id, State.WAITING)
         return poll
     if change.state == State.WAITING:
         reported = {step["node"] for step in change.steps if step["step"] == State.WAITING and step["node"]}
@@ -283,9 +291,9 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
                 reported.add(name)
         if not set(nodes) <= reported:
             missing = ", ".join(name for name in nodes if name not in reported)
-            _check_timeout(change, State.WAITING, f"{missing} to report {spec.name}")
+            _check_timeout(change, State.RELABELING, f"{missing} to report {spec.name}", latest=True)
             return poll
-        _record(change.id, state=State.UNCORDONING, message="Every node reports the new partition.")
+        _move(change.id, State.UNCORDONING)
         return 0
     # UNCORDONING: hand the nodes back, then take in what the cluster now reports.
     for name in _handed_back(change, nodes):

@@ -51,8 +51,11 @@ def test_a_node_that_never_reports_fails_the_change_after_the_timeout(inventory,
 
     settings.PARTITION_APPLY_TIMEOUT_S = 60
     long_ago = (timezone.now() - timedelta(seconds=61)).isoformat()
-    # Waiting since a minute ago for a node that was never relabeled (so it cannot report the profile).
-    change = _change(staff, h100_mig, state="waiting", steps=[{"at": long_ago, "node": "", "step": "waiting", "message": ""}])
+    # Relabel asked a minute ago, but the node never got it (so it cannot report the profile).
+    change = _change(
+        staff, h100_mig, state="waiting",
+        steps=[{"at": long_ago, "node": "h100-node-1", "step": "relabeling", "message": "Asked h100-node-1."}],
+    )
     state, delay, _lease = services.partition_change_step(change_id=change.id)
     assert (state, delay) == ("failed", None)
     change.refresh_from_db()
