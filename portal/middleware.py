@@ -9,9 +9,10 @@ It runs before the session middleware, which would look a cookie up.
 
 import re
 
-from django.http import HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse
 
 from portal import tasks
+from portal.errors import Conflict, NotFound
 
 # C0 controls but tab, and DEL: what no path segment, query value or header value here may hold.
 CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -101,10 +102,6 @@ class PortalErrorMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request, exception):
-        from django.http import Http404, HttpResponse
-
-        from portal.errors import Conflict, NotFound
-
         if isinstance(exception, NotFound):
             raise Http404(str(exception)) from exception
         if isinstance(exception, Conflict):

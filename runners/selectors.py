@@ -5,15 +5,14 @@
 - The inventory is the operator's view of the cluster: pools, nodes, GPUs and
   partition changes are staff's, and every read of them here refuses anyone
   else with NotFound, so the pages, their fragments and the API cannot forget
-  it. What a tenant may know of the cluster is per-flavor capacity and what is
-  free (``flavor_availability``), which names no node and no other tenant.
+  it. What a tenant may know of the cluster is each flavor's capacity, which
+  names no node and no other tenant (``ResourceFlavor.capacity``, on /api/v1/flavors/).
 """
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, QuerySet
 
 from portal.errors import NotFound
-from quotas.models import ResourceFlavor
 from runners.models import Environment, EnvironmentState, Gpu, Node, NodePool, PartitionChange, PartitionProfile
 from runners.nvidia import gpu_operator
 from tenants.models import Tenant
@@ -102,20 +101,6 @@ def partition_change_list(*, user: AbstractBaseUser) -> QuerySet[PartitionChange
     """Partition changes, newest first (staff; nothing for anyone else: their steps name every tenant's work)."""
     changes = PartitionChange.objects.select_related("pool", "profile").order_by("-created_at", "-id")
     return changes if is_inventory_reader(user) else changes.none()
-
-
-def flavor_availability(*, user: AbstractBaseUser) -> list[dict]:
-    """What anyone signed in may know of the cluster: per flavor, its capacity now.
-
-    No node, pool or other tenant is named. (What is free follows once jobs hold
-    capacity; until then all of it is free.)
-    """
-    if not user.is_authenticated:
-        raise NotFound("No such page.")
-    return [
-        {"flavor": flavor.name, "capacity": flavor.capacity, "free": flavor.capacity}
-        for flavor in ResourceFlavor.objects.order_by("gpu_model", "kind", "mig_profile", "name")
-    ]
 
 
 # --- Partition profiles: a public catalog of shapes, applied by staff ---------------

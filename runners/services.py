@@ -248,8 +248,8 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
             change.kept_cordoned = kept
         for name in nodes:
             backend.cordon(name)
-            _set_schedulable([name], False)
             _record(change.id, state=State.CORDONING, node=name, message=f"Cordoned {name}.")
+        _set_schedulable(nodes, False)  # once for the pool: one capacity refresh, not one per node
         busy = {name: backend.node_workloads(name) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
@@ -296,10 +296,11 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
         _move(change.id, State.UNCORDONING)
         return 0
     # UNCORDONING: hand the nodes back, then take in what the cluster now reports.
-    for name in _handed_back(change, nodes):
+    handed_back = _handed_back(change, nodes)
+    for name in handed_back:
         backend.uncordon(name)
-        _set_schedulable([name], True)
         _record(change.id, state=State.UNCORDONING, node=name, message=f"Uncordoned {name}.")
+    _set_schedulable(handed_back, True)
     NodePool.objects.filter(id=change.pool_id).update(partition_profile=change.profile, updated_at=timezone.now())
     inventory_sync()
     flavors_discover()
