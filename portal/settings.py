@@ -252,6 +252,9 @@ PARTITION_LEASE_S = env_int("PARTITION_LEASE_S", 120, minimum=1)
 
 # Cluster backends.
 CLUSTER_BACKEND = env_choice("CLUSTER_BACKEND", "local", ("local", "kubernetes"))
+# A dotted path to a callable that returns a ClusterBackend, used instead of CLUSTER_BACKEND
+# when set: a backend of your own (or a test's, see tests/support/backends.py).
+CLUSTER_BACKEND_FACTORY = env_str("CLUSTER_BACKEND_FACTORY", "")
 LOCAL_CLUSTER_FILE = env_str("LOCAL_CLUSTER_FILE", str(BASE_DIR / "runners" / "clusters" / "demo.yaml"))
 LOCAL_WORKSPACE_DIR = Path(env_str("LOCAL_WORKSPACE_DIR", str(VAR_DIR / "workspaces")))
 # Simulated provisioning latency of the local backend, so the demo shows an
@@ -268,7 +271,6 @@ if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
     raise ImproperlyConfigured("KUBERNETES_USERNAME_TEMPLATE must contain {username}, e.g. 'oidc:{username}'.")
 # Kept under CELERY_VISIBILITY_TIMEOUT_S, so a teardown still waiting is never handed to a second worker.
 KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 120, minimum=1)
-KUBERNETES_POLL_INTERVAL_S = env_float("KUBERNETES_POLL_INTERVAL_S", 1.0, minimum=0)
 KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, minimum=1)
 # Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at
 # (migManager.config.name and devicePlugin.config.name).

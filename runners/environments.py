@@ -12,6 +12,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from portal.tasks import enqueue_on_commit, send_task
@@ -123,7 +124,12 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
         changed = (
             Environment.objects.filter(id=environment.id)
             .exclude(state__in=[EnvironmentState.DELETING, EnvironmentState.DELETED])
-            .update(state=EnvironmentState.DELETING, status_message="Deleting.", state_changed_at=timezone.now())
+            .update(
+                state=EnvironmentState.DELETING,
+                status_message="Deleting.",
+                state_changed_at=timezone.now(),
+                delete_requested_at=timezone.now(),
+            )
         )
         if changed:
             enqueue_on_commit(environment_teardown, environment.id)
@@ -218,10 +224,14 @@ def _undo_if_deleted(environment_id: int) -> None:
     if environment.state not in (EnvironmentState.DELETING, EnvironmentState.DELETED):
         return
     try:
-        get_backend().delete_environment(environment_spec(environment))
+        gone = get_backend().delete_environment(environment_spec(environment))
     except TransientBackendError:
+        gone = False
+    if not gone:
         # Leave it to a teardown that retries; mark it deleting so the teardown claims it.
-        Environment.objects.filter(id=environment_id).update(state=EnvironmentState.DELETING)
+        Environment.objects.filter(id=environment_id).update(
+            state=EnvironmentState.DELETING, delete_requested_at=Coalesce("delete_requested_at", Now())
+        )
         enqueue_on_commit(environment_teardown, environment_id)
 
 
@@ -242,16 +252,34 @@ def environment_note_retry(*, environment_id: int, reason: str) -> None:
 
 
 def environment_teardown_run(*, environment_id: int) -> str:
-    """Delete one environment from its backend and mark it deleted. Idempotent."""
+    """Ask the backend to delete one environment; DELETED once it is gone. Idempotent, never waits.
+
+    Returns DELETING while the backend is still removing it (a namespace Terminating): the
+    task asks again after a countdown. Past KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S the
+    environment's message says a finalizer may be stuck; teardown keeps trying.
+    """
+    now = timezone.now()
     claimed = Environment.objects.filter(id=environment_id, state=EnvironmentState.DELETING).update(
-        state_changed_at=timezone.now(), task_runs=F("task_runs") + 1
+        state_changed_at=now, task_runs=F("task_runs") + 1, delete_requested_at=Coalesce("delete_requested_at", Now())
     )
     if not claimed:
         return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
     environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    get_backend().delete_environment(environment_spec(environment))
-    _set_state(environment_id, expect=[EnvironmentState.DELETING], state=EnvironmentState.DELETED, message="Deleted.")
-    return EnvironmentState.DELETED
+    if get_backend().delete_environment(environment_spec(environment)):
+        _set_state(
+            environment_id, expect=[EnvironmentState.DELETING], state=EnvironmentState.DELETED, message="Deleted."
+        )
+        return EnvironmentState.DELETED
+    waited = (now - environment.delete_requested_at).total_seconds()
+    if waited > settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S:
+        message = (
+            f"Namespace {environment.namespace} is still terminating {waited:.0f}s after it was deleted; "
+            f"a finalizer may be stuck (`kubectl get namespace {environment.namespace} -o yaml` shows which)."
+        )
+    else:
+        message = f"Deleting: waiting for namespace {environment.namespace} to go."
+    Environment.objects.filter(id=environment_id, state=EnvironmentState.DELETING).update(status_message=message)
+    return EnvironmentState.DELETING
 
 
 def environment_sync_run(*, environment_id: int) -> bool:

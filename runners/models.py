@@ -169,6 +169,9 @@ class Environment(models.Model):
     sync_pending = models.BooleanField(default=False)
     sync_requested_at = models.DateTimeField(null=True, blank=True)
     sync_lease_until = models.DateTimeField(null=True, blank=True)
+    # When teardown was first asked for; a namespace Terminating much longer than
+    # KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S is reported on the environment as stuck.
+    delete_requested_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["tenant__slug", "name"]

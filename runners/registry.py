@@ -7,6 +7,7 @@ plain arguments and never read settings, so they stay testable without Django.
 from functools import cache
 
 from django.conf import settings
+from django.utils.module_loading import import_string
 
 from runners.backends.base import ClusterBackend
 
@@ -18,8 +19,6 @@ def kubernetes_backend_options() -> dict:
     return dict(
         field_manager=settings.KUBERNETES_FIELD_MANAGER,
         username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
-        delete_timeout_s=settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S,
-        poll_interval_s=settings.KUBERNETES_POLL_INTERVAL_S,
         request_timeout_s=settings.KUBERNETES_REQUEST_TIMEOUT_S,
         gpu_operator_namespace=settings.KUBERNETES_GPU_OPERATOR_NAMESPACE,
         mig_parted_config_map=settings.KUBERNETES_MIG_PARTED_CONFIG_MAP,
@@ -44,14 +43,26 @@ def kubernetes_backend_from_settings():
 
 @cache
 def get_backend() -> ClusterBackend:
-    """The backend named by CLUSTER_BACKEND, built once per process."""
+    """The backend named by CLUSTER_BACKEND (or made by CLUSTER_BACKEND_FACTORY), built once per process."""
+    if settings.CLUSTER_BACKEND_FACTORY:
+        return import_string(settings.CLUSTER_BACKEND_FACTORY)()
     if settings.CLUSTER_BACKEND == "kubernetes":
         return kubernetes_backend_from_settings()
-    from runners.backends.local import LocalBackend
+    return local_backend_from_settings()
 
-    return LocalBackend(
+
+def local_backend_options() -> dict:
+    """The local backend's options from the LOCAL_* settings."""
+    return dict(
         workspace_dir=settings.LOCAL_WORKSPACE_DIR,
         provision_delay_s=settings.LOCAL_PROVISION_DELAY_S,
         cluster_file=settings.LOCAL_CLUSTER_FILE,
         use_nvml=settings.LOCAL_USE_NVML,
     )
+
+
+def local_backend_from_settings():
+    """A local backend configured by the LOCAL_* settings."""
+    from runners.backends.local import LocalBackend
+
+    return LocalBackend(**local_backend_options())

@@ -1,11 +1,13 @@
 """Celery tasks for environments, the inventory and partition changes: take ids, reload, call a service."""
 
 from celery import shared_task
+from celery.exceptions import MaxRetriesExceededError
 from django.conf import settings
 
 from portal.tasks import retry_or_give_up, send_task
 from runners import environments, services
 from runners.backends.base import TransientBackendError
+from runners.models import EnvironmentState
 
 PARTITION_MAX_RETRIES = 10
 ENVIRONMENT_MAX_RETRIES = 8
@@ -67,7 +69,19 @@ def environment_provision(self, environment_id: int) -> str:
     max_retries=50,  # After that the sweep re-enqueues it: teardown always finishes eventually.
 )
 def environment_teardown(self, environment_id: int) -> str:
-    return environments.environment_teardown_run(environment_id=environment_id)
+    state = environments.environment_teardown_run(environment_id=environment_id)
+    if state != EnvironmentState.DELETING:
+        return state
+    # Not gone yet (a namespace Terminating): ask again later rather than wait here.
+    try:
+        raise self.retry(countdown=teardown_countdown_s(self.request.retries))
+    except MaxRetriesExceededError:
+        return state  # The sweep picks the environment up again.
+
+
+def teardown_countdown_s(retries: int) -> float:
+    """Seconds before teardown looks again at an environment still going away: 1, 2, 4 ... 30."""
+    return float(min(2**retries, 30))
 
 
 @shared_task(

@@ -147,7 +147,6 @@ def kubernetes_cluster(settings, tmp_path):
         }))
         settings.CLUSTER_BACKEND = "kubernetes"
         settings.KUBECONFIG = str(kubeconfig)
-        settings.KUBERNETES_POLL_INTERVAL_S = 0.02
         get_backend.cache_clear()
         yield api
         get_backend.cache_clear()

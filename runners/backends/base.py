@@ -142,8 +142,12 @@ class ClusterBackend(Protocol):
     def ensure_environment(self, spec: EnvironmentSpec) -> None:
         """Create or converge the environment; a no-op when it already matches."""
 
-    def delete_environment(self, spec: EnvironmentSpec) -> None:
-        """Delete the environment and return once nothing of it remains."""
+    def delete_environment(self, spec: EnvironmentSpec) -> bool:
+        """Start deleting the environment without waiting for it to go.
+
+        True once nothing of it remains; False while it is still going away (a namespace
+        Terminating): the caller asks again later, it never waits here.
+        """
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         """Whether any part of the environment still exists."""

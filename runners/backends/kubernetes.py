@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 
 import urllib3
@@ -116,8 +115,6 @@ class KubernetesBackend:
         # portal/settings.py (runners.registry.kubernetes_backend_options reads them).
         field_manager: str,
         username_template: str,
-        delete_timeout_s: float,
-        poll_interval_s: float,
         request_timeout_s: float,
         gpu_operator_namespace: str,
         mig_parted_config_map: str,
@@ -132,8 +129,6 @@ class KubernetesBackend:
         }
         self.field_manager = field_manager
         self.username_template = username_template
-        self.delete_timeout_s = delete_timeout_s
-        self.poll_interval_s = poll_interval_s
         self.request_timeout_s = request_timeout_s
         self.gpu_operator_namespace = gpu_operator_namespace
         self.mig_parted_config_map = mig_parted_config_map
@@ -252,32 +247,31 @@ class KubernetesBackend:
                                 spec.environment_id)
                     self._checked(kind, "delete", name, spec.namespace, accept=(200, 202, 404))
 
-    def delete_environment(self, spec: EnvironmentSpec) -> None:
-        """Delete the namespace (and with it everything inside), and return once it is gone."""
+    def delete_environment(self, spec: EnvironmentSpec) -> bool:
+        """Ask for the namespace (and with it everything inside) to be deleted; never waits.
+
+        True once it is gone. False while it is Terminating: the namespace controller is still
+        removing what is inside (or a finalizer holds it), and the caller asks again later.
+        A namespace already Terminating is not deleted a second time.
+        """
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
         if status == 404:
-            return
+            return True
         owner = _owner(current)
         if owner is None:
             # Never labelled by the portal, so never this environment's: someone else's to delete.
             logger.warning("Not deleting namespace %s: the portal did not make it.", spec.namespace)
-            return
+            return True
         if owner != str(spec.environment_id):
             raise PermanentBackendError(
                 f"Namespace {spec.namespace} belongs to portal environment {owner}, not {spec.environment_id}; "
                 "refusing to delete it."
             )
-        status, _ = self._checked("Namespace", "delete", spec.namespace, accept=(200, 202, 404))
-        if status == 404:
-            return
-        deadline = time.monotonic() + self.delete_timeout_s
-        while self.environment_exists(spec):
-            if time.monotonic() >= deadline:
-                raise TransientBackendError(
-                    f"Namespace {spec.namespace} still exists {self.delete_timeout_s:g}s after it was deleted; "
-                    "a finalizer may be stuck (`kubectl get namespace -o yaml` shows which)."
-                )
-            time.sleep(self.poll_interval_s)
+        if not (current.get("metadata") or {}).get("deletionTimestamp"):
+            status, _ = self._checked("Namespace", "delete", spec.namespace, accept=(200, 202, 404))
+            if status == 404:
+                return True
+        return not self.environment_exists(spec)
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         """Whether this environment's namespace exists, Terminating included."""

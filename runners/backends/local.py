@@ -103,21 +103,22 @@ class LocalBackend:
             json.dump(record, stream, indent=2, sort_keys=True)
         os.replace(temp_path, workspace / RECORD_NAME)
 
-    def delete_environment(self, spec: EnvironmentSpec) -> None:
+    def delete_environment(self, spec: EnvironmentSpec) -> bool:
         workspace = self.workspace(spec)
         if not workspace.exists():
-            return
+            return True
         record = self.read_record(spec)
         if record is not None and record.get("environment_id") != spec.environment_id:
             # A newer environment reuses the namespace; a late teardown of the old one must not touch it.
-            return
+            return True
         # Rename first so a half-deleted tree is never mistaken for a live workspace.
         doomed = workspace.with_name(f".deleting-{workspace.name}-{os.getpid()}-{time.monotonic_ns()}")
         try:
             os.replace(workspace, doomed)
         except FileNotFoundError:
-            return
+            return True
         shutil.rmtree(doomed, ignore_errors=False)
+        return True
 
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         return self.workspace(spec).exists()

@@ -30,8 +30,6 @@ def make_backend(standin):
         options = kubernetes_backend_options() | dict(
             field_manager="gpu-portal",
             username_template="oidc:{username}",
-            delete_timeout_s=5,
-            poll_interval_s=0.02,
             request_timeout_s=5,
         )
         options.update(overrides)

@@ -6,11 +6,11 @@ import pytest
 from django.utils import timezone
 
 from runners import environments
-from runners.backends.base import PermanentBackendError, TransientBackendError
 from runners.models import Environment
 from runners.registry import get_backend
 from tenants import services
 from tenants.models import Membership
+from tests.support.backends import FailingBackend, SomethingHappensWhileBuilding, use_backend
 
 pytestmark = pytest.mark.django_db
 
@@ -20,26 +20,6 @@ def environment(tenant, owner):
     return Environment.objects.create(
         tenant=tenant, name="train", namespace="acme-train", backend="local", created_by=owner
     )
-
-
-class FlakyBackend:
-    """A backend that fails the way a real cluster can, for the task paths."""
-
-    name = "flaky"
-
-    def __init__(self, error):
-        self.error = error
-        self.calls = 0
-
-    def ensure_environment(self, spec):
-        self.calls += 1
-        raise self.error
-
-    def delete_environment(self, spec):
-        raise self.error
-
-    def environment_exists(self, spec):
-        return False
 
 
 def test_it_provisions_a_local_workspace_with_members(environment, settings, teammate):
@@ -67,20 +47,18 @@ def test_a_ready_environment_is_left_alone_by_a_late_duplicate(environment):
     assert environment.task_runs == 1
 
 
-def test_a_permanent_error_fails_it_with_the_reason(environment, monkeypatch):
-    backend = FlakyBackend(PermanentBackendError("namespace quota admission webhook denied the request"))
-    monkeypatch.setattr("runners.environments.get_backend", lambda: backend)
+def test_a_permanent_error_fails_it_with_the_reason(environment, settings):
+    use_backend(settings, "refusing_for_good")
     assert environments.environment_provision_run(environment_id=environment.id) == "failed"
     environment.refresh_from_db()
     assert environment.state == "failed"
     assert "webhook denied" in environment.status_message
 
 
-def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, settings):
+def test_a_transient_error_is_retried_then_gives_up(environment, settings):
     from runners import tasks
 
-    backend = FlakyBackend(TransientBackendError("connection refused"))
-    monkeypatch.setattr("runners.environments.get_backend", lambda: backend)
+    use_backend(settings, "unreachable")
     settings.CELERY_TASK_ALWAYS_EAGER = True
     from portal.celery import app
 
@@ -90,7 +68,7 @@ def test_a_transient_error_is_retried_then_gives_up(environment, monkeypatch, se
     finally:
         app.conf.task_always_eager = False
     environment.refresh_from_db()
-    assert backend.calls == tasks.ENVIRONMENT_MAX_RETRIES + 1
+    assert FailingBackend.calls == tasks.ENVIRONMENT_MAX_RETRIES + 1
     assert environment.state == "failed"
     assert "connection refused" in environment.status_message
 
@@ -105,21 +83,8 @@ def test_teardown_removes_the_workspace(environment, settings):
     assert environments.environment_teardown_run(environment_id=environment.id) == "deleted"
 
 
-def test_an_environment_deleted_mid_provisioning_leaves_nothing_behind(environment, settings, monkeypatch):
-    real = get_backend()
-
-    class DeletedMeanwhile:
-        name = "local"
-
-        def ensure_environment(self, spec):
-            real.ensure_environment(spec)
-            # A user deletes it and the teardown runs while we are still building.
-            Environment.objects.filter(id=spec.environment_id).update(state="deleted")
-
-        def delete_environment(self, spec):
-            real.delete_environment(spec)
-
-    monkeypatch.setattr("runners.environments.get_backend", lambda: DeletedMeanwhile())
+def test_an_environment_deleted_mid_provisioning_leaves_nothing_behind(environment, settings):
+    use_backend(settings, "deleted_while_building")
     assert environments.environment_provision_run(environment_id=environment.id) == "deleted"
     assert not (settings.LOCAL_WORKSPACE_DIR / "acme-train").exists()
 
@@ -147,25 +112,13 @@ def test_a_membership_change_resyncs_ready_environments(environment, owner, make
     assert Membership.objects.filter(tenant=environment.tenant).count() == 2
 
 
-def test_a_member_removed_while_it_provisions_loses_access(environment, owner, teammate, settings, monkeypatch):
-    real = get_backend()
-    removed = []
-
-    class MemberLeavesMeanwhile:
-        name = "local"
-
-        def ensure_environment(self, spec):
-            real.ensure_environment(spec)
-            if not removed:
-                # The removal commits while the first apply is in flight; its resync skips
-                # environments that are not ready yet.
-                services.membership_remove(actor=owner, tenant=environment.tenant, username="tom")
-                removed.append(True)
-
-        def delete_environment(self, spec):
-            real.delete_environment(spec)
-
-    monkeypatch.setattr("runners.environments.get_backend", lambda: MemberLeavesMeanwhile())
+def test_a_member_removed_while_it_provisions_loses_access(environment, owner, teammate, settings):
+    use_backend(settings, "something_happens_while_building")
+    # The removal commits while the first apply is in flight; its resync skips
+    # environments that are not ready yet.
+    SomethingHappensWhileBuilding.during = lambda: services.membership_remove(
+        actor=owner, tenant=environment.tenant, username="tom"
+    )
     assert environments.environment_provision_run(environment_id=environment.id) == "ready"
     record = json.loads((settings.LOCAL_WORKSPACE_DIR / "acme-train" / "environment.json").read_text())
     assert [member["username"] for member in record["members"]] == ["olivia"]

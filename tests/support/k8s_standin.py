@@ -186,6 +186,12 @@ class KubernetesStandIn:
 
     # --- Test helpers ------------------------------------------------------------
 
+    def finish_termination(self, namespace: str) -> None:
+        """Let a Terminating namespace go now (its finalizers are done), whatever the delay."""
+        with self._lock:
+            if namespace in self._state.namespace_gone_at:
+                self._state.namespace_gone_at[namespace] = 0.0
+
     def inject(self, status: int, **fault) -> Fault:
         """Make the next matching request(s) fail; see Fault for the knobs."""
         injected = Fault(status=status, **fault)
