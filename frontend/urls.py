@@ -35,4 +35,5 @@ urlpatterns = [
     path("node-pools/<int:pool_id>/", views.node_pool_detail, name="node-pool"),
     path("node-pools/<int:pool_id>/live/", views.node_pool_live, name="node-pool-live"),
     path("node-pools/<int:pool_id>/apply/", views.node_pool_apply, name="node-pool-apply"),
+    path("node-pools/<int:pool_id>/apply/preview/", views.node_pool_apply_preview, name="node-pool-apply-preview"),
 ]

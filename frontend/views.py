@@ -375,8 +375,36 @@ def _render_pool(request, pool, form=None, *, status=200):
         **_pool_live_context(request, pool),
         "form": form or NodePoolApplyForm(profiles=profiles),
         "has_profiles": profiles.exists(),
+        "capacity_preview": _capacity_preview(request, pool, form) if form is not None else None,
     }
     return render(request, "frontend/node_pool.html", context, status=status)
+
+
+def _capacity_preview(request, pool, form: NodePoolApplyForm) -> dict:
+    """What applying the form's profile would do to each flavor's capacity (the API's dry run)."""
+    # Only the profile matters here: the other fields may be unset, or the apply refused.
+    try:
+        profile = form.fields["profile"].clean(form["profile"].value())
+    except ValidationError:
+        profile = None
+    if profile is None:
+        return {"problem": "Choose a profile to see what it does to capacity."}
+    result = runner_services.node_pool_apply(
+        actor=request.user, pool=pool, profile=profile, drain=PartitionChange.Drain.WAIT, dry_run=True
+    )
+    return {"profile": profile, "rows": result["capacity"]}
+
+
+@staff_required
+@require_GET
+def node_pool_apply_preview(request, pool_id):
+    """A fragment: per flavor, capacity before and after the chosen profile, and guarantees that no longer fit."""
+    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    form = NodePoolApplyForm(request.GET, profiles=runner_selectors.node_pool_profiles(user=request.user, pool=pool))
+    return render(
+        request, "frontend/fragments/pool_capacity_preview.html",
+        {"pool": pool, "preview": _capacity_preview(request, pool, form)},
+    )
 
 
 @staff_required

@@ -108,6 +108,15 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     page.screenshot(path=str(screenshot_dir / "node-pool-before.png"), full_page=True)
     form = page.get_by_test_id("apply-profile")
     form.get_by_label("Profile").select_option("h100-4g-3g")
+    # Choosing the profile previews, beside the form, what it does to each flavor's capacity.
+    preview = page.get_by_test_id("capacity-preview")
+    whole = preview.locator('tr[data-flavor="h100-80gb"]')
+    expect(whole.get_by_test_id("capacity-before")).to_have_text("16")
+    expect(whole.get_by_test_id("capacity-after")).to_have_text("0")
+    expect(whole.get_by_test_id("unbacked")).to_contain_text("acme (4)")
+    expect(preview.get_by_text("new flavor")).to_have_count(2)
+    preview.screenshot(path=str(screenshot_dir / "node-pool-capacity-preview.png"))
+    assert not PartitionChange.objects.exists(), "the preview changed nothing"
     form.get_by_label("Wait: refuse while work runs").check()
     page.once("dialog", lambda dialog: dialog.accept())  # the "Re-partition every GPU?" question
     form.get_by_role("button", name="Apply profile").click()

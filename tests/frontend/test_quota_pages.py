@@ -345,6 +345,58 @@ def test_the_apply_form_refuses_a_profile_of_another_model(staff_client, invento
     assert not PartitionChange.objects.exists()
 
 
+def _preview_rows(html: str) -> dict[str, tuple[str, str, str]]:
+    """flavor -> (capacity now, after, who no longer fits) from the capacity preview table."""
+    def cell(body: str, name: str) -> str:
+        return re.sub(r"<[^>]+>", "", re.search(rf'data-testid="{name}">(.*?)</td>', body, re.S).group(1)).strip()
+
+    return {
+        flavor: (cell(body, "capacity-before"), cell(body, "capacity-after"), cell(body, "unbacked"))
+        for flavor, body in re.findall(r'<tr data-flavor="([^"]+)">(.*?)</tr>', html, re.S)
+    }
+
+
+def test_the_capacity_preview_lists_each_flavors_change_and_the_guarantees_that_no_longer_fit(
+    staff_client, inventory, h100_mig, h100_flavor, tenant
+):
+    Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=4, max=8)
+    pool = NodePool.objects.get(name="h100-pool")
+    response = staff_client.get(f"/node-pools/{pool.id}/apply/preview/", {"profile": "h100-4g-3g"})
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "<html" not in html, "a fragment for the page to show beside the form"
+    rows = _preview_rows(html)
+    assert rows["h100-80gb"] == ("16", "0", "over capacity acme (4)")
+    # The slices the profile makes have no flavor yet: the preview names the ones discovery will create.
+    new = {flavor: row for flavor, row in rows.items() if flavor != "h100-80gb"}
+    assert sorted(row[:2] for row in new.values()) == [("0", "16"), ("0", "16")]
+    assert html.count("new flavor") == 2
+    assert all(row[2] == "none" for row in new.values())
+    assert not PartitionChange.objects.exists(), "a preview changes nothing"
+
+
+def test_the_capacity_preview_asks_for_a_profile_first(staff_client, inventory):
+    pool = NodePool.objects.get(name="h100-pool")
+    html = staff_client.get(f"/node-pools/{pool.id}/apply/preview/").content.decode()
+    assert "Choose a profile" in html and "<table" not in html
+
+
+def test_a_refused_apply_shows_the_capacity_preview_beside_the_error(staff_client, inventory, h100_mig, h100_flavor, tenant):
+    Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=4, max=8)
+    pool = NodePool.objects.get(name="h100-pool")
+    response = staff_client.post(f"/node-pools/{pool.id}/apply/", {"profile": "h100-4g-3g", "drain": "wait"})
+    assert response.status_code == 400
+    assert "shrink_guarantees" in _field_errors(response, "profile")
+    assert _preview_rows(response.content.decode())["h100-80gb"] == ("16", "0", "over capacity acme (4)")
+    assert not PartitionChange.objects.exists()
+
+
+def test_the_capacity_preview_is_staffs(client, owner, inventory, h100_mig):
+    client.force_login(owner)
+    pool = NodePool.objects.get(name="h100-pool")
+    assert client.get(f"/node-pools/{pool.id}/apply/preview/", {"profile": "h100-4g-3g"}).status_code == 404
+
+
 def test_an_unknown_node_pool_is_a_404(staff_client, inventory):
     assert staff_client.get("/node-pools/999999/").status_code == 404
 
