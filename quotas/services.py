@@ -8,11 +8,10 @@ fit in is the flavor's ``capacity``, which runners keeps current from the invent
 from decimal import Decimal
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from portal.errors import NotAllowed
+from portal.errors import Invalid, NotAllowed
 from quotas.models import GuaranteeReduction, PartitionKind, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import guaranteed_total
 from quotas.signals import quota_changed
@@ -30,7 +29,7 @@ def gpu_model_check(field: str, model: str) -> mig.GpuModel:
     try:
         return mig.gpu_model(model)
     except mig.UnknownGpuModelError as exc:
-        raise ValidationError({field: str(exc)}) from None
+        raise Invalid(field, str(exc)) from None
 
 
 def flavor_create(
@@ -40,24 +39,22 @@ def flavor_create(
     model = gpu_model_check("gpu_model", gpu_model)
     if kind == PartitionKind.MIG:
         if not model.mig_capable:
-            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG."})
+            raise Invalid("gpu_model", f"{gpu_model} does not support MIG.")
         if mig_profile not in model.profiles:
-            raise ValidationError(
-                {"mig_profile": f"{mig_profile!r} is not a MIG profile of {gpu_model}; use one of {', '.join(model.profiles)}."}
-            )
+            raise Invalid("mig_profile", f"{mig_profile!r} is not a MIG profile of {gpu_model}; use one of {', '.join(model.profiles)}.")
     elif mig_profile:
-        raise ValidationError({"mig_profile": f"Only mig flavors name a MIG profile; this one is {kind}."})
+        raise Invalid("mig_profile", f"Only mig flavors name a MIG profile; this one is {kind}.")
     if ResourceFlavor.objects.filter(name=name).exists():
-        raise ValidationError({"name": f"A flavor named {name!r} already exists."})
+        raise Invalid("name", f"A flavor named {name!r} already exists.")
     if ResourceFlavor.objects.filter(kind=kind, gpu_model=gpu_model, mig_profile=mig_profile).exists():
-        raise ValidationError({"kind": "A flavor for exactly this GPU model, kind and profile already exists."})
+        raise Invalid("kind", "A flavor for exactly this GPU model, kind and profile already exists.")
     try:
         with transaction.atomic():
             return ResourceFlavor.objects.create(
                 name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile, description=description
             )
     except IntegrityError:
-        raise ValidationError({"name": "A flavor with this name or shape was created at the same moment."}) from None
+        raise Invalid("name", "A flavor with this name or shape was created at the same moment.") from None
 
 
 def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour: Decimal, currency: str, effective_from=None) -> PriceCard:
@@ -65,14 +62,14 @@ def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour
     require_staff(actor)
     effective_from = effective_from or timezone.now()
     if flavor.prices.filter(effective_from=effective_from).exists():
-        raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."})
+        raise Invalid("effective_from", "This flavor already has a price starting at that moment.")
     try:
         with transaction.atomic():
             return PriceCard.objects.create(
                 flavor=flavor, price_per_hour=price_per_hour, currency=currency.upper(), effective_from=effective_from
             )
     except IntegrityError:
-        raise ValidationError({"effective_from": "This flavor already has a price starting at that moment."}) from None
+        raise Invalid("effective_from", "This flavor already has a price starting at that moment.") from None
 
 
 @transaction.atomic
@@ -97,29 +94,23 @@ def quota_set(
     flavor = ResourceFlavor.objects.select_for_update(no_key=True).get(pk=flavor.pk)
     existing = Quota.objects.filter(tenant=tenant, flavor=flavor).first()
     if must_be_new and existing is not None:
-        raise ValidationError({"flavor": "This tenant already has a quota for this flavor; PATCH it instead."})
+        raise Invalid("flavor", "This tenant already has a quota for this flavor; PATCH it instead.")
     current = existing or Quota()  # a new quota starts from the model's defaults
     guaranteed = current.guaranteed if guaranteed is None else guaranteed
     max = current.max if max is None else max
     fair_share_weight = current.fair_share_weight if fair_share_weight is None else fair_share_weight
     max_priority = current.max_priority if max_priority is None else max_priority
     if guaranteed > max:
-        raise ValidationError({"guaranteed": f"guaranteed ({guaranteed}) cannot exceed max ({max})."})
+        raise Invalid("guaranteed", f"guaranteed ({guaranteed}) cannot exceed max ({max}).")
     if fair_share_weight <= 0:
-        raise ValidationError({"fair_share_weight": "The fair-share weight must be above 0."})
+        raise Invalid("fair_share_weight", "The fair-share weight must be above 0.")
     capacity = flavor.capacity
     others = guaranteed_total(flavor, excluding_tenant=tenant)
     # Only a growing guarantee must fit: capacity can shrink under existing guarantees (a pool
     # cordoned or re-cut), and staff must still be able to lower them or change anything else.
     if guaranteed > current.guaranteed and others + guaranteed > capacity:
-        raise ValidationError(
-            {
-                "guaranteed": (
-                    f"Guarantees for {flavor.name} would total {others + guaranteed} but the cluster holds {capacity}; "
-                    f"at most {capacity - others if capacity > others else 0} can be guaranteed to {tenant.slug}."
-                )
-            }
-        )
+        raise Invalid("guaranteed", f"Guarantees for {flavor.name} would total {others + guaranteed} but the cluster holds {capacity}; "
+                    f"at most {capacity - others if capacity > others else 0} can be guaranteed to {tenant.slug}.")
     quota, _ = Quota.objects.update_or_create(
         tenant=tenant,
         flavor=flavor,

@@ -9,12 +9,12 @@ import logging
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from portal.errors import Invalid
 from portal.tasks import enqueue_on_commit, send_task
 from quotas.selectors import environment_quota_hard
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
@@ -80,18 +80,16 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
     namespace = environment_namespace(tenant.slug, name)
     if len(namespace) > NAMESPACE_MAX:
-        raise ValidationError(
-            {"name": f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
-                     f"names in {tenant.slug} can have at most {NAMESPACE_MAX - len(namespace) + len(name)}."}
-        )
+        raise Invalid("name", f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
+                     f"names in {tenant.slug} can have at most {NAMESPACE_MAX - len(namespace) + len(name)}.")
     if namespace.startswith("kube-") or namespace in ("default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE):
-        raise ValidationError({"name": f"The namespace {namespace!r} is reserved for the cluster; pick another name."})
-    duplicate = ValidationError({"name": f"Tenant {tenant.slug} already has an environment named {name!r}."})
+        raise Invalid("name", f"The namespace {namespace!r} is reserved for the cluster; pick another name.")
+    duplicate = Invalid("name", f"Tenant {tenant.slug} already has an environment named {name!r}.")
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
         raise duplicate
     # The namespace is this tenant's by construction, so only an environment made before namespaces
     # were built this way can hold it; the refusal names nothing of whose it is.
-    unavailable = ValidationError({"name": f"The name {name!r} cannot be used in {tenant.slug} at the moment; pick another."})
+    unavailable = Invalid("name", f"The name {name!r} cannot be used in {tenant.slug} at the moment; pick another.")
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(namespace=namespace).exists():
         raise unavailable
     environment = Environment(

@@ -12,11 +12,11 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.errors import Invalid
 from portal.tasks import enqueue_on_commit, send_task
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from quotas.services import gpu_model_check, guarantees_shrink, require_staff
@@ -99,27 +99,27 @@ def partition_spec(profile: PartitionProfile) -> PartitionSpec:
 def partition_profile_check(*, gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> int:
     """Validate a profile's shape against NVIDIA's geometry; returns the replicas to store.
 
-    Raises ValidationError naming the field. The partition page's preview calls
+    Raises Invalid naming the field. The partition page's preview calls
     this too, so it never promises what saving would refuse.
     """
     model = gpu_model_check("gpu_model", gpu_model)
     if kind == PartitionKind.MIG:
         if not model.mig_capable:
-            raise ValidationError({"gpu_model": f"{gpu_model} does not support MIG; use kind whole or timeslice."})
+            raise Invalid("gpu_model", f"{gpu_model} does not support MIG; use kind whole or timeslice.")
         if not layout:
-            raise ValidationError({"layout": "A mig profile needs a layout: the MIG profiles of one GPU."})
+            raise Invalid("layout", "A mig profile needs a layout: the MIG profiles of one GPU.")
         try:
             mig.fit_layout(gpu_model, layout)
         except mig.MigError as exc:
-            raise ValidationError({"layout": str(exc)}) from None
+            raise Invalid("layout", str(exc)) from None
     elif layout:
-        raise ValidationError({"layout": "Only mig profiles take a layout."})
+        raise Invalid("layout", "Only mig profiles take a layout.")
     if kind == PartitionKind.TIMESLICE:
         if replicas is None or not 2 <= replicas <= MAX_TIMESLICE_REPLICAS:
-            raise ValidationError({"replicas": f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU."})
+            raise Invalid("replicas", f"Time-slicing needs between 2 and {MAX_TIMESLICE_REPLICAS} replicas per GPU.")
         return replicas
     if replicas not in (None, 1):
-        raise ValidationError({"replicas": "Only timeslice profiles take replicas."})
+        raise Invalid("replicas", "Only timeslice profiles take replicas.")
     return 1
 
 
@@ -130,12 +130,12 @@ def partition_profile_create(
     require_staff(actor)
     replicas = partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     if PartitionProfile.objects.filter(name=name).exists():
-        raise ValidationError({"name": f"A partition profile named {name!r} already exists."})
+        raise Invalid("name", f"A partition profile named {name!r} already exists.")
     try:
         with transaction.atomic():
             return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     except IntegrityError:
-        raise ValidationError({"name": f"A partition profile named {name!r} already exists."}) from None
+        raise Invalid("name", f"A partition profile named {name!r} already exists.") from None
 
 
 def pool_workloads(pool: NodePool) -> dict[str, list[str]]:
@@ -490,10 +490,8 @@ def node_pool_apply(
             f"({', '.join(item['tenant'] for item in row['unbacked'])})"
             for row in stranded
         )
-        raise ValidationError(
-            {"profile": f"Applying {profile.name} to {pool.name} leaves guarantees without capacity ({listed}). "
-                        "Lower them first, or apply with shrink_guarantees=true to lower them in proportion."}
-        )
+        raise Invalid("profile", f"Applying {profile.name} to {pool.name} leaves guarantees without capacity ({listed}). "
+                        "Lower them first, or apply with shrink_guarantees=true to lower them in proportion.")
     workloads = pool_workloads(pool)
     with transaction.atomic():
         for row in stranded:
@@ -519,22 +517,18 @@ def partition_change_start(
 
     require_staff(actor)
     if drain not in PartitionChange.Drain.values:
-        raise ValidationError({"drain": f"{drain!r} is not one of: wait, preempt."})
+        raise Invalid("drain", f"{drain!r} is not one of: wait, preempt.")
     if pool.gpu_model and profile.gpu_model != pool.gpu_model:
-        raise ValidationError(
-            {"profile": f"Profile {profile.name} is for {profile.gpu_model}; pool {pool.name} has {pool.gpu_model} GPUs."}
-        )
+        raise Invalid("profile", f"Profile {profile.name} is for {profile.gpu_model}; pool {pool.name} has {pool.gpu_model} GPUs.")
     busy = {node: names for node, names in workloads.items() if names}
     if busy and drain == PartitionChange.Drain.WAIT:
         listed = "; ".join(f"{node}: {', '.join(names)}" for node, names in sorted(busy.items()))
-        raise ValidationError(
-            {"drain": f"Work is running on pool {pool.name} ({listed}). Wait for it to finish, or apply with drain=preempt "
-                      "to checkpoint and preempt it."}
-        )
+        raise Invalid("drain", f"Work is running on pool {pool.name} ({listed}). Wait for it to finish, or apply with drain=preempt "
+                      "to checkpoint and preempt it.")
     try:
         with transaction.atomic():
             change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
             enqueue_on_commit(partition_apply, change.id)
     except IntegrityError:
-        raise ValidationError({"profile": f"Pool {pool.name} is already being re-partitioned; wait for that to finish."}) from None
+        raise Invalid("profile", f"Pool {pool.name} is already being re-partitioned; wait for that to finish.") from None
     return change

@@ -8,10 +8,9 @@ import logging
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import IntegrityError, transaction
 
-from portal.errors import NotFound
+from portal.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, role_at_least
 from tenants.selectors import user_has_role, user_role
 from tenants.signals import members_changed
@@ -20,24 +19,24 @@ logger = logging.getLogger(__name__)
 
 
 def require_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> str:
-    """Raise PermissionDenied unless the user holds at least this role in the tenant."""
+    """Raise NotAllowed unless the user holds at least this role in the tenant."""
     if not user_has_role(user=user, tenant=tenant, at_least=at_least):
-        raise PermissionDenied(f"This needs the {at_least} role or higher in tenant {tenant.slug}.")
+        raise NotAllowed(f"This needs the {at_least} role or higher in tenant {tenant.slug}.")
     return user_role(user=user, tenant=tenant)
 
 
 def tenant_create(*, actor: AbstractBaseUser, slug: str, name: str) -> Tenant:
     if not actor.is_staff:
-        raise PermissionDenied("Only staff can create tenants.")
+        raise NotAllowed("Only staff can create tenants.")
     if Tenant.objects.filter(slug=slug).exists():
-        raise ValidationError({"slug": f"A tenant with slug {slug!r} already exists."})
+        raise Invalid("slug", f"A tenant with slug {slug!r} already exists.")
     tenant = Tenant(slug=slug, name=name)
     tenant.full_clean()
     try:
         with transaction.atomic():
             tenant.save()
     except IntegrityError:
-        raise ValidationError({"slug": f"A tenant with slug {slug!r} already exists."}) from None
+        raise Invalid("slug", f"A tenant with slug {slug!r} already exists.") from None
     return tenant
 
 
@@ -46,13 +45,13 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
     """Add a user to a tenant; admins may grant up to admin, owners and staff anything."""
     actor_role = require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
     if role not in Role.values:
-        raise ValidationError({"role": f"{role!r} is not a role; use one of {', '.join(Role.values)}."})
+        raise Invalid("role", f"{role!r} is not a role; use one of {', '.join(Role.values)}.")
     if not role_at_least(actor_role, role):
-        raise PermissionDenied(f"Granting {role} needs the {role} role yourself.")
+        raise NotAllowed(f"Granting {role} needs the {role} role yourself.")
     user = get_user_model().objects.filter(username=username).first()
     if user is None:
-        raise ValidationError({"username": f"There is no user named {username!r}."})
-    duplicate = ValidationError({"username": f"{username} is already a member of {tenant.slug}."})
+        raise Invalid("username", f"There is no user named {username!r}.")
+    duplicate = Invalid("username", f"{username} is already a member of {tenant.slug}.")
     if Membership.objects.filter(tenant=tenant, user=user).exists():
         raise duplicate
     try:
@@ -74,11 +73,11 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
     if membership is None:
         raise NotFound(f"{username} is not a member of {tenant.slug}.")
     if not role_at_least(actor_role, membership.role):
-        raise PermissionDenied(f"Removing an {membership.role} needs the {membership.role} role yourself.")
+        raise NotAllowed(f"Removing an {membership.role} needs the {membership.role} role yourself.")
     if membership.role == Role.OWNER and not Membership.objects.filter(tenant=tenant, role=Role.OWNER).exclude(
         id=membership.id
     ).exists():
-        raise ValidationError({"username": f"{username} is the last owner of {tenant.slug}; add another owner first."})
+        raise Invalid("username", f"{username} is the last owner of {tenant.slug}; add another owner first.")
     membership.delete()
     members_changed.send(sender=Tenant, tenant=tenant)
 
