@@ -9,6 +9,7 @@ from portal import errors
 from quotas.api import FlavorViewSet, QuotaViewSet
 from runners.api import (
     EnvironmentViewSet,
+    JobViewSet,
     NodePoolViewSet,
     NodeViewSet,
     PartitionChangeViewSet,
@@ -26,6 +27,7 @@ router.register("partition-profiles", PartitionProfileViewSet, basename="partiti
 router.register("node-pools", NodePoolViewSet, basename="node-pool")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
+router.register("jobs", JobViewSet, basename="job")
 
 
 class ConflictError(exceptions.APIException):

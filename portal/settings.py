@@ -237,10 +237,18 @@ SWEEP_INTERVAL_S = env_int("SWEEP_INTERVAL_S", 30, minimum=1)
 # A transitional state untouched for this long is taken as a lost message.
 STUCK_AFTER_S = env_int("STUCK_AFTER_S", 300, minimum=1)
 INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
+# Jobs: the scheduler cycle runs this often (and on every submit, finish and cancel), and the
+# reconcile sweep reads running attempts' state from the backend this often.
+SCHEDULER_CYCLE_INTERVAL_S = env_float("SCHEDULER_CYCLE_INTERVAL_S", 3.0, minimum=0.1)
+JOB_RECONCILE_INTERVAL_S = env_float("JOB_RECONCILE_INTERVAL_S", 2.0, minimum=0.1)
+# Registries a custom job's image may come from (comma-separated prefixes; Kubernetes backend only).
+ALLOWED_IMAGE_REGISTRIES = [r.strip() for r in env_str("ALLOWED_IMAGE_REGISTRIES", "nvcr.io/nvidia").split(",") if r.strip()]
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
     "partition-change-sweep": {"task": "runners.tasks.partition_change_sweep", "schedule": SWEEP_INTERVAL_S},
+    "scheduler-cycle": {"task": "runners.tasks.scheduler_cycle", "schedule": float(SCHEDULER_CYCLE_INTERVAL_S)},
+    "jobs-reconcile": {"task": "runners.tasks.jobs_reconcile", "schedule": float(JOB_RECONCILE_INTERVAL_S)},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
@@ -257,6 +265,8 @@ CLUSTER_BACKEND = env_choice("CLUSTER_BACKEND", "local", ("local", "kubernetes")
 CLUSTER_BACKEND_FACTORY = env_str("CLUSTER_BACKEND_FACTORY", "")
 LOCAL_CLUSTER_FILE = env_str("LOCAL_CLUSTER_FILE", str(BASE_DIR / "runners" / "clusters" / "demo.yaml"))
 LOCAL_WORKSPACE_DIR = Path(env_str("LOCAL_WORKSPACE_DIR", str(VAR_DIR / "workspaces")))
+# Where the local backend runs jobs: one folder per job (its checkpoints, metrics and logs).
+LOCAL_JOBS_DIR = Path(env_str("LOCAL_JOBS_DIR", str(VAR_DIR / "jobs")))
 # Simulated provisioning latency of the local backend, so the demo shows an
 # environment passing through `provisioning` the way a real cluster does.
 LOCAL_PROVISION_DELAY_S = env_float("LOCAL_PROVISION_DELAY_S", 1.0, minimum=0)

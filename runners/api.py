@@ -15,9 +15,23 @@ from portal import nulls
 from portal.fields import StrictTypesMixin
 from quotas.api import StaffWritesOnly
 from quotas.models import PartitionKind
-from runners import environments, selectors, services
-from runners.filters import EnvironmentFilter
-from runners.models import Environment, EnvironmentState, Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners import environments, jobs, selectors, services
+from runners.filters import EnvironmentFilter, JobFilter
+from runners.models import (
+    Checkpoint,
+    Environment,
+    EnvironmentState,
+    Gpu,
+    Job,
+    JobAttempt,
+    JobEvent,
+    Node,
+    NodePool,
+    PartitionChange,
+    PartitionProfile,
+)
+from runners.registry import get_backend
+from runners.workloads.progress import latest_per_step
 from tenants.api import dns_label_field
 from tenants.models import ENVIRONMENT_NAME_MAX, TENANT_SLUG_MAX, Tenant
 from tenants.scoping import TenantScopedMixin
@@ -241,3 +255,161 @@ class PartitionChangeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, v
 
     def get_queryset(self):
         return selectors.partition_change_list(user=self.request.user)
+
+
+# --- Jobs ------------------------------------------------------------------------------
+
+
+class TopologySerializer(serializers.Serializer):
+    level = serializers.ChoiceField(choices=jobs.TOPOLOGY_LEVELS, default="none")
+    mode = serializers.ChoiceField(choices=jobs.TOPOLOGY_MODES, default="required")
+
+
+class JobSubmitSerializer(serializers.Serializer):
+    """The shape a job is submitted in (documentation: the service checks it, and refuses unknown fields)."""
+
+    tenant = serializers.CharField(help_text="The tenant's slug.")
+    environment = serializers.IntegerField(help_text="One of the tenant's ready environments.")
+    name = serializers.CharField(max_length=40)
+    template = serializers.ChoiceField(choices=jobs.TEMPLATES, default="pytorch-ddp")
+    replicas = serializers.IntegerField(min_value=1, max_value=jobs.MAX_REPLICAS, default=1)
+    flavor = serializers.CharField(help_text="A flavor the tenant has a quota for.")
+    gpus_per_replica = serializers.IntegerField(min_value=1, default=1, help_text="1 for MIG and time-slice flavors.")
+    cpu_milli_per_replica = serializers.IntegerField(default=2000)
+    memory_mib_per_replica = serializers.IntegerField(default=4096)
+    topology = TopologySerializer(required=False)
+    priority = serializers.IntegerField(min_value=0, default=0, help_text="At most the tenant's max_priority.")
+    preemptible = serializers.BooleanField(default=True)
+    steps = serializers.IntegerField(min_value=1, default=200)
+    checkpoint_every_steps = serializers.IntegerField(min_value=0, default=50)
+    max_runtime_s = serializers.IntegerField(min_value=10, default=3600)
+    max_retries = serializers.IntegerField(min_value=0, default=3)
+    env = serializers.DictField(child=serializers.CharField(), required=False)
+    image = serializers.CharField(allow_null=True, required=False, help_text="custom template only (Kubernetes).")
+    command = serializers.ListField(child=serializers.CharField(), allow_null=True, required=False)
+
+
+class PlacementSerializer(serializers.Serializer):
+    replica = serializers.IntegerField()
+    node = serializers.CharField()
+    gpus = serializers.ListField(child=serializers.IntegerField())
+    mig_profile = serializers.CharField(required=False)
+    mig_start = serializers.IntegerField(required=False)
+
+
+class JobAttemptSerializer(serializers.ModelSerializer):
+    placement = PlacementSerializer(many=True)
+
+    class Meta:
+        model = JobAttempt
+        fields = ["number", "placement", "started_at", "ended_at", "outcome", "exit_code", "reason", "resumed_from_step"]
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Checkpoint
+        fields = ["step", "bytes", "created_at", "uri"]
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["at", "from_state", "to_state", "reason"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    submitted_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    attempts = JobAttemptSerializer(many=True, read_only=True)
+    checkpoints = CheckpointSerializer(many=True, read_only=True)
+    events = JobEventSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "tenant", "environment", "name", "kind", "flavor", "replicas", "gpus_per_replica", "priority",
+            "preemptible", "state", "reason", "queue_position", "failures", "spec", "submitted_by", "submitted_at",
+            "started_at", "finished_at", "attempts", "checkpoints", "events",
+        ]
+
+
+class JobLogsSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField(allow_null=True)
+    replica = serializers.IntegerField()
+    text = serializers.CharField(allow_blank=True)
+
+
+class MetricPointSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    step = serializers.IntegerField()
+    loss = serializers.FloatField()
+    samples_per_s = serializers.FloatField()
+    time = serializers.CharField()
+
+
+class JobMetricsSerializer(serializers.Serializer):
+    series = MetricPointSerializer(many=True)
+
+
+def _query_int(request, name: str, default: int, low: int, high: int) -> int:
+    raw = nulls.query_param(request, name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise serializers.ValidationError({name: "A whole number."}) from None
+    if not low <= value <= high:
+        raise serializers.ValidationError({name: f"Between {low} and {high}."})
+    return value
+
+
+class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Training jobs of the caller's tenants: submit (member and up), read (viewers too), cancel, logs, metrics."""
+
+    queryset = Job.objects.select_related("tenant", "flavor", "submitted_by").prefetch_related(
+        "attempts", "checkpoints", "events"
+    )
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+    lookup_value_regex = r"[0-9]+"
+
+    @extend_schema(request=JobSubmitSerializer, responses={201: JobSerializer})
+    def create(self, request):
+        job = jobs.job_submit(actor=request.user, data=request.data)
+        return Response(JobSerializer(self.get_queryset().get(id=job.id)).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk):
+        job = jobs.job_cancel(actor=request.user, job=self.get_object())
+        return Response(JobSerializer(self.get_queryset().get(id=job.id)).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("replica", int, description="Which replica (rank); 0 unless given."),
+            OpenApiParameter("tail", int, description="How many of the last lines (1-5000, default 200)."),
+        ],
+        responses={200: JobLogsSerializer},
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk):
+        job = self.get_object()
+        replica = _query_int(request, "replica", 0, 0, job.replicas - 1)
+        tail = _query_int(request, "tail", 200, 1, 5000)
+        attempt = job.attempts.filter(started_at__isnull=False).order_by("-number").first()
+        text = get_backend().job_logs(job.id, attempt.number, replica, tail=tail) if attempt else ""
+        return Response({"attempt": attempt.number if attempt else None, "replica": replica, "text": text})
+
+    @extend_schema(responses={200: JobMetricsSerializer})
+    @action(detail=True, methods=["get"])
+    def metrics(self, request, pk):
+        job = self.get_object()
+        metrics, _ = get_backend().job_progress(job.id)
+        series = [
+            {"attempt": point.get("attempt", 0), "step": point["step"], "loss": point.get("loss"),
+             "samples_per_s": point.get("samples_per_s"), "time": point.get("time", "")}
+            for point in latest_per_step(metrics)
+        ]
+        return Response({"series": series})

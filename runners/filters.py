@@ -2,7 +2,7 @@
 
 import django_filters
 
-from runners.models import Environment, EnvironmentState
+from runners.models import Environment, EnvironmentState, Job, JobState
 
 
 class EnvironmentFilter(django_filters.FilterSet):
@@ -13,4 +13,13 @@ class EnvironmentFilter(django_filters.FilterSet):
 
     class Meta:
         model = Environment
+        fields = ["tenant", "state"]
+
+
+class JobFilter(django_filters.FilterSet):
+    tenant = django_filters.CharFilter(field_name="tenant__slug", help_text="Only this tenant's jobs (its slug).")
+    state = django_filters.ChoiceFilter(choices=JobState.choices, help_text="Only jobs in this state.")
+
+    class Meta:
+        model = Job
         fields = ["tenant", "state"]

@@ -192,3 +192,146 @@ class Environment(models.Model):
     @property
     def is_transitional(self) -> bool:
         return self.state in (EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING, EnvironmentState.DELETING)
+
+
+# --- Jobs --------------------------------------------------------------------------
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued"  # waiting for the scheduler cycle
+    ADMITTED = "admitted"  # the cycle placed it; an attempt exists, a worker launches it
+    LAUNCHING = "launching"  # a worker is starting its replicas
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # told to checkpoint and stop; holds its GPUs until it has
+    CANCELLING = "cancelling"  # a user cancelled it while it ran; stopping with the grace period
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# Jobs in these states hold what their attempt was placed on.
+JOB_HOLDING_STATES = [
+    JobState.ADMITTED, JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING
+]
+JOB_FINAL_STATES = [JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED]
+
+
+class AttemptOutcome(models.TextChoices):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    NODE_LOST = "node_lost"
+    CANCELLED = "cancelled"
+
+
+class Job(models.Model):
+    """A training job: the validated spec, where it stands, and why.
+
+    State changes go through ``runners.jobs.transition`` only, which records each as a
+    JobEvent with its reason.
+    """
+
+    class Kind(models.TextChoices):
+        TRAINING = "training"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs")
+    environment = models.ForeignKey(Environment, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=63, validators=[dns_label_validator])
+    kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.TRAINING)
+    # The request as validated (the API's shape, tenant slug and environment id included).
+    spec = models.JSONField()
+    flavor = models.ForeignKey("quotas.ResourceFlavor", on_delete=models.PROTECT, related_name="jobs")
+    replicas = models.PositiveSmallIntegerField()
+    gpus_per_replica = models.PositiveSmallIntegerField()
+    priority = models.PositiveSmallIntegerField(default=0)
+    preemptible = models.BooleanField(default=True)
+    state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
+    reason = models.CharField(max_length=1000, blank=True)
+    # Written by each scheduler cycle for queued jobs: 1 is next in line.
+    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    # Failed attempts so far (preemptions and lost nodes do not count).
+    failures = models.PositiveSmallIntegerField(default=0)
+    # Set when the job is told to stop (preemption or cancel); after it, the backend kills.
+    stop_deadline = models.DateTimeField(null=True, blank=True)
+    submitted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    submitted_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-submitted_at", "-id"]
+        indexes = [
+            models.Index(fields=["state", "priority"], name="job_state_priority"),
+            models.Index(fields=["tenant", "state"], name="job_tenant_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}#{self.id}"
+
+    @property
+    def units(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+
+class JobAttempt(models.Model):
+    """One launch of a job: where each replica was placed, and how it ended."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveSmallIntegerField()
+    # [{"replica": 0, "node": "h100-node-1", "gpus": [0, 1]}, ...]; a MIG slice is
+    # {"gpus": [3], "mig_profile": "3g.40gb", "mig_start": 4}.
+    placement = models.JSONField(default=list)
+    admitted_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=20, choices=AttemptOutcome.choices, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=1000, blank=True)
+    resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["job_id", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="unique_attempt_number")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.number}"
+
+
+class Checkpoint(models.Model):
+    """A checkpoint a job wrote: resuming starts from the newest."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.ForeignKey(JobAttempt, null=True, on_delete=models.SET_NULL, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    uri = models.CharField(max_length=1000)
+    bytes = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["job_id", "step"]
+        constraints = [models.UniqueConstraint(fields=["job", "step"], name="unique_checkpoint_step")]
+
+
+class JobEvent(models.Model):
+    """One state change of a job, with its reason: the job page's event list."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True)
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20)
+    reason = models.CharField(max_length=1000, blank=True)
+
+    class Meta:
+        ordering = ["job_id", "at", "id"]
+
+
+class SchedulerCycle(models.Model):
+    """The one row the scheduler cycle updates first: its lock on databases without advisory locks, and its figures."""
+
+    runs = models.PositiveBigIntegerField(default=0)
+    last_started_at = models.DateTimeField(null=True, blank=True)
+    last_duration_ms = models.FloatField(default=0)
+    last_admitted = models.PositiveIntegerField(default=0)
+    last_preempted = models.PositiveIntegerField(default=0)
+    last_waiting = models.PositiveIntegerField(default=0)

@@ -58,6 +58,7 @@ def local_backend_options() -> dict:
         provision_delay_s=settings.LOCAL_PROVISION_DELAY_S,
         cluster_file=settings.LOCAL_CLUSTER_FILE,
         use_nvml=settings.LOCAL_USE_NVML,
+        jobs_dir=settings.LOCAL_JOBS_DIR,
     )
 
 

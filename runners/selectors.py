@@ -1,6 +1,6 @@
 """Reads of environments, the inventory and partition changes, with the one visibility rule for each.
 
-- Environments are tenant data: a user sees those of the tenants they belong to
+- Environments and jobs are tenant data: a user sees those of the tenants they belong to
   (staff all); anyone else's is NotFound.
 - The inventory is the operator's view of the cluster: pools, nodes, GPUs and
   partition changes are staff's, and every read of them here refuses anyone
@@ -13,7 +13,16 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, QuerySet
 
 from portal.errors import NotFound
-from runners.models import Environment, EnvironmentState, Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.models import (
+    Environment,
+    EnvironmentState,
+    Gpu,
+    Job,
+    Node,
+    NodePool,
+    PartitionChange,
+    PartitionProfile,
+)
 from runners.nvidia import gpu_operator
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
@@ -150,3 +159,22 @@ def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environme
         return environment_list(user=user, include_deleted=True).get(id=environment_id)
     except (Environment.DoesNotExist, ValueError):
         raise NotFound("No such environment.") from None
+
+
+# --- Jobs --------------------------------------------------------------------------
+
+
+def job_list(*, user: AbstractBaseUser, tenant: str | None = None, state: str | None = None) -> QuerySet[Job]:
+    queryset = Job.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant", "flavor", "environment")
+    if tenant:
+        queryset = queryset.filter(tenant__slug=tenant)
+    if state:
+        queryset = queryset.filter(state=state)
+    return queryset
+
+
+def job_get(*, user: AbstractBaseUser, job_id) -> Job:
+    try:
+        return job_list(user=user).get(id=job_id)
+    except (Job.DoesNotExist, ValueError, TypeError):
+        raise NotFound("No such job.") from None

@@ -5,7 +5,7 @@ from celery.exceptions import MaxRetriesExceededError
 from django.conf import settings
 
 from portal.tasks import retry_or_give_up, send_task
-from runners import environments, services
+from runners import cycle, environments, launch, services
 from runners.backends.base import TransientBackendError
 from runners.models import EnvironmentState
 
@@ -99,3 +99,30 @@ def environment_sync(self, environment_id: int) -> bool:
 @shared_task
 def environment_sweep() -> dict[str, list[int]]:
     return environments.environment_sweep_run(stuck_after_s=settings.STUCK_AFTER_S)
+
+
+# --- Jobs ----------------------------------------------------------------------------
+
+JOB_LAUNCH_MAX_RETRIES = 6
+
+
+@shared_task(acks_late=True)
+def scheduler_cycle() -> dict:
+    """One scheduler cycle (beat every SCHEDULER_CYCLE_INTERVAL_S, and kicked on submit, finish and cancel)."""
+    return cycle.cycle_run()
+
+
+@shared_task(bind=True, acks_late=True, max_retries=JOB_LAUNCH_MAX_RETRIES)
+def job_launch(self, job_id: int, attempt_number: int) -> str:
+    try:
+        return launch.job_launch_run(job_id=job_id, attempt_number=attempt_number)
+    except TransientBackendError as exc:
+        return retry_or_give_up(
+            self, exc, cap_s=30,
+            give_up=lambda reason: launch.job_launch_give_up(job_id=job_id, attempt_number=attempt_number, reason=reason),
+        )
+
+
+@shared_task
+def jobs_reconcile() -> dict:
+    return launch.jobs_reconcile_run()

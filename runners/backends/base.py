@@ -9,7 +9,7 @@ state: calling it twice has the same effect as calling it once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from runners.nvidia import names
 
@@ -133,9 +133,61 @@ def resources_of(gpus: tuple[GpuInfo, ...]) -> dict[str, int]:
     return resources
 
 
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Where the portal placed one replica: a node and GPU indices on it (a MIG slice names its instance)."""
+
+    rank: int
+    node: str
+    gpus: tuple[int, ...] = ()
+    mig_profile: str | None = None
+    mig_start: int | None = None
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
+
+    job_id: int
+    attempt: int
+    tenant_slug: str
+    namespace: str
+    name: str
+    template: str  # "pytorch-ddp" (the shipped trainer) or "custom" (image and command; Kubernetes only)
+    replicas: tuple[ReplicaPlacement, ...]
+    gpu_resource: str  # the extended resource each GPU unit is, from runners.nvidia.names
+    gpus_per_replica: int
+    cpu_milli_per_replica: int
+    memory_mib_per_replica: int
+    steps: int
+    checkpoint_every_steps: int
+    max_runtime_s: int
+    env: tuple[tuple[str, str], ...] = ()
+    image: str | None = None
+    command: tuple[str, ...] | None = None
+
+    @property
+    def workload(self) -> str:
+        """How the job shows in a node's workload list (what a partition change drains)."""
+        return f"{self.namespace}/job-{self.job_id}"
+
+
+# How an attempt stands, seen from outside: still starting or running; every replica ended
+# (exit codes by rank); or gone without a word (killed, its node lost, its processes vanished).
+AttemptPhase = Literal["running", "exited", "lost"]
+
+
+@dataclass(frozen=True)
+class AttemptStatus:
+    phase: AttemptPhase
+    exit_codes: dict[int, int] = field(default_factory=dict)
+    reason: str = ""
+    node_lost: bool = False
+
+
 @runtime_checkable
 class ClusterBackend(Protocol):
-    """What the portal asks of a cluster. Later issues add jobs."""
+    """What the portal asks of a cluster: environments, inventory and partitions, and jobs."""
 
     name: str
 
@@ -172,3 +224,29 @@ class ClusterBackend(Protocol):
 
     def partition_applied(self, node_name: str, partition: PartitionSpec) -> bool:
         """Whether the node reports the partition as done and its new resources."""
+
+    # --- Jobs ------------------------------------------------------------------
+
+    def launch_job(self, launch: JobLaunch) -> int | None:
+        """Start every replica of the attempt where it was placed; a no-op if this attempt already started.
+
+        Returns the step the job resumes from (its newest checkpoint), or None when it starts afresh.
+        """
+
+    def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
+        """How the attempt stands now."""
+
+    def stop_job(self, job_id: int, attempt: int, *, grace_period_s: int) -> None:
+        """Ask the attempt to checkpoint and stop (SIGTERM, or pod deletion with the grace period)."""
+
+    def kill_job(self, job_id: int, attempt: int) -> None:
+        """Stop the attempt at once; what it did not checkpoint is lost."""
+
+    def forget_job(self, job_id: int, attempt: int) -> None:
+        """The attempt has ended and its outcome is recorded: release what tracks it."""
+
+    def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
+        """The last `tail` lines one replica wrote."""
+
+    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
+        """The job's step metrics and checkpoints so far (see runners.workloads.progress)."""

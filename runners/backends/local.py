@@ -23,8 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from runners.backends.base import (
+    AttemptStatus,
     EnvironmentSpec,
     GpuInfo,
+    JobLaunch,
     NodeInfo,
     PartitionSpec,
     PermanentBackendError,
@@ -32,6 +34,7 @@ from runners.backends.base import (
     resources_of,
 )
 from runners.backends.cluster_file import ClusterFileError, load_cluster_file
+from runners.backends.local_jobs import LocalJobs
 from runners.nvidia import mig
 
 logger = logging.getLogger(__name__)
@@ -50,12 +53,18 @@ class LocalBackend:
         cluster_file: Path | None = None,
         state_file: Path | None = None,
         use_nvml: bool = True,
+        jobs_dir: Path | None = None,
     ) -> None:
         self.workspace_dir = Path(workspace_dir)
         self.provision_delay_s = provision_delay_s
         self.cluster_file = Path(cluster_file) if cluster_file else None
         self.state_file = Path(state_file) if state_file else self.workspace_dir.parent / "cluster-state.json"
         self.use_nvml = use_nvml
+        self.jobs = LocalJobs(
+            jobs_dir=Path(jobs_dir) if jobs_dir else self.workspace_dir.parent / "jobs",
+            state=self._state,
+            real_gpu_nodes=lambda: {node.name for node in _nvml_nodes(self.use_nvml)},
+        )
 
     def workspace(self, spec: EnvironmentSpec) -> Path:
         return self.workspace_dir / spec.namespace
@@ -157,7 +166,8 @@ class LocalBackend:
         nodes = self._file_nodes() + _nvml_nodes(self.use_nvml)
         with self._state(write=False) as state:
             overrides = state["nodes"]
-        return [_with_overrides(node, overrides.get(node.name, {})) for node in nodes]
+            down = set(state.get("down", []))
+        return [_with_overrides(node, overrides.get(node.name, {})) for node in nodes if node.name not in down]
 
     def _node(self, node_name: str) -> NodeInfo:
         for node in self.discover_inventory():
@@ -181,6 +191,12 @@ class LocalBackend:
             return list(state["workloads"].get(node_name, []))
 
     def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
+        attempts = self.jobs.attempts_on(node_name, workload)
+        if attempts:
+            # A job of ours: it checkpoints and exits; it leaves the list once its end is recorded.
+            for job_id, attempt in attempts:
+                self.jobs.stop(job_id, attempt)
+            return
         with self._state(write=True) as state:
             running = state["workloads"].get(node_name, [])
             if workload in running:
@@ -210,6 +226,41 @@ class LocalBackend:
         node = self._node(node_name)
         return node.gpu_resources == partition.expected_resources(len(node.gpus))
 
+
+    # --- Jobs (runners.backends.local_jobs) ---------------------------------------
+
+    def launch_job(self, launch: JobLaunch) -> int | None:
+        return self.jobs.launch(launch)
+
+    def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
+        return self.jobs.status(job_id, attempt)
+
+    def stop_job(self, job_id: int, attempt: int, *, grace_period_s: int) -> None:
+        self.jobs.stop(job_id, attempt)  # the portal kills after the grace period
+
+    def kill_job(self, job_id: int, attempt: int) -> None:
+        self.jobs.kill(job_id, attempt)
+
+    def forget_job(self, job_id: int, attempt: int) -> None:
+        self.jobs.forget(job_id, attempt)
+
+    def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
+        return self.jobs.logs(job_id, attempt, rank, tail=tail)
+
+    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
+        return self.jobs.progress(job_id)
+
+    def set_node_down(self, node_name: str, down: bool = True) -> None:
+        """Simulate losing a node (or getting it back): it leaves the inventory and its jobs' processes die."""
+        if down:
+            self._node(node_name)
+        with self._state(write=True) as state:
+            nodes = set(state.get("down", []))
+            nodes = nodes | {node_name} if down else nodes - {node_name}
+            state["down"] = sorted(nodes)
+        if down:
+            for job_id, attempt in self.jobs.attempts_on(node_name):
+                self.jobs.kill(job_id, attempt)
 
 def _with_overrides(node: NodeInfo, override: dict) -> NodeInfo:
     """A file node with what the portal changed since: cordon and partition."""

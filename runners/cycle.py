@@ -1,0 +1,345 @@
+"""The scheduler cycle: one transaction that snapshots the queue, quotas and inventory, asks the pure
+scheduler, and writes every decision.
+
+- One cycle at a time, cluster-wide: ``pg_advisory_xact_lock`` on PostgreSQL; elsewhere (the
+  SQLite default) the first statement is an UPDATE of the SchedulerCycle row, which takes the
+  database's write lock. Either way a second cycle waits for the first to commit, then sees
+  its admissions, so the same capacity is never admitted twice.
+- Admission (``runners.scheduler.admission.decide``) counts units per flavor against
+  guarantees, max and fair share, and picks preemption victims; placement
+  (``runners.scheduler.placement.place_gangs``) then finds GPUs for every admitted gang,
+  whole, on free GPUs of the inventory (what holding attempts use is taken out first),
+  inside the topology asked for. A gang admitted but not placeable waits with placement's reason.
+- Launches and stops are sent after commit, so a worker never acts on a rolled-back decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from portal.tasks import send_task
+from quotas.models import PartitionKind, Quota, ResourceFlavor
+from runners.jobs import transition
+from runners.models import (
+    JOB_HOLDING_STATES,
+    AttemptOutcome,
+    Gpu,
+    Job,
+    JobAttempt,
+    JobState,
+    Node,
+    SchedulerCycle,
+)
+from runners.scheduler import model as placement_model
+from runners.scheduler.admission import (
+    AdmissionSnapshot,
+    FlavorQuota,
+    PendingGang,
+    RunningWorkload,
+    TenantQuota,
+    decide,
+)
+from runners.scheduler.placement import place_gangs
+
+logger = logging.getLogger(__name__)
+
+# pg_advisory_xact_lock's key for the cycle: "portal" in ASCII.
+CYCLE_LOCK_KEY = 0x706F7274616C
+KICK_KEY = "runners:scheduler-cycle-kick"
+
+
+def kick_cycle() -> None:
+    """Ask for a cycle soon; kicks within a second of each other send one message (the beat runs it anyway)."""
+    from runners.tasks import scheduler_cycle
+
+    try:
+        first = cache.add(KICK_KEY, 1, timeout=1)
+    except Exception:  # a cache that is down must not stop a submit
+        first = True
+    if first:
+        send_task(scheduler_cycle)
+
+
+def _lock() -> SchedulerCycle:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+    SchedulerCycle.objects.get_or_create(id=1)
+    SchedulerCycle.objects.filter(id=1).update(runs=F("runs") + 1, last_started_at=timezone.now())
+    return SchedulerCycle.objects.get(id=1)
+
+
+# --- The placement snapshot -----------------------------------------------------------
+
+
+@dataclass
+class _Usage:
+    """What holding attempts use on one node."""
+
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    whole: set[int] = field(default_factory=set)  # GPU indices taken whole
+    shares: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # GPU index -> time-slice shares
+    mig: set[tuple[int, int]] = field(default_factory=set)  # (GPU index, instance start)
+
+
+def _usage(holding: list[Job], attempts: dict[int, JobAttempt]) -> dict[str, _Usage]:
+    used: dict[str, _Usage] = defaultdict(_Usage)
+    for job in holding:
+        attempt = attempts.get(job.id)
+        if attempt is None:
+            continue
+        spec = job.spec
+        for replica in attempt.placement:
+            node = used[replica["node"]]
+            node.cpu_milli += spec["cpu_milli_per_replica"]
+            node.memory_mib += spec["memory_mib_per_replica"]
+            if replica.get("mig_profile"):
+                node.mig.add((replica["gpus"][0], replica["mig_start"]))
+            elif job.flavor.kind == PartitionKind.TIMESLICE:
+                for index in replica["gpus"]:
+                    node.shares[index] += 1
+            else:
+                node.whole.update(replica["gpus"])
+    return used
+
+
+def _flavor_gpus(flavor: ResourceFlavor, gpus: list[Gpu]) -> list[Gpu]:
+    return [
+        gpu for gpu in gpus
+        if gpu.model == flavor.gpu_model and gpu.partition_kind == flavor.kind
+        and (flavor.kind != PartitionKind.MIG or any(profile == flavor.mig_profile for profile, _ in gpu.mig_layout))
+    ]
+
+
+def _snapshot_for(flavor: ResourceFlavor, nodes: list[Node], used: dict[str, _Usage]):
+    """The cluster as placement sees it for one flavor: only that flavor's GPUs, what is used taken out.
+
+    Returns the snapshot and, per node, the real GPU index of each snapshot GPU.
+    """
+    snapshot_nodes, index_maps = [], {}
+    for node in nodes:
+        usage = used.get(node.name, _Usage())
+        gpus = _flavor_gpus(flavor, list(node.gpus.all()))
+        model_gpus = []
+        for gpu in gpus:
+            if flavor.kind == PartitionKind.MIG:
+                instances = [
+                    placement_model.MigInstance(profile, start, pod="held" if (gpu.index, start) in usage.mig else None)
+                    for profile, start in gpu.mig_layout
+                ]
+                model_gpus.append(placement_model.Gpu(gpu.model, gpu.memory_mib, nvlink_domain=node.nvlink_domain or None,
+                                                      mig_instances=instances))
+            elif flavor.kind == PartitionKind.TIMESLICE:
+                share = placement_model.GPU_MILLI // max(1, gpu.timeslice_replicas)
+                free = placement_model.GPU_MILLI - share * usage.shares.get(gpu.index, 0)
+                model_gpus.append(placement_model.Gpu(gpu.model, gpu.memory_mib, free_milli=max(0, free),
+                                                      nvlink_domain=node.nvlink_domain or None))
+            else:
+                free = 0 if gpu.index in usage.whole else placement_model.GPU_MILLI
+                model_gpus.append(placement_model.Gpu(gpu.model, gpu.memory_mib, free_milli=free,
+                                                      nvlink_domain=node.nvlink_domain or None))
+        index_maps[node.name] = [gpu.index for gpu in gpus]
+        snapshot_nodes.append(
+            placement_model.Node(
+                name=node.name, cpu_milli=node.cpu_milli, memory_mib=node.memory_mib, gpus=model_gpus,
+                rack=node.rack or None, block=node.block or None, schedulable=node.schedulable,
+                cpu_used_milli=min(usage.cpu_milli, node.cpu_milli), memory_used_mib=min(usage.memory_mib, node.memory_mib),
+            )
+        )
+    return placement_model.Snapshot(tuple(snapshot_nodes)), index_maps
+
+
+def _gang(job: Job, timeslice_share: int) -> placement_model.Gang:
+    spec, flavor = job.spec, job.flavor
+    pods = []
+    for rank in range(job.replicas):
+        common = dict(name=f"{job.id}-{rank}", cpu_milli=spec["cpu_milli_per_replica"],
+                      memory_mib=spec["memory_mib_per_replica"], gpu_models=frozenset({flavor.gpu_model}))
+        if flavor.kind == PartitionKind.MIG:
+            pods.append(placement_model.PodRequest(**common, mig_profile=flavor.mig_profile))
+        elif flavor.kind == PartitionKind.TIMESLICE:
+            pods.append(placement_model.PodRequest(**common, num_gpu=1, gpu_milli=timeslice_share))
+        else:
+            pods.append(placement_model.PodRequest(**common, num_gpu=job.gpus_per_replica,
+                                                   gpu_milli=placement_model.GPU_MILLI))
+    topology = spec["topology"]
+    return placement_model.Gang(str(job.id), tuple(pods), topology=topology["level"],
+                                required=topology["mode"] == "required")
+
+
+def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> dict[int, list[dict] | str]:
+    """Placement for each admitted job (a list of replicas), or the reason it does not fit now."""
+    results: dict[int, list[dict] | str] = {}
+    layouts = {
+        (node.name, gpu.index): [list(instance) for instance in gpu.mig_layout] for node in nodes for gpu in node.gpus.all()
+    }
+    by_flavor: dict[int, list[Job]] = defaultdict(list)
+    for job in admitted:
+        by_flavor[job.flavor_id].append(job)
+    for jobs in by_flavor.values():
+        flavor = jobs[0].flavor
+        snapshot, index_maps = _snapshot_for(flavor, nodes, used)
+        shares = [gpu for node in nodes for gpu in _flavor_gpus(flavor, list(node.gpus.all()))]
+        share = placement_model.GPU_MILLI // max(1, min((gpu.timeslice_replicas for gpu in shares), default=1))
+        decisions = place_gangs(snapshot, [_gang(job, share) for job in jobs])
+        for job, decision in zip(jobs, decisions):
+            if not decision.placed:
+                results[job.id] = f"waiting: {decision.reason}"
+                continue
+            replicas = []
+            for rank, placement in enumerate(decision.placements):
+                real = [index_maps[placement.node][col] for col in placement.gpu_indices]
+                replica = {"replica": rank, "node": placement.node, "gpus": real}
+                if placement.mig_profile:
+                    replica.update(mig_profile=placement.mig_profile, mig_start=placement.mig_start)
+                replicas.append(replica)
+            carved = [
+                replica for replica in replicas if replica.get("mig_profile")
+                and [replica["mig_profile"], replica["mig_start"]] not in layouts.get((replica["node"], replica["gpus"][0]), [])
+            ]
+            if carved:
+                # The GPU Operator's layout is fixed by the pool's profile: a job takes an existing instance.
+                results[job.id] = f"waiting: no idle {flavor.mig_profile} instance for every replica"
+                continue
+            results[job.id] = replicas
+            # Later flavors' snapshots see what this one took (CPU, memory, these GPUs).
+            for replica in replicas:
+                usage = used[replica["node"]]
+                usage.cpu_milli += job.spec["cpu_milli_per_replica"]
+                usage.memory_mib += job.spec["memory_mib_per_replica"]
+                if replica.get("mig_profile"):
+                    usage.mig.add((replica["gpus"][0], replica["mig_start"]))
+                elif flavor.kind == PartitionKind.TIMESLICE:
+                    usage.shares[replica["gpus"][0]] += 1
+                else:
+                    usage.whole.update(replica["gpus"])
+    return results
+
+
+# --- The cycle ---------------------------------------------------------------------
+
+
+def _epoch(moment) -> float:
+    return moment.timestamp() if moment else 0.0
+
+
+def cycle_run() -> dict:
+    """One scheduler cycle; returns what it decided, by job id."""
+    from runners.launch import stop_attempt
+    from runners.tasks import job_launch
+
+    started = time.perf_counter()
+    with transaction.atomic():
+        _lock()
+        now = timezone.now()
+        flavors = {flavor.id: flavor for flavor in ResourceFlavor.objects.all()}
+        tenants: dict[str, dict] = defaultdict(lambda: {"quotas": {}, "weight": 0.0, "max_priority": 0})
+        for quota in Quota.objects.select_related("tenant", "flavor"):
+            entry = tenants[quota.tenant.slug]
+            entry["quotas"][quota.flavor.name] = FlavorQuota(quota.guaranteed, quota.max)
+            entry["weight"] = max(entry["weight"], float(quota.fair_share_weight))
+            entry["max_priority"] = max(entry["max_priority"], quota.max_priority)
+        holding = list(Job.objects.filter(state__in=JOB_HOLDING_STATES).select_related("tenant", "flavor"))
+        attempts = {
+            attempt.job_id: attempt
+            for attempt in JobAttempt.objects.filter(job__in=holding, ended_at__isnull=True)
+        }
+        queued = list(
+            Job.objects.filter(state=JobState.QUEUED).select_related("tenant", "flavor").order_by("submitted_at", "id")
+        )
+        running = [
+            RunningWorkload(
+                id=str(job.id), tenant=job.tenant.slug, units_by_flavor={job.flavor.name: job.units},
+                priority=job.priority, preemptible=job.preemptible, started_at_s=_epoch(job.started_at or job.state_changed_at),
+                estimated_runtime_s=float(job.spec["max_runtime_s"]),
+                stopping_deadline_s=_epoch(job.stop_deadline) if job.state in (JobState.PREEMPTED, JobState.CANCELLING)
+                else None,
+            )
+            for job in holding
+        ]
+        pending = [
+            PendingGang(
+                id=str(job.id), tenant=job.tenant.slug, units_by_flavor={job.flavor.name: job.units},
+                priority=job.priority, submitted_at_s=_epoch(job.submitted_at),
+                estimated_runtime_s=float(job.spec["max_runtime_s"]), preemptible=job.preemptible,
+            )
+            for job in queued
+        ]
+        snapshot = AdmissionSnapshot(
+            capacity_units_by_flavor={flavor.name: flavor.capacity for flavor in flavors.values()},
+            tenants=tuple(
+                TenantQuota(slug, entry["quotas"], weight=entry["weight"] or 1.0, max_priority=entry["max_priority"])
+                for slug, entry in tenants.items()
+            ),
+            running=tuple(running),
+            pending=tuple(pending),
+        )
+        decisions = decide(snapshot, now.timestamp(), grace_period_s=float(settings.PREEMPTION_GRACE_PERIOD_S))
+        by_id = {str(job.id): job for job in [*holding, *queued]}
+
+        stops = []
+        for preemption in decisions.preemptions:
+            victim = by_id[preemption.workload_id]
+            deadline = now + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
+            reason = f"Preempted for job {preemption.for_gang_id}: {preemption.reason}"
+            if victim.state == JobState.ADMITTED:  # never launched: nothing to checkpoint
+                JobAttempt.objects.filter(job=victim, ended_at__isnull=True).update(
+                    ended_at=now, outcome=AttemptOutcome.PREEMPTED, reason=reason[:1000]
+                )
+                transition(victim, JobState.QUEUED, reason)
+            elif transition(victim, JobState.PREEMPTED, reason, stop_deadline=deadline):
+                stops.append(victim.id)
+
+        admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
+        nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
+        placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
+        launches = []
+        waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
+        for job in admitted_jobs:
+            result = placed[job.id]
+            if isinstance(result, str):
+                waiting_reasons[str(job.id)] = result
+                continue
+            number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+            JobAttempt.objects.create(job=job, number=number, placement=result)
+            where = ", ".join(sorted({replica["node"] for replica in result}))
+            if transition(job, JobState.ADMITTED, f"Admitted and placed on {where}."):
+                launches.append((job.id, number))
+
+        # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
+        order = [waiting.gang_id for waiting in decisions.waiting] + [
+            str(job.id) for job in admitted_jobs if isinstance(placed[job.id], str)
+        ]
+        updates = []
+        for position, gang_id in enumerate(order, start=1):
+            job = by_id[gang_id]
+            reason = waiting_reasons.get(gang_id, "")[:1000]
+            if job.state == JobState.QUEUED and (job.reason != reason or job.queue_position != position):
+                job.reason, job.queue_position = reason, position
+                updates.append(job)
+        Job.objects.bulk_update(updates, ["reason", "queue_position"])
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        SchedulerCycle.objects.filter(id=1).update(
+            last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),
+            last_waiting=len(order),
+        )
+        for job_id, number in launches:
+            transaction.on_commit(lambda job_id=job_id, number=number: send_task(job_launch, job_id, number))
+        for job_id in stops:
+            transaction.on_commit(lambda job_id=job_id: stop_attempt(job_id))
+    return {
+        "admitted": [job_id for job_id, _ in launches],
+        "preempted": stops,
+        "waiting": [int(gang_id) for gang_id in order],
+        "duration_ms": elapsed_ms,
+    }

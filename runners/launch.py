@@ -1,0 +1,229 @@
+"""Launching attempts and reading how they end: what the workers do between scheduler cycles.
+
+- ``job_launch_run`` (task ``job_launch``, sent after the cycle commits an admission):
+  admitted -> launching -> running. The backend call is idempotent and made with no row
+  lock held; state moves are compare-and-set, so a redelivered message does no harm.
+- ``jobs_reconcile_run`` (beat, every JOB_RECONCILE_INTERVAL_S): for each launched attempt,
+  the backend's view from the outside (processes or pods), new checkpoints recorded, a
+  victim past its grace period killed, and an attempt that ended finished: succeeded,
+  preempted or its node lost (requeued, resuming from the newest checkpoint), failed
+  (retried up to max_retries), or cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from portal.tasks import send_task
+from quotas.selectors import flavor_kubernetes_resource
+from runners.backends.base import JobLaunch, PermanentBackendError, ReplicaPlacement, TransientBackendError
+from runners.jobs import transition
+from runners.models import AttemptOutcome, Checkpoint, Job, JobAttempt, JobState
+from runners.registry import get_backend
+from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
+
+logger = logging.getLogger(__name__)
+# A job admitted this long ago and still not launching lost its launch message.
+LAUNCH_LOST_AFTER_S = 60
+
+
+def current_attempt(job: Job) -> JobAttempt | None:
+    return job.attempts.filter(ended_at__isnull=True).order_by("-number").first()
+
+
+def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
+    spec = job.spec
+    used_s = sum(
+        (a.ended_at - a.started_at).total_seconds()
+        for a in job.attempts.exclude(id=attempt.id).filter(started_at__isnull=False, ended_at__isnull=False)
+    )
+    return JobLaunch(
+        job_id=job.id,
+        attempt=attempt.number,
+        tenant_slug=job.tenant.slug,
+        namespace=job.environment.namespace,
+        name=job.name,
+        template=spec["template"],
+        replicas=tuple(
+            ReplicaPlacement(
+                rank=replica["replica"], node=replica["node"], gpus=tuple(replica["gpus"]),
+                mig_profile=replica.get("mig_profile"), mig_start=replica.get("mig_start"),
+            )
+            for replica in attempt.placement
+        ),
+        gpu_resource=flavor_kubernetes_resource(job.flavor),
+        gpus_per_replica=job.gpus_per_replica,
+        cpu_milli_per_replica=spec["cpu_milli_per_replica"],
+        memory_mib_per_replica=spec["memory_mib_per_replica"],
+        steps=spec["steps"],
+        checkpoint_every_steps=spec["checkpoint_every_steps"],
+        # What is left of the job's runtime budget after earlier attempts.
+        max_runtime_s=max(1, int(spec["max_runtime_s"] - used_s)),
+        env=tuple(sorted(spec["env"].items())),
+        image=spec.get("image"),
+        command=tuple(spec["command"]) if spec.get("command") else None,
+    )
+
+
+def job_launch_run(*, job_id: int, attempt_number: int) -> str:
+    job = Job.objects.select_related("tenant", "environment", "flavor").get(id=job_id)
+    attempt = job.attempts.get(number=attempt_number)
+    if attempt.ended_at is not None:
+        return "ended"
+    if job.state == JobState.ADMITTED:
+        if not transition(job, JobState.LAUNCHING, f"Launching attempt {attempt_number}."):
+            return Job.objects.get(id=job_id).state
+    elif job.state != JobState.LAUNCHING:  # a redelivered message after the launch went through
+        return job.state
+    try:
+        resumed = get_backend().launch_job(job_launch_spec(job, attempt))
+    except PermanentBackendError as exc:
+        attempt_finish(job, attempt, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {exc}")
+        return Job.objects.get(id=job_id).state
+    now = timezone.now()
+    JobAttempt.objects.filter(id=attempt.id).update(started_at=now, resumed_from_step=resumed)
+    where = ", ".join(sorted({replica["node"] for replica in attempt.placement}))
+    detail = f"resumed from step {resumed}" if resumed else "from the start"
+    transition(job, JobState.RUNNING, f"Running on {where} ({detail}).")
+    return JobState.RUNNING
+
+
+def job_launch_give_up(*, job_id: int, attempt_number: int, reason: str) -> None:
+    job = Job.objects.get(id=job_id)
+    attempt = job.attempts.get(number=attempt_number)
+    if attempt.ended_at is None and job.state in (JobState.ADMITTED, JobState.LAUNCHING):
+        attempt_finish(job, attempt, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {reason}")
+
+
+def stop_attempt(job_id: int) -> None:
+    """Tell a job's running attempt to checkpoint and stop (after commit of a preemption or cancel)."""
+    job = Job.objects.get(id=job_id)
+    attempt = current_attempt(job)
+    if attempt is None or attempt.started_at is None:
+        return  # not launched yet: the launch sees the state and the reconcile ends it
+    try:
+        get_backend().stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+    except TransientBackendError as exc:
+        logger.warning("Could not stop job %s yet (the reconcile retries): %s", job_id, exc)
+
+
+# --- Finishing an attempt ------------------------------------------------------------
+
+
+def _record_checkpoints(job: Job, attempt: JobAttempt | None, checkpoints: list[dict]) -> None:
+    known = set(job.checkpoints.values_list("step", flat=True))
+    new = []
+    for record in checkpoints:
+        if record["step"] in known:
+            continue
+        created = record.get("created_at")
+        try:
+            created_at = datetime.fromisoformat(created) if created else timezone.now()
+        except ValueError:
+            created_at = timezone.now()
+        new.append(Checkpoint(job=job, attempt=attempt, step=record["step"], uri=str(record.get("path", ""))[:1000],
+                              bytes=int(record.get("bytes") or 0), created_at=created_at))
+        known.add(record["step"])
+    Checkpoint.objects.bulk_create(new, ignore_conflicts=True)
+
+
+def attempt_finish(job: Job, attempt: JobAttempt, *, outcome: str, reason: str, exit_code: int | None = None) -> None:
+    """End the attempt and move the job on: done, cancelled, requeued, or failed past its retries."""
+    from runners.cycle import kick_cycle
+
+    with transaction.atomic():
+        job = Job.objects.select_for_update().get(id=job.id)
+        ended = JobAttempt.objects.filter(id=attempt.id, ended_at__isnull=True).update(
+            ended_at=timezone.now(), outcome=outcome, reason=reason[:1000], exit_code=exit_code
+        )
+        if not ended:
+            return
+        newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+        resume = f" It resumes from step {newest}." if newest else ""
+        if outcome == AttemptOutcome.SUCCEEDED:
+            transition(job, JobState.SUCCEEDED, f"Finished all {job.spec['steps']} steps.")
+        elif outcome == AttemptOutcome.CANCELLED or job.state == JobState.CANCELLING:
+            transition(job, JobState.CANCELLED, job.reason if job.state == JobState.CANCELLING else reason)
+        elif outcome in (AttemptOutcome.PREEMPTED, AttemptOutcome.NODE_LOST):
+            transition(job, JobState.QUEUED, f"{reason}{resume}", stop_deadline=None)
+        else:
+            failures = job.failures + 1
+            if failures > job.spec["max_retries"]:
+                transition(job, JobState.FAILED, f"{reason} (failed {failures} times; max_retries is "
+                                                 f"{job.spec['max_retries']}).", failures=failures)
+            else:
+                transition(job, JobState.QUEUED, f"Retrying ({failures} of {job.spec['max_retries']}) after: {reason}"
+                                                 f"{resume}", failures=failures, stop_deadline=None)
+        transaction.on_commit(kick_cycle)
+    try:
+        get_backend().forget_job(job.id, attempt.number)
+    except TransientBackendError:
+        pass  # harmless: only bookkeeping of a finished attempt
+
+
+def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | None]:
+    codes = status.exit_codes
+    if status.node_lost:
+        return AttemptOutcome.NODE_LOST, status.reason, None
+    if job.state == JobState.CANCELLING:
+        return AttemptOutcome.CANCELLED, job.reason, None
+    if status.phase == "exited" and codes and all(code == EXIT_OK for code in codes.values()):
+        return AttemptOutcome.SUCCEEDED, "Every replica finished.", EXIT_OK
+    failing = {rank: code for rank, code in codes.items() if code not in (EXIT_OK, EXIT_CHECKPOINTED_ON_SIGNAL)}
+    if failing:
+        rank, code = min(failing.items())
+        return AttemptOutcome.FAILED, f"Replica {rank} exited with {code}.", code
+    if job.state == JobState.PREEMPTED:
+        return AttemptOutcome.PREEMPTED, job.reason, EXIT_CHECKPOINTED_ON_SIGNAL if codes else None
+    if status.phase == "lost":
+        return AttemptOutcome.FAILED, status.reason, None
+    # Stopped with a checkpoint though the portal asked nothing: its runtime budget ran out,
+    # or something outside (a drained node) stopped it.
+    runtime = (timezone.now() - attempt.started_at).total_seconds() if attempt.started_at else 0
+    if runtime >= job_launch_spec(job, attempt).max_runtime_s:
+        return AttemptOutcome.FAILED, f"Ran past max_runtime_s ({job.spec['max_runtime_s']} s).", EXIT_CHECKPOINTED_ON_SIGNAL
+    return AttemptOutcome.PREEMPTED, "Stopped from outside the portal (the node was drained).", EXIT_CHECKPOINTED_ON_SIGNAL
+
+
+def jobs_reconcile_run() -> dict[str, int]:
+    """One pass over launched attempts; returns how many it looked at and finished."""
+    backend = get_backend()
+    now = timezone.now()
+    looked = finished = 0
+    jobs = Job.objects.filter(
+        state__in=[JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING]
+    ).select_related("tenant", "environment", "flavor")
+    for job in jobs:
+        attempt = current_attempt(job)
+        if attempt is None or attempt.started_at is None:
+            continue
+        looked += 1
+        try:
+            status = backend.job_status(job.id, attempt.number)
+            _record_checkpoints(job, attempt, backend.job_progress(job.id)[1])
+        except TransientBackendError as exc:
+            logger.warning("Could not read job %s: %s", job.id, exc)
+            continue
+        if status.phase == "running":
+            if job.stop_deadline and now >= job.stop_deadline:
+                backend.kill_job(job.id, attempt.number)
+            elif job.state in (JobState.PREEMPTED, JobState.CANCELLING):
+                backend.stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+            continue
+        outcome, reason, code = _outcome(job, attempt, status)
+        attempt_finish(job, attempt, outcome=outcome, reason=reason, exit_code=code)
+        finished += 1
+    # Admitted jobs whose launch message was lost.
+    stale = now - timezone.timedelta(seconds=LAUNCH_LOST_AFTER_S)
+    for job in Job.objects.filter(state=JobState.ADMITTED, state_changed_at__lt=stale):
+        attempt = current_attempt(job)
+        if attempt is not None:
+            from runners.tasks import job_launch
+
+            send_task(job_launch, job.id, attempt.number)
+    return {"looked": looked, "finished": finished}

@@ -1,0 +1,42 @@
+"""Helpers for job tests: a ready environment, a quota, and a valid submission to change one field of."""
+
+from quotas.models import Quota, ResourceFlavor
+from runners import environments
+from runners.services import flavors_discover, inventory_sync
+
+
+def demo_cluster_with_flavors() -> dict[str, ResourceFlavor]:
+    """The demo cluster synced, every kind of capacity given a flavor, capacities written."""
+    inventory_sync()
+    flavors_discover()
+    from runners.services import flavor_capacity_refresh
+
+    flavor_capacity_refresh()
+    return {flavor.name: flavor for flavor in ResourceFlavor.objects.all()}
+
+
+def ready_environment(*, actor, tenant, name="train"):
+    environment = environments.environment_request(actor=actor, tenant=tenant, name=name)
+    assert environments.environment_provision_run(environment_id=environment.id) == "ready"
+    environment.refresh_from_db()
+    return environment
+
+
+def give_quota(tenant, flavor, *, guaranteed, max, max_priority=100, weight=1):
+    return Quota.objects.update_or_create(
+        tenant=tenant, flavor=flavor,
+        defaults=dict(guaranteed=guaranteed, max=max, max_priority=max_priority, fair_share_weight=weight),
+    )[0]
+
+
+def job_data(environment, /, **overrides) -> dict:
+    data = {
+        "tenant": environment.tenant.slug, "environment": environment.id, "name": "llm-pretrain",
+        "template": "pytorch-ddp", "replicas": 2, "flavor": "h100-80gb", "gpus_per_replica": 1,
+        "cpu_milli_per_replica": 2000, "memory_mib_per_replica": 4096,
+        "topology": {"level": "node", "mode": "required"}, "priority": 10, "preemptible": True,
+        "steps": 40, "checkpoint_every_steps": 10, "max_runtime_s": 600, "max_retries": 1,
+        "env": {"TRAIN_LR": "0.003"}, "image": None, "command": None,
+    }
+    data.update(overrides)
+    return data
