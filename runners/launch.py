@@ -168,18 +168,22 @@ def attempt_finish(job: Job, attempt: JobAttempt, *, outcome: str, reason: str, 
 
 def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | None]:
     codes = status.exit_codes
+    failing = {rank: code for rank, code in codes.items() if code not in (EXIT_OK, EXIT_CHECKPOINTED_ON_SIGNAL)}
+    first_failing = min(failing.items()) if failing else None
     if status.node_lost:
         return AttemptOutcome.NODE_LOST, status.reason, None
     if job.state == JobState.CANCELLING:
-        return AttemptOutcome.CANCELLED, job.reason, None
-    if status.phase == "exited" and codes and all(code == EXIT_OK for code in codes.values()):
+        return AttemptOutcome.CANCELLED, job.reason, first_failing[1] if first_failing else max(codes.values(), default=None)
+    if status.phase == "exited" and codes and not failing and all(code == EXIT_OK for code in codes.values()):
         return AttemptOutcome.SUCCEEDED, "Every replica finished.", EXIT_OK
-    failing = {rank: code for rank, code in codes.items() if code not in (EXIT_OK, EXIT_CHECKPOINTED_ON_SIGNAL)}
-    if failing:
-        rank, code = min(failing.items())
-        return AttemptOutcome.FAILED, f"Replica {rank} exited with {code}.", code
     if job.state == JobState.PREEMPTED:
-        return AttemptOutcome.PREEMPTED, job.reason, EXIT_CHECKPOINTED_ON_SIGNAL if codes else None
+        # Stopped as asked: checkpointed (75), or killed after the grace period (the steps since
+        # the last checkpoint are lost, the job still resumes from it).
+        code = first_failing[1] if first_failing else (EXIT_CHECKPOINTED_ON_SIGNAL if codes else None)
+        return AttemptOutcome.PREEMPTED, job.reason, code
+    if first_failing:
+        rank, code = first_failing
+        return AttemptOutcome.FAILED, f"Replica {rank} exited with {code}.", code
     if status.phase == "lost":
         return AttemptOutcome.FAILED, status.reason, None
     # Stopped with a checkpoint though the portal asked nothing: its runtime budget ran out,
@@ -195,6 +199,7 @@ def jobs_reconcile_run() -> dict[str, int]:
     backend = get_backend()
     now = timezone.now()
     looked = finished = 0
+    nodes_lost = False
     jobs = Job.objects.filter(
         state__in=[JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING]
     ).select_related("tenant", "environment", "flavor")
@@ -212,10 +217,14 @@ def jobs_reconcile_run() -> dict[str, int]:
         if status.phase == "running":
             if job.stop_deadline and now >= job.stop_deadline:
                 backend.kill_job(job.id, attempt.number)
-            elif job.state in (JobState.PREEMPTED, JobState.CANCELLING):
-                backend.stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
             continue
         outcome, reason, code = _outcome(job, attempt, status)
+        if outcome == AttemptOutcome.NODE_LOST and not nodes_lost:
+            # The node is gone: take it out of the inventory before the job is placed again.
+            from runners.services import inventory_sync
+
+            inventory_sync()
+            nodes_lost = True
         attempt_finish(job, attempt, outcome=outcome, reason=reason, exit_code=code)
         finished += 1
     # Admitted jobs whose launch message was lost.

@@ -52,6 +52,7 @@ def _isolated_workspaces(settings, tmp_path):
     from runners.registry import get_backend
 
     settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
+    settings.LOCAL_JOBS_DIR = tmp_path / "jobs"
     settings.LOCAL_PROVISION_DELAY_S = 0
     settings.LOCAL_USE_NVML = False
     settings.PARTITION_POLL_INTERVAL_S = 0.01
@@ -203,8 +204,8 @@ def celery_worker_factory(transactional_db, tmp_path):
     """Start real worker processes; every one is stopped when the test ends."""
     workers: list[WorkerProcess] = []
 
-    def start(**env_overrides) -> WorkerProcess:
-        worker = WorkerProcess(tmp_path / f"worker-{len(workers)}.log", **env_overrides)
+    def start(*, beat: bool = False, **env_overrides) -> WorkerProcess:
+        worker = WorkerProcess(tmp_path / f"worker-{len(workers)}.log", beat=beat, **env_overrides)
         workers.append(worker)
         return worker.start()
 

@@ -488,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
             # during interpreter shutdown, which aborts the process (rc 134) after a clean run.
             gc.collect()
             dist.destroy_process_group()
+        if stop.signal_name:
+            # Checkpointed and on the way out: a repeated SIGTERM must not turn the documented exit
+            # code into a death by signal (interpreter shutdown puts the default handler back).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

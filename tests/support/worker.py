@@ -22,6 +22,8 @@ def worker_environment(**overrides) -> dict[str, str]:
         CELERY_BROKER_URL=settings.CELERY_BROKER_URL,
         CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
         LOCAL_WORKSPACE_DIR=str(settings.LOCAL_WORKSPACE_DIR),
+        LOCAL_JOBS_DIR=str(settings.LOCAL_JOBS_DIR),
+        PREEMPTION_GRACE_PERIOD_S=str(settings.PREEMPTION_GRACE_PERIOD_S),
         LOCAL_PROVISION_DELAY_S=str(settings.LOCAL_PROVISION_DELAY_S),
         LOCAL_USE_NVML=str(settings.LOCAL_USE_NVML),
         LOCAL_CLUSTER_FILE=str(settings.LOCAL_CLUSTER_FILE),
@@ -38,8 +40,10 @@ def worker_environment(**overrides) -> dict[str, str]:
 class WorkerProcess:
     """A `celery worker` subprocess; start() waits until it consumes from the queue."""
 
-    def __init__(self, log_path: Path, **env_overrides):
+    def __init__(self, log_path: Path, *, beat: bool = False, **env_overrides):
+        """``beat``: run Celery beat inside this worker (``-B``), for the periodic cycle and reconcile."""
         self.log_path = log_path
+        self.beat = beat
         self.env = worker_environment(**env_overrides)
         self.process: subprocess.Popen | None = None
 
@@ -47,7 +51,8 @@ class WorkerProcess:
         self.log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "1",
-             "--without-gossip", "--without-mingle", "--hostname", f"test-{uuid.uuid4().hex[:8]}@%h"],
+             "--without-gossip", "--without-mingle", "--hostname", f"test-{uuid.uuid4().hex[:8]}@%h",
+             *(["-B", "--schedule", str(self.log_path.with_suffix(".beat"))] if self.beat else [])],
             cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
