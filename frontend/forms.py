@@ -156,3 +156,47 @@ class NodePoolApplyForm(forms.Form):
     def __init__(self, *args, profiles, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["profile"].queryset = profiles
+
+
+# --- Jobs --------------------------------------------------------------------------
+
+
+class JobForm(forms.Form):
+    """The submit form: the API's fields, the flavor offered only where the tenant has quota."""
+
+    environment = forms.TypedChoiceField(coerce=int, choices=())
+    name = forms.CharField(max_length=40, help_text="Lowercase letters, digits and '-'.")
+    flavor = forms.ChoiceField(choices=())
+    replicas = forms.IntegerField(min_value=1, max_value=64, initial=2)
+    gpus_per_replica = forms.IntegerField(min_value=1, max_value=64, initial=1, label="GPUs per replica",
+                                          help_text="Whole GPUs; 1 for a MIG slice or a time-slice share.")
+    cpu_milli_per_replica = forms.IntegerField(min_value=100, initial=2000, label="CPU per replica (millicores)")
+    memory_mib_per_replica = forms.IntegerField(min_value=128, initial=4096, label="Memory per replica (MiB)")
+    topology_level = forms.ChoiceField(
+        label="Keep replicas together", initial="node",
+        choices=[("none", "Anywhere"), ("node", "On one node"), ("nvlink", "In one NVLink domain"), ("rack", "In one rack")],
+    )
+    topology_mode = forms.ChoiceField(label="Topology is", initial="required",
+                                      choices=[("required", "Required"), ("preferred", "Preferred")])
+    priority = forms.IntegerField(min_value=0, initial=0)
+    preemptible = forms.BooleanField(required=False, initial=True, label="Preemptible (may borrow idle GPUs)")
+    steps = forms.IntegerField(min_value=1, initial=200)
+    checkpoint_every_steps = forms.IntegerField(min_value=0, initial=20, label="Checkpoint every (steps)")
+    max_runtime_s = forms.IntegerField(min_value=10, initial=3600, label="Maximum runtime (s)")
+    max_retries = forms.IntegerField(min_value=0, initial=3)
+
+    def __init__(self, *args, environments, flavors, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["environment"].choices = [(e.id, e.name) for e in environments]
+        self.fields["flavor"].choices = [(row["name"], row["label"]) for row in flavors]
+
+    def job_data(self, tenant_slug: str) -> dict:
+        data = dict(self.cleaned_data)
+        data["topology"] = {"level": data.pop("topology_level"), "mode": data.pop("topology_mode")}
+        return {"tenant": tenant_slug, "template": "pytorch-ddp", **data}
+
+    def add_job_errors(self, error: ValidationError) -> None:
+        renamed = {"topology.level": "topology_level", "topology.mode": "topology_mode"}
+        for field, messages in error.message_dict.items():
+            field = renamed.get(field, field)
+            self.add_error(field if field in self.fields else None, messages)

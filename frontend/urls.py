@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import views
+from frontend import job_views, views
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -25,6 +25,11 @@ urlpatterns = [
     path("environments/<int:environment_id>/row/", views.environment_row, name="environment-row"),
     path("environments/<int:environment_id>/delete/", views.environment_delete, name="environment-delete"),
     path("tenants/<slug:slug>/quota/", views.tenant_quota, name="tenant-quota"),
+    path("tenants/<slug:slug>/jobs/", job_views.job_list, name="jobs"),
+    path("tenants/<slug:slug>/jobs/new/", job_views.job_submit, name="job-submit"),
+    path("jobs/<int:job_id>/", job_views.job_detail, name="job"),
+    path("jobs/<int:job_id>/live/", job_views.job_live, name="job-live"),
+    path("jobs/<int:job_id>/cancel/", job_views.job_cancel, name="job-cancel"),
     path("quotas/", views.quota_table, name="quotas"),
     path("quotas/set/", views.quota_set, name="quota-set"),
     path("quotas/<int:quota_id>/remove/", views.quota_remove, name="quota-remove"),

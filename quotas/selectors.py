@@ -124,3 +124,8 @@ def quota_table(*, user: AbstractBaseUser) -> dict:
         for tenant in tenants
     ]
     return {"columns": columns, "rows": rows}
+
+
+def tenant_quotas(*, tenant: Tenant) -> QuerySet[Quota]:
+    """The tenant's quotas with their flavors (for a page that already checked the caller may see the tenant)."""
+    return Quota.objects.filter(tenant=tenant).select_related("flavor").order_by("flavor__name")

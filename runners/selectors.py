@@ -14,6 +14,7 @@ from django.db.models import Count, Prefetch, QuerySet
 
 from portal.errors import NotFound
 from runners.models import (
+    JOB_HOLDING_STATES,
     Environment,
     EnvironmentState,
     Gpu,
@@ -178,3 +179,45 @@ def job_get(*, user: AbstractBaseUser, job_id) -> Job:
         return job_list(user=user).get(id=job_id)
     except (Job.DoesNotExist, ValueError, TypeError):
         raise NotFound("No such job.") from None
+
+
+def tenant_flavor_usage(*, tenant: Tenant) -> dict[int, int]:
+    """Units of each flavor (by id) the tenant's jobs hold now."""
+    usage: dict[int, int] = {}
+    for flavor_id, replicas, gpus in Job.objects.filter(tenant=tenant, state__in=JOB_HOLDING_STATES).values_list(
+        "flavor_id", "replicas", "gpus_per_replica"
+    ):
+        usage[flavor_id] = usage.get(flavor_id, 0) + replicas * gpus
+    return usage
+
+
+def job_page(job: Job) -> dict:
+    """What the job page draws: placement by node, events, checkpoints, the loss series and a log tail."""
+    from runners.registry import get_backend
+    from runners.workloads.progress import latest_per_step
+
+    attempts = list(job.attempts.order_by("number"))
+    current = attempts[-1] if attempts else None
+    nodes: dict[str, dict] = {}
+    if current is not None:
+        gpu_counts = dict(Gpu.objects.filter(node__name__in={r["node"] for r in current.placement}).values_list(
+            "node__name").annotate(count=Count("id")))
+        for replica in current.placement:
+            node = nodes.setdefault(replica["node"], {"name": replica["node"], "gpus": {}, "replicas": []})
+            node["replicas"].append(replica)
+            for index in replica["gpus"]:
+                node["gpus"][index] = replica
+        for name, node in nodes.items():
+            node["slots"] = [
+                {"index": index, "replica": node["gpus"].get(index)} for index in range(gpu_counts.get(name, 0))
+            ]
+    backend = get_backend()
+    metrics, _ = backend.job_progress(job.id)
+    series = latest_per_step(metrics)
+    started = next((a for a in reversed(attempts) if a.started_at), None)
+    log = backend.job_logs(job.id, started.number, 0, tail=40) if started else ""
+    return {
+        "job": job, "attempts": attempts, "current": current, "nodes": list(nodes.values()),
+        "events": list(job.events.all()), "checkpoints": list(job.checkpoints.order_by("-step")[:20]),
+        "series": series, "log": log,
+    }
