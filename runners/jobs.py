@@ -173,6 +173,12 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
         raise Invalid("priority", f"At most {quota.max_priority} for tenant {tenant.slug} on {flavor.name}.")
     if not isinstance(spec["preemptible"], bool):
         raise Invalid("preemptible", "true or false.")
+    if not spec["preemptible"] and units > quota.guaranteed:
+        raise Invalid(
+            "preemptible",
+            f"A non-preemptible job runs only within the guarantee: it needs {units} units of {flavor.name} and "
+            f"tenant {tenant.slug} is guaranteed {quota.guaranteed}. Make it preemptible to borrow idle GPUs.",
+        )
     _integer(spec, "steps", 1, MAX_STEPS)
     _integer(spec, "checkpoint_every_steps", 0, spec["steps"])
     _integer(spec, "max_runtime_s", 10, MAX_RUNTIME_S)

@@ -65,6 +65,7 @@ def test_the_documented_shape_is_accepted_and_queued_with_its_event(client_for, 
         ({"flavor": "no-such-flavor"}, "flavor"),
         ({"flavor": "a100-40gb-mig-1g.5gb"}, "flavor"),  # exists, but acme has no quota for it
         ({"priority": 51}, "priority"),
+        ({"preemptible": False, "gpus_per_replica": 4}, "preemptible"),  # 8 units, guarantee 4
         ({"topology": {"level": "galaxy", "mode": "required"}}, "topology.level"),
         ({"topology": {"level": "node", "mode": "required", "spread": 2}}, "topology.spread"),
         ({"checkpoint_every_steps": 41}, "checkpoint_every_steps"),

@@ -73,3 +73,87 @@ class SomethingHappensWhileBuilding(LocalBackend):
 
 def something_happens_while_building() -> LocalBackend:
     return _local(SomethingHappensWhileBuilding)
+
+
+class QuickJobs(LocalBackend):
+    """The local backend whose jobs are timers instead of trainers, for load tests of the scheduling path.
+
+    A replica "runs" for ``steps`` x QUICK_STEP_S seconds, then exits 0; stop makes it exit 75
+    and kill leaves it lost, as real processes would. Everything else (environments, inventory,
+    the cluster state file) is the real local backend's, and the record lives on disk so every
+    worker process sees the same jobs.
+    """
+
+    QUICK_STEP_S = 0.01
+
+    def _record_path(self, job_id, attempt):
+        return self.jobs.attempt_dir(job_id, attempt) / "quick.json"
+
+    def _read(self, job_id, attempt):
+        import json
+
+        try:
+            return json.loads(self._record_path(job_id, attempt).read_text())
+        except FileNotFoundError:
+            return None
+
+    def _write(self, job_id, attempt, record):
+        import json
+        import os
+
+        path = self._record_path(job_id, attempt)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_suffix(f".{os.getpid()}.tmp")
+        temp.write_text(json.dumps(record))
+        os.replace(temp, path)
+
+    def launch_job(self, launch):
+        import time
+
+        if self._read(launch.job_id, launch.attempt) is None:
+            self._write(launch.job_id, launch.attempt, {
+                "started": time.time(), "duration": launch.steps * self.QUICK_STEP_S,
+                "ranks": [replica.rank for replica in launch.replicas], "end": None,
+            })
+        return None
+
+    def job_status(self, job_id, attempt):
+        import time
+
+        from runners.backends.base import AttemptStatus
+
+        record = self._read(job_id, attempt)
+        if record is None:
+            return AttemptStatus("lost", reason="never launched")
+        if record["end"] == "killed":
+            return AttemptStatus("lost", reason="killed")
+        if record["end"] == "stopped":
+            return AttemptStatus("exited", {rank: 75 for rank in record["ranks"]})
+        if time.time() - record["started"] >= record["duration"]:
+            return AttemptStatus("exited", {rank: 0 for rank in record["ranks"]})
+        return AttemptStatus("running")
+
+    def _end(self, job_id, attempt, how):
+        record = self._read(job_id, attempt)
+        if record is not None and record["end"] is None:
+            record["end"] = how
+            self._write(job_id, attempt, record)
+
+    def stop_job(self, job_id, attempt, *, grace_period_s):
+        self._end(job_id, attempt, "stopped")
+
+    def kill_job(self, job_id, attempt):
+        self._end(job_id, attempt, "killed")
+
+    def forget_job(self, job_id, attempt):
+        pass
+
+    def job_logs(self, job_id, attempt, rank, *, tail):
+        return ""
+
+    def job_progress(self, job_id):
+        return [], []
+
+
+def quick_jobs() -> LocalBackend:
+    return _local(QuickJobs)

@@ -29,6 +29,7 @@ def worker_environment(**overrides) -> dict[str, str]:
         LOCAL_CLUSTER_FILE=str(settings.LOCAL_CLUSTER_FILE),
         PARTITION_POLL_INTERVAL_S=str(settings.PARTITION_POLL_INTERVAL_S),
         CLUSTER_BACKEND=settings.CLUSTER_BACKEND,
+        CLUSTER_BACKEND_FACTORY=settings.CLUSTER_BACKEND_FACTORY,
         KUBECONFIG=str(settings.KUBECONFIG or ""),
         KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S=str(settings.KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S),
         PYTHONUNBUFFERED="1",
