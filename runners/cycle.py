@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from django.conf import settings
 from django.core.cache import cache
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Max
 from django.utils import timezone
 
 from portal.tasks import send_task
 from quotas.models import PartitionKind, Quota, ResourceFlavor
-from runners.jobs import transition
+from runners.jobs import job_rows_update, transition, transition_locked
 from runners.models import (
     JOB_HOLDING_STATES,
     AttemptOutcome,
@@ -229,6 +229,34 @@ def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> d
 # --- The cycle ---------------------------------------------------------------------
 
 
+def _admit(admitted: list[Job], placed: dict) -> list[tuple[int, int]]:
+    """Write the admissions in a few statements: attempts, states and events; returns (job, attempt) to launch.
+
+    The jobs are locked first and only those still queued are admitted, so a cancel that
+    committed meanwhile (it takes the job's row lock, not the cycle's) wins.
+    """
+    if not admitted:
+        return []
+    still_queued = set(
+        Job.objects.select_for_update().filter(id__in=[job.id for job in admitted], state=JobState.QUEUED)
+        .values_list("id", flat=True)
+    )
+    admitted = [job for job in admitted if job.id in still_queued]
+    numbers = dict(
+        JobAttempt.objects.filter(job__in=admitted).values("job_id").annotate(top=Max("number")).values_list("job_id", "top")
+    )
+    attempts, reasons, launches = [], {}, []
+    for job in admitted:
+        number = numbers.get(job.id, 0) + 1
+        where = ", ".join(sorted({replica["node"] for replica in placed[job.id]}))
+        reasons[job.id] = f"Admitted and placed on {where}."
+        attempts.append(JobAttempt(job=job, number=number, placement=placed[job.id]))
+        launches.append((job.id, number))
+    JobAttempt.objects.bulk_create(attempts, batch_size=1000)
+    transition_locked(admitted, JobState.ADMITTED, reasons)
+    return launches
+
+
 def _epoch(moment) -> float:
     return moment.timestamp() if moment else 0.0
 
@@ -303,18 +331,11 @@ def cycle_run() -> dict:
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
         nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
         placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
-        launches = []
         waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
         for job in admitted_jobs:
-            result = placed[job.id]
-            if isinstance(result, str):
-                waiting_reasons[str(job.id)] = result
-                continue
-            number = (job.attempts.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-            JobAttempt.objects.create(job=job, number=number, placement=result)
-            where = ", ".join(sorted({replica["node"] for replica in result}))
-            if transition(job, JobState.ADMITTED, f"Admitted and placed on {where}."):
-                launches.append((job.id, number))
+            if isinstance(placed[job.id], str):
+                waiting_reasons[str(job.id)] = placed[job.id]
+        launches = _admit([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
         order = [waiting.gang_id for waiting in decisions.waiting] + [
@@ -327,7 +348,7 @@ def cycle_run() -> dict:
             if job.state == JobState.QUEUED and (job.reason != reason or job.queue_position != position):
                 job.reason, job.queue_position = reason, position
                 updates.append(job)
-        Job.objects.bulk_update(updates, ["reason", "queue_position"])
+        job_rows_update(updates, ["reason", "queue_position"])
         elapsed_ms = (time.perf_counter() - started) * 1000
         SchedulerCycle.objects.filter(id=1).update(
             last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),

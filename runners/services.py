@@ -410,7 +410,13 @@ def flavors_discover() -> list[ResourceFlavor]:
         kind, model, profile = shape
         if ResourceFlavor.objects.filter(kind=kind, gpu_model=model, mig_profile=profile).exists():
             continue
-        name = _discovered_flavor_name(shape)
+        try:
+            name = _discovered_flavor_name(shape)
+        except mig.UnknownGpuModelError:
+            # A model the catalog does not know (yet) cannot be named or checked; staff may still
+            # make a flavor for it by hand. One unknown model must not stop discovery of the rest.
+            logger.warning("No flavor discovered for %s GPUs: the GPU catalog does not know the model.", model)
+            continue
         if ResourceFlavor.objects.filter(name=name).exists():
             name = f"{name}-{kind}"[:63]
         try:

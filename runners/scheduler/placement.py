@@ -15,6 +15,7 @@ from gang to gang instead of being recomputed for every trial.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -133,6 +134,20 @@ def _could_hold(state: ClusterState, gang: Gang, node_mask: np.ndarray, gpu_mask
     )
 
 
+def _rows_that_could_hold(state: ClusterState, gang: Gang) -> np.ndarray:
+    """The nodes that, each on its own, pass `_could_hold` for the whole gang."""
+    cpu = sum(pod.cpu_milli for pod in gang.pods)
+    memory = sum(pod.memory_mib for pod in gang.pods)
+    gpu_milli = sum(pod.total_gpu_milli for pod in gang.pods if pod.gpu_count)
+    fits = (
+        state.schedulable
+        & (state.cpu_left_milli >= cpu)
+        & (state.memory_left_mib >= memory)
+        & (state.gpu_left_milli.sum(axis=1) >= gpu_milli)
+    )
+    return np.flatnonzero(fits)
+
+
 def _try_domain(
     state: ClusterState, gang: Gang, policy: Policy, domain: Domain, seed: int
 ) -> tuple[Optional[list[Placement]], str]:
@@ -180,9 +195,18 @@ def place_gangs(
     chooser = make_policy(policy, typical)
     decisions = []
     for gang in gangs:
-        domains = _domains(state, gang.topology)
+        if gang.topology == "node":
+            # One domain per node, but only the nodes that pass _could_hold's test, found in one
+            # vector operation instead of a trial per node (the same domains in the same order).
+            # A generator: the masks are made only for the nodes actually tried.
+            domains = (Domain(np.arange(state.n_nodes) == row) for row in _rows_that_could_hold(state, gang))
+            has_domains = state.n_nodes > 0
+        else:
+            domains = _domains(state, gang.topology)
+            has_domains = bool(domains)
         if not gang.required and gang.topology != "none":
-            domains = domains + _domains(state, "none")
+            domains = itertools.chain(domains, _domains(state, "none"))
+            has_domains = True
         placements, last_pod = None, gang.pods[0].name
         for domain in domains:
             if not _could_hold(state, gang, domain.nodes & state.schedulable, domain.gpus):
@@ -195,7 +219,7 @@ def place_gangs(
                 f"pod {last_pod} of gang {gang.name} does not fit in {_ANY_DOMAIN[gang.topology]} "
                 "beside the rest of the gang"
             )
-            if gang.topology != "none" and not domains:
+            if gang.topology != "none" and not has_domains:
                 reason = f"gang {gang.name} requires {gang.topology} topology but the cluster has no such domains"
             decisions.append(GangDecision(gang.name, (), reason))
             continue

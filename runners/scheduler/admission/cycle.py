@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -205,11 +206,21 @@ class _Cycle:
     def run(self) -> Decisions:
         """Refuse what can never run, then take the remaining gangs one at a time in fair-share order."""
         candidates = [gang for gang in self.pending if not self._blocked_for_good(gang)]
-        while candidates:
-            # Keys change as units are committed, so the next gang is chosen afresh each time.
-            gang = min(candidates, key=self._order_key)
-            candidates.remove(gang)
+        # The next gang is the one with the smallest order key *now*. Deciding a gang only ever
+        # adds to its own tenant's committed units, so keys never shrink and only that tenant's
+        # keys move: a heap whose entries carry the tenant's version is exact when an entry whose
+        # version is stale is re-keyed and pushed back instead of taken (keys are unique, the
+        # gang id is their last part, so the choice is the same as a min() over every candidate).
+        version: dict[str, int] = defaultdict(int)
+        heap = [(self._order_key(gang), 0, index, gang) for index, gang in enumerate(candidates)]
+        heapq.heapify(heap)
+        while heap:
+            key, seen, index, gang = heapq.heappop(heap)
+            if seen != version[gang.tenant]:
+                heapq.heappush(heap, (self._order_key(gang), version[gang.tenant], index, gang))
+                continue
             self._decide_one(gang)
+            version[gang.tenant] += 1
         return Decisions(
             admitted=tuple(self.admitted),
             preemptions=tuple(self.preemptions),
