@@ -18,8 +18,10 @@ from kubernetes import client, config
 
 from runners.backends import k8s_inventory, k8s_partitions
 from runners.backends.base import (
+    AttemptStatus,
     BackendError,
     EnvironmentSpec,
+    JobLaunch,
     NodeInfo,
     PartitionSpec,
     PermanentBackendError,
@@ -375,6 +377,34 @@ class KubernetesBackend:
                 "see the nvidia-mig-manager pod's log on that node."
             )
         return k8s_partitions.partition_done(node, partition)
+
+    # --- Jobs: not built yet ------------------------------------------------------
+    # Training jobs on Kubernetes (an indexed batch/v1 Job, a headless Service, the checkpoint
+    # PVC, pods bound to the placed nodes) are not implemented. A launch fails with this
+    # reason, so the job ends failed saying so instead of pretending to run.
+
+    NOT_YET = "Training jobs on the Kubernetes backend are not implemented yet; run them on the local backend."
+
+    def launch_job(self, launch: JobLaunch) -> int | None:
+        raise PermanentBackendError(self.NOT_YET)
+
+    def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
+        return AttemptStatus("lost", reason=self.NOT_YET)
+
+    def stop_job(self, job_id: int, attempt: int, *, grace_period_s: int) -> None:
+        return None
+
+    def kill_job(self, job_id: int, attempt: int) -> None:
+        return None
+
+    def forget_job(self, job_id: int, attempt: int) -> None:
+        return None
+
+    def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
+        return ""
+
+    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
+        return [], []
 
 
 def _owner(namespace: dict) -> str | None:
