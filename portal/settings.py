@@ -247,8 +247,12 @@ CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
     "partition-change-sweep": {"task": "runners.tasks.partition_change_sweep", "schedule": SWEEP_INTERVAL_S},
-    "scheduler-cycle": {"task": "runners.tasks.scheduler_cycle", "schedule": float(SCHEDULER_CYCLE_INTERVAL_S)},
-    "jobs-reconcile": {"task": "runners.tasks.jobs_reconcile", "schedule": float(JOB_RECONCILE_INTERVAL_S)},
+    # A periodic run not started within its interval is dropped: the next one does the same work,
+    # and a busy worker must not find a backlog of cycles in front of the launches.
+    "scheduler-cycle": {"task": "runners.tasks.scheduler_cycle", "schedule": float(SCHEDULER_CYCLE_INTERVAL_S),
+                        "options": {"expire_seconds": max(1, round(SCHEDULER_CYCLE_INTERVAL_S))}},
+    "jobs-reconcile": {"task": "runners.tasks.jobs_reconcile", "schedule": float(JOB_RECONCILE_INTERVAL_S),
+                       "options": {"expire_seconds": max(1, round(JOB_RECONCILE_INTERVAL_S))}},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.

@@ -66,7 +66,13 @@ def kick_cycle() -> None:
     except Exception:  # a cache that is down must not stop a submit
         first = True
     if first:
-        send_task(scheduler_cycle)
+        send_task(scheduler_cycle, time.time())
+
+
+def cycle_ran_since(moment_s: float) -> bool:
+    """Whether a cycle started at or after this time (so it saw everything committed before it)."""
+    started = SchedulerCycle.objects.filter(id=1).values_list("last_started_at", flat=True).first()
+    return started is not None and started.timestamp() >= moment_s
 
 
 def _lock() -> SchedulerCycle:

@@ -107,9 +107,16 @@ JOB_LAUNCH_MAX_RETRIES = 6
 
 
 @shared_task(acks_late=True)
-def scheduler_cycle() -> dict:
-    """One scheduler cycle (beat every SCHEDULER_CYCLE_INTERVAL_S, and kicked on submit, finish and cancel)."""
-    return cycle.cycle_run()
+def scheduler_cycle(kicked_at: float | None = None) -> dict:
+    """One scheduler cycle (beat every SCHEDULER_CYCLE_INTERVAL_S, and kicked on submit, finish and cancel).
+
+    A kick that a cycle started after has nothing left to do (that cycle saw what the kick was
+    for) and returns at once, so a burst of submits costs one cycle, not one per submit.
+    """
+    if kicked_at is not None and cycle.cycle_ran_since(kicked_at):
+        return {"skipped": True}
+    result = cycle.cycle_run()
+    return {key: len(value) if isinstance(value, list) else value for key, value in result.items()}
 
 
 @shared_task(bind=True, acks_late=True, max_retries=JOB_LAUNCH_MAX_RETRIES)
