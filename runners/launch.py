@@ -89,8 +89,13 @@ def job_launch_run(*, job_id: int, attempt_number: int) -> str:
     JobAttempt.objects.filter(id=attempt.id).update(started_at=now, resumed_from_step=resumed)
     where = ", ".join(sorted({replica["node"] for replica in attempt.placement}))
     detail = f"resumed from step {resumed}" if resumed else "from the start"
-    transition(job, JobState.RUNNING, f"Running on {where} ({detail}).")
-    return JobState.RUNNING
+    if transition(job, JobState.RUNNING, f"Running on {where} ({detail})."):
+        return JobState.RUNNING
+    # Cancelled or preempted while it launched: its stop found nothing started, so stop it now.
+    job.refresh_from_db()
+    if job.state in (JobState.CANCELLING, JobState.PREEMPTED):
+        get_backend().stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+    return job.state
 
 
 def job_launch_give_up(*, job_id: int, attempt_number: int, reason: str) -> None:
@@ -200,12 +205,20 @@ def jobs_reconcile_run() -> dict[str, int]:
     now = timezone.now()
     looked = finished = 0
     nodes_lost = False
+    stale = now - timezone.timedelta(seconds=LAUNCH_LOST_AFTER_S)
     jobs = Job.objects.filter(
         state__in=[JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING]
     ).select_related("tenant", "environment", "flavor")
     for job in jobs:
         attempt = current_attempt(job)
-        if attempt is None or attempt.started_at is None:
+        if attempt is None:
+            continue
+        if attempt.started_at is None:
+            # Told to stop before its launch went through, and the launch never came: end it here.
+            if job.state in (JobState.CANCELLING, JobState.PREEMPTED) and job.state_changed_at < stale:
+                outcome = AttemptOutcome.CANCELLED if job.state == JobState.CANCELLING else AttemptOutcome.PREEMPTED
+                attempt_finish(job, attempt, outcome=outcome, reason=f"{job.reason} (before it started)")
+                finished += 1
             continue
         looked += 1
         try:
@@ -228,7 +241,6 @@ def jobs_reconcile_run() -> dict[str, int]:
         attempt_finish(job, attempt, outcome=outcome, reason=reason, exit_code=code)
         finished += 1
     # Admitted jobs whose launch message was lost.
-    stale = now - timezone.timedelta(seconds=LAUNCH_LOST_AFTER_S)
     for job in Job.objects.filter(state=JobState.ADMITTED, state_changed_at__lt=stale):
         attempt = current_attempt(job)
         if attempt is not None:
