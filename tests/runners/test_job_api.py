@@ -148,3 +148,32 @@ def test_on_kubernetes_a_job_fails_saying_jobs_are_not_built_there_yet(kubernete
     assert launch.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "failed"
     job.refresh_from_db()
     assert job.state == "failed" and "not implemented yet" in job.reason
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"image": "docker.io/evil/miner:latest", "command": ["mine"]}, "image"),
+        ({"image": "nvcr.io.evil.example/nvidia/pytorch:1", "command": ["python"]}, "image"),
+        ({"image": "nvcr.io/nvidia/pytorch:24.01-py3", "command": "python train.py"}, "command"),
+        ({"image": None, "command": ["python"]}, "image"),
+    ],
+)
+def test_where_custom_images_run_only_allow_listed_registries_are_accepted(
+    client_for, owner, environment, settings, change, field
+):
+    settings.CLUSTER_BACKEND = "kubernetes"  # the only backend that runs custom images
+    settings.ALLOWED_IMAGE_REGISTRIES = ["nvcr.io/nvidia"]
+    response = _post(client_for(owner), job_data(environment, template="custom", **change))
+    assert response.status_code == 400 and field in response.json(), response.json()
+    assert not Job.objects.exists()
+
+
+def test_an_allow_listed_custom_image_is_accepted_where_it_can_run(client_for, owner, environment, settings):
+    settings.CLUSTER_BACKEND = "kubernetes"
+    settings.ALLOWED_IMAGE_REGISTRIES = ["nvcr.io/nvidia"]
+    response = _post(client_for(owner), job_data(
+        environment, template="custom", image="nvcr.io/nvidia/pytorch:24.01-py3", command=["python", "train.py"]
+    ))
+    assert response.status_code == 201, response.json()
+    assert Job.objects.get().spec["image"] == "nvcr.io/nvidia/pytorch:24.01-py3"
