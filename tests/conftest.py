@@ -59,6 +59,19 @@ def _isolated_workspaces(settings, tmp_path):
     get_backend.cache_clear()
     yield
     get_backend.cache_clear()
+    _kill_job_processes(tmp_path / "jobs")
+
+
+def _kill_job_processes(jobs_dir) -> None:
+    """Job processes outlive workers by design; a test's own (say, after it failed) must not outlive the test."""
+    import os
+    import signal
+
+    for pid_file in jobs_dir.glob("*/attempts/*/supervisor.pid"):
+        try:
+            os.killpg(int(pid_file.read_text().split()[1]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, ValueError, IndexError):
+            pass
 
 
 # --- Personas ---------------------------------------------------------------
