@@ -1,0 +1,176 @@
+"""The Kubernetes objects one training attempt is made of, as pure functions of its JobLaunch.
+
+Not yet used by the Kubernetes backend (launching jobs there is open work): these are the
+bodies it is to apply, checked with kubernetes-validate in the tests.
+
+- a PersistentVolumeClaim per environment for checkpoints (`checkpoint_pvc_manifest`);
+- a headless Service per job, so every replica has a stable DNS name and rank 0 is the
+  rendezvous (`rendezvous_service_manifest`);
+- an indexed batch/v1 Job, one pod per replica (`training_job_manifest`). Its pods name the
+  portal's scheduler (`schedulerName`), so kube-scheduler never places them: the backend binds
+  each pod to the node the portal chose for its completion index, as a secondary scheduler
+  does through the pods/binding subresource. The rank comes from the completion index; the
+  Job never retries by itself (`backoffLimit: 0`): retries are the portal's, with a new attempt.
+"""
+
+from __future__ import annotations
+
+import json
+
+from runners.backends.base import JobLaunch
+from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL, WORKLOAD_SERVICE_ACCOUNT
+
+JOB_LABEL = "portal.gpu/job-id"
+ATTEMPT_LABEL = "portal.gpu/attempt"
+PLACEMENT_ANNOTATION = "portal.gpu/placement"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CHECKPOINT_CLAIM = "checkpoints"
+CHECKPOINT_MOUNT = "/checkpoints"
+RENDEZVOUS_PORT = 29500
+TRAINER_COMMAND = ["python", "-m", "runners.workloads.train"]
+
+
+def job_name(launch: JobLaunch) -> str:
+    """`job-<id>-<attempt>`: each attempt is its own Job, so a relaunch never meets the old pods."""
+    return f"job-{launch.job_id}-{launch.attempt}"
+
+
+def _labels(launch: JobLaunch) -> dict[str, str]:
+    return {
+        MANAGED_BY_LABEL: MANAGED_BY,
+        TENANT_LABEL: launch.tenant_slug,
+        JOB_LABEL: str(launch.job_id),
+        ATTEMPT_LABEL: str(launch.attempt),
+    }
+
+
+def checkpoint_pvc_manifest(*, namespace: str, tenant_slug: str, storage_class: str, size: str) -> dict:
+    """The environment's checkpoint volume; every job writes under its own folder on it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": CHECKPOINT_CLAIM, "namespace": namespace,
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY, TENANT_LABEL: tenant_slug},
+        },
+        "spec": {
+            # ReadWriteMany: the replicas of one job may sit on different nodes, rank 0 writes.
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": storage_class,
+            "resources": {"requests": {"storage": size}},
+        },
+    }
+
+
+def rendezvous_service_manifest(launch: JobLaunch) -> dict:
+    """A headless Service over the attempt's pods: `<job>-0.<job>` is rank 0, MASTER_ADDR."""
+    name = job_name(launch)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": launch.namespace, "labels": _labels(launch)},
+        "spec": {
+            "clusterIP": "None",
+            # Pods resolve before they are ready: rank 0 must be reachable while the others start.
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: str(launch.job_id), ATTEMPT_LABEL: str(launch.attempt)},
+            "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
+        },
+    }
+
+
+def _env(launch: JobLaunch) -> list[dict]:
+    name = job_name(launch)
+    job_dir = f"{CHECKPOINT_MOUNT}/job-{launch.job_id}"
+    fixed = [
+        {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
+        {"name": "WORLD_SIZE", "value": str(len(launch.replicas))},
+        {"name": "LOCAL_RANK", "value": "0"},
+        {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+        {"name": "MASTER_ADDR", "value": f"{name}-0.{name}"},
+        {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)},
+        {"name": "PORTAL_ATTEMPT", "value": str(launch.attempt)},
+        {"name": "PORTAL_JOB", "value": str(launch.job_id)},
+        {"name": "TRAIN_JOB_DIR", "value": job_dir},
+        {"name": "TRAIN_STEPS", "value": str(launch.steps)},
+        {"name": "TRAIN_CHECKPOINT_EVERY", "value": str(launch.checkpoint_every_steps)},
+        {"name": "TRAIN_MAX_RUNTIME_S", "value": str(launch.max_runtime_s)},
+    ]
+    # The tenant's variables were checked by the portal: none of them can shadow the ones above.
+    return fixed + [{"name": key, "value": value} for key, value in launch.env]
+
+
+def training_job_manifest(
+    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int
+) -> dict:
+    """The indexed Job of one attempt, with every pod spec field set by the portal."""
+    name = job_name(launch)
+    replicas = len(launch.replicas)
+    placement = {str(replica.rank): replica.node for replica in launch.replicas}
+    resources = {
+        "cpu": f"{launch.cpu_milli_per_replica}m",
+        "memory": f"{launch.memory_mib_per_replica}Mi",
+        launch.gpu_resource: str(launch.gpus_per_replica),
+    }
+    container = {
+        "name": "trainer",
+        "image": launch.image if launch.template == "custom" else trainer_image,
+        "command": list(launch.command) if launch.template == "custom" else list(TRAINER_COMMAND),
+        "env": _env(launch),
+        "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
+        # Requests equal limits: the portal placed the pod on exactly these resources.
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": [{"name": CHECKPOINT_CLAIM, "mountPath": CHECKPOINT_MOUNT}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": False,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name, "namespace": launch.namespace, "labels": _labels(launch),
+            # Which node each completion index goes to: what the binder reads.
+            "annotations": {PLACEMENT_ANNOTATION: json.dumps(placement, sort_keys=True)},
+        },
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": replicas,
+            "parallelism": replicas,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": launch.max_runtime_s,
+            "template": {
+                "metadata": {"labels": _labels(launch)},
+                "spec": {
+                    "schedulerName": scheduler_name,
+                    "restartPolicy": "Never",
+                    "serviceAccountName": WORKLOAD_SERVICE_ACCOUNT,
+                    "automountServiceAccountToken": False,
+                    "subdomain": name,
+                    "terminationGracePeriodSeconds": grace_period_s,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 1000,
+                        "runAsGroup": 1000,
+                        "fsGroup": 1000,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}}],
+                },
+            },
+        },
+    }
+
+
+def job_manifests(launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int) -> list[dict]:
+    """The attempt's Service and Job, in the order they are applied (the PVC is the environment's)."""
+    return [
+        rendezvous_service_manifest(launch),
+        training_job_manifest(launch, trainer_image=trainer_image, scheduler_name=scheduler_name,
+                              grace_period_s=grace_period_s),
+    ]
