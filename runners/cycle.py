@@ -354,7 +354,7 @@ def cycle_run() -> dict:
             if job.state == JobState.QUEUED and (job.reason != reason or job.queue_position != position):
                 job.reason, job.queue_position = reason, position
                 updates.append(job)
-        job_rows_update(updates, ["reason", "queue_position"])
+        job_rows_update(updates, ["reason", "queue_position"], only_in_state=JobState.QUEUED)
         elapsed_ms = (time.perf_counter() - started) * 1000
         SchedulerCycle.objects.filter(id=1).update(
             last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),

@@ -249,8 +249,11 @@ def transition_locked(jobs: list[Job], to: str, reasons: dict[int, str]) -> None
     JobEvent.objects.bulk_create(events, batch_size=1000)
 
 
-def job_rows_update(jobs: list[Job], fields: list[str]) -> None:
+def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | None = None) -> None:
     """Write these fields of many jobs in one statement per 1,000 (PostgreSQL: UPDATE ... FROM VALUES).
+
+    ``only_in_state``: leave alone a job that has meanwhile left that state (say, a waiting job
+    cancelled while the cycle ran: its reason must stay the cancel's).
 
     Django's bulk_update builds a CASE per field and row, which costs seconds for a cycle that
     admits or re-explains a thousand jobs; other databases still get it.
@@ -258,6 +261,10 @@ def job_rows_update(jobs: list[Job], fields: list[str]) -> None:
     if not jobs:
         return
     if connection.vendor != "postgresql":
+        if only_in_state is not None:
+            current = set(Job.objects.filter(id__in=[job.id for job in jobs], state=only_in_state)
+                          .values_list("id", flat=True))
+            jobs = [job for job in jobs if job.id in current]
         Job.objects.bulk_update(jobs, fields, batch_size=500)
         return
     table = Job._meta.db_table
@@ -275,8 +282,13 @@ def job_rows_update(jobs: list[Job], fields: list[str]) -> None:
             for job in chunk:
                 params.append(job.id)
                 params.extend(column.get_db_prep_save(getattr(job, column.attname), connection) for column in columns)
+            condition = ""
+            if only_in_state is not None:
+                condition = " AND j.state = %s"
+                params.append(only_in_state)
             cursor.execute(
-                f'UPDATE "{table}" AS j SET {assignments} FROM (VALUES {rows}) AS v(id, {names}) WHERE j.id = v.id',
+                f'UPDATE "{table}" AS j SET {assignments} FROM (VALUES {rows}) AS v(id, {names}) '
+                f"WHERE j.id = v.id{condition}",
                 params,
             )
 

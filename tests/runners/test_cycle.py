@@ -158,3 +158,18 @@ def test_two_cycles_at_once_never_admit_the_same_capacity_twice(flavors, tenant,
     assert len(admitted) == 2 == len(set(admitted)), "16 H100s hold two 8-GPU jobs, once each"
     assert Job.objects.filter(state="admitted").count() == 2
     assert SchedulerCycle.objects.get().runs == 2
+
+
+@pytest.mark.django_db
+def test_the_cycle_does_not_overwrite_the_reason_of_a_job_that_left_the_queue_meanwhile(flavors, tenant, owner, acme_env):
+    from runners.jobs import job_rows_update
+
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=1)
+    waiting = _submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=1)
+    stale = Job.objects.get(id=waiting.id)  # what a cycle snapshotted
+    jobs.job_cancel(actor=owner, job=waiting)
+    stale.reason, stale.queue_position = "waiting: something", 3
+    job_rows_update([stale], ["reason", "queue_position"], only_in_state=JobState.QUEUED)
+    waiting.refresh_from_db()
+    assert waiting.state == "cancelled" and waiting.reason.startswith("Cancelled by")
+    assert waiting.queue_position is None

@@ -177,3 +177,17 @@ def test_an_allow_listed_custom_image_is_accepted_where_it_can_run(client_for, o
     ))
     assert response.status_code == 201, response.json()
     assert Job.objects.get().spec["image"] == "nvcr.io/nvidia/pytorch:24.01-py3"
+
+
+def test_staff_see_jobs_with_attempts_and_events_in_the_admin_but_cannot_change_them(client, staff, owner, environment):
+    from runners import jobs
+
+    staff.is_superuser = True
+    staff.save()
+    job = jobs.job_submit(actor=owner, data=job_data(environment))
+    client.force_login(staff)
+    assert "llm-pretrain" in client.get("/admin/runners/job/").content.decode()
+    page = client.get(f"/admin/runners/job/{job.id}/change/")
+    assert page.status_code == 200 and "Submitted by olivia." in page.content.decode()
+    assert client.post(f"/admin/runners/job/{job.id}/change/", {"name": "renamed"}).status_code == 403
+    assert Job.objects.get().name == "llm-pretrain"
