@@ -2,10 +2,11 @@
 
 import django_filters
 
+from portal.filters import StrictFilterSet
 from quotas.models import Quota
 
 
-class QuotaFilter(django_filters.FilterSet):
+class QuotaFilter(StrictFilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug", help_text="Only this tenant's quotas (its slug).")
     flavor = django_filters.CharFilter(field_name="flavor__name", help_text="Only quotas for this flavor (its name).")
 

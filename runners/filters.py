@@ -2,10 +2,11 @@
 
 import django_filters
 
+from portal.filters import StrictFilterSet
 from runners.models import Environment, EnvironmentState, Job, JobState
 
 
-class EnvironmentFilter(django_filters.FilterSet):
+class EnvironmentFilter(StrictFilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug", help_text="Only this tenant's environments (its slug).")
     state = django_filters.ChoiceFilter(
         choices=EnvironmentState.choices, help_text="Only this state; deleted ones are listed only when asked for."
@@ -16,7 +17,7 @@ class EnvironmentFilter(django_filters.FilterSet):
         fields = ["tenant", "state"]
 
 
-class JobFilter(django_filters.FilterSet):
+class JobFilter(StrictFilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug", help_text="Only this tenant's jobs (its slug).")
     state = django_filters.ChoiceFilter(choices=JobState.choices, help_text="Only jobs in this state.")
 

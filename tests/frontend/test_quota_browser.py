@@ -151,6 +151,15 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     page.get_by_role("navigation").get_by_role("link", name="Quotas").click()
     expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text("0 of 0")
     page.screenshot(path=str(screenshot_dir / "quotas-after-repartition.png"), full_page=True)
+    # The new slices have flavors (discovered after the change) and can be given as quota.
+    form = page.get_by_test_id("set-quota")
+    form.get_by_label("Tenant").select_option("acme")
+    form.get_by_label("Flavor").select_option("h100-80gb-mig-4g.40gb")
+    form.get_by_label("Guaranteed").fill("6")
+    form.get_by_label("Max", exact=True).fill("10")
+    form.get_by_role("button", name="Set quota").click()
+    expect(page.get_by_role("status")).to_contain_text("h100-80gb-mig-4g.40gb is now 6 guaranteed, 10 max")
+    assert Quota.objects.get(tenant=tenant, flavor__name="h100-80gb-mig-4g.40gb").guaranteed == 6
 
     # 4. The tenant's owner sees the new quota on the tenant's own page.
     page.get_by_role("button", name="Log out").click()
@@ -164,5 +173,8 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     expect(row.get_by_test_id("capacity")).to_have_text("0")
     expect(row.get_by_test_id("max")).to_have_text("8")
     expect(row).to_contain_text("USD 4.20")
+    sliced = page.get_by_test_id("tenant-quotas").locator('tr[data-flavor="h100-80gb-mig-4g.40gb"]')
+    expect(sliced.get_by_test_id("guaranteed")).to_have_text("6")
+    expect(sliced.get_by_test_id("capacity")).to_have_text("16")
     expect(page.get_by_test_id("tenant-quotas")).not_to_contain_text("t4-shared")
     page.screenshot(path=str(screenshot_dir / "tenant-quota.png"), full_page=True)

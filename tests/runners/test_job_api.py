@@ -191,3 +191,9 @@ def test_staff_see_jobs_with_attempts_and_events_in_the_admin_but_cannot_change_
     assert page.status_code == 200 and "Submitted by olivia." in page.content.decode()
     assert client.post(f"/admin/runners/job/{job.id}/change/", {"name": "renamed"}).status_code == 403
     assert Job.objects.get().name == "llm-pretrain"
+
+
+@pytest.mark.parametrize("path", ["/api/v1/jobs/?state=", "/api/v1/environments/?state="])
+def test_a_state_filter_given_without_a_value_is_a_400_naming_it(client_for, owner, environment, path):
+    response = client_for(owner).get(path)
+    assert response.status_code == 400 and "state" in response.json()
