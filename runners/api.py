@@ -406,7 +406,7 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
     @action(detail=True, methods=["get"])
     def metrics(self, request, pk):
         job = self.get_object()
-        metrics, _ = get_backend().job_progress(job.id)
+        metrics = get_backend().job_metrics(job.id)
         series = [
             {"attempt": point.get("attempt", 0), "step": point["step"], "loss": point.get("loss"),
              "samples_per_s": point.get("samples_per_s"), "time": point.get("time", "")}

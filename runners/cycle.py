@@ -97,25 +97,25 @@ class _Usage:
     shares: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # GPU index -> time-slice shares
     mig: set[tuple[int, int]] = field(default_factory=set)  # (GPU index, instance start)
 
+    def take(self, job: Job, replica: dict) -> None:
+        """Count one replica of the job, placed on this node."""
+        self.cpu_milli += job.spec["cpu_milli_per_replica"]
+        self.memory_mib += job.spec["memory_mib_per_replica"]
+        if replica.get("mig_profile"):
+            self.mig.add((replica["gpus"][0], replica["mig_start"]))
+        elif job.flavor.kind == PartitionKind.TIMESLICE:
+            for index in replica["gpus"]:
+                self.shares[index] += 1
+        else:
+            self.whole.update(replica["gpus"])
+
 
 def _usage(holding: list[Job], attempts: dict[int, JobAttempt]) -> dict[str, _Usage]:
     used: dict[str, _Usage] = defaultdict(_Usage)
     for job in holding:
         attempt = attempts.get(job.id)
-        if attempt is None:
-            continue
-        spec = job.spec
-        for replica in attempt.placement:
-            node = used[replica["node"]]
-            node.cpu_milli += spec["cpu_milli_per_replica"]
-            node.memory_mib += spec["memory_mib_per_replica"]
-            if replica.get("mig_profile"):
-                node.mig.add((replica["gpus"][0], replica["mig_start"]))
-            elif job.flavor.kind == PartitionKind.TIMESLICE:
-                for index in replica["gpus"]:
-                    node.shares[index] += 1
-            else:
-                node.whole.update(replica["gpus"])
+        for replica in attempt.placement if attempt else ():
+            used[replica["node"]].take(job, replica)
     return used
 
 
@@ -130,14 +130,16 @@ def _flavor_gpus(flavor: ResourceFlavor, gpus: list[Gpu]) -> list[Gpu]:
 def _snapshot_for(flavor: ResourceFlavor, nodes: list[Node], used: dict[str, _Usage]):
     """The cluster as placement sees it for one flavor: only that flavor's GPUs, what is used taken out.
 
-    Returns the snapshot and, per node, the real GPU index of each snapshot GPU.
+    Returns the snapshot, per node the real GPU index of each snapshot GPU, and the milli-GPU
+    share a time-slice replica asks for (the GPU cut into the fewest replicas sets it).
     """
-    snapshot_nodes, index_maps = [], {}
+    snapshot_nodes, index_maps, fewest_replicas = [], {}, None
     for node in nodes:
         usage = used.get(node.name, _Usage())
         gpus = _flavor_gpus(flavor, list(node.gpus.all()))
         model_gpus = []
         for gpu in gpus:
+            fewest_replicas = min(fewest_replicas or gpu.timeslice_replicas, gpu.timeslice_replicas)
             if flavor.kind == PartitionKind.MIG:
                 instances = [
                     placement_model.MigInstance(profile, start, pod="held" if (gpu.index, start) in usage.mig else None)
@@ -162,7 +164,7 @@ def _snapshot_for(flavor: ResourceFlavor, nodes: list[Node], used: dict[str, _Us
                 cpu_used_milli=min(usage.cpu_milli, node.cpu_milli), memory_used_mib=min(usage.memory_mib, node.memory_mib),
             )
         )
-    return placement_model.Snapshot(tuple(snapshot_nodes)), index_maps
+    return placement_model.Snapshot(tuple(snapshot_nodes)), index_maps, placement_model.GPU_MILLI // max(1, fewest_replicas or 1)
 
 
 def _gang(job: Job, timeslice_share: int) -> placement_model.Gang:
@@ -194,9 +196,7 @@ def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> d
         by_flavor[job.flavor_id].append(job)
     for jobs in by_flavor.values():
         flavor = jobs[0].flavor
-        snapshot, index_maps = _snapshot_for(flavor, nodes, used)
-        shares = [gpu for node in nodes for gpu in _flavor_gpus(flavor, list(node.gpus.all()))]
-        share = placement_model.GPU_MILLI // max(1, min((gpu.timeslice_replicas for gpu in shares), default=1))
+        snapshot, index_maps, share = _snapshot_for(flavor, nodes, used)
         decisions = place_gangs(snapshot, [_gang(job, share) for job in jobs])
         for job, decision in zip(jobs, decisions):
             if not decision.placed:
@@ -220,15 +220,7 @@ def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> d
             results[job.id] = replicas
             # Later flavors' snapshots see what this one took (CPU, memory, these GPUs).
             for replica in replicas:
-                usage = used[replica["node"]]
-                usage.cpu_milli += job.spec["cpu_milli_per_replica"]
-                usage.memory_mib += job.spec["memory_mib_per_replica"]
-                if replica.get("mig_profile"):
-                    usage.mig.add((replica["gpus"][0], replica["mig_start"]))
-                elif flavor.kind == PartitionKind.TIMESLICE:
-                    usage.shares[replica["gpus"][0]] += 1
-                else:
-                    usage.whole.update(replica["gpus"])
+                used[replica["node"]].take(job, replica)
     return results
 
 

@@ -36,12 +36,17 @@ def current_attempt(job: Job) -> JobAttempt | None:
     return job.attempts.filter(ended_at__isnull=True).order_by("-number").first()
 
 
-def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
-    spec = job.spec
+def runtime_left_s(job: Job, attempt: JobAttempt) -> int:
+    """What is left of the job's max_runtime_s for this attempt, after the earlier ones ran."""
     used_s = sum(
         (a.ended_at - a.started_at).total_seconds()
         for a in job.attempts.exclude(id=attempt.id).filter(started_at__isnull=False, ended_at__isnull=False)
     )
+    return max(1, int(job.spec["max_runtime_s"] - used_s))
+
+
+def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
+    spec = job.spec
     return JobLaunch(
         job_id=job.id,
         attempt=attempt.number,
@@ -62,8 +67,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         memory_mib_per_replica=spec["memory_mib_per_replica"],
         steps=spec["steps"],
         checkpoint_every_steps=spec["checkpoint_every_steps"],
-        # What is left of the job's runtime budget after earlier attempts.
-        max_runtime_s=max(1, int(spec["max_runtime_s"] - used_s)),
+        max_runtime_s=runtime_left_s(job, attempt),
         env=tuple(sorted(spec["env"].items())),
         image=spec.get("image"),
         command=tuple(spec["command"]) if spec.get("command") else None,
@@ -194,7 +198,7 @@ def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | Non
     # Stopped with a checkpoint though the portal asked nothing: its runtime budget ran out,
     # or something outside (a drained node) stopped it.
     runtime = (timezone.now() - attempt.started_at).total_seconds() if attempt.started_at else 0
-    if runtime >= job_launch_spec(job, attempt).max_runtime_s:
+    if runtime >= runtime_left_s(job, attempt):
         return AttemptOutcome.FAILED, f"Ran past max_runtime_s ({job.spec['max_runtime_s']} s).", EXIT_CHECKPOINTED_ON_SIGNAL
     return AttemptOutcome.PREEMPTED, "Stopped from outside the portal (the node was drained).", EXIT_CHECKPOINTED_ON_SIGNAL
 
@@ -206,11 +210,16 @@ def jobs_reconcile_run() -> dict[str, int]:
     looked = finished = 0
     nodes_lost = False
     stale = now - timezone.timedelta(seconds=LAUNCH_LOST_AFTER_S)
-    jobs = Job.objects.filter(
+    jobs = list(Job.objects.filter(
         state__in=[JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING]
-    ).select_related("tenant", "environment", "flavor")
+    ).select_related("tenant", "environment", "flavor"))
+    # Each job's open attempt, in one query rather than one per job.
+    open_attempts = {
+        attempt.job_id: attempt
+        for attempt in JobAttempt.objects.filter(job__in=jobs, ended_at__isnull=True).order_by("number")
+    }
     for job in jobs:
-        attempt = current_attempt(job)
+        attempt = open_attempts.get(job.id)
         if attempt is None:
             continue
         if attempt.started_at is None:
@@ -223,7 +232,7 @@ def jobs_reconcile_run() -> dict[str, int]:
         looked += 1
         try:
             status = backend.job_status(job.id, attempt.number)
-            _record_checkpoints(job, attempt, backend.job_progress(job.id)[1])
+            _record_checkpoints(job, attempt, backend.job_checkpoints(job.id))
         except TransientBackendError as exc:
             logger.warning("Could not read job %s: %s", job.id, exc)
             continue

@@ -25,6 +25,8 @@ from runners.models import (
     PartitionProfile,
 )
 from runners.nvidia import gpu_operator
+from runners.registry import get_backend
+from runners.workloads.progress import latest_per_step
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -193,9 +195,6 @@ def tenant_flavor_usage(*, tenant: Tenant) -> dict[int, int]:
 
 def job_page(job: Job) -> dict:
     """What the job page draws: placement by node, events, checkpoints, the loss series and a log tail."""
-    from runners.registry import get_backend
-    from runners.workloads.progress import latest_per_step
-
     attempts = list(job.attempts.order_by("number"))
     current = attempts[-1] if attempts else None
     nodes: dict[str, dict] = {}
@@ -212,7 +211,7 @@ def job_page(job: Job) -> dict:
                 {"index": index, "replica": node["gpus"].get(index)} for index in range(gpu_counts.get(name, 0))
             ]
     backend = get_backend()
-    metrics, _ = backend.job_progress(job.id)
+    metrics = backend.job_metrics(job.id)
     series = latest_per_step(metrics)
     started = next((a for a in reversed(attempts) if a.started_at), None)
     log = backend.job_logs(job.id, started.number, 0, tail=40) if started else ""

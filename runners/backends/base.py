@@ -248,5 +248,8 @@ class ClusterBackend(Protocol):
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         """The last `tail` lines one replica wrote."""
 
-    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
-        """The job's step metrics and checkpoints so far (see runners.workloads.progress)."""
+    def job_metrics(self, job_id: int) -> list[dict]:
+        """The job's step records so far, across attempts (see runners.workloads.progress)."""
+
+    def job_checkpoints(self, job_id: int) -> list[dict]:
+        """The checkpoints the job has written so far (see runners.workloads.progress)."""

@@ -403,8 +403,11 @@ class KubernetesBackend:
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return ""
 
-    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
-        return [], []
+    def job_metrics(self, job_id: int) -> list[dict]:
+        return []
+
+    def job_checkpoints(self, job_id: int) -> list[dict]:
+        return []
 
 
 def _owner(namespace: dict) -> str | None:

@@ -247,8 +247,11 @@ class LocalBackend:
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return self.jobs.logs(job_id, attempt, rank, tail=tail)
 
-    def job_progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
-        return self.jobs.progress(job_id)
+    def job_metrics(self, job_id: int) -> list[dict]:
+        return self.jobs.metrics(job_id)
+
+    def job_checkpoints(self, job_id: int) -> list[dict]:
+        return self.jobs.checkpoints(job_id)
 
     def set_node_down(self, node_name: str, down: bool = True) -> None:
         """Simulate losing a node (or getting it back): it leaves the inventory and its jobs' processes die."""

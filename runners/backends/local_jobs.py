@@ -237,6 +237,8 @@ class LocalJobs:
             return ""
         return "\n".join(lines[-tail:]) + ("\n" if lines else "")
 
-    def progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
-        job_dir = self.job_dir(job_id)
-        return progress.read_metrics(job_dir), progress.read_checkpoints(job_dir)
+    def metrics(self, job_id: int) -> list[dict]:
+        return progress.read_metrics(self.job_dir(job_id))
+
+    def checkpoints(self, job_id: int) -> list[dict]:
+        return progress.read_checkpoints(self.job_dir(job_id))

@@ -20,6 +20,16 @@ pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(tra
 APPLY_TIMEOUT_MS = 90_000
 
 
+
+def _set_quota(page, tenant: str, flavor: str, *, guaranteed: int, max: int) -> None:
+    """Fill in and send the Quotas page's form."""
+    form = page.get_by_test_id("set-quota")
+    form.get_by_label("Tenant").select_option(tenant)
+    form.get_by_label("Flavor").select_option(flavor)
+    form.get_by_label("Guaranteed").fill(str(guaranteed))
+    form.get_by_label("Max", exact=True).fill(str(max))
+    form.get_by_role("button", name="Set quota").click()
+
 @pytest.fixture
 def flavors(flavor_factory):
     """The demo's flavors with prices: the whole H100 the quota is set on, and a few neighbours."""
@@ -56,12 +66,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     # 1. The quota table: an over-capacity guarantee is refused at the field, then a good one is set.
     page.get_by_role("navigation").get_by_role("link", name="Quotas").click()
     expect(page.get_by_role("heading", name="Quotas", exact=True)).to_be_visible()
-    form = page.get_by_test_id("set-quota")
-    form.get_by_label("Tenant").select_option("acme")
-    form.get_by_label("Flavor").select_option("h100-80gb")
-    form.get_by_label("Guaranteed").fill("20")
-    form.get_by_label("Max", exact=True).fill("24")
-    form.get_by_role("button", name="Set quota").click()
+    _set_quota(page, "acme", "h100-80gb", guaranteed=20, max=24)
     expect(page.locator("#id_guaranteed-errors")).to_contain_text("the cluster holds 16")
     page.screenshot(path=str(screenshot_dir / "quotas-error.png"), full_page=True)
     assert not Quota.objects.filter(tenant=tenant).exists()
@@ -152,12 +157,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text("0 of 0")
     page.screenshot(path=str(screenshot_dir / "quotas-after-repartition.png"), full_page=True)
     # The new slices have flavors (discovered after the change) and can be given as quota.
-    form = page.get_by_test_id("set-quota")
-    form.get_by_label("Tenant").select_option("acme")
-    form.get_by_label("Flavor").select_option("h100-80gb-mig-4g.40gb")
-    form.get_by_label("Guaranteed").fill("6")
-    form.get_by_label("Max", exact=True).fill("10")
-    form.get_by_role("button", name="Set quota").click()
+    _set_quota(page, "acme", "h100-80gb-mig-4g.40gb", guaranteed=6, max=10)
     expect(page.get_by_role("status")).to_contain_text("h100-80gb-mig-4g.40gb is now 6 guaranteed, 10 max")
     assert Quota.objects.get(tenant=tenant, flavor__name="h100-80gb-mig-4g.40gb").guaranteed == 6
 

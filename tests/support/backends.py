@@ -151,8 +151,11 @@ class QuickJobs(LocalBackend):
     def job_logs(self, job_id, attempt, rank, *, tail):
         return ""
 
-    def job_progress(self, job_id):
-        return [], []
+    def job_metrics(self, job_id):
+        return []
+
+    def job_checkpoints(self, job_id):
+        return []
 
 
 def quick_jobs() -> LocalBackend:
