@@ -296,6 +296,16 @@ KUBERNETES_POOL_LABEL = env_str("KUBERNETES_POOL_LABEL", "portal.gpu/node-pool")
 KUBERNETES_RACK_LABEL = env_str("KUBERNETES_RACK_LABEL", "topology.portal.gpu/rack")
 KUBERNETES_BLOCK_LABEL = env_str("KUBERNETES_BLOCK_LABEL", "topology.portal.gpu/block")
 KUBERNETES_NVLINK_DOMAIN_LABEL = env_str("KUBERNETES_NVLINK_DOMAIN_LABEL", "topology.portal.gpu/nvlink-domain")
+# Training jobs: pods name this scheduler (kube-scheduler leaves them alone) and the portal binds them.
+KUBERNETES_SCHEDULER_NAME = env_str("KUBERNETES_SCHEDULER_NAME", "gpu-portal")
+# The image the pytorch-ddp template runs: the portal's own (it holds runners/workloads/train.py and torch).
+KUBERNETES_TRAINER_IMAGE = env_str("KUBERNETES_TRAINER_IMAGE", "ghcr.io/gpu-portal/portal:latest")
+# Each environment's checkpoint volume (ReadWriteMany); an empty class means the cluster's default.
+KUBERNETES_CHECKPOINT_STORAGE_CLASS = env_str("KUBERNETES_CHECKPOINT_STORAGE_CLASS", "")
+KUBERNETES_CHECKPOINT_VOLUME_SIZE = env_str("KUBERNETES_CHECKPOINT_VOLUME_SIZE", "100Gi")
+KUBERNETES_FINISHED_JOB_TTL_S = env_int("KUBERNETES_FINISHED_JOB_TTL_S", 86400, minimum=0)
+KUBERNETES_WATCH_TIMEOUT_S = env_int("KUBERNETES_WATCH_TIMEOUT_S", 1, minimum=1)
+KUBERNETES_NODE_LOST_TIMEOUT_S = env_float("KUBERNETES_NODE_LOST_TIMEOUT_S", 60.0, minimum=0)
 
 LOGGING = {
     "version": 1,

@@ -71,6 +71,8 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         env=tuple(sorted(spec["env"].items())),
         image=spec.get("image"),
         command=tuple(spec["command"]) if spec.get("command") else None,
+        grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S,
+        resume_from_step=job.checkpoints.order_by("-step").values_list("step", flat=True).first(),
     )
 
 

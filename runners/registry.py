@@ -29,6 +29,13 @@ def kubernetes_backend_options() -> dict:
             block=settings.KUBERNETES_BLOCK_LABEL,
             nvlink_domain=settings.KUBERNETES_NVLINK_DOMAIN_LABEL,
         ),
+        scheduler_name=settings.KUBERNETES_SCHEDULER_NAME,
+        trainer_image=settings.KUBERNETES_TRAINER_IMAGE,
+        checkpoint_storage_class=settings.KUBERNETES_CHECKPOINT_STORAGE_CLASS,
+        checkpoint_volume_size=settings.KUBERNETES_CHECKPOINT_VOLUME_SIZE,
+        finished_job_ttl_s=settings.KUBERNETES_FINISHED_JOB_TTL_S,
+        watch_timeout_s=settings.KUBERNETES_WATCH_TIMEOUT_S,
+        node_lost_timeout_s=settings.KUBERNETES_NODE_LOST_TIMEOUT_S,
     )
 
 

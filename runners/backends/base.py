@@ -165,6 +165,11 @@ class JobLaunch:
     env: tuple[tuple[str, str], ...] = ()
     image: str | None = None
     command: tuple[str, ...] | None = None
+    # How long a stop gives the replicas to checkpoint (a pod's terminationGracePeriodSeconds).
+    grace_period_s: int = 30
+    # The newest checkpoint the portal has recorded: where a backend that cannot look at the
+    # checkpoint files itself (Kubernetes: they are on a volume in the cluster) says it resumes.
+    resume_from_step: int | None = None
 
     @property
     def workload(self) -> str:

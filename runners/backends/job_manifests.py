@@ -1,7 +1,7 @@
 """The Kubernetes objects one training attempt is made of, as pure functions of its JobLaunch.
 
-Not yet used by the Kubernetes backend (launching jobs there is open work): these are the
-bodies it is to apply, checked with kubernetes-validate in the tests.
+The Kubernetes backend applies them (server-side apply); the tests check every one with
+kubernetes-validate, strictly, for 1.30 and the newest schema.
 
 - a PersistentVolumeClaim per environment for checkpoints (`checkpoint_pvc_manifest`);
 - a headless Service per job, so every replica has a stable DNS name and rank 0 is the
@@ -56,8 +56,9 @@ def checkpoint_pvc_manifest(*, namespace: str, tenant_slug: str, storage_class: 
         "spec": {
             # ReadWriteMany: the replicas of one job may sit on different nodes, rank 0 writes.
             "accessModes": ["ReadWriteMany"],
-            "storageClassName": storage_class,
             "resources": {"requests": {"storage": size}},
+            # None: the cluster's default storage class.
+            **({"storageClassName": storage_class} if storage_class else {}),
         },
     }
 
@@ -101,7 +102,7 @@ def _env(launch: JobLaunch) -> list[dict]:
 
 
 def training_job_manifest(
-    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int
+    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400
 ) -> dict:
     """The indexed Job of one attempt, with every pod spec field set by the portal."""
     name = job_name(launch)
@@ -143,8 +144,11 @@ def training_job_manifest(
             "parallelism": replicas,
             "backoffLimit": 0,
             "activeDeadlineSeconds": launch.max_runtime_s,
+            # A finished attempt's pods stay this long, so their logs can still be read.
+            "ttlSecondsAfterFinished": finished_ttl_s,
             "template": {
-                "metadata": {"labels": _labels(launch)},
+                # Every pod carries the whole placement; the binder picks its own index's node.
+                "metadata": {"labels": _labels(launch), "annotations": {PLACEMENT_ANNOTATION: json.dumps(placement, sort_keys=True)}},
                 "spec": {
                     "schedulerName": scheduler_name,
                     "restartPolicy": "Never",
@@ -167,10 +171,12 @@ def training_job_manifest(
     }
 
 
-def job_manifests(launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int) -> list[dict]:
+def job_manifests(
+    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400
+) -> list[dict]:
     """The attempt's Service and Job, in the order they are applied (the PVC is the environment's)."""
     return [
         rendezvous_service_manifest(launch),
         training_job_manifest(launch, trainer_image=trainer_image, scheduler_name=scheduler_name,
-                              grace_period_s=grace_period_s),
+                              grace_period_s=grace_period_s, finished_ttl_s=finished_ttl_s),
     ]

@@ -3,20 +3,34 @@
 Every object comes from `manifests.environment_manifests` and is sent with
 server-side apply under one field manager, so a repeated call changes nothing.
 A create that finds the object already there (409 AlreadyExists) counts as done,
-and so does a delete of something already gone (404). The official client makes
-every call; answers are read as plain JSON so errors keep the API's own message.
+and so does a delete of something already gone (404). The official client's
+`kubernetes.dynamic` client makes every call: it learns each kind's path from
+the server's discovery documents, so no method names are built by hand; answers
+are read as plain JSON so errors keep the API's own message.
+
+Training attempts are an indexed batch/v1 Job and a headless Service in the
+environment's namespace, with the environment's checkpoint PVC. Their pods name
+the portal's scheduler, so kube-scheduler never places them; this backend binds
+each one to the node the portal chose for its completion index through the
+pods/binding subresource, as a secondary scheduler does. How attempts stand is
+read from a pod watch (`runners.backends.k8s_jobs`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import os
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
 
 import urllib3
-from kubernetes import client, config
+from kubernetes import client, config, dynamic
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from runners.backends import k8s_inventory, k8s_partitions
+from runners.backends import k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
     AttemptStatus,
     BackendError,
@@ -27,6 +41,12 @@ from runners.backends.base import (
     PermanentBackendError,
     TransientBackendError,
 )
+from runners.backends.job_manifests import (
+    ATTEMPT_LABEL,
+    JOB_LABEL,
+    checkpoint_pvc_manifest,
+    job_manifests,
+)
 from runners.backends.manifests import (
     ENVIRONMENT_LABEL,
     MANAGED_BY,
@@ -35,6 +55,7 @@ from runners.backends.manifests import (
     ownership_selector,
 )
 from runners.nvidia import names
+from runners.workloads import progress
 
 logger = logging.getLogger(__name__)
 
@@ -44,27 +65,24 @@ MERGE_PATCH = "application/merge-patch+json"
 TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
-@dataclass(frozen=True)
-class Kind:
-    """Where the typed client keeps one kind's methods, and their name stem."""
-
-    api: str  # core | networking | rbac
-    method_stem: str
-    namespaced: bool = True
-
-
+# Every kind the backend touches, by the API version it is served under; discovery gives the rest.
 KINDS = {
-    "Namespace": Kind("core", "namespace", namespaced=False),
-    "ServiceAccount": Kind("core", "service_account"),
-    "ResourceQuota": Kind("core", "resource_quota"),
-    "LimitRange": Kind("core", "limit_range"),
-    "NetworkPolicy": Kind("networking", "network_policy"),
-    "Role": Kind("rbac", "role"),
-    "RoleBinding": Kind("rbac", "role_binding"),
-    "Node": Kind("core", "node", namespaced=False),
-    "Pod": Kind("core", "pod"),
-    "ConfigMap": Kind("core", "config_map"),
+    "Namespace": "v1",
+    "ServiceAccount": "v1",
+    "ResourceQuota": "v1",
+    "LimitRange": "v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "Node": "v1",
+    "Pod": "v1",
+    "ConfigMap": "v1",
+    "Service": "v1",
+    "PersistentVolumeClaim": "v1",
+    "Job": "batch/v1",
 }
+# The HTTP method of each verb the backend uses.
+VERBS = {"read": "GET", "list": "GET", "create": "POST", "patch": "PATCH", "replace": "PUT", "delete": "DELETE"}
 # The kinds an environment is made of, and so the ones pruning may remove.
 ENVIRONMENT_KINDS = ("ServiceAccount", "ResourceQuota", "LimitRange", "NetworkPolicy", "Role", "RoleBinding")
 
@@ -122,13 +140,15 @@ class KubernetesBackend:
         mig_parted_config_map: str,
         device_plugin_config_map: str,
         topology_labels: k8s_inventory.TopologyLabels,
+        scheduler_name: str,
+        trainer_image: str,
+        checkpoint_storage_class: str,
+        checkpoint_volume_size: str,
+        finished_job_ttl_s: int,
+        watch_timeout_s: int,
+        node_lost_timeout_s: float,
     ) -> None:
         self.api_client = api_client
-        self.apis = {
-            "core": client.CoreV1Api(api_client),
-            "networking": client.NetworkingV1Api(api_client),
-            "rbac": client.RbacAuthorizationV1Api(api_client),
-        }
         self.field_manager = field_manager
         self.username_template = username_template
         self.request_timeout_s = request_timeout_s
@@ -136,6 +156,22 @@ class KubernetesBackend:
         self.mig_parted_config_map = mig_parted_config_map
         self.device_plugin_config_map = device_plugin_config_map
         self.topology_labels = topology_labels
+        self.scheduler_name = scheduler_name
+        self.trainer_image = trainer_image
+        self.checkpoint_storage_class = checkpoint_storage_class
+        self.checkpoint_volume_size = checkpoint_volume_size
+        self.finished_job_ttl_s = finished_job_ttl_s
+        self.watch_timeout_s = watch_timeout_s
+        self.node_lost_timeout_s = node_lost_timeout_s
+        # Discovery is read on the first call, not here: building the backend touches no network.
+        self._dynamic: dynamic.DynamicClient | None = None
+        self._resources: dict[tuple[str, str], object] = {}
+        self._discovery_dir = tempfile.TemporaryDirectory(prefix="gpu-portal-discovery-")
+        # The portal's pods, kept by a watch; what each attempt's pods said, kept past their deletion.
+        self.tracker = k8s_jobs.PodTracker()
+        self.pods = k8s_jobs.WatchedList(self._list_pods, self._watch_pods, on_change=self.tracker.changed)
+        self._synced_at = 0.0
+        self._sync_lock = threading.Lock()
 
     @classmethod
     def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
@@ -154,31 +190,64 @@ class KubernetesBackend:
 
     # --- One API call ------------------------------------------------------------
 
+    def _resource(self, kind: str, subresource: str = ""):
+        """The dynamic client's resource (or subresource) for a kind, found through discovery once."""
+        cached = self._resources.get((kind, subresource))
+        if cached is None:
+            if self._dynamic is None:
+                cache_file = os.path.join(self._discovery_dir.name, "discovery.json")
+                self._dynamic = dynamic.DynamicClient(self.api_client, cache_file=cache_file)
+            try:
+                resource = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
+                cached = resource.subresources[subresource] if subresource else resource
+            except (ResourceNotFoundError, KeyError):
+                raise PermanentBackendError(
+                    f"The cluster does not serve {KINDS[kind]} {kind}{'/' + subresource if subresource else ''}."
+                ) from None
+            self._resources[(kind, subresource)] = cached
+        return cached
+
     def _call(
-        self, kind: str, verb: str, *args, accept: tuple[int, ...] = (200, 201), subresource: str = "", **kwargs
-    ) -> tuple[int, dict]:
-        """Call `<verb>_[namespaced_]<kind>[_<subresource>]` on the typed client; (status, JSON body) if accepted."""
-        where = KINDS[kind]
-        method = f"{verb}_namespaced_{where.method_stem}" if where.namespaced else f"{verb}_{where.method_stem}"
-        if subresource:
-            method = f"{method}_{subresource}"
-        if verb == "list" and where.namespaced and not args:
-            method = f"list_{where.method_stem}_for_all_namespaces"
-        doing = f"{method}({', '.join(map(str, args))})"
+        self,
+        kind: str,
+        verb: str,
+        name: str | None = None,
+        namespace: str | None = None,
+        *,
+        body: dict | None = None,
+        accept: tuple[int, ...] = (200, 201),
+        subresource: str = "",
+        stream: bool = False,
+        timeout_s: float | None = None,
+        **params,
+    ):
+        """One request: (status, JSON body) if the status is accepted; with stream, the open response instead.
+
+        `params` are the dynamic client's (label_selector, field_selector, field_manager,
+        force_conflicts, content_type, grace_period_seconds, propagation_policy, watch,
+        resource_version, timeout_seconds, query_params).
+        """
+        doing = f"{VERBS[verb]} {kind}{'/' + subresource if subresource else ''} {namespace or ''}/{name or ''}"
         try:
-            response = getattr(self.apis[where.api], method)(
-                *args, _preload_content=False, _request_timeout=self.request_timeout_s, **kwargs
+            resource = self._resource(kind, subresource)
+            path = resource.path(name=name, namespace=namespace)
+            response = self._dynamic.request(
+                VERBS[verb], path, body=body, serialize=False,
+                _request_timeout=timeout_s or self.request_timeout_s, **params,
             )
-            status, data = response.status, response.data
+            status = response.status
+            data = None if stream else response.data
         except client.ApiException as exc:
-            status, data = exc.status or 0, exc.body or b""
+            status, data, response = exc.status or 0, exc.body or b"", None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # Connection refused, reset, or timed out: the API server may be back in a moment.
             raise TransientBackendError(f"{doing}: the Kubernetes API could not be reached: {exc}") from None
-        body = _json(data)
+        if stream and response is not None and status in accept:
+            return status, response
+        body_json = _json(data)
         if status not in accept:
-            raise ApiStatusError(status, body, doing)
-        return status, body
+            raise ApiStatusError(status, body_json, doing)
+        return status, body_json
 
     def _checked(self, *args, **kwargs) -> tuple[int, dict]:
         """_call, with an unaccepted answer turned into the portal's backend error."""
@@ -189,11 +258,10 @@ class KubernetesBackend:
 
     def _apply(self, manifest: dict) -> dict:
         """Server-side apply one object; force, since the portal is the only rightful owner of these fields."""
-        name = manifest["metadata"]["name"]
-        args = (name, manifest["metadata"]["namespace"]) if KINDS[manifest["kind"]].namespaced else (name,)
+        metadata = manifest["metadata"]
         return self._checked(
-            manifest["kind"], "patch", *args,
-            body=manifest, field_manager=self.field_manager, force=True, _content_type=APPLY_PATCH,
+            manifest["kind"], "patch", metadata["name"], metadata.get("namespace"),
+            body=manifest, field_manager=self.field_manager, force_conflicts=True, content_type=APPLY_PATCH,
         )[1]
 
     # --- Environments ------------------------------------------------------------
@@ -241,7 +309,7 @@ class KubernetesBackend:
     def _prune(self, spec: EnvironmentSpec, *, wanted: set[tuple[str, str]]) -> None:
         """Delete objects built for this environment earlier that it no longer has (members who left)."""
         for kind in ENVIRONMENT_KINDS:
-            listing = self._checked(kind, "list", spec.namespace, label_selector=ownership_selector(spec))[1]
+            listing = self._checked(kind, "list", namespace=spec.namespace, label_selector=ownership_selector(spec))[1]
             for item in listing.get("items") or []:
                 name = item["metadata"]["name"]
                 if (kind, name) not in wanted:
@@ -296,7 +364,7 @@ class KubernetesBackend:
         return [node for node in nodes if node.gpus or node.pool]
 
     def _patch_node(self, node_name: str, patch: dict) -> dict:
-        return self._checked("Node", "patch", node_name, body=patch, _content_type=MERGE_PATCH)[1]
+        return self._checked("Node", "patch", node_name, body=patch, content_type=MERGE_PATCH)[1]
 
     def cordon(self, node_name: str) -> None:
         self._patch_node(node_name, {"spec": {"unschedulable": True}})
@@ -342,7 +410,7 @@ class KubernetesBackend:
             }
             try:
                 if status == 404:
-                    self._call("ConfigMap", "create", self.gpu_operator_namespace, body=body)
+                    self._call("ConfigMap", "create", namespace=self.gpu_operator_namespace, body=body)
                 else:
                     body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
                     self._call("ConfigMap", "replace", name, self.gpu_operator_namespace, body=body)
@@ -378,36 +446,199 @@ class KubernetesBackend:
             )
         return k8s_partitions.partition_done(node, partition)
 
-    # --- Jobs: not built yet ------------------------------------------------------
-    # Training jobs on Kubernetes (an indexed batch/v1 Job, a headless Service, the checkpoint
-    # PVC, pods bound to the placed nodes) are not implemented. A launch fails with this
-    # reason, so the job ends failed saying so instead of pretending to run.
+    # --- Jobs ----------------------------------------------------------------------
 
-    NOT_YET = "Training jobs on the Kubernetes backend are not implemented yet; run them on the local backend."
+    def _attempt_selector(self, job_id: int, attempt: int | None = None) -> str:
+        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{JOB_LABEL}={job_id}"
+        return selector if attempt is None else f"{selector},{ATTEMPT_LABEL}={attempt}"
 
     def launch_job(self, launch: JobLaunch) -> int | None:
-        raise PermanentBackendError(self.NOT_YET)
+        """Apply the checkpoint PVC, the rendezvous Service and the indexed Job, then bind what pods exist.
+
+        Applying again changes nothing, so a redelivered launch is harmless. The pods the Job
+        controller creates later are bound by the next status read (the reconcile sweep).
+        """
+        if launch.template == "custom" and not (launch.image and launch.command):
+            raise PermanentBackendError("A custom job needs an image and a command.")
+        self._apply(checkpoint_pvc_manifest(
+            namespace=launch.namespace, tenant_slug=launch.tenant_slug,
+            storage_class=self.checkpoint_storage_class, size=self.checkpoint_volume_size,
+        ))
+        for manifest in job_manifests(
+            launch, trainer_image=self.trainer_image, scheduler_name=self.scheduler_name,
+            grace_period_s=launch.grace_period_s, finished_ttl_s=self.finished_job_ttl_s,
+        ):
+            self._apply(manifest)
+        self._sync(force=True)
+        # The trainer resumes from the newest checkpoint on the volume, which the portal recorded.
+        return launch.resume_from_step
+
+    # Pods of every attempt, kept current by a watch. Several worker processes each keep their
+    # own; binding is idempotent (409 once bound), so they never disagree about a pod.
+
+    def _list_pods(self) -> tuple[list[dict], str]:
+        listing = self._checked("Pod", "list", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}")[1]
+        return listing.get("items") or [], (listing.get("metadata") or {}).get("resourceVersion", "")
+
+    def _watch_pods(self, resource_version: str):
+        """Events since resource_version, for up to watch_timeout_s; 410 Gone raises WatchGone."""
+        try:
+            _status, response = self._call(
+                "Pod", "list", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}", watch=True,
+                resource_version=resource_version, timeout_seconds=self.watch_timeout_s,
+                allow_watch_bookmarks=True, stream=True, accept=(200,),
+                timeout_s=self.watch_timeout_s + self.request_timeout_s,
+            )
+        except ApiStatusError as exc:
+            if exc.status == 410:
+                raise k8s_jobs.WatchGone(exc.api_message) from None
+            raise exc.backend_error() from None
+        try:
+            for line in response:
+                if line.strip():
+                    yield json.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientBackendError(f"The pod watch broke off: {exc}") from None
+        except ValueError as exc:
+            raise TransientBackendError(f"The pod watch sent something that is not JSON: {exc}") from None
+        finally:
+            response.release_conn()
+
+    def _sync(self, *, force: bool = False) -> None:
+        """Bring the pod cache up to date (at most every half second) and bind pods still unbound."""
+        with self._sync_lock:
+            if not force and time.monotonic() - self._synced_at < 0.5:
+                return
+            self.pods.sync()
+            self._synced_at = time.monotonic()
+            for pod in list(self.pods.items.values()):
+                if k8s_jobs.needs_binding(pod, self.scheduler_name):
+                    self._bind(pod)
+
+    def _bind(self, pod: dict) -> None:
+        node = k8s_jobs.placed_node(pod)
+        metadata = pod["metadata"]
+        if node is None:
+            logger.warning("Pod %s/%s has no placement for its index; leaving it unbound.",
+                           metadata["namespace"], metadata["name"])
+            return
+        status, _ = self._checked(
+            "Pod", "create", metadata["name"], metadata["namespace"], subresource="binding",
+            body=k8s_jobs.binding_body(pod, node), accept=(200, 201, 404, 409),
+        )
+        if status in (200, 201):
+            logger.info("Bound pod %s/%s to %s.", metadata["namespace"], metadata["name"], node)
+
+    def _node_lost(self, node_name: str) -> str | None:
+        status, node = self._checked("Node", "read", node_name, accept=(200, 404))
+        return k8s_jobs.node_lost_reason(
+            node_name, node if status == 200 else None,
+            lost_after_s=self.node_lost_timeout_s, now=datetime.now(timezone.utc),
+        )
 
     def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
-        return AttemptStatus("lost", reason=self.NOT_YET)
+        self._sync()
+        key = (job_id, attempt)
+        pods = [pod for pod in self.pods.items.values() if k8s_jobs.attempt_of(pod) == key]
+        nodes = {(pod.get("spec") or {}).get("nodeName") for pod in pods if k8s_jobs.pod_exit_code(pod) is None}
+        lost = {node: reason for node in sorted(filter(None, nodes)) if (reason := self._node_lost(node))}
+        job = None
+        replicas = self.tracker.replicas.get(key, 0)
+        if not pods or not replicas:
+            job = self._read_job(pods, job_id, attempt)
+            replicas = replicas or ((job or {}).get("spec") or {}).get("completions", 0)
+        return k8s_jobs.attempt_status(
+            replicas=replicas, pods=pods, exits=self.tracker.exits.get(key, {}),
+            vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost,
+        )
+
+    def _read_job(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:
+        namespace = pods[0]["metadata"]["namespace"] if pods else None
+        if namespace is None:
+            listing = self._checked("Job", "list", label_selector=self._attempt_selector(job_id, attempt))[1]
+            items = listing.get("items") or []
+            return items[0] if items else None
+        status, job = self._checked("Job", "read", f"job-{job_id}-{attempt}", namespace, accept=(200, 404))
+        return job if status == 200 else None
+
+    def _attempt_pods(self, job_id: int, attempt: int | None = None) -> list[dict]:
+        """The pods of an attempt (or of every attempt of the job), read now rather than from the cache."""
+        return self._checked("Pod", "list", label_selector=self._attempt_selector(job_id, attempt))[1].get("items") or []
+
+    def _delete(self, kind: str, name: str, namespace: str, **options) -> None:
+        self._checked(kind, "delete", name, namespace, accept=(200, 202, 404), **options)
 
     def stop_job(self, job_id: int, attempt: int, *, grace_period_s: int) -> None:
-        return None
+        """Delete the attempt's Job (orphaning its pods, so nothing recreates them), then each pod with the grace period.
+
+        The kubelet sends SIGTERM, so the trainer checkpoints and exits 75; past the grace
+        period it is killed. Deleting the pods ourselves is what carries the grace period:
+        pods deleted by the garbage collector would get their own default instead.
+        """
+        pods = self._attempt_pods(job_id, attempt)
+        for job in self._checked("Job", "list", label_selector=self._attempt_selector(job_id, attempt))[1].get("items") or []:
+            self._delete("Job", job["metadata"]["name"], job["metadata"]["namespace"], propagation_policy="Orphan")
+        for pod in pods:
+            if k8s_jobs.pod_exit_code(pod) is None:
+                metadata = pod["metadata"]
+                self._delete("Pod", metadata["name"], metadata["namespace"], grace_period_seconds=grace_period_s)
 
     def kill_job(self, job_id: int, attempt: int) -> None:
-        return None
+        self.stop_job(job_id, attempt, grace_period_s=0)
 
     def forget_job(self, job_id: int, attempt: int) -> None:
-        return None
+        """The attempt is over: its Service goes, and anything of it still running is stopped at once.
+
+        A finished Job and its pods stay (ttlSecondsAfterFinished removes them) so their logs
+        can still be read.
+        """
+        pods = self._attempt_pods(job_id, attempt)
+        if any(k8s_jobs.pod_exit_code(pod) is None for pod in pods):
+            self.kill_job(job_id, attempt)
+        for service in self._checked(
+            "Service", "list", label_selector=self._attempt_selector(job_id, attempt)
+        )[1].get("items") or []:
+            self._delete("Service", service["metadata"]["name"], service["metadata"]["namespace"])
+        self.tracker.forget((job_id, attempt))
+
+    def _log(self, pod: dict, *, tail: int | None = None) -> str:
+        metadata = pod["metadata"]
+        query = [("container", "trainer")] + ([("tailLines", tail)] if tail else [])
+        try:
+            _status, response = self._call(
+                "Pod", "read", metadata["name"], metadata["namespace"], subresource="log",
+                query_params=query, stream=True, accept=(200,),
+            )
+        except ApiStatusError as exc:
+            if exc.status in (400, 404):  # gone, or its container has not started yet
+                return ""
+            raise exc.backend_error() from None
+        try:
+            return response.data.decode(errors="replace")
+        finally:
+            response.release_conn()
 
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
+        for pod in self._attempt_pods(job_id, attempt):
+            if k8s_jobs.pod_rank(pod) == rank:
+                return self._log(pod, tail=tail)
         return ""
 
+    def _progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
+        """Metrics and checkpoints from the logs of rank 0 of each attempt whose pods still exist."""
+        metrics, checkpoints = [], []
+        ranks0 = [pod for pod in self._attempt_pods(job_id) if k8s_jobs.pod_rank(pod) == 0]
+        for pod in sorted(ranks0, key=lambda pod: k8s_jobs.attempt_of(pod) or (0, 0)):
+            found_metrics, found_checkpoints = progress.parse_log(self._log(pod))
+            metrics += found_metrics
+            checkpoints += found_checkpoints
+        return metrics, checkpoints
+
     def job_metrics(self, job_id: int) -> list[dict]:
-        return []
+        return self._progress(job_id)[0]
 
     def job_checkpoints(self, job_id: int) -> list[dict]:
-        return []
+        return self._progress(job_id)[1]
 
 
 def _owner(namespace: dict) -> str | None:

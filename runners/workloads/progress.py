@@ -30,6 +30,11 @@ A line of checkpoints.jsonl::
 is durable (written, fsynced, renamed into place), but old checkpoints are
 pruned later, so a line may name a file that no longer exists.
 
+Rank 0 also prints each record to stdout as one tagged line (`PORTAL_METRIC {...}`,
+`PORTAL_CHECKPOINT {...}`), so a backend that cannot read the job folder (on
+Kubernetes it is a volume in the cluster) reads progress from the pod's log
+instead (`parse_log`).
+
 Every reader here tolerates a half-written last line (the writer may be in
 the middle of it, or may have been killed there) and skips lines it cannot
 parse rather than failing.
@@ -124,3 +129,28 @@ def latest_checkpoint_step(job_dir: str | Path) -> int | None:
     """
     files = checkpoint_files(job_dir)
     return max(files) if files else None
+
+
+METRIC_TAG = "PORTAL_METRIC"
+CHECKPOINT_TAG = "PORTAL_CHECKPOINT"
+
+
+def tagged_line(tag: str, record: dict) -> str:
+    """The stdout line that carries one record (see parse_log)."""
+    return f"{tag} {json.dumps(record, sort_keys=True)}"
+
+
+def parse_log(text: str) -> tuple[list[dict], list[dict]]:
+    """The metric and checkpoint records in a replica's log, in order; other lines are skipped."""
+    metrics, checkpoints = [], []
+    for line in text.splitlines():
+        tag, _, payload = line.partition(" ")
+        if tag not in (METRIC_TAG, CHECKPOINT_TAG):
+            continue
+        try:
+            record = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            (metrics if tag == METRIC_TAG else checkpoints).append(record)
+    return metrics, checkpoints

@@ -70,13 +70,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runners.workloads.progress import (
     CHECKPOINT_DIR,
+    CHECKPOINT_TAG,
     CHECKPOINTS_FILE,
     EXIT_CHECKPOINTED_ON_SIGNAL,
     EXIT_FAILED,
     EXIT_OK,
+    METRIC_TAG,
     METRICS_FILE,
     checkpoint_files,
     checkpoint_name,
+    tagged_line,
 )
 
 __all__ = ["EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK", "CharModel", "main"]
@@ -262,6 +265,7 @@ def save_checkpoint(job_dir: Path, step: int, model: nn.Module, optimizer, *, ke
     with open_jsonl(job_dir / CHECKPOINTS_FILE) as index:
         record = {"step": step, "path": f"{CHECKPOINT_DIR}/{final.name}", "bytes": size, "created_at": now_iso()}
         write_jsonl(index, record, durable=True)
+    print(tagged_line(CHECKPOINT_TAG, record), flush=True)
     for old_path in list(checkpoint_files(job_dir).values())[:-keep]:
         old_path.unlink(missing_ok=True)
     return final
@@ -447,6 +451,7 @@ def _run(args, stop: StopRequest, started: float, stack: ExitStack) -> int:
                 "attempt": args.attempt,
             }
             write_jsonl(metrics, record)
+            print(tagged_line(METRIC_TAG, record), flush=True)
         log(f"step {step}/{args.steps} loss {mean_loss:.4f} {elapsed * 1000:.1f} ms {samples_per_s:.0f} samples/s")
 
         due = args.checkpoint_every and step % args.checkpoint_every == 0

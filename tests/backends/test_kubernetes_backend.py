@@ -1,5 +1,6 @@
 """The Kubernetes backend's API calls, against a local stand-in that answers like an API server."""
 
+import json
 import time
 
 import pytest
@@ -323,6 +324,11 @@ def test_the_standin_answers_410_gone_to_a_watch_from_a_compacted_version(standi
     events = core.list_namespace(watch=True, resource_version=old_version, _preload_content=False).data
     assert b'"ADDED"' in events and b'"later"' in events
     standin.compact()
+    # As a real API server does: 200, and an ERROR event holding the 410 Status.
+    event = json.loads(core.list_namespace(watch=True, resource_version=old_version, _preload_content=False).data)
+    assert event["type"] == "ERROR" and (event["object"]["code"], event["object"]["reason"]) == (410, "Expired")
+    # Or, as some proxies answer, HTTP 410 itself.
+    standin.gone_as = "status"
     with pytest.raises(client.ApiException) as gone:
         core.list_namespace(watch=True, resource_version=old_version, _preload_content=False)
     assert gone.value.status == 410 and '"reason": "Expired"' in gone.value.body

@@ -1,19 +1,33 @@
 """A local HTTP stand-in for the Kubernetes API server, for the endpoints the backend uses.
 
-It answers like a real API server where the backend can tell: Status objects
-with the real reasons (NotFound, AlreadyExists, Forbidden, Expired), server-side
-apply that creates or updates and bumps resourceVersion only when the content
-changes, namespaces that go Terminating on delete and vanish with everything in
-them a little later, and watches that answer 410 Gone for a compacted
-resourceVersion. For partition changes it also serves nodes (merge patches:
-cordon, labels), pods with their eviction subresource, and ConfigMaps (PUT with
-a resourceVersion check, 409 Conflict when stale), and plays a small GPU
-Operator: when a node's `nvidia.com/mig.config` or
-`nvidia.com/device-plugin.config` label changes, it reads the operator's
-ConfigMaps and, a moment later, advertises the new extended resources and sets
-`nvidia.com/mig.config.state`. It is not a validator, a scheduler, or a full
-apply merge: an apply replaces what its manager sent and keeps labels other
-managers set.
+It answers like a real API server where the backend can tell: discovery
+(`/version`, `/api`, `/apis`, each group version's resource list, which the
+dynamic client reads first), Status objects with the real reasons (NotFound,
+AlreadyExists, Forbidden, Conflict, Expired), server-side apply that creates or
+updates and bumps resourceVersion only when the content changes, namespaces
+that go Terminating on delete and vanish with everything in them a little
+later, and watches (label selectors honoured) that answer a compacted
+resourceVersion with an ERROR event holding a 410 Status, as a real server
+does (or with HTTP 410, `gone_as="status"`).
+
+For partition changes it serves nodes (merge patches: cordon, labels), pods
+with their eviction subresource, and ConfigMaps (PUT with a resourceVersion
+check, 409 Conflict when stale), and plays a small GPU Operator: when a node's
+`nvidia.com/mig.config` or `nvidia.com/device-plugin.config` label changes, it
+reads the operator's ConfigMaps and, a moment later, advertises the new
+extended resources and sets `nvidia.com/mig.config.state`.
+
+For training jobs it serves Services, PersistentVolumeClaims and batch/v1 Jobs,
+and plays the Job controller for Indexed Jobs with backoffLimit 0 (one pod per
+completion index with the index annotation and label; a pod that fails or
+vanishes fails the Job; all succeeded completes it; deleting the Job orphans
+its pods unless propagationPolicy says Background/Foreground), and a small
+kubelet: a pod bound through pods/binding (409 once it is bound) runs at once;
+a running pod deleted with a grace period is Terminating for
+`pod_stop_delay_s`, then exits with `sigterm_exit_code` and goes; with grace 0
+it goes at once. Pod logs are what the test wrote (`write_log`), served with
+tailLines. It is not a validator, a scheduler, or a full apply merge: an apply
+replaces what its manager sent and keeps labels other managers set.
 """
 
 from __future__ import annotations
@@ -61,13 +75,23 @@ RESOURCE_TYPES = {
         ResourceType("nodes", "Node", "v1", namespaced=False),
         ResourceType("pods", "Pod", "v1", namespaced=True),
         ResourceType("configmaps", "ConfigMap", "v1", namespaced=True),
+        ResourceType("services", "Service", "v1", namespaced=True),
+        ResourceType("persistentvolumeclaims", "PersistentVolumeClaim", "v1", namespaced=True),
+        ResourceType("jobs", "Job", "batch/v1", namespaced=True),
     )
+}
+# Subresources served, by resource: (name, kind, verbs), as discovery lists them.
+SUBRESOURCES = {
+    "pods": (("eviction", "Eviction", ["create"]), ("binding", "Binding", ["create"]), ("log", "Pod", ["get"])),
 }
 _PATH = re.compile(
     r"^(?P<prefix>/api/v1|/apis/[^/]+/v1)"
-    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>eviction))?$"
+    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>eviction|binding|log))?$"
 )
 MERGE_PATCH = "application/merge-patch+json"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+# The group versions discovery answers for, besides /version, /api and /apis.
+_DISCOVERY_PATHS = {"/api/v1"} | {f"/apis/{r.api_version}" for r in RESOURCE_TYPES.values() if "/" in r.api_version}
 # What the simulated GPU Operator reads; the backend's defaults.
 GPU_OPERATOR_NAMESPACE = "gpu-operator"
 MIG_PARTED_CONFIG_MAP = "portal-mig-parted-config"
@@ -134,7 +158,8 @@ class KubernetesStandIn:
     """Start with `with KubernetesStandIn() as api:`; `api.url` is the host for a kube client."""
 
     def __init__(
-        self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05
+        self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
+        gone_as: str = "event", pod_stop_delay_s: float = 0.05,
     ):
         # How long the simulated GPU Operator takes to re-partition a node after its label changes.
         self.operator_delay_s = operator_delay_s
@@ -144,7 +169,18 @@ class KubernetesStandIn:
         # With a version, every body written is checked by kubernetes-validate in strict mode, as a
         # server with fieldValidation=Strict would; off by default because it costs ~20 ms a request.
         self.validate_version = validate_version
+        # A watch from a compacted resourceVersion: a real server answers 200 with an ERROR event
+        # holding a 410 Status ("event"); some proxies and older servers answer HTTP 410 ("status").
+        self.gone_as = gone_as
+        # The simulated kubelet: how long a pod deleted with a grace period takes to stop, and the
+        # exit code it stops with (75: the shipped trainer checkpointed on SIGTERM).
+        self.pod_stop_delay_s = pod_stop_delay_s
+        self.sigterm_exit_code = 75
+        self.pod_logs: dict[tuple[str, str], str] = {}
+        self._stopping_pods: dict[tuple[str, str], float] = {}
+        self._job_indexes: dict[tuple[str, str], set[int]] = {}  # indexes the Job controller made a pod for
         self.requests: list[RecordedRequest] = []
+        self.discovery_requests: list[RecordedRequest] = []
         self.faults: list[Fault] = []
         self._state = _State()
         self._lock = threading.RLock()
@@ -234,6 +270,12 @@ class KubernetesStandIn:
         url = urlsplit(raw_path)
         query = parse_qs(url.query)
         record = RecordedRequest(method, url.path, query, content_type)
+        if method == "GET" and (url.path in ("/version", "/api", "/apis") or url.path.rstrip("/") in _DISCOVERY_PATHS):
+            # Discovery is the client's one-time homework, kept apart so tests count only API calls.
+            with self._lock:
+                self.discovery_requests.append(record)
+            record.status = 200
+            return 200, self._discovery(url.path.rstrip("/"))
         with self._lock:
             self.requests.append(record)
             fault = next((f for f in self.faults if f.count > 0 and f.matches(method, url.path)), None)
@@ -264,13 +306,19 @@ class KubernetesStandIn:
         if not match or resource is None or resource.prefix != match["prefix"]:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         namespace, name = match["namespace"] or "", match["name"]
-        all_namespaces = resource.plural == "pods" and not namespace and name is None and method == "GET"
+        all_namespaces = resource.namespaced and not namespace and name is None and method == "GET"
         if resource.namespaced != bool(namespace) and not all_namespaces:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
-        if match["sub"] == "eviction":
-            if method != "POST" or resource.plural != "pods":
+        if match["sub"]:
+            if resource.plural != "pods" or name is None or (method, match["sub"]) not in (
+                ("POST", "eviction"), ("POST", "binding"), ("GET", "log")
+            ):
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            return 201, self._evict(namespace, name, self._parse(body))
+            if match["sub"] == "eviction":
+                return 201, self._evict(namespace, name, self._parse(body))
+            if match["sub"] == "binding":
+                return 201, self._bind(namespace, name, self._parse(body))
+            return 200, self._log(namespace, name, query)
         if name is None:
             if method == "GET":
                 return self._list(resource, namespace, query)
@@ -286,7 +334,11 @@ class KubernetesStandIn:
         if method == "PUT":
             return 200, self._replace(resource, namespace, name, self._parse(body))
         if method == "DELETE":
-            return 200, self._delete(resource, namespace, name)
+            options = self._parse(body) if body else {}
+            grace = _one(query, "gracePeriodSeconds") or options.get("gracePeriodSeconds")
+            policy = _one(query, "propagationPolicy") or options.get("propagationPolicy") or ""
+            return 200, self._delete(resource, namespace, name, grace_period_s=None if grace in (None, "") else int(grace),
+                                     propagation=policy)
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
 
     @staticmethod
@@ -330,14 +382,19 @@ class KubernetesStandIn:
         }
 
     def _watch(self, resource, namespace, query):
+        selector = _parse_selector(_one(query, "labelSelector"))
         since = int(_one(query, "resourceVersion") or self._state.resource_version)
         if since < self._state.oldest_watchable_rv:
-            raise ApiError(410, "Expired", f"too old resource version: {since} ({self._state.oldest_watchable_rv})")
+            gone = ApiError(410, "Expired", f"too old resource version: {since} ({self._state.oldest_watchable_rv})")
+            if self.gone_as == "status":
+                raise gone
+            return 200, json.dumps({"type": "ERROR", "object": gone.body}) + "\n"
         # One batch of events since the given version, then the stream ends (as on a timeoutSeconds).
         lines = [
             json.dumps({"type": kind, "object": obj})
             for rv, kind, plural, obj in self._state.events
             if rv > since and plural == resource.plural and (not namespace or obj["metadata"].get("namespace") == namespace)
+            and _selects(selector, obj["metadata"].get("labels") or {})
         ]
         return 200, "\n".join(lines) + ("\n" if lines else "")
 
@@ -460,11 +517,23 @@ class KubernetesStandIn:
         self._state.objects[key] = updated
         return 200, copy.deepcopy(updated)
 
-    def _delete(self, resource, namespace, name) -> dict:
+    def _delete(self, resource, namespace, name, *, grace_period_s: int | None = None, propagation: str = "") -> dict:
         key = self._key(resource, namespace, name)
         obj = self._state.objects.get(key)
         if obj is None:
             raise self._not_found(resource, name)
+        if resource.kind == "Pod":
+            return self._delete_pod(key, obj, grace_period_s)
+        if resource.kind == "Job":
+            # batch/v1 Jobs deleted through the API orphan their pods unless told otherwise.
+            for pod_key, pod in list(self._owned_pods(namespace, obj)):
+                if propagation in ("Background", "Foreground"):
+                    self._delete_pod(pod_key, pod, None)
+                else:
+                    pod["metadata"].pop("ownerReferences", None)
+                    pod["metadata"]["resourceVersion"] = self._bump()
+                    self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+            self._job_indexes.pop((namespace, name), None)
         if resource.kind == "Namespace":
             if obj["status"].get("phase") != "Terminating":
                 obj["status"]["phase"] = "Terminating"
@@ -525,6 +594,217 @@ class KubernetesStandIn:
         self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
+    # --- Discovery, as the dynamic client reads it -----------------------------
+
+    def _discovery(self, path: str) -> dict:
+        if path == "/version":
+            return {"major": "1", "minor": "30", "gitVersion": "v1.30.0-standin", "platform": "linux/amd64"}
+        if path == "/api":
+            return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}
+        groups = sorted({r.api_version for r in RESOURCE_TYPES.values() if "/" in r.api_version})
+        if path == "/apis":
+            return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                {"name": group.split("/")[0], "versions": [{"groupVersion": group, "version": "v1"}],
+                 "preferredVersion": {"groupVersion": group, "version": "v1"}}
+                for group in groups
+            ]}
+        group_version = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+        resources = []
+        for resource in RESOURCE_TYPES.values():
+            if resource.api_version != group_version:
+                continue
+            resources.append({"name": resource.plural, "singularName": resource.kind.lower(), "kind": resource.kind,
+                              "namespaced": resource.namespaced,
+                              "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]})
+            for sub, kind, verbs in SUBRESOURCES.get(resource.plural, ()):
+                resources.append({"name": f"{resource.plural}/{sub}", "singularName": "", "kind": kind,
+                                  "namespaced": resource.namespaced, "verbs": verbs})
+        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+
+    # --- Pods: binding, logs, a small kubelet, and the Job controller --------------
+
+    def _bind(self, namespace, name, binding) -> dict:
+        """pods/binding, as a scheduler sends it: the pod is assigned to the node and (here) starts at once."""
+        pod = self._state.objects.get(("pods", namespace, name))
+        if pod is None:
+            raise self._not_found(RESOURCE_TYPES["pods"], name)
+        self._check_schema(binding)
+        target = binding.get("target") or {}
+        if binding.get("kind") != "Binding" or target.get("kind") != "Node" or not target.get("name"):
+            raise ApiError(400, "BadRequest", "the body must be a v1 Binding whose target is a Node")
+        if pod["spec"].get("nodeName"):
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is '
+                                            f"already assigned to node \"{pod['spec']['nodeName']}\"")
+        pod["spec"]["nodeName"] = target["name"]
+        pod["status"] = {
+            "phase": "Running", "startTime": _now(), "podIP": f"10.0.0.{len(self._state.objects) % 250 + 1}",
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
+            "containerStatuses": [
+                {"name": c["name"], "ready": True, "restartCount": 0, "image": c.get("image", ""), "imageID": "",
+                 "state": {"running": {"startedAt": _now()}}}
+                for c in pod["spec"].get("containers", [])
+            ],
+        }
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+
+    def _log(self, namespace, name, query) -> str:
+        if ("pods", namespace, name) not in self._state.objects:
+            raise self._not_found(RESOURCE_TYPES["pods"], name)
+        lines = self.pod_logs.get((namespace, name), "").splitlines(keepends=True)
+        tail = _one(query, "tailLines")
+        return "".join(lines[-int(tail):] if tail else lines)
+
+    def _delete_pod(self, key, pod, grace_period_s) -> dict:
+        """A running pod deleted with a grace period is Terminating until its container stops (the kubelet's part)."""
+        if grace_period_s is None:
+            grace_period_s = int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+        metadata = pod["metadata"]
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        if grace_period_s > 0 and running:
+            if not metadata.get("deletionTimestamp"):
+                metadata["deletionTimestamp"] = _now()
+                metadata["deletionGracePeriodSeconds"] = grace_period_s
+                metadata["resourceVersion"] = self._bump()
+                self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+                self._stopping_pods[key[1:]] = time.monotonic() + self.pod_stop_delay_s
+            return copy.deepcopy(pod)
+        del self._state.objects[key]
+        self._stopping_pods.pop(key[1:], None)
+        metadata["resourceVersion"] = self._bump()
+        self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
+        return copy.deepcopy(pod)
+
+    def _terminate(self, pod: dict, exit_code: int, reason: str) -> None:
+        pod["status"]["phase"] = "Succeeded" if exit_code == 0 else "Failed"
+        for container in pod["status"].get("containerStatuses", []):
+            container["ready"] = False
+            container["state"] = {"terminated": {"exitCode": exit_code, "reason": reason, "finishedAt": _now()}}
+        pod["metadata"]["resourceVersion"] = self._bump()
+        self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+
+    def _stop_pods(self) -> None:
+        """Terminating pods whose container has stopped: their exit code is written, then they go."""
+        now = time.monotonic()
+        for (namespace, name), due in list(self._stopping_pods.items()):
+            if due > now:
+                continue
+            del self._stopping_pods[(namespace, name)]
+            key = ("pods", namespace, name)
+            pod = self._state.objects.get(key)
+            if pod is None:
+                continue
+            if pod["status"].get("phase") == "Running":
+                self._terminate(pod, self.sigterm_exit_code, "Error" if self.sigterm_exit_code else "Completed")
+            del self._state.objects[key]
+            pod["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
+
+    def _owned_pods(self, namespace: str, job: dict):
+        uid = job["metadata"]["uid"]
+        for key, obj in self._state.objects.items():
+            if key[0] == "pods" and key[1] == namespace and any(
+                ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences", [])
+            ):
+                yield key, obj
+
+    def _run_jobs(self) -> None:
+        """The Job controller, for what the portal's Jobs use: Indexed, parallelism = completions, backoffLimit 0."""
+        for key, job in list(self._state.objects.items()):
+            if key[0] != "jobs":
+                continue
+            namespace, name = key[1], key[2]
+            status = job.setdefault("status", {})
+            if any(c["type"] in ("Complete", "Failed") for c in status.get("conditions", [])):
+                continue
+            pods = {int(pod["metadata"]["annotations"][COMPLETION_INDEX]): (pod_key, pod)
+                    for pod_key, pod in self._owned_pods(namespace, job)}
+            made = self._job_indexes.setdefault((namespace, name), set())
+            completions = job["spec"].get("completions", 1)
+            succeeded = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") == "Succeeded")
+            # An index whose pod failed, or vanished before it succeeded, fails the Job (backoffLimit 0).
+            failed = [i for i in made if i not in pods or pods[i][1]["status"].get("phase") == "Failed"]
+            before = copy.deepcopy(status)
+            if failed:
+                status["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                         "message": "Job has reached the specified backoff limit"}]
+                for pod_key, pod in pods.values():
+                    if pod["status"].get("phase") not in ("Succeeded", "Failed"):
+                        self._delete_pod(pod_key, pod, None)
+            elif succeeded == completions:
+                status["conditions"] = [{"type": "Complete", "status": "True"}]
+            else:
+                for index in range(completions):
+                    if index not in made:
+                        try:
+                            self._make_pod(namespace, job, index)
+                        except ApiError:
+                            continue  # the namespace is going away: its Jobs go with it
+                        made.add(index)
+            status["succeeded"], status["failed"] = succeeded, len(failed)
+            status["active"] = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") in ("Pending", "Running"))
+            if status != before:
+                job["metadata"]["resourceVersion"] = self._bump()
+                self._record_event("MODIFIED", RESOURCE_TYPES["jobs"], job)
+
+    def _make_pod(self, namespace: str, job: dict, index: int) -> None:
+        template = job["spec"]["template"]
+        name = job["metadata"]["name"]
+        metadata = copy.deepcopy(template.get("metadata") or {})
+        metadata["name"] = f"{name}-{index}-{uuid.uuid4().hex[:5]}"
+        metadata.setdefault("annotations", {})[COMPLETION_INDEX] = str(index)
+        metadata.setdefault("labels", {})[COMPLETION_INDEX] = str(index)
+        metadata["labels"]["batch.kubernetes.io/job-name"] = name
+        metadata["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
+                                        "uid": job["metadata"]["uid"], "controller": True}]
+        spec = copy.deepcopy(template["spec"])
+        spec["hostname"] = f"{name}-{index}"
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec, "status": {"phase": "Pending"}}
+        self._create(RESOURCE_TYPES["pods"], namespace, pod, manager="job-controller")
+
+    # --- Test helpers for pods and nodes ------------------------------------------
+
+    def pods(self, namespace: str = "", **labels: str) -> list[dict]:
+        """Pods (of one namespace, or all) whose labels include the given ones."""
+        with self._lock:
+            self._reap()
+            return [copy.deepcopy(obj) for (plural, ns, _), obj in sorted(self._state.objects.items())
+                    if plural == "pods" and (not namespace or ns == namespace)
+                    and all((obj["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())]
+
+    def finish_pod(self, namespace: str, name: str, exit_code: int, *, log: str = "") -> None:
+        """The pod's container exits with this code (its kubelet reports it)."""
+        with self._lock:
+            pod = self._state.objects[("pods", namespace, name)]
+            if log:
+                self.write_log(namespace, name, log)
+            self._terminate(pod, exit_code, "Completed" if exit_code == 0 else "Error")
+            self._reap()
+
+    def write_log(self, namespace: str, name: str, text: str) -> None:
+        with self._lock:
+            self.pod_logs[(namespace, name)] = self.pod_logs.get((namespace, name), "") + text
+
+    def set_node_ready(self, name: str, ready: bool, *, since: str | None = None) -> None:
+        """The node's Ready condition, as the node lifecycle controller writes it."""
+        with self._lock:
+            node = self._state.objects[("nodes", "", name)]
+            conditions = [c for c in node.setdefault("status", {}).get("conditions", []) if c["type"] != "Ready"]
+            conditions.append({"type": "Ready", "status": "True" if ready else "Unknown",
+                               "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                               "lastTransitionTime": since or _now()})
+            node["status"]["conditions"] = conditions
+            node["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", RESOURCE_TYPES["nodes"], node)
+
+    def delete(self, plural: str, name: str, namespace: str = "") -> None:
+        """Remove an object as someone else would (a node taken out of the cluster)."""
+        with self._lock:
+            obj = self._state.objects.pop((plural, namespace, name))
+            obj["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("DELETED", RESOURCE_TYPES[plural], obj)
+
     def _reconfigure_nodes(self) -> None:
         """The GPU Operator's part: re-cut GPUs whose node asked for a new layout, once its delay passed."""
         now = time.monotonic()
@@ -576,6 +856,8 @@ class KubernetesStandIn:
     def _reap(self) -> None:
         """Finish deleting namespaces whose termination delay has passed, with everything in them."""
         self._reconfigure_nodes()
+        self._stop_pods()
+        self._run_jobs()
         now = time.monotonic()
         for namespace, gone_at in list(self._state.namespace_gone_at.items()):
             if gone_at > now:
@@ -665,7 +947,7 @@ class _Handler(BaseHTTPRequestHandler):
         code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body)
         payload = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if self.path.split("?")[0].endswith("/log") else "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
