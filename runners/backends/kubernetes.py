@@ -172,6 +172,9 @@ class KubernetesBackend:
         self.pods = k8s_jobs.WatchedList(self._list_pods, self._watch_pods, on_change=self.tracker.changed)
         self._synced_at = 0.0
         self._sync_lock = threading.Lock()
+        # Status reads within this long of the last sync answer from the cache (one reconcile
+        # pass reads every attempt; one watch serves them all).
+        self.min_sync_interval_s = 0.5
 
     @classmethod
     def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
@@ -505,9 +508,9 @@ class KubernetesBackend:
             response.release_conn()
 
     def _sync(self, *, force: bool = False) -> None:
-        """Bring the pod cache up to date (at most every half second) and bind pods still unbound."""
+        """Bring the pod cache up to date (at most every min_sync_interval_s) and bind pods still unbound."""
         with self._sync_lock:
-            if not force and time.monotonic() - self._synced_at < 0.5:
+            if not force and time.monotonic() - self._synced_at < self.min_sync_interval_s:
                 return
             self.pods.sync()
             self._synced_at = time.monotonic()

@@ -130,26 +130,6 @@ def test_the_list_filters_by_tenant_and_state(client_for, owner, environment):
     assert client.get("/api/v1/jobs/?state=sleeping").status_code == 400
 
 
-def test_on_kubernetes_a_job_fails_saying_jobs_are_not_built_there_yet(kubernetes_cluster, owner, tenant, settings):
-    from runners import cycle, launch
-    from runners.models import Job
-    from tests.support.k8s import gpu_node
-
-    kubernetes_cluster.put(gpu_node("gpu-1"))
-    flavors = demo_cluster_with_flavors()
-    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    environment = ready_environment(actor=owner, tenant=tenant)
-    from runners import jobs
-
-    job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=1, max_retries=0,
-                                                     topology={"level": "none", "mode": "required"}))
-    cycle.cycle_run()
-    attempt = Job.objects.get(id=job.id).attempts.get()
-    assert launch.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "failed"
-    job.refresh_from_db()
-    assert job.state == "failed" and "not implemented yet" in job.reason
-
-
 @pytest.mark.parametrize(
     ("change", "field"),
     [
