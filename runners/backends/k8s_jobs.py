@@ -117,9 +117,14 @@ def pod_rank(pod: dict) -> int | None:
         return None
 
 
+TRAINER_CONTAINER = "trainer"
+
+
 def pod_exit_code(pod: dict) -> int | None:
-    """The trainer container's exit code once it terminated, else None."""
+    """The trainer container's exit code once it terminated, else None (an injected sidecar does not count)."""
     for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") != TRAINER_CONTAINER:
+            continue
         terminated = (status.get("state") or {}).get("terminated")
         if terminated is not None:
             return int(terminated.get("exitCode", 1))
@@ -210,6 +215,18 @@ def node_lost_reason(node_name: str, node: dict | None, *, lost_after_s: float, 
     return None
 
 
+def job_finished(job: dict | None) -> str | None:
+    """'Complete' or 'Failed' once the Job controller has decided (FailureTarget counts as Failed), else None."""
+    for condition in ((job or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("status") != "True":
+            continue
+        if condition.get("type") == "Complete":
+            return "Complete"
+        if condition.get("type") in ("Failed", "FailureTarget"):
+            return "Failed"
+    return None
+
+
 def attempt_status(
     *,
     replicas: int,
@@ -219,7 +236,11 @@ def attempt_status(
     job: dict | None,
     lost_nodes: dict[str, str],
 ) -> AttemptStatus:
-    """How one attempt stands, from its pods now, what its pods said before, its Job, and lost nodes."""
+    """How one attempt stands, from its pods now, what its pods said before, its Job, and lost nodes.
+
+    `job` matters when some replica has neither a live pod nor a known exit code (this
+    process never saw it end, or it never got a pod): then the Job's own verdict decides.
+    """
     for pod in pods:
         node = (pod.get("spec") or {}).get("nodeName")
         if node in lost_nodes and pod_exit_code(pod) is None:
@@ -228,13 +249,19 @@ def attempt_status(
         return AttemptStatus("exited", exit_codes=dict(exits))
     if vanished:
         return AttemptStatus("lost", exit_codes=dict(exits), reason=vanished[min(vanished)])
-    if not pods and not exits:
-        if job is None:
-            return AttemptStatus("lost", reason="Its Job and pods are gone from the cluster.")
-        for condition in (job.get("status") or {}).get("conditions") or []:
-            if condition.get("type") == "Failed" and condition.get("status") == "True":
-                return AttemptStatus("lost", reason=f"The Job failed: {condition.get('reason')}: "
-                                                    f"{condition.get('message', '')}".strip())
+    live = [pod for pod in pods if pod_exit_code(pod) is None]
+    verdict = job_finished(job)
+    if verdict == "Complete":
+        # Every index succeeded, whether or not this process saw each pod end.
+        return AttemptStatus("exited", exit_codes={rank: exits.get(rank, 0) for rank in range(replicas or len(exits))})
+    if verdict == "Failed" and not live:
+        if any(code != 0 for code in exits.values()):
+            return AttemptStatus("exited", exit_codes=dict(exits))
+        condition = next(c for c in job["status"]["conditions"] if c.get("type") in ("Failed", "FailureTarget"))
+        return AttemptStatus("lost", exit_codes=dict(exits), reason=f"The Job failed: {condition.get('reason')}: "
+                                                                     f"{condition.get('message', '')}".strip())
+    if not pods and not exits and job is None:
+        return AttemptStatus("lost", reason="Its Job and pods are gone from the cluster.")
     return AttemptStatus("running", exit_codes=dict(exits))
 
 

@@ -200,13 +200,22 @@ class KubernetesBackend:
             if self._dynamic is None:
                 cache_file = os.path.join(self._discovery_dir.name, "discovery.json")
                 self._dynamic = dynamic.DynamicClient(self.api_client, cache_file=cache_file)
-            try:
-                resource = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
-                cached = resource.subresources[subresource] if subresource else resource
-            except (ResourceNotFoundError, KeyError):
-                raise PermanentBackendError(
-                    f"The cluster does not serve {KINDS[kind]} {kind}{'/' + subresource if subresource else ''}."
-                ) from None
+            for fresh in (False, True):
+                try:
+                    if fresh:
+                        self._dynamic.resources.invalidate_cache()
+                    resource = self._dynamic.resources.get(api_version=KINDS[kind], kind=kind)
+                    cached = resource.subresources[subresource] if subresource else resource
+                    break
+                except (ResourceNotFoundError, KeyError):
+                    continue
+            else:
+                # Every kind here is one any conformant cluster serves, and the client reads a
+                # discovery answer of 503 as an empty list: most likely a hiccup, so retry later.
+                raise TransientBackendError(
+                    f"Discovery does not list {KINDS[kind]} {kind}{'/' + subresource if subresource else ''} "
+                    "(twice); trying again later."
+                )
             self._resources[(kind, subresource)] = cached
         return cached
 
@@ -516,7 +525,13 @@ class KubernetesBackend:
             self._synced_at = time.monotonic()
             for pod in list(self.pods.items.values()):
                 if k8s_jobs.needs_binding(pod, self.scheduler_name):
-                    self._bind(pod)
+                    try:
+                        self._bind(pod)
+                    except BackendError as exc:
+                        # One pod the server will not bind (being deleted, refused) must not
+                        # stop the others, nor the status reads this sync serves.
+                        metadata = pod["metadata"]
+                        logger.warning("Could not bind pod %s/%s yet: %s", metadata["namespace"], metadata["name"], exc)
 
     def _bind(self, pod: dict) -> None:
         node = k8s_jobs.placed_node(pod)
@@ -547,7 +562,10 @@ class KubernetesBackend:
         lost = {node: reason for node in sorted(filter(None, nodes)) if (reason := self._node_lost(node))}
         job = None
         replicas = self.tracker.replicas.get(key, 0)
-        if not pods or not replicas:
+        exits = self.tracker.exits.get(key, {})
+        live_ranks = {k8s_jobs.pod_rank(pod) for pod in pods}
+        if not replicas or any(rank not in exits and rank not in live_ranks for rank in range(replicas)):
+            # A replica this process knows nothing of: the Job's own status says how it went.
             job = self._read_job(pods, job_id, attempt)
             replicas = replicas or ((job or {}).get("spec") or {}).get("completions", 0)
         return k8s_jobs.attempt_status(
@@ -578,16 +596,18 @@ class KubernetesBackend:
         period it is killed. Deleting the pods ourselves is what carries the grace period:
         pods deleted by the garbage collector would get their own default instead.
         """
-        pods = self._attempt_pods(job_id, attempt)
+        # The Job first: once it is deleted its controller makes no more pods, so the list below has them all.
         for job in self._checked("Job", "list", label_selector=self._attempt_selector(job_id, attempt))[1].get("items") or []:
             self._delete("Job", job["metadata"]["name"], job["metadata"]["namespace"], propagation_policy="Orphan")
-        for pod in pods:
+        for pod in self._attempt_pods(job_id, attempt):
             if k8s_jobs.pod_exit_code(pod) is None:
                 metadata = pod["metadata"]
                 self._delete("Pod", metadata["name"], metadata["namespace"], grace_period_seconds=grace_period_s)
 
     def kill_job(self, job_id: int, attempt: int) -> None:
-        self.stop_job(job_id, attempt, grace_period_s=0)
+        # One second, as `kubectl delete --now`: grace 0 would be a force delete, removing the pod
+        # object while its containers may still hold the GPUs.
+        self.stop_job(job_id, attempt, grace_period_s=1)
 
     def forget_job(self, job_id: int, attempt: int) -> None:
         """The attempt is over: its Service goes, and anything of it still running is stopped at once.
@@ -618,6 +638,9 @@ class KubernetesBackend:
             raise exc.backend_error() from None
         try:
             return response.data.decode(errors="replace")
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise TransientBackendError(f"Reading the log of pod {metadata['namespace']}/{metadata['name']} "
+                                        f"broke off: {exc}") from None
         finally:
             response.release_conn()
 
@@ -632,7 +655,14 @@ class KubernetesBackend:
         metrics, checkpoints = [], []
         ranks0 = [pod for pod in self._attempt_pods(job_id) if k8s_jobs.pod_rank(pod) == 0]
         for pod in sorted(ranks0, key=lambda pod: k8s_jobs.attempt_of(pod) or (0, 0)):
-            found_metrics, found_checkpoints = progress.parse_log(self._log(pod))
+            try:
+                text = self._log(pod)
+            except BackendError as exc:
+                # A pod on an unreachable node has no readable log; the others still count,
+                # and the attempt's status is read regardless.
+                logger.warning("Skipping the log of pod %s: %s", pod["metadata"]["name"], exc)
+                continue
+            found_metrics, found_checkpoints = progress.parse_log(text)
             metrics += found_metrics
             checkpoints += found_checkpoints
         return metrics, checkpoints

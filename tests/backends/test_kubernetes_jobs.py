@@ -6,6 +6,7 @@ trainer does after checkpointing on SIGTERM); tests finish pods and write their 
 """
 
 import json
+import time
 
 import pytest
 from kubernetes_validate.utils import latest_version
@@ -158,8 +159,6 @@ def test_stop_deletes_with_the_grace_period_and_the_replicas_exit_after_checkpoi
     assert [r.query.get("propagationPolicy") for r in job_delete] == [["Orphan"]]
     assert len(pod_deletes) == 3 and all(r.query["gracePeriodSeconds"] == ["120"] for r in pod_deletes)
     assert all(pod["metadata"].get("deletionTimestamp") for pod in pods_by_rank(cluster).values())
-    import time
-
     time.sleep(0.1)  # the stand-in's kubelet: SIGTERM, checkpoint, exit 75
     status = backend.job_status(41, 1)
     backend._sync(force=True)
@@ -168,21 +167,61 @@ def test_stop_deletes_with_the_grace_period_and_the_replicas_exit_after_checkpoi
     assert pods_by_rank(cluster) == {}
 
 
-def test_kill_deletes_at_once_and_the_attempt_is_lost(backend, cluster):
+def test_kill_deletes_with_one_second_not_a_force_delete(backend, cluster):
     launched(backend, cluster)
     cluster.clear_log()
     backend.kill_job(41, 1)
-    assert {r.query["gracePeriodSeconds"][0] for r in cluster.requests if r.method == "DELETE" and "/pods/" in r.path} == {"0"}
+    assert {r.query["gracePeriodSeconds"][0] for r in cluster.requests if r.method == "DELETE" and "/pods/" in r.path} == {"1"}
+    time.sleep(0.1)
     backend._sync(force=True)
-    assert backend.job_status(41, 1).phase == "lost"
+    assert backend.job_status(41, 1).phase != "running"
+
+
+def test_a_process_that_never_saw_the_pods_end_reads_the_jobs_verdict(make_backend, backend, cluster):
+    launched(backend, cluster)
+    pods = pods_by_rank(cluster)
+    cluster.finish_pod(NAMESPACE, pods[1]["metadata"]["name"], 1)
+    time.sleep(0.1)  # the Job fails; the controller stops the other replicas and they go
+    cluster.objects()
+    time.sleep(0.1)
+    fresh = make_backend()  # another worker, started after all that
+    status = fresh.job_status(41, 1)
+    assert (status.phase, status.exit_codes) == ("exited", {1: 1})
+    # Once the failed pod is gone too (its TTL), the Job's condition still ends the attempt.
+    cluster.delete("pods", pods[1]["metadata"]["name"], NAMESPACE)
+    status = make_backend().job_status(41, 1)
+    assert status.phase == "lost" and "BackoffLimitExceeded" in status.reason
+
+
+def test_a_complete_job_ends_the_attempt_even_unseen(make_backend, backend, cluster):
+    launched(backend, cluster)
+    for pod in pods_by_rank(cluster).values():
+        cluster.finish_pod(NAMESPACE, pod["metadata"]["name"], 0)
+        cluster.delete("pods", pod["metadata"]["name"], NAMESPACE)
+    assert cluster.get("jobs", "job-41-1", NAMESPACE)["status"]["conditions"][0]["type"] == "Complete"
+    status = make_backend().job_status(41, 1)
+    assert (status.phase, status.exit_codes) == ("exited", {0: 0, 1: 0, 2: 0})
+
+
+def test_one_pod_the_server_will_not_bind_stops_nothing_else(backend, cluster):
+    cluster.inject(403, method="POST", path_contains="/binding", count=1)
+    backend.launch_job(make_launch())
+    backend._sync(force=True)
+    bound = [pod for pod in pods_by_rank(cluster).values() if pod["spec"].get("nodeName")]
+    assert len(bound) == 3, "the refused one is bound on the next sync, the others at once"
+    assert backend.job_status(41, 1).phase == "running"
+
+
+def test_a_log_that_cannot_be_read_is_skipped(backend, cluster):
+    launched(backend, cluster)
+    cluster.inject(503, method="GET", path_contains="/log", count=1)
+    assert backend.job_checkpoints(41) == []
 
 
 def test_a_failed_replica_fails_the_job_and_the_others_stop(backend, cluster):
     launched(backend, cluster)
     pods = pods_by_rank(cluster)
     cluster.finish_pod(NAMESPACE, pods[1]["metadata"]["name"], 1)
-    import time
-
     time.sleep(0.1)
     backend._sync(force=True)
     status = backend.job_status(41, 1)
@@ -244,6 +283,7 @@ def test_forgetting_an_attempt_removes_its_service_and_keeps_its_finished_pods(b
 def test_forgetting_an_attempt_still_running_stops_it(backend, cluster):
     launched(backend, cluster)
     backend.forget_job(41, 1)
+    time.sleep(0.1)
     assert pods_by_rank(cluster) == {}
     assert cluster.get("jobs", "job-41-1", NAMESPACE) is None
 

@@ -179,6 +179,7 @@ class KubernetesStandIn:
         self.pod_logs: dict[tuple[str, str], str] = {}
         self._stopping_pods: dict[tuple[str, str], float] = {}
         self._job_indexes: dict[tuple[str, str], set[int]] = {}  # indexes the Job controller made a pod for
+        self._job_done: dict[tuple[str, str], dict[int, str]] = {}
         self.requests: list[RecordedRequest] = []
         self.discovery_requests: list[RecordedRequest] = []
         self.faults: list[Fault] = []
@@ -534,6 +535,7 @@ class KubernetesStandIn:
                     pod["metadata"]["resourceVersion"] = self._bump()
                     self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
             self._job_indexes.pop((namespace, name), None)
+            self._job_done.pop((namespace, name), None)
         if resource.kind == "Namespace":
             if obj["status"].get("phase") != "Terminating":
                 obj["status"]["phase"] = "Terminating"
@@ -721,10 +723,15 @@ class KubernetesStandIn:
             pods = {int(pod["metadata"]["annotations"][COMPLETION_INDEX]): (pod_key, pod)
                     for pod_key, pod in self._owned_pods(namespace, job)}
             made = self._job_indexes.setdefault((namespace, name), set())
+            # What each index's pod ended as, kept once seen (the real controller tracks it with finalizers).
+            done = self._job_done.setdefault((namespace, name), {})
+            for index, (_k, pod) in pods.items():
+                if pod["status"].get("phase") in ("Succeeded", "Failed"):
+                    done.setdefault(index, pod["status"]["phase"])
             completions = job["spec"].get("completions", 1)
-            succeeded = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") == "Succeeded")
+            succeeded = sum(1 for phase in done.values() if phase == "Succeeded")
             # An index whose pod failed, or vanished before it succeeded, fails the Job (backoffLimit 0).
-            failed = [i for i in made if i not in pods or pods[i][1]["status"].get("phase") == "Failed"]
+            failed = [i for i in made if done.get(i) == "Failed" or (i not in pods and i not in done)]
             before = copy.deepcopy(status)
             if failed:
                 status["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
