@@ -178,6 +178,8 @@ class PodTracker:
     exits: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict)
     vanished: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
     replicas: dict[tuple[int, int], int] = field(default_factory=dict)
+    # The node each vanished replica was on: pod GC force-deletes the pods of a deleted node.
+    vanished_nodes: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
 
     def changed(self, old: dict | None, new: dict | None) -> None:
         pod = new or old
@@ -195,11 +197,15 @@ class PodTracker:
         elif new is None and rank not in self.exits.get(attempt, {}):
             name = pod["metadata"]["name"]
             self.vanished.setdefault(attempt, {})[rank] = f"Pod {name} (replica {rank}) was deleted before it finished."
+            node = (pod.get("spec") or {}).get("nodeName")
+            if node:
+                self.vanished_nodes.setdefault(attempt, {})[rank] = node
 
     def forget(self, attempt: tuple[int, int]) -> None:
         self.exits.pop(attempt, None)
         self.vanished.pop(attempt, None)
         self.replicas.pop(attempt, None)
+        self.vanished_nodes.pop(attempt, None)
 
 
 def node_lost_reason(node_name: str, node: dict | None, *, lost_after_s: float, now: datetime) -> str | None:
@@ -235,6 +241,7 @@ def attempt_status(
     vanished: dict[int, str],
     job: dict | None,
     lost_nodes: dict[str, str],
+    vanished_nodes: dict[int, str] | None = None,
 ) -> AttemptStatus:
     """How one attempt stands, from its pods now, what its pods said before, its Job, and lost nodes.
 
@@ -244,6 +251,9 @@ def attempt_status(
     for pod in pods:
         node = (pod.get("spec") or {}).get("nodeName")
         if node in lost_nodes and pod_exit_code(pod) is None:
+            return AttemptStatus("lost", exit_codes=dict(exits), reason=lost_nodes[node], node_lost=True)
+    for rank, node in sorted((vanished_nodes or {}).items()):
+        if rank in vanished and node in lost_nodes:
             return AttemptStatus("lost", exit_codes=dict(exits), reason=lost_nodes[node], node_lost=True)
     if replicas and all(rank in exits for rank in range(replicas)):
         return AttemptStatus("exited", exit_codes=dict(exits))

@@ -559,6 +559,8 @@ class KubernetesBackend:
         key = (job_id, attempt)
         pods = [pod for pod in self.pods.items.values() if k8s_jobs.attempt_of(pod) == key]
         nodes = {(pod.get("spec") or {}).get("nodeName") for pod in pods if k8s_jobs.pod_exit_code(pod) is None}
+        vanished_nodes = self.tracker.vanished_nodes.get(key, {})
+        nodes |= set(vanished_nodes.values())
         lost = {node: reason for node in sorted(filter(None, nodes)) if (reason := self._node_lost(node))}
         job = None
         replicas = self.tracker.replicas.get(key, 0)
@@ -570,7 +572,7 @@ class KubernetesBackend:
             replicas = replicas or ((job or {}).get("spec") or {}).get("completions", 0)
         return k8s_jobs.attempt_status(
             replicas=replicas, pods=pods, exits=self.tracker.exits.get(key, {}),
-            vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost,
+            vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost, vanished_nodes=vanished_nodes,
         )
 
     def _read_job(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:

@@ -243,6 +243,18 @@ def test_a_node_lost_past_the_timeout_ends_the_attempt_node_lost(make_backend, c
     assert (status.phase, status.node_lost) == ("lost", True) and "gpu-a" in status.reason
 
 
+def test_pods_removed_with_their_deleted_node_end_the_attempt_node_lost_not_failed(backend, cluster):
+    launched(backend, cluster)
+    # The node goes, and pod GC force-deletes its pods before the portal looks again.
+    cluster.delete("nodes", "gpu-a")
+    for pod in pods_by_rank(cluster).values():
+        if pod["spec"]["nodeName"] == "gpu-a":
+            cluster.delete("pods", pod["metadata"]["name"], NAMESPACE)
+    backend._sync(force=True)
+    status = backend.job_status(41, 1)
+    assert (status.phase, status.node_lost) == ("lost", True) and "gpu-a" in status.reason
+
+
 def test_an_attempt_whose_job_and_pods_are_gone_is_lost(backend, cluster):
     backend._sync(force=True)
     status = backend.job_status(99, 1)
