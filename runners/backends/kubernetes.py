@@ -81,6 +81,8 @@ KINDS = {
     "PersistentVolumeClaim": "v1",
     "Job": "batch/v1",
 }
+# The label selector of everything the portal made.
+OWN = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 # The HTTP method of each verb the backend uses.
 VERBS = {"read": "GET", "list": "GET", "create": "POST", "patch": "PATCH", "replace": "PUT", "delete": "DELETE"}
 # The kinds an environment is made of, and so the ones pruning may remove.
@@ -172,6 +174,8 @@ class KubernetesBackend:
         self.pods = k8s_jobs.WatchedList(self._list_pods, self._watch_pods, on_change=self.tracker.changed)
         self._synced_at = 0.0
         self._sync_lock = threading.Lock()
+        # Why each node counts as lost (None: it does not), read once per sync for all attempts.
+        self._node_verdicts: dict[str, str | None] = {}
         # Status reads within this long of the last sync answer from the cache (one reconcile
         # pass reads every attempt; one watch serves them all).
         self.min_sync_interval_s = 0.5
@@ -276,6 +280,10 @@ class KubernetesBackend:
             body=manifest, field_manager=self.field_manager, force_conflicts=True, content_type=APPLY_PATCH,
         )[1]
 
+    def _delete(self, kind: str, name: str, namespace: str | None, **options) -> None:
+        """Delete one object; one already gone (404) counts as deleted."""
+        self._checked(kind, "delete", name, namespace, accept=(200, 202, 404), **options)
+
     # --- Environments ------------------------------------------------------------
 
     def ensure_environment(self, spec: EnvironmentSpec) -> None:
@@ -327,7 +335,7 @@ class KubernetesBackend:
                 if (kind, name) not in wanted:
                     logger.info("Removing %s %s/%s, which environment %s no longer has.", kind, spec.namespace, name,
                                 spec.environment_id)
-                    self._checked(kind, "delete", name, spec.namespace, accept=(200, 202, 404))
+                    self._delete(kind, name, spec.namespace)
 
     def delete_environment(self, spec: EnvironmentSpec) -> bool:
         """Ask for the namespace (and with it everything inside) to be deleted; never waits.
@@ -387,7 +395,7 @@ class KubernetesBackend:
     def node_workloads(self, node_name: str) -> list[str]:
         """Portal-launched pods on the node that have not finished; DaemonSets and system pods are not ours."""
         items = self._checked(
-            "Pod", "list", field_selector=f"spec.nodeName={node_name}", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+            "Pod", "list", field_selector=f"spec.nodeName={node_name}", label_selector=OWN
         )[1].get("items") or []
         return sorted(
             f"{item['metadata']['namespace']}/{item['metadata']['name']}"
@@ -461,7 +469,7 @@ class KubernetesBackend:
     # --- Jobs ----------------------------------------------------------------------
 
     def _attempt_selector(self, job_id: int, attempt: int | None = None) -> str:
-        selector = f"{MANAGED_BY_LABEL}={MANAGED_BY},{JOB_LABEL}={job_id}"
+        selector = f"{OWN},{JOB_LABEL}={job_id}"
         return selector if attempt is None else f"{selector},{ATTEMPT_LABEL}={attempt}"
 
     def launch_job(self, launch: JobLaunch) -> int | None:
@@ -489,14 +497,14 @@ class KubernetesBackend:
     # own; binding is idempotent (409 once bound), so they never disagree about a pod.
 
     def _list_pods(self) -> tuple[list[dict], str]:
-        listing = self._checked("Pod", "list", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}")[1]
+        listing = self._checked("Pod", "list", label_selector=OWN)[1]
         return listing.get("items") or [], (listing.get("metadata") or {}).get("resourceVersion", "")
 
     def _watch_pods(self, resource_version: str):
         """Events since resource_version, for up to watch_timeout_s; 410 Gone raises WatchGone."""
         try:
             _status, response = self._call(
-                "Pod", "list", label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}", watch=True,
+                "Pod", "list", label_selector=OWN, watch=True,
                 resource_version=resource_version, timeout_seconds=self.watch_timeout_s,
                 allow_watch_bookmarks=True, stream=True, accept=(200,),
                 timeout_s=self.watch_timeout_s + self.request_timeout_s,
@@ -523,6 +531,7 @@ class KubernetesBackend:
                 return
             self.pods.sync()
             self._synced_at = time.monotonic()
+            self._node_verdicts = {}
             for pod in list(self.pods.items.values()):
                 if k8s_jobs.needs_binding(pod, self.scheduler_name):
                     try:
@@ -548,11 +557,13 @@ class KubernetesBackend:
             logger.info("Bound pod %s/%s to %s.", metadata["namespace"], metadata["name"], node)
 
     def _node_lost(self, node_name: str) -> str | None:
-        status, node = self._checked("Node", "read", node_name, accept=(200, 404))
-        return k8s_jobs.node_lost_reason(
-            node_name, node if status == 200 else None,
-            lost_after_s=self.node_lost_timeout_s, now=datetime.now(timezone.utc),
-        )
+        if node_name not in self._node_verdicts:
+            status, node = self._checked("Node", "read", node_name, accept=(200, 404))
+            self._node_verdicts[node_name] = k8s_jobs.node_lost_reason(
+                node_name, node if status == 200 else None,
+                lost_after_s=self.node_lost_timeout_s, now=datetime.now(timezone.utc),
+            )
+        return self._node_verdicts[node_name]
 
     def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
         self._sync()
@@ -587,9 +598,6 @@ class KubernetesBackend:
     def _attempt_pods(self, job_id: int, attempt: int | None = None) -> list[dict]:
         """The pods of an attempt (or of every attempt of the job), read now rather than from the cache."""
         return self._checked("Pod", "list", label_selector=self._attempt_selector(job_id, attempt))[1].get("items") or []
-
-    def _delete(self, kind: str, name: str, namespace: str, **options) -> None:
-        self._checked(kind, "delete", name, namespace, accept=(200, 202, 404), **options)
 
     def stop_job(self, job_id: int, attempt: int, *, grace_period_s: int) -> None:
         """Delete the attempt's Job (orphaning its pods, so nothing recreates them), then each pod with the grace period.

@@ -24,16 +24,16 @@ def standin():
 
 @pytest.fixture
 def make_backend(standin):
-    """A backend for the stand-in; keyword arguments override the constructor's."""
+    """A backend for the stand-in (or the API at `url`); keyword arguments override the constructor's."""
 
-    def make(**overrides) -> KubernetesBackend:
+    def make(url: str | None = None, **overrides) -> KubernetesBackend:
         options = kubernetes_backend_options() | dict(
             field_manager="gpu-portal",
             username_template="oidc:{username}",
             request_timeout_s=5,
         )
         options.update(overrides)
-        return KubernetesBackend(client_for(standin.url), **options)
+        return KubernetesBackend(client_for(url or standin.url), **options)
 
     return make
 

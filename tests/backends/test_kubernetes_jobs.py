@@ -15,7 +15,7 @@ from runners.backends.base import JobLaunch, ReplicaPlacement, TransientBackendE
 from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.nvidia import names
 from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
-from tests.support.k8s import client_for, gpu_node
+from tests.support.k8s import gpu_node
 from tests.support.k8s_standin import KubernetesStandIn
 
 NAMESPACE = "acme-train"
@@ -61,8 +61,7 @@ def test_a_launch_applies_valid_objects_and_binds_each_pod_to_its_placed_node(ma
         for node in ("gpu-a", "gpu-b"):
             api.put(gpu_node(node))
         api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        backend = make_backend()
-        backend.api_client = client_for(api.url)
+        backend = make_backend(api.url)
         launched(backend, api)
         objects = api.objects()
         assert ("persistentvolumeclaims", NAMESPACE, "checkpoints") in objects
@@ -239,6 +238,7 @@ def test_a_node_lost_past_the_timeout_ends_the_attempt_node_lost(make_backend, c
         cluster.set_node_ready("gpu-a", False, since="2020-01-01T00:00:00Z")
     else:
         cluster.delete("nodes", "gpu-a")
+    backend._sync(force=True)  # nodes are read once per sync
     status = backend.job_status(41, 1)
     assert (status.phase, status.node_lost) == ("lost", True) and "gpu-a" in status.reason
 

@@ -5,7 +5,6 @@ plays the Job controller and the kubelet, and the test plays the trainer (its po
 and exit codes).
 """
 
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ from runners import cycle, jobs, launch
 from runners.models import Job
 from runners.registry import get_backend
 from runners.workloads.progress import CHECKPOINT_TAG, tagged_line
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 from tests.support.k8s import gpu_node
 
 pytestmark = pytest.mark.django_db
@@ -36,17 +35,6 @@ def flavors(cluster):
 def _pods(api, job, attempt):
     pods = api.pods(job.environment.namespace, **{"portal.gpu/job-id": str(job.id), "portal.gpu/attempt": str(attempt)})
     return {int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]): p for p in pods}
-
-
-def _reconcile_until(job, states, timeout_s=10):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        launch.jobs_reconcile_run()
-        job.refresh_from_db()
-        if job.state in states:
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"job {job.id} is {job.state}: {job.reason}")
 
 
 def _launch(job):
@@ -88,7 +76,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
         assert cycle.cycle_run()["preempted"] == [borrower.id]
     pod_deletes = [r for r in cluster.requests if r.method == "DELETE" and "/pods/" in r.path]
     assert len(pod_deletes) == 2 and {r.query["gracePeriodSeconds"][0] for r in pod_deletes} == {"7"}
-    borrower = _reconcile_until(borrower, {"queued"})
+    borrower = reconcile_until(borrower, {"queued"}, timeout_s=10, pause_s=0.05)
     first = borrower.attempts.get(number=1)
     assert (first.outcome, first.exit_code) == ("preempted", 75)
     assert "resumes from step 10" in borrower.reason
@@ -98,7 +86,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     launch.jobs_reconcile_run()
     for pod in _pods(cluster, owed, 1).values():
         cluster.finish_pod(globex_env.namespace, pod["metadata"]["name"], 0)
-    owed = _reconcile_until(owed, {"succeeded"})
+    owed = reconcile_until(owed, {"succeeded"}, timeout_s=10, pause_s=0.05)
     second = _launch(borrower)
     second.refresh_from_db()
     assert second.number == 2 and second.resumed_from_step == 10
@@ -106,7 +94,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     for pod in _pods(cluster, borrower, 2).values():
         assert pod["spec"]["nodeName"]
         cluster.finish_pod(acme_env.namespace, pod["metadata"]["name"], 0)
-    borrower = _reconcile_until(borrower, {"succeeded"})
+    borrower = reconcile_until(borrower, {"succeeded"}, timeout_s=10, pause_s=0.05)
     assert [a.outcome for a in borrower.attempts.order_by("number")] == ["preempted", "succeeded"]
 
 
@@ -124,7 +112,7 @@ def test_cancel_deletes_with_the_grace_period_and_the_job_ends_cancelled(
     deletes = [r for r in cluster.requests if r.method == "DELETE"]
     assert {r.query["gracePeriodSeconds"][0] for r in deletes if "/pods/" in r.path} == {"7"}
     assert [r.query["propagationPolicy"] for r in deletes if "/jobs/" in r.path] == [["Orphan"]]
-    job = _reconcile_until(job, {"cancelled"})
+    job = reconcile_until(job, {"cancelled"}, timeout_s=10, pause_s=0.05)
     assert job.attempts.get().outcome == "cancelled"
 
 
@@ -136,7 +124,7 @@ def test_a_node_lost_on_kubernetes_requeues_the_job(cluster, flavors, tenant, ow
     launch.jobs_reconcile_run()
     node = attempt.placement[0]["node"]
     cluster.delete("nodes", node)
-    job = _reconcile_until(job, {"queued"})
+    job = reconcile_until(job, {"queued"}, timeout_s=10, pause_s=0.05)
     assert job.attempts.get(number=1).outcome == "node_lost"
     assert node in job.attempts.get(number=1).reason
     # The inventory no longer offers the node, so the next placement goes elsewhere.

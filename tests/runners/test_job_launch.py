@@ -1,13 +1,12 @@
 """Launch and reconcile through the services the tasks call, with the real local backend and real processes."""
 
-import time
 
 import pytest
 from django.utils import timezone
 
 from runners import cycle, jobs, launch
 from runners.models import Job, JobState
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 
 pytestmark = pytest.mark.django_db
 
@@ -27,29 +26,12 @@ def _admitted(owner, environment, **overrides):
     return job
 
 
-def _reconcile_until(job, states, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        launch.jobs_reconcile_run()
-        job.refresh_from_db()
-        if job.state in states:
-            return job
-        if job.state == "queued":  # requeued: play the next cycle and launch
-            cycle.cycle_run()
-            job.refresh_from_db()
-            attempt = job.attempts.filter(ended_at__isnull=True).first()
-            if attempt is not None:
-                launch.job_launch_run(job_id=job.id, attempt_number=attempt.number)
-        time.sleep(0.3)
-    raise AssertionError(f"job {job.id} is {job.state}: {job.reason}")
-
-
 def test_a_replica_that_fails_is_retried_then_the_job_fails_with_the_reason(owner, environment):
     # A batch size of 0 is refused by the trainer's argument parser: exit 2 at once.
     job = _admitted(owner, environment, replicas=1, max_retries=1, env={"TRAIN_BATCH_SIZE": "0"},
                     topology={"level": "none", "mode": "required"})
     assert launch.job_launch_run(job_id=job.id, attempt_number=1) == "running"
-    job = _reconcile_until(job, {"failed"})
+    job = reconcile_until(job, {"failed"})
     attempts = list(job.attempts.order_by("number"))
     assert [(a.outcome, a.exit_code) for a in attempts] == [("failed", 2), ("failed", 2)]
     assert job.failures == 2

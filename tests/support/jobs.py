@@ -1,7 +1,9 @@
 """Helpers for job tests: a ready environment, a quota, and a valid submission to change one field of."""
 
+import time
+
 from quotas.models import Quota, ResourceFlavor
-from runners import environments
+from runners import cycle, environments, launch
 from runners.services import flavors_discover, inventory_sync
 
 
@@ -40,3 +42,21 @@ def job_data(environment, /, **overrides) -> dict:
     }
     data.update(overrides)
     return data
+
+
+def reconcile_until(job, states, *, timeout_s: float = 60, pause_s: float = 0.3):
+    """Run reconcile passes until the job is in one of `states`; a requeued job gets its next cycle and launch."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        launch.jobs_reconcile_run()
+        job.refresh_from_db()
+        if job.state in states:
+            return job
+        if job.state == "queued":
+            cycle.cycle_run()
+            job.refresh_from_db()
+            attempt = job.attempts.filter(ended_at__isnull=True).first()
+            if attempt is not None:
+                launch.job_launch_run(job_id=job.id, attempt_number=attempt.number)
+        time.sleep(pause_s)
+    raise AssertionError(f"job {job.id} is {job.state}: {job.reason}")
