@@ -78,7 +78,7 @@ def main() -> int:
                 environment, name=f"lat-{number}", replicas=1, gpus_per_replica=1, steps=5, checkpoint_every_steps=0,
                 topology={"level": "none", "mode": "required"},
                 # A small model step, so that the trainers of earlier jobs do not crowd the two cores.
-                env={"TRAIN_BATCH_SIZE": "4", "TRAIN_SEQ_LEN": "16"},
+                hyperparameters={"batch_size": 4, "seq_len": 16},
             ))
             ids.append(job.id)
             time.sleep(args.every_s)

@@ -109,8 +109,11 @@ def loss_chart(series: list[dict]) -> dict | None:
 def _job_context(request, job_id) -> dict:
     job = runner_selectors.job_get(user=request.user, job_id=job_id)
     context = runner_selectors.job_page(job)
+    chart = loss_chart(context["series"])
+    if chart is not None:
+        chart["count"] = context["steps_recorded"]  # the series is downsampled; say how many steps it covers
     context.update(
-        chart=loss_chart(context["series"]),
+        chart=chart,
         final=job.state in JOB_FINAL_STATES,
         can_cancel=job.state not in JOB_FINAL_STATES
         and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),

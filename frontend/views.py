@@ -179,7 +179,10 @@ def environment_delete(request, environment_id):
     """GET asks for confirmation; only the POST from that page deletes."""
     environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
     if request.method == "GET":
-        context = {"environment": environment, **_abilities(request.user, environment.tenant)}
+        context = {
+            "environment": environment, **_abilities(request.user, environment.tenant),
+            "live_jobs": runner_selectors.environment_live_jobs(environment),
+        }
         return render(request, "frontend/environment_delete.html", context)
     try:
         environments.environment_delete(actor=request.user, environment=environment)

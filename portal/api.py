@@ -1,6 +1,7 @@
 """The /api/v1/ router and the API-wide exception handling."""
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DatabaseError, IntegrityError, connection
 from rest_framework import exceptions
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -30,6 +31,13 @@ router.register("partition-changes", PartitionChangeViewSet, basename="partition
 router.register("jobs", JobViewSet, basename="job")
 
 
+class DatabaseUnavailable(exceptions.APIException):
+    status_code = 503
+    default_detail = ("The database could not be reached; nothing was changed by this request unless a retry "
+                      "says otherwise. Retry (with the same Idempotency-Key for a submit).")
+    default_code = "database_unavailable"
+
+
 class ConflictError(exceptions.APIException):
     status_code = 409
     default_detail = "This does not fit the object's current state."
@@ -42,6 +50,15 @@ def exception_handler(exc, context):
         exc = exceptions.NotFound(str(exc))
     elif isinstance(exc, errors.Conflict):
         exc = ConflictError(str(exc))
+    elif isinstance(exc, errors.TooMany):
+        exc = exceptions.Throttled(detail=str(exc))
+    elif isinstance(exc, DatabaseError) and not isinstance(exc, IntegrityError):
+        # A lost connection (a restarted or failed-over database): a 503 the client may retry, never a 500.
+        # The connection is dropped so the next request opens a fresh one.
+        connection.close_if_unusable_or_obsolete()
+        response = drf_exception_handler(DatabaseUnavailable(), context)
+        response["Retry-After"] = "2"
+        return response
     elif isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         exc = exceptions.ValidationError(detail=detail)

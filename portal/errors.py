@@ -10,6 +10,7 @@ for the API, ``PortalErrorMiddleware`` for the pages.
 | NotAllowed  | the caller sees it but lacks the role for this action        | 403  |
 | Conflict    | the object is in a state that forbids this action now        | 409  |
 | Invalid     | bad input; names the field                                   | 400  |
+| TooMany     | a per-tenant limit is reached (queued jobs); try again later | 429  |
 
 ``NotAllowed`` and ``Invalid`` are Django's ``PermissionDenied`` and
 ``ValidationError`` underneath, so forms and the admin treat them as usual.
@@ -28,6 +29,10 @@ class NotAllowed(PermissionDenied):
 
 class Conflict(Exception):
     """The action does not fit the object's current state (cancel a finished job, ...)."""
+
+
+class TooMany(Exception):
+    """A per-tenant limit is reached for now: the same request succeeds once some work has moved on."""
 
 
 class Invalid(ValidationError):

@@ -12,7 +12,7 @@ import re
 from django.http import Http404, HttpResponse, JsonResponse
 
 from portal import tasks
-from portal.errors import Conflict, NotFound
+from portal.errors import Conflict, NotFound, TooMany
 
 # C0 controls but tab, and DEL: what no path segment, query value or header value here may hold.
 CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -106,4 +106,6 @@ class PortalErrorMiddleware:
             raise Http404(str(exception)) from exception
         if isinstance(exception, Conflict):
             return HttpResponse(str(exception), status=409, content_type="text/plain; charset=utf-8")
+        if isinstance(exception, TooMany):
+            return HttpResponse(str(exception), status=429, content_type="text/plain; charset=utf-8")
         return None

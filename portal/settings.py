@@ -13,6 +13,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from portal.envconfig import env_bool, env_choice, env_float, env_int, env_list, env_str, env_url
+from runners.scheduler.admission.cycle import DEFAULT_GRACE_PERIOD_S
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("PORTAL_VAR_DIR", str(BASE_DIR / "var")))
@@ -241,6 +242,17 @@ INVENTORY_SYNC_INTERVAL_S = env_int("INVENTORY_SYNC_INTERVAL_S", 60, minimum=1)
 # reconcile sweep reads running attempts' state from the backend this often.
 SCHEDULER_CYCLE_INTERVAL_S = env_float("SCHEDULER_CYCLE_INTERVAL_S", 3.0, minimum=0.1)
 JOB_RECONCILE_INTERVAL_S = env_float("JOB_RECONCILE_INTERVAL_S", 2.0, minimum=0.1)
+# A worker launching an attempt holds a lease on it this long, renewed while the launch runs; a
+# lease that ran out (the worker died) lets the reconcile launch the attempt again.
+JOB_LAUNCH_LEASE_S = env_float("JOB_LAUNCH_LEASE_S", 15.0, minimum=1.0)
+# An admitted attempt no worker has claimed for this long gets its launch message sent again.
+JOB_LAUNCH_RESEND_AFTER_S = env_float("JOB_LAUNCH_RESEND_AFTER_S", 10.0, minimum=1.0)
+# The longest the reconcile leaves a job alone after errors on it (the backoff doubles up to this).
+JOB_RECONCILE_BACKOFF_MAX_S = env_float("JOB_RECONCILE_BACKOFF_MAX_S", 60.0, minimum=1.0)
+# How many jobs one tenant may have waiting (queued) at once; a submit past it answers 429.
+JOB_QUEUED_MAX_PER_TENANT = env_int("JOB_QUEUED_MAX_PER_TENANT", 200, minimum=1)
+# How long an Idempotency-Key of POST /api/v1/jobs/ answers the job it first made.
+IDEMPOTENCY_KEY_TTL_S = env_int("IDEMPOTENCY_KEY_TTL_S", 86400, minimum=60)
 # Registries a custom job's image may come from (comma-separated prefixes; Kubernetes backend only).
 ALLOWED_IMAGE_REGISTRIES = [r.strip() for r in env_str("ALLOWED_IMAGE_REGISTRIES", "nvcr.io/nvidia").split(",") if r.strip()]
 CELERY_BEAT_SCHEDULE = {
@@ -258,7 +270,8 @@ CELERY_BEAT_SCHEDULE = {
 # long preempted work gets to write its checkpoint.
 PARTITION_APPLY_TIMEOUT_S = env_int("PARTITION_APPLY_TIMEOUT_S", 900, minimum=1)
 PARTITION_POLL_INTERVAL_S = env_float("PARTITION_POLL_INTERVAL_S", 2.0, minimum=0)
-PREEMPTION_GRACE_PERIOD_S = env_int("PREEMPTION_GRACE_PERIOD_S", 120, minimum=0)
+# One default for the grace period everywhere: the scheduler's own (runners.scheduler.admission.cycle).
+PREEMPTION_GRACE_PERIOD_S = env_int("PREEMPTION_GRACE_PERIOD_S", int(DEFAULT_GRACE_PERIOD_S), minimum=0)
 # A running partition change renews its lease as it works; one not renewed for this long is resumed.
 PARTITION_LEASE_S = env_int("PARTITION_LEASE_S", 120, minimum=1)
 

@@ -28,10 +28,9 @@ from django.utils import timezone
 
 from portal.tasks import send_task
 from quotas.models import PartitionKind, Quota, ResourceFlavor
-from runners.jobs import job_rows_update, transition, transition_locked
+from runners.jobs import job_rows_update, transition_locked
 from runners.models import (
     JOB_HOLDING_STATES,
-    AttemptOutcome,
     Gpu,
     Job,
     JobAttempt,
@@ -261,7 +260,7 @@ def _epoch(moment) -> float:
 
 def cycle_run() -> dict:
     """One scheduler cycle; returns what it decided, by job id."""
-    from runners.launch import stop_attempt
+    from runners.launch import job_preempt_locked, send_job_stop
     from runners.tasks import job_launch
 
     started = time.perf_counter()
@@ -272,7 +271,10 @@ def cycle_run() -> dict:
         tenants: dict[str, dict] = defaultdict(lambda: {"quotas": {}, "weight": 0.0, "max_priority": 0})
         for quota in Quota.objects.select_related("tenant", "flavor"):
             entry = tenants[quota.tenant.slug]
-            entry["quotas"][quota.flavor.name] = FlavorQuota(quota.guaranteed, quota.max)
+            # Weight and priority cap are per flavor, as the quota and the submit check hold them.
+            entry["quotas"][quota.flavor.name] = FlavorQuota(
+                quota.guaranteed, quota.max, weight=float(quota.fair_share_weight) or None, max_priority=quota.max_priority
+            )
             entry["weight"] = max(entry["weight"], float(quota.fair_share_weight))
             entry["max_priority"] = max(entry["max_priority"], quota.max_priority)
         holding = list(Job.objects.filter(state__in=JOB_HOLDING_STATES).select_related("tenant", "flavor"))
@@ -314,16 +316,19 @@ def cycle_run() -> dict:
         by_id = {str(job.id): job for job in [*holding, *queued]}
 
         stops = []
+        victims = {
+            job.id: job for job in Job.objects.select_for_update(of=("self",)).filter(
+                id__in=[int(preemption.workload_id) for preemption in decisions.preemptions]
+            ).order_by("id")
+        }
         for preemption in decisions.preemptions:
-            victim = by_id[preemption.workload_id]
-            deadline = now + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
+            # The victim's row, locked and read fresh: a launch claims an attempt under this lock,
+            # so what the victim is doing now is known, and what is written depends on it.
+            victim = victims.get(int(preemption.workload_id))
+            if victim is None:
+                continue
             reason = f"Preempted for job {preemption.for_gang_id}: {preemption.reason}"
-            if victim.state == JobState.ADMITTED:  # never launched: nothing to checkpoint
-                JobAttempt.objects.filter(job=victim, ended_at__isnull=True).update(
-                    ended_at=now, outcome=AttemptOutcome.PREEMPTED, reason=reason[:1000]
-                )
-                transition(victim, JobState.QUEUED, reason)
-            elif transition(victim, JobState.PREEMPTED, reason, stop_deadline=deadline):
+            if job_preempt_locked(victim, reason, now=now) == "stopping":
                 stops.append(victim.id)
 
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
@@ -355,7 +360,7 @@ def cycle_run() -> dict:
         for job_id, number in launches:
             transaction.on_commit(lambda job_id=job_id, number=number: send_task(job_launch, job_id, number))
         for job_id in stops:
-            transaction.on_commit(lambda job_id=job_id: stop_attempt(job_id))
+            transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
     return {
         "admitted": [job_id for job_id, _ in launches],
         "preempted": stops,

@@ -114,11 +114,30 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
 
 
 def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> Environment:
-    """Mark the environment for teardown; a worker deletes it after commit."""
+    """Mark the environment for teardown, cancelling its jobs in the same transaction; a worker deletes it after commit.
+
+    Jobs that wait end cancelled at once; jobs that run are told to checkpoint and stop with the
+    grace period, and the teardown waits until every attempt of the environment has ended, so no
+    process or pod outlives the namespace it ran in and no job is retried into a deleted one.
+    """
+    from runners.jobs import job_cancel_locked
+    from runners.launch import send_job_stop
+    from runners.models import JOB_FINAL_STATES, Job, JobState
     from runners.tasks import environment_teardown
 
     require_role(user=actor, tenant=environment.tenant, at_least=Role.MEMBER)
     with transaction.atomic():
+        # The tenant's row, then the environment's, in the order a submit takes them (no deadlock),
+        # so no job slips in after the cancels.
+        Tenant.objects.select_for_update().filter(id=environment.tenant_id).order_by("id").first()
+        Environment.objects.select_for_update(of=("self",)).filter(id=environment.id).order_by("id").first()
+        reason = f"Cancelled: environment {environment.name} was deleted by {actor.get_username()}."
+        for job in Job.objects.select_for_update(of=("self",)).filter(environment=environment).exclude(
+            state__in=JOB_FINAL_STATES
+        ).order_by("id"):
+            job_cancel_locked(job, reason, final_is_conflict=False)
+            if job.state == JobState.CANCELLING:
+                transaction.on_commit(lambda job_id=job.id: send_job_stop(job_id))
         changed = (
             Environment.objects.filter(id=environment.id)
             .exclude(state__in=[EnvironmentState.DELETING, EnvironmentState.DELETED])
@@ -263,6 +282,15 @@ def environment_teardown_run(*, environment_id: int) -> str:
     if not claimed:
         return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
     environment = Environment.objects.select_related("tenant").get(id=environment_id)
+    from runners.models import JobAttempt
+
+    running = JobAttempt.objects.filter(job__environment_id=environment_id, ended_at__isnull=True).count()
+    if running:
+        # Its jobs were cancelled with the delete; the namespace goes once their attempts have ended.
+        Environment.objects.filter(id=environment_id, state=EnvironmentState.DELETING).update(
+            status_message=f"Deleting: waiting for {running} job attempt(s) to stop."
+        )
+        return EnvironmentState.DELETING
     if get_backend().delete_environment(environment_spec(environment)):
         _set_state(
             environment_id, expect=[EnvironmentState.DELETING], state=EnvironmentState.DELETED, message="Deleted."

@@ -8,23 +8,29 @@ Scheduling is ``runners.cycle``; launching and watching attempts is ``runners.la
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from portal.errors import Conflict, Invalid
+from portal.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.models import (
     JOB_FINAL_STATES,
     Environment,
     EnvironmentState,
+    IdempotencyKey,
     Job,
     JobEvent,
     JobState,
 )
+from runners.services import flavor_units_per_node
+from runners.workloads import env_policy
+from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
 from tenants.selectors import tenant_list
 from tenants.services import require_role
@@ -34,31 +40,55 @@ from tenants.services import require_role
 TEMPLATES = ("pytorch-ddp", "custom")
 TOPOLOGY_LEVELS = ("none", "node", "nvlink", "rack")
 TOPOLOGY_MODES = ("required", "preferred")
-MAX_REPLICAS = 64
+# A topology given without a mode is a preference: the gang is placed together when it can be,
+# spread when it cannot. "required" must be asked for.
+DEFAULT_TOPOLOGY_MODE = "preferred"
+# Job names become object names (job-<id>-<attempt>, the rendezvous Service) with room to spare.
+NAME_MAX = 40
+NAME_PATTERN = rf"[a-z0-9]([-a-z0-9]{{0,{NAME_MAX - 2}}}[a-z0-9])?"
 MAX_STEPS = 10_000_000
 MAX_RUNTIME_S = 30 * 24 * 3600
-MAX_RETRIES = 20
 MAX_ENV_VARIABLES = 64
 MAX_ENV_VALUE = 4096
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# Set by the portal for every replica, or able to change what runs on the host: never a tenant's.
-RESERVED_ENV_NAMES = {
-    "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "PATH", "HOME",
+DEFAULT_CHECKPOINT_EVERY_STEPS = 50
+# The one table of every whole-number field's bounds: the spec check enforces it and the API's
+# schema (runners.api.JobSubmitSerializer) is generated from it, so the two cannot drift.
+BOUNDS = {
+    "replicas": (1, 64),
+    "gpus_per_replica": (1, 64),  # 1 for MIG and time-slice flavors
+    "cpu_milli_per_replica": (100, 512_000),
+    "memory_mib_per_replica": (128, 4 * 1024 * 1024),
+    "priority": (0, 1000),
+    "steps": (1, MAX_STEPS),
+    "checkpoint_every_steps": (0, MAX_STEPS),  # and at most steps
+    "max_runtime_s": (10, MAX_RUNTIME_S),
+    "max_retries": (0, 20),
 }
-RESERVED_ENV_PREFIXES = ("NVIDIA_", "PORTAL_", "PYTHON", "LD_", "TORCH_", "NCCL_", "TRAIN_JOB_DIR", "TRAIN_STEPS",
-                         "TRAIN_CHECKPOINT_EVERY", "TRAIN_MAX_RUNTIME_S", "TRAIN_CORPUS")
+MAX_REPLICAS = BOUNDS["replicas"][1]
+MAX_RETRIES = BOUNDS["max_retries"][1]
+# The shipped trainer's settings a spec may give (pytorch-ddp only): (type, low, high, default).
+HYPERPARAMETERS = {
+    "lr": (float, 1e-6, 1.0, 0.003),
+    "batch_size": (int, 1, 1024, 32),
+    "seq_len": (int, 8, 512, 64),
+    "seed": (int, 0, 2**31 - 1, 0),
+}
+# How many checkpoint files the trainer keeps: the portal's choice, never a tenant's (disk is shared).
+TRAINER_KEEP_CHECKPOINTS = 3
 DEFAULTS = {
     "template": "pytorch-ddp", "replicas": 1, "gpus_per_replica": 1, "cpu_milli_per_replica": 2000,
-    "memory_mib_per_replica": 4096, "topology": {"level": "none", "mode": "preferred"}, "priority": 0,
-    "preemptible": True, "steps": 200, "checkpoint_every_steps": 50, "max_runtime_s": 3600, "max_retries": 3,
-    "env": {}, "image": None, "command": None,
+    "memory_mib_per_replica": 4096, "topology": {"level": "none", "mode": DEFAULT_TOPOLOGY_MODE}, "priority": 0,
+    "preemptible": True, "steps": 200, "checkpoint_every_steps": None, "max_runtime_s": 3600, "max_retries": 3,
+    "env": {}, "hyperparameters": {}, "image": None, "command": None,
 }
 REQUIRED = ("tenant", "environment", "name", "flavor")
 FIELDS = (*REQUIRED, *DEFAULTS)
 
 
-def _integer(data: dict, field: str, low: int, high: int) -> int:
+def _integer(data: dict, field: str, low: int | None = None, high: int | None = None) -> int:
+    """The field as a whole number within its bounds (BOUNDS unless narrower ones are given)."""
+    low = BOUNDS[field][0] if low is None else low
+    high = BOUNDS[field][1] if high is None else high
     value = data[field]
     if isinstance(value, bool) or not isinstance(value, int):
         raise Invalid(field, f"Must be a whole number, got {value!r}.")
@@ -73,13 +103,31 @@ def _env(value) -> dict[str, str]:
     if len(value) > MAX_ENV_VARIABLES:
         raise Invalid("env", f"At most {MAX_ENV_VARIABLES} variables.")
     for name, text in value.items():
-        if not ENV_NAME.match(name):
-            raise Invalid("env", f"{name!r} is not a variable name (letters, digits and _, not starting with a digit).")
-        if name.upper() in RESERVED_ENV_NAMES or name.upper().startswith(RESERVED_ENV_PREFIXES):
-            raise Invalid("env", f"{name} is set by the portal and cannot be given.")
+        refused = env_policy.refusal(name) if isinstance(name, str) else "Not a variable name."
+        if refused:
+            raise Invalid("env", f"{name!r}: {refused}")
         if not isinstance(text, str) or len(text) > MAX_ENV_VALUE or "\x00" in text:
             raise Invalid("env", f"{name}: the value must be a string of at most {MAX_ENV_VALUE} characters.")
     return dict(value)
+
+
+def _hyperparameters(value, template: str) -> dict:
+    if not isinstance(value, dict):
+        raise Invalid("hyperparameters", f"Must be an object with any of {', '.join(HYPERPARAMETERS)}.")
+    unknown = sorted(set(value) - set(HYPERPARAMETERS))
+    if unknown:
+        raise Invalid(f"hyperparameters.{unknown[0]}", f"Unknown; use {', '.join(HYPERPARAMETERS)}.")
+    if value and template != "pytorch-ddp":
+        raise Invalid("hyperparameters", "Only the pytorch-ddp template takes hyperparameters.")
+    checked = {}
+    for name, (kind, low, high, default) in HYPERPARAMETERS.items():
+        given = value.get(name, default)
+        if isinstance(given, bool) or not isinstance(given, (int, float)) or (kind is int and not isinstance(given, int)):
+            raise Invalid(f"hyperparameters.{name}", f"Must be a {'whole ' if kind is int else ''}number.")
+        if not low <= given <= high:
+            raise Invalid(f"hyperparameters.{name}", f"Must be between {low} and {high}, got {given}.")
+        checked[name] = kind(given)
+    return checked
 
 
 def _topology(value) -> dict[str, str]:
@@ -88,7 +136,7 @@ def _topology(value) -> dict[str, str]:
     unknown = sorted(set(value) - {"level", "mode"})
     if unknown:
         raise Invalid(f"topology.{unknown[0]}", "Unknown field.")
-    level, mode = value.get("level", "none"), value.get("mode", "required")
+    level, mode = value.get("level", "none"), value.get("mode", DEFAULT_TOPOLOGY_MODE)
     if level not in TOPOLOGY_LEVELS:
         raise Invalid("topology.level", f"Use one of {', '.join(TOPOLOGY_LEVELS)}.")
     if mode not in TOPOLOGY_MODES:
@@ -127,6 +175,7 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
         if data.get(field) in (None, ""):
             raise Invalid(field, "This field is required.")
     spec = {**DEFAULTS, **{key: value for key, value in data.items() if value is not None or key in ("image", "command")}}
+    spec = {key: (dict(value) if isinstance(value, dict) else value) for key, value in spec.items()}
     try:
         tenant = tenant_list(user=actor).get(slug=spec["tenant"]) if isinstance(spec["tenant"], str) else None
     except Tenant.DoesNotExist:
@@ -144,8 +193,8 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     if environment.state != EnvironmentState.READY:
         raise Invalid("environment", f"Environment {environment.name} is {environment.state}, not ready.")
     name = spec["name"]
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", name):
-        raise Invalid("name", "Lowercase letters, digits and '-', at most 40, starting and ending alphanumeric.")
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
     if spec["template"] not in TEMPLATES:
         raise Invalid("template", f"Use one of {', '.join(TEMPLATES)}.")
     if spec["template"] == "custom":
@@ -154,22 +203,24 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
         spec["image"], spec["command"] = _image(spec["image"], spec["command"])
     elif spec["image"] is not None or spec["command"] is not None:
         raise Invalid("image" if spec["image"] is not None else "command", "Only custom jobs take an image and command.")
-    _integer(spec, "replicas", 1, MAX_REPLICAS)
+    _integer(spec, "replicas")
     flavor = ResourceFlavor.objects.filter(name=spec["flavor"]).first() if isinstance(spec["flavor"], str) else None
     quota = Quota.objects.filter(tenant=tenant, flavor=flavor).first() if flavor else None
     if quota is None:
         raise Invalid("flavor", f"Tenant {tenant.slug} has no quota for flavor {spec['flavor']!r}.")
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
-    _integer(spec, "gpus_per_replica", 1, 1 if sliced else 64)
+    _integer(spec, "gpus_per_replica", high=1 if sliced else None)
     units = spec["replicas"] * spec["gpus_per_replica"]
     if units > quota.max:
         raise Invalid(
             "gpus_per_replica", f"{units} units of {flavor.name} in all is past tenant {tenant.slug}'s max of {quota.max}."
         )
-    _integer(spec, "cpu_milli_per_replica", 100, 512_000)
-    _integer(spec, "memory_mib_per_replica", 128, 4 * 1024 * 1024)
+    _integer(spec, "cpu_milli_per_replica")
+    trainer_floor = TRAINER_MIN_MEMORY_MIB if spec["template"] == "pytorch-ddp" else None
+    _integer(spec, "memory_mib_per_replica", low=trainer_floor)
     spec["topology"] = _topology(spec["topology"])
-    _integer(spec, "priority", 0, 1000)
+    _fits_the_cluster(spec, flavor)
+    _integer(spec, "priority")
     if spec["priority"] > quota.max_priority:
         raise Invalid("priority", f"At most {quota.max_priority} for tenant {tenant.slug} on {flavor.name}.")
     if not isinstance(spec["preemptible"], bool):
@@ -180,11 +231,14 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
             f"A non-preemptible job runs only within the guarantee: it needs {units} units of {flavor.name} and "
             f"tenant {tenant.slug} is guaranteed {quota.guaranteed}. Make it preemptible to borrow idle GPUs.",
         )
-    _integer(spec, "steps", 1, MAX_STEPS)
-    _integer(spec, "checkpoint_every_steps", 0, spec["steps"])
-    _integer(spec, "max_runtime_s", 10, MAX_RUNTIME_S)
-    _integer(spec, "max_retries", 0, MAX_RETRIES)
+    _integer(spec, "steps")
+    if spec["checkpoint_every_steps"] is None:
+        spec["checkpoint_every_steps"] = min(DEFAULT_CHECKPOINT_EVERY_STEPS, spec["steps"])
+    _integer(spec, "checkpoint_every_steps", high=min(spec["steps"], BOUNDS["checkpoint_every_steps"][1]))
+    _integer(spec, "max_runtime_s")
+    _integer(spec, "max_retries")
     spec["env"] = _env(spec["env"])
+    spec["hyperparameters"] = _hyperparameters(spec["hyperparameters"], spec["template"])
     return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor}
 
 
@@ -296,46 +350,131 @@ def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | 
 # --- Submit, cancel, read -----------------------------------------------------------
 
 
+def _fits_the_cluster(spec: dict, flavor: ResourceFlavor) -> None:
+    """Refuse a gang that could never be placed on the cluster as it is now, naming the largest that fits."""
+    per_node = flavor_units_per_node(flavor)
+    gpus, replicas = spec["gpus_per_replica"], spec["replicas"]
+    largest = max(per_node.values(), default=0)
+    if gpus > largest:
+        raise Invalid("gpus_per_replica", f"No schedulable node has {gpus} units of {flavor.name}; "
+                                          f"the most one replica can have is {largest}.")
+    topology = spec["topology"]
+    if topology["mode"] == "required" and topology["level"] == "node":
+        fits = max(units // gpus for units in per_node.values())
+        where = "on one node"
+    else:
+        fits = sum(units // gpus for units in per_node.values())
+        where = "in the cluster"
+    if replicas > fits:
+        raise Invalid("replicas", f"At most {fits} replicas of {gpus} units of {flavor.name} fit {where} as it is now.")
+
+
+def _request_hash(spec: dict) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _idempotency_key(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= 255 or not value.isascii() or not value.isprintable():
+        raise Invalid("Idempotency-Key", "1 to 255 printable ASCII characters.")
+    return value
+
+
 def job_submit(*, actor: AbstractBaseUser, data) -> Job:
     """Check and queue a job; the scheduler cycle is kicked after commit."""
+    return job_submit_keyed(actor=actor, data=data, idempotency_key=None)[0]
+
+
+def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | None) -> tuple[Job, bool]:
+    """Check and queue a job; the scheduler cycle is kicked after commit. Returns (job, created).
+
+    With an idempotency key, the same key and body within IDEMPOTENCY_KEY_TTL_S answer the job
+    the first request made (created False), never a second job; the same key with another body
+    is refused. The environment's and tenant's rows are locked while the job is written, so a
+    delete of the environment and the per-tenant cap on queued jobs both hold under concurrency.
+    """
     from runners.cycle import kick_cycle
 
+    key = _idempotency_key(idempotency_key)
     checked = job_spec_check(actor=actor, data=data)
     spec = checked["spec"]
-    with transaction.atomic():
-        job = Job.objects.create(
-            tenant=checked["tenant"], environment=checked["environment"], name=spec["name"], spec=spec,
-            flavor=checked["flavor"], replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
-            priority=spec["priority"], preemptible=spec["preemptible"], submitted_by=actor,
-            reason="Waiting for the scheduler.",
-        )
-        JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Submitted by {actor.get_username()}.")
-        transaction.on_commit(kick_cycle)
-    return job
+    digest = _request_hash(spec)
+    cutoff = timezone.now() - timezone.timedelta(seconds=settings.IDEMPOTENCY_KEY_TTL_S)
+    try:
+        with transaction.atomic():
+            if key is not None:
+                IdempotencyKey.objects.filter(user=actor, key=key, created_at__lt=cutoff).delete()
+                earlier = IdempotencyKey.objects.filter(user=actor, key=key).select_related("job").first()
+                if earlier is not None:
+                    if earlier.request_hash != digest:
+                        raise Invalid("Idempotency-Key", "This key was used for a different job; use a new key.")
+                    return earlier.job, False
+            # Tenant, then environment (as environment_delete takes them), each row alone.
+            Tenant.objects.select_for_update().filter(id=checked["tenant"].id).order_by("id").first()
+            environment = Environment.objects.select_for_update(of=("self",)).filter(
+                id=checked["environment"].id).order_by("id").first()
+            if environment is None or environment.state != EnvironmentState.READY:
+                raise Invalid("environment", f"Environment {checked['environment'].name} is no longer ready.")
+            waiting = Job.objects.filter(tenant=checked["tenant"], state=JobState.QUEUED).count()
+            if waiting >= settings.JOB_QUEUED_MAX_PER_TENANT:
+                raise TooMany(f"Tenant {checked['tenant'].slug} already has {waiting} jobs waiting "
+                              f"(JOB_QUEUED_MAX_PER_TENANT is {settings.JOB_QUEUED_MAX_PER_TENANT}); "
+                              f"submit more once some have started.")
+            job = Job.objects.create(
+                tenant=checked["tenant"], environment=environment, name=spec["name"], spec=spec,
+                flavor=checked["flavor"], replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
+                priority=spec["priority"], preemptible=spec["preemptible"], submitted_by=actor,
+                reason="Waiting for the scheduler.",
+            )
+            JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Submitted by {actor.get_username()}.")
+            if key is not None:
+                IdempotencyKey.objects.create(user=actor, key=key, request_hash=digest, job=job)
+            transaction.on_commit(kick_cycle)
+    except IntegrityError:
+        # The same key, submitted at the same moment by another request: that one made the job.
+        earlier = IdempotencyKey.objects.filter(user=actor, key=key).select_related("job").first() if key else None
+        if earlier is None:
+            raise
+        if earlier.request_hash != digest:
+            raise Invalid("Idempotency-Key", "This key was used for a different job; use a new key.") from None
+        return earlier.job, False
+    return job, True
 
 
 def job_cancel(*, actor: AbstractBaseUser, job: Job) -> Job:
-    """Cancel a job: at once while it waits; with the grace period once it runs."""
+    """Cancel a job: at once while it waits; with the grace period once it launched or runs.
+
+    No cluster call happens here: the stop goes to a worker after commit (job_stop), and the
+    reconcile asks again, and kills past the deadline, whatever happens to that message.
+    """
     from runners.cycle import kick_cycle
-    from runners.launch import stop_attempt
+    from runners.launch import send_job_stop
 
     require_role(user=actor, tenant=job.tenant, at_least=Role.MEMBER)
-    reason = f"Cancelled by {actor.get_username()}."
     with transaction.atomic():
-        job = Job.objects.select_for_update().get(id=job.id)
-        if job.state in JOB_FINAL_STATES:
-            raise Conflict(f"Job {job.name} has already {job.state}.")
+        job = Job.objects.select_for_update(of=("self",)).get(id=job.id)
+        job_cancel_locked(job, f"Cancelled by {actor.get_username()}.")
         if job.state == JobState.CANCELLING:
-            return job
-        if job.state in (JobState.QUEUED, JobState.ADMITTED):
-            attempt = job.attempts.filter(ended_at__isnull=True).first()
-            if attempt is not None:  # admitted, never launched
-                attempt.outcome, attempt.ended_at, attempt.reason = "cancelled", timezone.now(), reason
-                attempt.save(update_fields=["outcome", "ended_at", "reason"])
-            transition(job, JobState.CANCELLED, reason)
-        else:
-            deadline = timezone.now() + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
-            transition(job, JobState.CANCELLING, reason, stop_deadline=deadline)
-            transaction.on_commit(lambda: stop_attempt(job.id))
+            transaction.on_commit(lambda: send_job_stop(job.id))
         transaction.on_commit(kick_cycle)
     return job
+
+
+def job_cancel_locked(job: Job, reason: str, *, final_is_conflict: bool = True) -> None:
+    """Cancel a job whose row the caller holds locked; the caller sends the stop after commit if it is cancelling."""
+    if job.state in JOB_FINAL_STATES:
+        if final_is_conflict:
+            raise Conflict(f"Job {job.name} has already {job.state}.")
+        return
+    if job.state == JobState.CANCELLING:
+        return
+    if job.state in (JobState.QUEUED, JobState.ADMITTED):
+        # Admitted means no launch is in flight (a launch claims under this row lock): end the attempt here.
+        job.attempts.filter(ended_at__isnull=True).update(
+            outcome="cancelled", ended_at=timezone.now(), reason=reason[:1000], launch_lease_until=None
+        )
+        transition(job, JobState.CANCELLED, reason)
+    else:
+        deadline = timezone.now() + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
+        transition(job, JobState.CANCELLING, reason, stop_deadline=deadline)

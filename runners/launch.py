@@ -1,52 +1,120 @@
-"""Launching attempts and reading how they end: what the workers do between scheduler cycles.
+"""Launching attempts and reconciling them with what runs: what the workers do between scheduler cycles.
 
-- ``job_launch_run`` (task ``job_launch``, sent after the cycle commits an admission):
-  admitted -> launching -> running. The backend call is idempotent and made with no row
-  lock held; state moves are compare-and-set, so a redelivered message does no harm.
-- ``jobs_reconcile_run`` (beat, every JOB_RECONCILE_INTERVAL_S): for each launched attempt,
-  the backend's view from the outside (processes or pods), new checkpoints recorded, a
-  victim past its grace period killed, and an attempt that ended finished: succeeded,
-  preempted or its node lost (requeued, resuming from the newest checkpoint), failed
-  (retried up to max_retries), or cancelled.
+**The ownership rule.** An attempt is open from its admission until ``ended_at`` is written, and
+every write that starts, ends or moves an attempt or its job is conditional on what it read, under
+the job's row lock, and acted on by its result:
+
+- A launch *claims* the attempt under the job's row lock (admitted -> launching, or a launching
+  attempt whose lease ran out), writing its token and a lease (``launch_lease_until``,
+  JOB_LAUNCH_LEASE_S) that a thread renews while the backend call runs. Nobody ends or relaunches
+  an attempt whose lease is live.
+- The launch's final write (``started_at``) matches only while its token holds the attempt and the
+  attempt is open. A final write that matched nothing means the attempt was ended (or taken over)
+  meanwhile: the launch stops what it started, whatever state the job is in now.
+- Ending an attempt that never started (a cancel or preemption of an admitted job, a stop that
+  came while it launched, a worker that died mid-launch) happens only with no live lease; and
+  since a dead launcher may have started something, the backend is then told to kill and forget it.
+- A job in a state that waits on a message (admitted, launching, cancelling, preempted) is found
+  again by the reconcile from the database and driven on after a bounded time, whatever the
+  broker lost: a launch is sent again (under a fresh token, so stale copies cannot claim), a stop
+  is re-sent, a victim past its deadline is killed.
+
+``jobs_reconcile_run`` (beat, every JOB_RECONCILE_INTERVAL_S) is one pass at a time,
+cluster-wide, and handles each job in isolation: one job's error is logged, counted and retried
+with backoff for that job while the pass goes on. Outcomes are decided from the locked row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+import uuid
 from datetime import datetime
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from portal.tasks import send_task
 from quotas.selectors import flavor_kubernetes_resource
-from runners.backends.base import JobLaunch, PermanentBackendError, ReplicaPlacement, TransientBackendError
-from runners.jobs import transition
-from runners.models import AttemptOutcome, Checkpoint, Job, JobAttempt, JobState
+from runners.backends.base import (
+    BackendError,
+    JobLaunch,
+    NodeLostError,
+    PermanentBackendError,
+    ReplicaPlacement,
+    TrainerSettings,
+)
+from runners.jobs import TRAINER_KEEP_CHECKPOINTS, transition
+from runners.models import (
+    JOB_HOLDING_STATES,
+    AttemptOutcome,
+    Checkpoint,
+    Job,
+    JobAttempt,
+    JobMetric,
+    JobState,
+    SchedulerCycle,
+)
 from runners.registry import get_backend
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
 
 logger = logging.getLogger(__name__)
-# A job admitted this long ago and still not launching lost its launch message.
-LAUNCH_LOST_AFTER_S = 60
+# pg_advisory_lock's key for the reconcile: "reconc" in ASCII.
+RECONCILE_LOCK_KEY = 0x7265636F6E63
+# A finishing attempt's progress is read until it is drained, at most this many reads.
+FINAL_PROGRESS_READS = 8
 
 
-def current_attempt(job: Job) -> JobAttempt | None:
+# --- Queries every part of the job path shares ------------------------------------------
+
+
+def open_attempt(job: Job) -> JobAttempt | None:
+    """The job's open attempt (at most one exists), or None."""
     return job.attempts.filter(ended_at__isnull=True).order_by("-number").first()
 
 
-def runtime_left_s(job: Job, attempt: JobAttempt) -> int:
-    """What is left of the job's max_runtime_s for this attempt, after the earlier ones ran."""
-    used_s = sum(
-        (a.ended_at - a.started_at).total_seconds()
-        for a in job.attempts.exclude(id=attempt.id).filter(started_at__isnull=False, ended_at__isnull=False)
-    )
-    return max(1, int(job.spec["max_runtime_s"] - used_s))
+def open_attempts(jobs) -> dict[int, JobAttempt]:
+    """The open attempt of each of these jobs (a list or a queryset), by job id, in one query."""
+    return {
+        attempt.job_id: attempt
+        for attempt in JobAttempt.objects.filter(job__in=jobs, ended_at__isnull=True).order_by("number")
+    }
+
+
+def newest_checkpoint_step(job: Job) -> int | None:
+    return job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+
+
+def runtime_used_s(job: Job, *, now=None) -> float:
+    """How much of max_runtime_s the job's attempts have used, each counted from its trainer's first step."""
+    now = now or timezone.now()
+    used = 0.0
+    for first_step, ended in job.attempts.filter(first_step_at__isnull=False).values_list("first_step_at", "ended_at"):
+        used += max(0.0, ((ended or now) - first_step).total_seconds())
+    return used
+
+
+def runtime_left_s(job: Job) -> int:
+    return max(1, int(job.spec["max_runtime_s"] - runtime_used_s(job)))
+
+
+def _lease_until():
+    return timezone.now() + timezone.timedelta(seconds=settings.JOB_LAUNCH_LEASE_S)
+
+
+def _lease_live(attempt: JobAttempt, now) -> bool:
+    return attempt.launch_lease_until is not None and attempt.launch_lease_until > now
+
+
+# --- Launch -----------------------------------------------------------------------------
 
 
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
+    hyper = spec.get("hyperparameters") or {}
     return JobLaunch(
         job_id=job.id,
         attempt=attempt.number,
@@ -67,117 +135,246 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         memory_mib_per_replica=spec["memory_mib_per_replica"],
         steps=spec["steps"],
         checkpoint_every_steps=spec["checkpoint_every_steps"],
-        max_runtime_s=runtime_left_s(job, attempt),
+        max_runtime_s=runtime_left_s(job),
         env=tuple(sorted(spec["env"].items())),
         image=spec.get("image"),
         command=tuple(spec["command"]) if spec.get("command") else None,
         grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S,
-        resume_from_step=job.checkpoints.order_by("-step").values_list("step", flat=True).first(),
+        resume_from_step=newest_checkpoint_step(job),
+        trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **hyper),
     )
 
 
-def job_launch_run(*, job_id: int, attempt_number: int) -> str:
-    job = Job.objects.select_related("tenant", "environment", "flavor").get(id=job_id)
-    attempt = job.attempts.get(number=attempt_number)
-    if attempt.ended_at is not None:
-        return "ended"
-    if job.state == JobState.ADMITTED:
-        if not transition(job, JobState.LAUNCHING, f"Launching attempt {attempt_number}."):
-            return Job.objects.get(id=job_id).state
-    elif job.state != JobState.LAUNCHING:  # a redelivered message after the launch went through
-        return job.state
+@contextlib.contextmanager
+def _lease_renewed(attempt_id: int, token: str):
+    """Renew the attempt's launch lease every third of its length while the block runs."""
+    done = threading.Event()
+
+    def renew() -> None:
+        try:
+            while not done.wait(settings.JOB_LAUNCH_LEASE_S / 3):
+                JobAttempt.objects.filter(id=attempt_id, launch_token=token, ended_at__isnull=True).update(
+                    launch_lease_until=_lease_until()
+                )
+        except Exception:  # a lease that cannot be renewed runs out; the final write then says so
+            logger.exception("Could not renew the launch lease of attempt %s", attempt_id)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=renew, name=f"lease-{attempt_id}", daemon=True)
+    thread.start()
     try:
-        resumed = get_backend().launch_job(job_launch_spec(job, attempt))
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _claim(job_id: int, attempt_number: int, token: str) -> tuple[Job, JobAttempt] | str:
+    """Take the attempt's launch lease under the job's row lock, or say why not (the state to report)."""
+    with transaction.atomic():
+        job = Job.objects.select_for_update(of=("self",)).select_related("tenant", "environment", "flavor").get(
+            id=job_id
+        )
+        attempt = job.attempts.get(number=attempt_number)
+        now = timezone.now()
+        if attempt.ended_at is not None:
+            return "ended"
+        if attempt.started_at is not None:
+            return job.state  # a copy of the message after the launch went through
+        if _lease_live(attempt, now) and attempt.launch_token != token:
+            return job.state  # another worker launches it (or a resent message is reserved for it)
+        if job.state == JobState.ADMITTED:
+            transition(job, JobState.LAUNCHING, f"Launching attempt {attempt_number}.")
+        elif job.state != JobState.LAUNCHING:
+            # Told to stop before it launched: nothing is started; the reconcile ends the attempt.
+            return job.state
+        JobAttempt.objects.filter(id=attempt.id).update(launch_token=token, launch_lease_until=_lease_until())
+        attempt.launch_token = token
+    return job, attempt
+
+
+def job_launch_run(*, job_id: int, attempt_number: int, token: str | None = None) -> str:
+    """Launch one admitted attempt: claim it, start it with no lock held, then record it started, or undo.
+
+    ``token`` names this launch (the task passes its message's token, the same across its
+    retries); a launch whose token no longer holds the attempt does nothing.
+    """
+    token = token or str(uuid.uuid4())
+    claimed = _claim(job_id, attempt_number, token)
+    if isinstance(claimed, str):
+        return claimed
+    job, attempt = claimed
+    backend = get_backend()
+    try:
+        with _lease_renewed(attempt.id, token):
+            resumed = backend.launch_job(job_launch_spec(job, attempt))
     except PermanentBackendError as exc:
-        attempt_finish(job, attempt, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {exc}")
+        # A node lost before the launch is not the job's failure: it is requeued, like a node lost while it ran.
+        outcome = AttemptOutcome.NODE_LOST if isinstance(exc, NodeLostError) else AttemptOutcome.FAILED
+        attempt_end(job.id, attempt.id, outcome=outcome, reason=f"Could not launch: {exc}", token=token)
         return Job.objects.get(id=job_id).state
-    now = timezone.now()
-    JobAttempt.objects.filter(id=attempt.id).update(started_at=now, resumed_from_step=resumed)
     where = ", ".join(sorted({replica["node"] for replica in attempt.placement}))
     detail = f"resumed from step {resumed}" if resumed else "from the start"
-    if transition(job, JobState.RUNNING, f"Running on {where} ({detail})."):
-        return JobState.RUNNING
-    # Cancelled or preempted while it launched: its stop found nothing started, so stop it now.
-    job.refresh_from_db()
-    if job.state in (JobState.CANCELLING, JobState.PREEMPTED):
-        get_backend().stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+    with transaction.atomic():
+        job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
+        started = JobAttempt.objects.filter(
+            id=attempt.id, launch_token=token, ended_at__isnull=True, started_at__isnull=True
+        ).update(started_at=timezone.now(), resumed_from_step=resumed, launch_lease_until=None)
+        if started and job.state == JobState.LAUNCHING:
+            transition(job, JobState.RUNNING, f"Running on {where} ({detail}).")
+            return JobState.RUNNING
+        if started:
+            # Cancelled or preempted while it launched: it runs now, so stop it with the grace period.
+            transaction.on_commit(lambda: send_job_stop(job_id))
+            return job.state
+        ended = JobAttempt.objects.filter(id=attempt.id, ended_at__isnull=False).exists()
+    if ended:
+        # The attempt was ended while this launch ran (its lease ran out): what was started must go.
+        logger.warning("Job %s attempt %s ended while it launched; stopping what the launch started.",
+                       job_id, attempt_number)
+        _kill_and_forget(job_id, attempt_number)
+        return "ended"
+    return job.state  # another launcher holds it now and records the start itself
+
+
+def job_launch_give_up(*, job_id: int, attempt_number: int, reason: str, token: str | None = None) -> None:
+    """The launch's retries are spent: the attempt fails (and is retried or the job fails by the usual rule)."""
+    attempt = JobAttempt.objects.filter(job_id=job_id, number=attempt_number).first()
+    if attempt is not None:
+        attempt_end(job_id, attempt.id, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {reason}",
+                    token=token)
+
+
+def send_job_stop(job_id: int) -> None:
+    from runners.tasks import job_stop
+
+    send_task(job_stop, job_id)
+
+
+def job_stop_run(*, job_id: int) -> str:
+    """Tell a job's started attempt to checkpoint and stop (a preemption or a cancel committed)."""
+    job = Job.objects.get(id=job_id)
+    if job.state not in (JobState.PREEMPTED, JobState.CANCELLING):
+        return job.state
+    attempt = open_attempt(job)
+    if attempt is None or attempt.started_at is None:
+        return job.state  # not started: the launch's final write or the reconcile deals with it
+    get_backend().stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
     return job.state
 
 
-def job_launch_give_up(*, job_id: int, attempt_number: int, reason: str) -> None:
-    job = Job.objects.get(id=job_id)
-    attempt = job.attempts.get(number=attempt_number)
-    if attempt.ended_at is None and job.state in (JobState.ADMITTED, JobState.LAUNCHING):
-        attempt_finish(job, attempt, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {reason}")
+def _kill_and_forget(job_id: int, attempt_number: int) -> None:
+    backend = get_backend()
+    backend.kill_job(job_id, attempt_number)
+    backend.forget_job(job_id, attempt_number)
 
 
-def stop_attempt(job_id: int) -> None:
-    """Tell a job's running attempt to checkpoint and stop (after commit of a preemption or cancel)."""
-    job = Job.objects.get(id=job_id)
-    attempt = current_attempt(job)
-    if attempt is None or attempt.started_at is None:
-        return  # not launched yet: the launch sees the state and the reconcile ends it
-    try:
-        get_backend().stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
-    except TransientBackendError as exc:
-        logger.warning("Could not stop job %s yet (the reconcile retries): %s", job_id, exc)
+# --- Preempting and stopping from the portal's side -------------------------------------
 
 
-# --- Finishing an attempt ------------------------------------------------------------
+def job_preempt_locked(job: Job, reason: str, *, now=None) -> str | None:
+    """Preempt a job whose row the caller holds locked (fresh from select_for_update).
 
-
-def _record_checkpoints(job: Job, attempt: JobAttempt | None, checkpoints: list[dict]) -> None:
-    known = set(job.checkpoints.values_list("step", flat=True))
-    new = []
-    for record in checkpoints:
-        if record["step"] in known:
-            continue
-        created = record.get("created_at")
-        try:
-            created_at = datetime.fromisoformat(created) if created else timezone.now()
-        except ValueError:
-            created_at = timezone.now()
-        new.append(Checkpoint(job=job, attempt=attempt, step=record["step"], uri=str(record.get("path", ""))[:1000],
-                              bytes=int(record.get("bytes") or 0), created_at=created_at))
-        known.add(record["step"])
-    Checkpoint.objects.bulk_create(new, ignore_conflicts=True)
-
-
-def attempt_finish(job: Job, attempt: JobAttempt, *, outcome: str, reason: str, exit_code: int | None = None) -> None:
-    """End the attempt and move the job on: done, cancelled, requeued, or failed past its retries."""
-    from runners.cycle import kick_cycle
-
-    with transaction.atomic():
-        job = Job.objects.select_for_update().get(id=job.id)
-        ended = JobAttempt.objects.filter(id=attempt.id, ended_at__isnull=True).update(
-            ended_at=timezone.now(), outcome=outcome, reason=reason[:1000], exit_code=exit_code
+    Returns "requeued" (admitted, never launched: its attempt ended here), "stopping" (it runs
+    or launches: preempted with the grace period; send_job_stop after commit), or None when it
+    is in no state to preempt.
+    """
+    now = now or timezone.now()
+    if job.state == JobState.ADMITTED:
+        # No launch is in flight: a claim moves the job to launching under this same row lock.
+        JobAttempt.objects.filter(job=job, ended_at__isnull=True).update(
+            ended_at=now, outcome=AttemptOutcome.PREEMPTED, reason=reason[:1000], launch_lease_until=None
         )
-        if not ended:
-            return
-        newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
-        resume = f" It resumes from step {newest}." if newest else ""
-        if outcome == AttemptOutcome.SUCCEEDED:
-            transition(job, JobState.SUCCEEDED, f"Finished all {job.spec['steps']} steps.")
-        elif outcome == AttemptOutcome.CANCELLED or job.state == JobState.CANCELLING:
-            transition(job, JobState.CANCELLED, job.reason if job.state == JobState.CANCELLING else reason)
-        elif outcome in (AttemptOutcome.PREEMPTED, AttemptOutcome.NODE_LOST):
-            transition(job, JobState.QUEUED, f"{reason}{resume}", stop_deadline=None)
-        else:
-            failures = job.failures + 1
-            if failures > job.spec["max_retries"]:
-                transition(job, JobState.FAILED, f"{reason} (failed {failures} times; max_retries is "
-                                                 f"{job.spec['max_retries']}).", failures=failures)
-            else:
-                transition(job, JobState.QUEUED, f"Retrying ({failures} of {job.spec['max_retries']}) after: {reason}"
-                                                 f"{resume}", failures=failures, stop_deadline=None)
-        transaction.on_commit(kick_cycle)
+        return "requeued" if transition(job, JobState.QUEUED, reason) else None
+    if job.state in (JobState.LAUNCHING, JobState.RUNNING):
+        deadline = now + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
+        return "stopping" if transition(job, JobState.PREEMPTED, reason, stop_deadline=deadline) else None
+    return None
+
+
+def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
+    """Preempt every job holding an open attempt placed on these nodes; returns their workload names (job-<id>)."""
+    wanted = set(nodes)
+    job_ids = [
+        job_id for job_id, placement in JobAttempt.objects.filter(
+            ended_at__isnull=True, job__state__in=JOB_HOLDING_STATES
+        ).values_list("job_id", "placement")
+        if {replica["node"] for replica in placement} & wanted
+    ]
+    names = set()
+    for job_id in job_ids:
+        with transaction.atomic():
+            job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
+            if job_preempt_locked(job, reason) == "stopping":
+                transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
+        names.add(f"job-{job_id}")
+    if job_ids:
+        from runners.cycle import kick_cycle
+
+        kick_cycle()
+    return names
+
+
+# --- Recording progress -----------------------------------------------------------------
+
+
+def _parse_time(text):
     try:
-        get_backend().forget_job(job.id, attempt.number)
-    except TransientBackendError:
-        pass  # harmless: only bookkeeping of a finished attempt
+        moment = datetime.fromisoformat(text) if text else None
+    except (TypeError, ValueError):
+        return None
+    if moment is not None and timezone.is_naive(moment):
+        moment = timezone.make_aware(moment, timezone.get_current_timezone())
+    return moment
+
+
+def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = False) -> int:
+    """Read what the attempt wrote since the job's cursor, record metrics and checkpoints; returns bytes read."""
+    total = 0
+    for _ in range(FINAL_PROGRESS_READS if drain else 1):
+        read = backend.job_progress(job.id, attempt.number, job.progress_cursor or {})
+        total += read.bytes_read
+        numbers = dict(job.attempts.values_list("number", "id"))
+        metrics = [
+            JobMetric(
+                job=job, attempt=int(record.get("attempt") or attempt.number), step=record["step"],
+                loss=record.get("loss") if isinstance(record.get("loss"), (int, float)) else None,
+                samples_per_s=record.get("samples_per_s") if isinstance(record.get("samples_per_s"), (int, float))
+                else None,
+                at=str(record.get("time", ""))[:40],
+            )
+            for record in read.metrics if isinstance(record.get("step"), int) and record["step"] >= 0
+        ]
+        JobMetric.objects.bulk_create(metrics, batch_size=2000, ignore_conflicts=True)
+        checkpoints = [
+            Checkpoint(
+                job=job, attempt_id=numbers.get(int(record.get("attempt") or attempt.number)), step=record["step"],
+                uri=str(record.get("path", ""))[:1000], bytes=int(record.get("bytes") or 0),
+                created_at=_parse_time(record.get("created_at")) or timezone.now(),
+            )
+            for record in read.checkpoints if isinstance(record.get("step"), int) and record["step"] >= 0
+        ]
+        Checkpoint.objects.bulk_create(checkpoints, ignore_conflicts=True)
+        if attempt.first_step_at is None:
+            mine = [m for m in metrics if m.attempt == attempt.number]
+            if mine:
+                first = _parse_time(mine[0].at) or timezone.now()
+                JobAttempt.objects.filter(id=attempt.id, first_step_at__isnull=True).update(first_step_at=first)
+                attempt.first_step_at = first
+        if read.cursor != job.progress_cursor:
+            Job.objects.filter(id=job.id).update(progress_cursor=read.cursor)
+            job.progress_cursor = read.cursor
+        if not read.bytes_read:
+            break
+    return total
+
+
+# --- Finishing an attempt ---------------------------------------------------------------
 
 
 def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | None]:
+    """How an attempt that stopped running ended, judged against the job's locked row."""
     codes = status.exit_codes
     failing = {rank: code for rank, code in codes.items() if code not in (EXIT_OK, EXIT_CHECKPOINTED_ON_SIGNAL)}
     first_failing = min(failing.items()) if failing else None
@@ -197,65 +394,215 @@ def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | Non
         return AttemptOutcome.FAILED, f"Replica {rank} exited with {code}.", code
     if status.phase == "lost":
         return AttemptOutcome.FAILED, status.reason, None
-    # Stopped with a checkpoint though the portal asked nothing: its runtime budget ran out,
-    # or something outside (a drained node) stopped it.
-    runtime = (timezone.now() - attempt.started_at).total_seconds() if attempt.started_at else 0
-    if runtime >= runtime_left_s(job, attempt):
+    if runtime_used_s(job) >= job.spec["max_runtime_s"] - 1:
         return AttemptOutcome.FAILED, f"Ran past max_runtime_s ({job.spec['max_runtime_s']} s).", EXIT_CHECKPOINTED_ON_SIGNAL
     return AttemptOutcome.PREEMPTED, "Stopped from outside the portal (the node was drained).", EXIT_CHECKPOINTED_ON_SIGNAL
 
 
-def jobs_reconcile_run() -> dict[str, int]:
-    """One pass over launched attempts; returns how many it looked at and finished."""
-    backend = get_backend()
-    now = timezone.now()
-    looked = finished = 0
-    nodes_lost = False
-    stale = now - timezone.timedelta(seconds=LAUNCH_LOST_AFTER_S)
-    jobs = list(Job.objects.filter(
-        state__in=[JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING]
-    ).select_related("tenant", "environment", "flavor"))
-    # Each job's open attempt, in one query rather than one per job.
-    open_attempts = {
-        attempt.job_id: attempt
-        for attempt in JobAttempt.objects.filter(job__in=jobs, ended_at__isnull=True).order_by("number")
-    }
-    for job in jobs:
-        attempt = open_attempts.get(job.id)
-        if attempt is None:
-            continue
-        if attempt.started_at is None:
-            # Told to stop before its launch went through, and the launch never came: end it here.
-            if job.state in (JobState.CANCELLING, JobState.PREEMPTED) and job.state_changed_at < stale:
-                outcome = AttemptOutcome.CANCELLED if job.state == JobState.CANCELLING else AttemptOutcome.PREEMPTED
-                attempt_finish(job, attempt, outcome=outcome, reason=f"{job.reason} (before it started)")
-                finished += 1
-            continue
-        looked += 1
-        try:
-            status = backend.job_status(job.id, attempt.number)
-            _record_checkpoints(job, attempt, backend.job_checkpoints(job.id))
-        except TransientBackendError as exc:
-            logger.warning("Could not read job %s: %s", job.id, exc)
-            continue
-        if status.phase == "running":
-            if job.stop_deadline and now >= job.stop_deadline:
-                backend.kill_job(job.id, attempt.number)
-            continue
-        outcome, reason, code = _outcome(job, attempt, status)
-        if outcome == AttemptOutcome.NODE_LOST and not nodes_lost:
-            # The node is gone: take it out of the inventory before the job is placed again.
-            from runners.services import inventory_sync
+def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, reason: str = "",
+                exit_code: int | None = None, status=None, token: str | None = None,
+                never_started: bool = False) -> bool:
+    """End an open attempt and move its job on: done, cancelled, requeued, or failed. False if it was not open.
 
-            inventory_sync()
-            nodes_lost = True
-        attempt_finish(job, attempt, outcome=outcome, reason=reason, exit_code=code)
-        finished += 1
-    # Admitted jobs whose launch message was lost.
-    for job in Job.objects.filter(state=JobState.ADMITTED, state_changed_at__lt=stale):
-        attempt = current_attempt(job)
-        if attempt is not None:
+    Everything is decided under the job's row lock from what the rows say now: the outcome
+    (from ``status`` when given), whether the attempt is still open, and, with ``token``, that
+    the launch holding it is this one; ``never_started`` ends it only if it never started and
+    no launch holds a live lease. The backend forgets the attempt after commit.
+    """
+    from runners.cycle import kick_cycle
+
+    now = timezone.now()
+    with transaction.atomic():
+        job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
+        attempt = JobAttempt.objects.get(id=attempt_id)
+        if status is not None:
+            outcome, reason, exit_code = _outcome(job, attempt, status)
+        open_rows = JobAttempt.objects.filter(id=attempt_id, ended_at__isnull=True)
+        if token is not None:
+            open_rows = open_rows.filter(launch_token=token)
+        if never_started:
+            open_rows = open_rows.filter(started_at__isnull=True).filter(
+                Q(launch_lease_until__isnull=True) | Q(launch_lease_until__lte=now)
+            )
+        if not open_rows.update(ended_at=now, outcome=outcome, reason=reason[:1000], exit_code=exit_code,
+                                launch_lease_until=None):
+            return False
+        attempt.ended_at = now
+        newest = newest_checkpoint_step(job)
+        resume = f" It resumes from step {newest}." if newest else ""
+        spent = runtime_used_s(job, now=now) >= job.spec["max_runtime_s"] - 1
+        if job.state not in JOB_HOLDING_STATES:
+            pass  # the job already moved on (a cancel of an admitted job ends its attempt itself)
+        elif job.state == JobState.CANCELLING or outcome == AttemptOutcome.CANCELLED:
+            if job.state == JobState.CANCELLING:
+                transition(job, JobState.CANCELLED, job.reason)
+            else:
+                transition(job, JobState.CANCELLED, reason)
+        elif outcome == AttemptOutcome.SUCCEEDED:
+            transition(job, JobState.SUCCEEDED, f"Finished all {job.spec['steps']} steps.")
+        elif spent:
+            # The budget is the job's, across attempts: once spent there is nothing to retry.
+            transition(job, JobState.FAILED, f"Used up max_runtime_s ({job.spec['max_runtime_s']} s across "
+                                             f"attempts): {reason}", stop_deadline=None)
+        elif outcome in (AttemptOutcome.PREEMPTED, AttemptOutcome.NODE_LOST):
+            transition(job, JobState.QUEUED, f"{reason}{resume}", stop_deadline=None)
+        else:
+            failures = job.failures + 1
+            if failures > job.spec["max_retries"]:
+                transition(job, JobState.FAILED, f"{reason} (failed {failures} times; max_retries is "
+                                                 f"{job.spec['max_retries']}).", failures=failures, stop_deadline=None)
+            else:
+                transition(job, JobState.QUEUED, f"Retrying ({failures} of {job.spec['max_retries']}) after: {reason}"
+                                                 f"{resume}", failures=failures, stop_deadline=None)
+        transaction.on_commit(kick_cycle)
+    try:
+        get_backend().forget_job(job_id, attempt.number)
+    except BackendError as exc:
+        # The reconcile of an ended attempt is over; a backend that could not forget it now is
+        # told again by forget's idempotent callers (kill on a late launch, the next pass's jobs_open).
+        logger.warning("Could not forget job %s attempt %s: %s", job_id, attempt.number, exc)
+    return True
+
+
+# --- The reconcile ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _one_pass_at_a_time():
+    """True while this process holds the cluster-wide reconcile lock; False when another pass runs."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", [RECONCILE_LOCK_KEY])
+            held = cursor.fetchone()[0]
+        try:
+            yield held
+        finally:
+            if held:
+                # A connection lost mid-pass took the lock with it; nothing is left to release then.
+                with contextlib.suppress(Exception), connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_advisory_unlock(%s)", [RECONCILE_LOCK_KEY])
+        return
+    # Elsewhere (the SQLite default) a lease on the scheduler's row, taken by a conditional update.
+    SchedulerCycle.objects.get_or_create(id=1)
+    now = timezone.now()
+    held = bool(SchedulerCycle.objects.filter(id=1).filter(
+        Q(reconcile_lease_until__isnull=True) | Q(reconcile_lease_until__lt=now)
+    ).update(reconcile_lease_until=now + timezone.timedelta(seconds=60)))
+    try:
+        yield held
+    finally:
+        if held:
+            SchedulerCycle.objects.filter(id=1).update(reconcile_lease_until=None)
+
+
+def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
+    """Drive one job on; returns what was done (for the pass's counts)."""
+    if attempt is None:
+        # A job holding nothing cannot stay in a holding state: the rules above never leave one
+        # so, but if one is found it is driven on rather than left to hold GPUs nobody sees.
+        with transaction.atomic():
+            locked = Job.objects.select_for_update(of=("self",)).get(id=job.id)
+            if locked.state not in JOB_HOLDING_STATES or open_attempt(locked) is not None:
+                return "moved"
+            logger.error("Job %s was %s with no open attempt; moving it on.", job.id, locked.state)
+            if locked.state == JobState.CANCELLING:
+                transition(locked, JobState.CANCELLED, locked.reason)
+            else:
+                transition(locked, JobState.QUEUED, "Requeued: it held no attempt.", stop_deadline=None)
+        return "repaired"
+    if attempt.started_at is None:
+        return _reconcile_unstarted(job, attempt, now)
+    status = backend.job_status(job.id, attempt.number)
+    finished = status.phase != "running"
+    progress_record(job, attempt, backend, drain=finished)
+    if not finished:
+        if job.stop_deadline and now >= job.stop_deadline:
+            backend.kill_job(job.id, attempt.number)
+            return "killed"
+        told_s = (now - job.state_changed_at).total_seconds()
+        if job.state in (JobState.PREEMPTED, JobState.CANCELLING) and told_s >= settings.JOB_LAUNCH_RESEND_AFTER_S:
+            # The stop message may have been lost: asking again is harmless (the trainer ignores a repeat).
+            backend.stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+        return "running"
+    if status.node_lost:
+        # The node is gone: take it out of the inventory before the job is placed again.
+        from runners.services import inventory_sync
+
+        inventory_sync()
+    return "finished" if attempt_end(job.id, attempt.id, status=status) else "moved"
+
+
+def _reconcile_unstarted(job: Job, attempt: JobAttempt, now) -> str:
+    if _lease_live(attempt, now):
+        return "launching"  # its launch (or a message reserved for it) is in flight
+    if job.state in (JobState.CANCELLING, JobState.PREEMPTED):
+        outcome = AttemptOutcome.CANCELLED if job.state == JobState.CANCELLING else AttemptOutcome.PREEMPTED
+        if attempt_end(job.id, attempt.id, outcome=outcome, reason=f"{job.reason} (before it started)",
+                       never_started=True):
+            # A launcher that died after starting it leaves no mark but what it started.
+            _kill_and_forget(job.id, attempt.number)
+            return "finished"
+        return "moved"
+    waited_since = max(filter(None, [job.state_changed_at, attempt.launch_lease_until]))
+    if job.state == JobState.LAUNCHING or (now - waited_since).total_seconds() >= settings.JOB_LAUNCH_RESEND_AFTER_S:
+        # Admitted with no claim for a while (the message was lost), or its launcher died mid-launch
+        # (the lease ran out): launch again under a fresh token; the launch is idempotent.
+        token = str(uuid.uuid4())
+        reserved = JobAttempt.objects.filter(
+            id=attempt.id, ended_at__isnull=True, started_at__isnull=True
+        ).filter(Q(launch_lease_until__isnull=True) | Q(launch_lease_until__lte=now)).update(
+            launch_token=token, launch_lease_until=_lease_until()
+        )
+        if reserved:
             from runners.tasks import job_launch
 
-            send_task(job_launch, job.id, attempt.number)
-    return {"looked": looked, "finished": finished}
+            send_task(job_launch, job.id, attempt.number, token)
+            return "relaunched"
+    return "waiting"
+
+
+def _backoff(job: Job, exc: Exception) -> None:
+    errors = job.reconcile_errors + 1
+    delay = min(settings.JOB_RECONCILE_BACKOFF_MAX_S, settings.JOB_RECONCILE_INTERVAL_S * 2 ** min(errors, 16))
+    Job.objects.filter(id=job.id).update(
+        reconcile_errors=errors, reconcile_error=f"{type(exc).__name__}: {exc}"[:1000],
+        reconcile_after=timezone.now() + timezone.timedelta(seconds=delay),
+    )
+
+
+def jobs_reconcile_run() -> dict[str, int]:
+    """One pass over every job that holds (or is about to hold) GPUs; returns counts of what it did."""
+    with _one_pass_at_a_time() as held:
+        if not held:
+            return {"skipped": 1}
+        backend = get_backend()
+        now = timezone.now()
+        holding = Job.objects.filter(state__in=JOB_HOLDING_STATES)
+        attempts = open_attempts(holding)
+        backend.jobs_open({(attempt.job_id, attempt.number) for attempt in attempts.values()})
+        jobs = list(
+            holding.filter(Q(reconcile_after__isnull=True) | Q(reconcile_after__lte=now))
+            .select_related("tenant", "environment", "flavor").order_by("reconcile_errors", "id")
+        )
+        counts: dict[str, int] = {"looked": 0, "finished": 0, "errors": 0}
+        for job in jobs:
+            counts["looked"] += 1
+            try:
+                done = _reconcile_one(backend, job, attempts.get(job.id), now)
+            except Exception as exc:  # one job's trouble never stops the pass
+                logger.exception("Reconciling job %s failed; retrying it with backoff", job.id)
+                counts["errors"] += 1
+                if connection.connection is not None and not connection.is_usable():
+                    # The database connection died, and the pass's lock with it: another pass may
+                    # start now, so this one stops; the next beat's pass carries on.
+                    logger.error("The reconcile lost its database connection; ending this pass.")
+                    connection.close()
+                    counts["aborted"] = 1
+                    break
+                with contextlib.suppress(Exception):
+                    _backoff(job, exc)
+                continue
+            counts[done] = counts.get(done, 0) + 1
+            if job.reconcile_errors:
+                Job.objects.filter(id=job.id).update(reconcile_errors=0, reconcile_error="", reconcile_after=None)
+        return counts

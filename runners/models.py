@@ -258,6 +258,13 @@ class Job(models.Model):
     state_changed_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The reconcile's bookkeeping: after an error on this job it waits until reconcile_after
+    # (backoff doubling with reconcile_errors) while the other jobs go on.
+    reconcile_errors = models.PositiveIntegerField(default=0)
+    reconcile_after = models.DateTimeField(null=True, blank=True)
+    reconcile_error = models.CharField(max_length=1000, blank=True)
+    # Where the last read of the job's progress (metrics, checkpoints) stopped: the backend's own cursor.
+    progress_cursor = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-submitted_at", "-id"]
@@ -289,6 +296,13 @@ class JobAttempt(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     reason = models.CharField(max_length=1000, blank=True)
     resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+    # The launch lease: the worker launching this attempt (its token) holds it until
+    # launch_lease_until, renewing it while the backend call runs. Nobody else ends or
+    # relaunches an attempt whose lease is live; see runners.launch for the whole rule.
+    launch_token = models.CharField(max_length=36, blank=True)
+    launch_lease_until = models.DateTimeField(null=True, blank=True)
+    # When its trainer finished its first step: max_runtime_s is counted from here.
+    first_step_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["job_id", "number"]
@@ -313,6 +327,39 @@ class Checkpoint(models.Model):
         constraints = [models.UniqueConstraint(fields=["job", "step"], name="unique_checkpoint_step")]
 
 
+class JobMetric(models.Model):
+    """One training step a job's rank 0 reported, recorded by the reconcile as it reads the job's progress.
+
+    Kept in the database so the loss curve survives deleted pods and rotated logs; the pages
+    and the API read it downsampled (runners.selectors.job_metric_series).
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    attempt = models.PositiveSmallIntegerField()
+    step = models.PositiveIntegerField()
+    loss = models.FloatField(null=True)
+    samples_per_s = models.FloatField(null=True)
+    at = models.CharField(max_length=40, blank=True)
+
+    class Meta:
+        ordering = ["job_id", "step", "attempt"]
+        constraints = [models.UniqueConstraint(fields=["job", "step", "attempt"], name="unique_metric_step_attempt")]
+
+
+class IdempotencyKey(models.Model):
+    """A submit made with an Idempotency-Key header: the same key and body answer this job again for a day."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    request_hash = models.CharField(max_length=64)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "key"], name="unique_idempotency_key_per_user")]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_key_age")]
+
+
 class JobEvent(models.Model):
     """One state change of a job, with its reason: the job page's event list."""
 
@@ -335,3 +382,5 @@ class SchedulerCycle(models.Model):
     last_admitted = models.PositiveIntegerField(default=0)
     last_preempted = models.PositiveIntegerField(default=0)
     last_waiting = models.PositiveIntegerField(default=0)
+    # The reconcile's one-pass-at-a-time lease on databases without advisory locks (PostgreSQL uses one).
+    reconcile_lease_until = models.DateTimeField(null=True, blank=True)

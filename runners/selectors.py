@@ -9,16 +9,20 @@
   names no node and no other tenant (``ResourceFlavor.capacity``, on /api/v1/flavors/).
 """
 
+import math
+
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Count, Prefetch, QuerySet
+from django.db.models import Count, Max, Min, Prefetch, QuerySet
 
 from portal.errors import NotFound
+from runners.backends.base import BackendError
 from runners.models import (
     JOB_HOLDING_STATES,
     Environment,
     EnvironmentState,
     Gpu,
     Job,
+    JobMetric,
     Node,
     NodePool,
     PartitionChange,
@@ -26,7 +30,6 @@ from runners.models import (
 )
 from runners.nvidia import gpu_operator
 from runners.registry import get_backend
-from runners.workloads.progress import latest_per_step
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -210,13 +213,73 @@ def job_page(job: Job) -> dict:
             node["slots"] = [
                 {"index": index, "replica": node["gpus"].get(index)} for index in range(gpu_counts.get(name, 0))
             ]
-    backend = get_backend()
-    metrics = backend.job_metrics(job.id)
-    series = latest_per_step(metrics)
+    metrics = job_metric_series(job, points=CHART_POINTS)
     started = next((a for a in reversed(attempts) if a.started_at), None)
-    log = backend.job_logs(job.id, started.number, 0, tail=40) if started else ""
+    log, log_error = "", ""
+    if started is not None:
+        try:
+            log = job_log_tail(job, started.number, 0, tail=40)
+        except BackendUnavailable as exc:
+            log_error = str(exc)
     return {
         "job": job, "attempts": attempts, "current": current, "nodes": list(nodes.values()),
         "events": list(job.events.all()), "checkpoints": list(job.checkpoints.order_by("-step")[:20]),
-        "series": series, "log": log,
+        "series": metrics["series"], "steps_recorded": metrics["steps_recorded"], "log": log, "log_error": log_error,
     }
+
+
+
+# The loss chart and the metrics API never need more points than this: a read costs the same at
+# step 10 and at step 10,000,000.
+CHART_POINTS = 400
+MAX_SERIES_POINTS = 5000
+
+
+class BackendUnavailable(Exception):
+    """The cluster could not be read now (the API answers 503 naming the backend)."""
+
+
+def job_log_tail(job: Job, attempt: int, rank: int, *, tail: int) -> str:
+    """The last lines one replica wrote, read from the cluster; BackendUnavailable when it cannot be read."""
+    backend = get_backend()
+    try:
+        return backend.job_logs(job.id, attempt, rank, tail=tail)
+    except BackendError as exc:
+        raise BackendUnavailable(f"The {backend.name} backend cannot be read now: {exc}") from None
+
+
+def job_metric_series(job: Job, *, points: int = CHART_POINTS, first_step: int | None = None,
+                      last_step: int | None = None) -> dict:
+    """The job's loss curve as recorded, at most `points` points spread evenly over the steps.
+
+    One record per step (the newest attempt's when a step was trained twice). Reads only the
+    chosen steps through the (job, step) index, so the cost depends on `points`, not on how many
+    steps the job has run.
+    """
+    rows = JobMetric.objects.filter(job=job)
+    if first_step is not None:
+        rows = rows.filter(step__gte=first_step)
+    if last_step is not None:
+        rows = rows.filter(step__lte=last_step)
+    bounds = rows.aggregate(low=Min("step"), high=Max("step"))
+    if bounds["low"] is None:
+        return {"series": [], "steps_recorded": 0, "first_step": None, "last_step": None}
+    low, high = bounds["low"], bounds["high"]
+    stride = max(1, math.ceil((high - low + 1) / max(1, points - 1)))
+    chosen = rows if stride == 1 else rows.filter(step__in=sorted({*range(low, high + 1, stride), high}))
+    newest: dict[int, dict] = {}
+    for record in chosen.order_by("step", "attempt").values("step", "attempt", "loss", "samples_per_s", "at"):
+        newest[record["step"]] = record
+    series = [
+        {"attempt": r["attempt"], "step": r["step"], "loss": r["loss"], "samples_per_s": r["samples_per_s"],
+         "time": r["at"]}
+        for r in newest.values()
+    ]
+    return {"series": series, "steps_recorded": high - low + 1, "first_step": low, "last_step": high}
+
+
+def environment_live_jobs(environment: Environment) -> list[Job]:
+    """The environment's jobs not yet final: what deleting it cancels."""
+    from runners.models import JOB_FINAL_STATES
+
+    return list(Job.objects.filter(environment=environment).exclude(state__in=JOB_FINAL_STATES).order_by("id"))

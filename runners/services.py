@@ -30,11 +30,19 @@ MAX_TIMESLICE_REPLICAS = 64
 logger = logging.getLogger(__name__)
 
 
-@transaction.atomic
 def inventory_sync(*, nodes: list[NodeInfo] | None = None) -> dict[str, int]:
-    """Make Node, Gpu and NodePool rows match what the backend reports."""
+    """Make Node, Gpu and NodePool rows match what the backend reports.
+
+    The cluster is asked first, outside any transaction (a node list can take seconds); what it
+    said is then written in one short transaction.
+    """
     backend = get_backend()
     nodes = backend.discover_inventory() if nodes is None else nodes
+    with transaction.atomic():
+        return _inventory_write(nodes, source=backend.name)
+
+
+def _inventory_write(nodes: list[NodeInfo], *, source: str) -> dict[str, int]:
     now = timezone.now()
     pools: dict[str, NodePool] = {}
     for info in nodes:
@@ -60,7 +68,7 @@ def inventory_sync(*, nodes: list[NodeInfo] | None = None) -> dict[str, int]:
                 "labels": info.labels,
                 "gpu_resources": info.gpu_resources,
                 "schedulable": info.schedulable,
-                "source": backend.name,
+                "source": source,
                 "seen_at": now,
             },
         )
@@ -139,9 +147,43 @@ def partition_profile_create(
 
 
 def pool_workloads(pool: NodePool) -> dict[str, list[str]]:
-    """What runs on each node of the pool now, as the backend reports it."""
+    """What runs on each node of the pool now: what the backend reports, and the portal's jobs placed there.
+
+    A job admitted but not launched yet runs nothing the backend could report, but it is about
+    to: it counts as work on its nodes so that no re-partitioning pulls them from under it.
+    """
     backend = get_backend()
-    return {name: backend.node_workloads(name) for name in pool.nodes.values_list("name", flat=True)}
+    names = list(pool.nodes.values_list("name", flat=True))
+    placed = _placed_jobs(names)
+    return {name: sorted(set(backend.node_workloads(name)) | set(placed.get(name, []))) for name in names}
+
+
+def _placed_jobs(node_names: list[str]) -> dict[str, list[str]]:
+    """Per node, the portal's jobs holding an open attempt placed on it (namespace/job-<id>)."""
+    from runners.models import JobAttempt
+
+    found: dict[str, list[str]] = {}
+    wanted = set(node_names)
+    for job_id, namespace, placement in JobAttempt.objects.filter(ended_at__isnull=True).values_list(
+        "job_id", "job__environment__namespace", "placement"
+    ):
+        for node in {replica["node"] for replica in placement} & wanted:
+            found.setdefault(node, []).append(f"{namespace}/job-{job_id}")
+    return found
+
+
+def flavor_units_per_node(flavor: ResourceFlavor) -> dict[str, int]:
+    """Units of the flavor each schedulable node offers (the same rule as flavor_capacity_refresh)."""
+    per_node: dict[str, int] = {}
+    shape = (flavor.kind, flavor.gpu_model, flavor.mig_profile)
+    by_node: dict[str, list] = {}
+    for gpu in Gpu.objects.filter(node__schedulable=True, model=flavor.gpu_model).select_related("node"):
+        by_node.setdefault(gpu.node.name, []).append(gpu)
+    for name, gpus in by_node.items():
+        units = _units_of(gpus).get(shape, 0)
+        if units:
+            per_node[name] = units
+    return per_node
 
 
 def _record(change_id: int, *, state: str, message: str, node: str = "") -> None:
@@ -250,7 +292,8 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
             backend.cordon(name)
             _record(change.id, state=State.CORDONING, node=name, message=f"Cordoned {name}.")
         _set_schedulable(nodes, False)  # once for the pool: one capacity refresh, not one per node
-        busy = {name: backend.node_workloads(name) for name in nodes}
+        placed = _placed_jobs(nodes)
+        busy = {name: sorted(set(backend.node_workloads(name)) | set(placed.get(name, []))) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
             listed = "; ".join(f"{name}: {', '.join(names)}" for name, names in sorted(busy.items()))
@@ -260,9 +303,15 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
                 message=f"Refused: work is running ({listed}). Apply with drain=preempt to checkpoint and preempt it.",
             )
             return None
+        from runners.launch import jobs_preempt_on_nodes
+
+        # The portal's own jobs stop through the portal (checkpoint, requeue elsewhere), including
+        # those admitted but not launched yet; anything else on the nodes is evicted by the backend.
+        ours = jobs_preempt_on_nodes(nodes, reason=f"Preempted: node pool {change.pool.name} is being re-partitioned.")
         for name, names in sorted(busy.items()):
             for workload in names:
-                backend.evict(name, workload, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+                if workload.rsplit("/", 1)[-1] not in ours:
+                    backend.evict(name, workload, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
             _record(
                 change.id, state=State.DRAINING, node=name,
                 message=f"Asked {len(names)} workload(s) on {name} to checkpoint and stop.",
@@ -272,7 +321,8 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
         _move(change.id, State.RELABELING)
         return 0
     if change.state == State.DRAINING:
-        if any(backend.node_workloads(name) for name in nodes):
+        placed = _placed_jobs(nodes)
+        if any(backend.node_workloads(name) or placed.get(name) for name in nodes):
             _check_timeout(change, State.DRAINING, "workloads to stop")
             return poll
         _move(change.id, State.RELABELING)

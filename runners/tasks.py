@@ -120,14 +120,26 @@ def scheduler_cycle(kicked_at: float | None = None) -> dict:
 
 
 @shared_task(bind=True, acks_late=True, max_retries=JOB_LAUNCH_MAX_RETRIES)
-def job_launch(self, job_id: int, attempt_number: int) -> str:
+def job_launch(self, job_id: int, attempt_number: int, token: str | None = None) -> str:
+    """Launch one attempt. ``token`` is the reconcile's when it sent the launch again; otherwise the
+    message's own id, which its retries keep, so a retry holds the same launch lease."""
+    token = token or self.request.id
     try:
-        return launch.job_launch_run(job_id=job_id, attempt_number=attempt_number)
+        return launch.job_launch_run(job_id=job_id, attempt_number=attempt_number, token=token)
     except TransientBackendError as exc:
         return retry_or_give_up(
             self, exc, cap_s=30,
-            give_up=lambda reason: launch.job_launch_give_up(job_id=job_id, attempt_number=attempt_number, reason=reason),
+            give_up=lambda reason: launch.job_launch_give_up(
+                job_id=job_id, attempt_number=attempt_number, reason=reason, token=token
+            ),
         )
+
+
+@shared_task(acks_late=True, autoretry_for=(TransientBackendError,), retry_backoff=2, retry_backoff_max=30,
+             max_retries=5)
+def job_stop(job_id: int) -> str:
+    """Tell a preempted or cancelled job's attempt to checkpoint and stop; the reconcile asks again if this is lost."""
+    return launch.job_stop_run(job_id=job_id)
 
 
 @shared_task

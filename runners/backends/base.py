@@ -26,6 +26,10 @@ class PermanentBackendError(BackendError):
     """Retrying will not help; the message says what an operator must fix."""
 
 
+class NodeLostError(PermanentBackendError):
+    """A node the attempt was placed on is gone: the attempt ends node_lost (requeued), not failed."""
+
+
 @dataclass(frozen=True)
 class MemberBinding:
     """One portal user's access to an environment."""
@@ -145,6 +149,27 @@ class ReplicaPlacement:
 
 
 @dataclass(frozen=True)
+class TrainerSettings:
+    """The shipped trainer's settings, all from the job's spec: the launcher passes each as a flag.
+
+    Flags win over the trainer's TRAIN_* variables, and tenants may not set those anyway
+    (``runners.workloads.env_policy``), so nothing but the spec steers the trainer.
+    """
+
+    lr: float = 0.003
+    batch_size: int = 32
+    seq_len: int = 64
+    seed: int = 0
+    keep_checkpoints: int = 3
+
+    def flags(self) -> list[str]:
+        return [
+            "--lr", repr(float(self.lr)), "--batch-size", str(self.batch_size), "--seq-len", str(self.seq_len),
+            "--seed", str(self.seed), "--keep-checkpoints", str(self.keep_checkpoints),
+        ]
+
+
+@dataclass(frozen=True)
 class JobLaunch:
     """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
 
@@ -170,6 +195,7 @@ class JobLaunch:
     # The newest checkpoint the portal has recorded: where a backend that cannot look at the
     # checkpoint files itself (Kubernetes: they are on a volume in the cluster) says it resumes.
     resume_from_step: int | None = None
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
 
     @property
     def workload(self) -> str:
@@ -188,6 +214,25 @@ class AttemptStatus:
     exit_codes: dict[int, int] = field(default_factory=dict)
     reason: str = ""
     node_lost: bool = False
+
+
+# How many bytes of a job's progress (metrics and checkpoint records) one read returns at most;
+# the reconcile reads again on its next pass, from the cursor it was handed back.
+PROGRESS_READ_MAX_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProgressRead:
+    """What an attempt's rank 0 wrote since the cursor the portal handed in.
+
+    ``cursor`` is the backend's own (JSON-serialisable); the portal stores it and hands it
+    back on the next read, so each record is read once. ``bytes_read`` is what this read cost.
+    """
+
+    metrics: list[dict] = field(default_factory=list)
+    checkpoints: list[dict] = field(default_factory=list)
+    cursor: dict = field(default_factory=dict)
+    bytes_read: int = 0
 
 
 @runtime_checkable
@@ -250,11 +295,20 @@ class ClusterBackend(Protocol):
     def forget_job(self, job_id: int, attempt: int) -> None:
         """The attempt has ended and its outcome is recorded: release what tracks it."""
 
+    def jobs_open(self, attempts: set[tuple[int, int]]) -> None:
+        """The (job id, attempt) pairs the portal holds open now, told once per reconcile pass.
+
+        Only their replicas may be started or bound; anything else of the portal's found
+        running is left unbound (and logged), and what the backend tracks of other attempts
+        is dropped, so its memory stays bounded by the open attempts.
+        """
+
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         """The last `tail` lines one replica wrote."""
 
-    def job_metrics(self, job_id: int) -> list[dict]:
-        """The job's step records so far, across attempts (see runners.workloads.progress)."""
+    def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
+        """Metric and checkpoint records the attempt wrote since `cursor` ({} for the first read).
 
-    def job_checkpoints(self, job_id: int) -> list[dict]:
-        """The checkpoints the job has written so far (see runners.workloads.progress)."""
+        At most PROGRESS_READ_MAX_BYTES a call, and only whole records: the rest comes on the
+        next call. Records keep the shapes of runners.workloads.progress.
+        """

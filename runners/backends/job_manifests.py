@@ -11,14 +11,22 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
   each pod to the node the portal chose for its completion index, as a secondary scheduler
   does through the pods/binding subresource. The rank comes from the completion index; the
   Job never retries by itself (`backoffLimit: 0`): retries are the portal's, with a new attempt.
+
+What a pytorch-ddp pod runs is decided by the job's spec alone, as on the local backend: the
+trainer's settings are its flags (`args`), the memory limit is the container's
+`resources.limits.memory` (memory_mib_per_replica: the kernel kills the container past it),
+and $HOME, $TMPDIR and the torch/Triton caches are folders of an emptyDir volume of the pod,
+never the image's filesystem. The tenant's variables (checked by
+`runners.workloads.env_policy` in the portal) come first and can name none of the portal's (checked again here).
 """
 
 from __future__ import annotations
 
 import json
 
-from runners.backends.base import JobLaunch
+from runners.backends.base import JobLaunch, PermanentBackendError
 from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL, WORKLOAD_SERVICE_ACCOUNT
+from runners.workloads import env_policy
 
 JOB_LABEL = "portal.gpu/job-id"
 ATTEMPT_LABEL = "portal.gpu/attempt"
@@ -28,6 +36,17 @@ CHECKPOINT_CLAIM = "checkpoints"
 CHECKPOINT_MOUNT = "/checkpoints"
 RENDEZVOUS_PORT = 29500
 TRAINER_COMMAND = ["python", "-m", "runners.workloads.train"]
+SCRATCH_VOLUME = "scratch"
+SCRATCH_MOUNT = "/scratch"
+# The pod's home, temporary files and caches: on its emptyDir (the caches' owners create their folders).
+SCRATCH_VARIABLES = {
+    "HOME": SCRATCH_MOUNT,
+    "TMPDIR": SCRATCH_MOUNT,
+    "XDG_CACHE_HOME": f"{SCRATCH_MOUNT}/.cache",
+    "TORCH_HOME": f"{SCRATCH_MOUNT}/.cache/torch",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_MOUNT}/.cache/torchinductor",
+    "TRITON_CACHE_DIR": f"{SCRATCH_MOUNT}/.cache/triton",
+}
 
 
 def job_name(launch: JobLaunch) -> str:
@@ -80,9 +99,22 @@ def rendezvous_service_manifest(launch: JobLaunch) -> dict:
     }
 
 
+def _job_dir(launch: JobLaunch) -> str:
+    return f"{CHECKPOINT_MOUNT}/job-{launch.job_id}"
+
+
+def trainer_args(launch: JobLaunch) -> list[str]:
+    """The shipped trainer's flags for this attempt: every setting from the spec (flags win over TRAIN_*)."""
+    return [
+        "--job-dir", _job_dir(launch), "--steps", str(launch.steps),
+        "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
+        *launch.trainer.flags(),
+    ]
+
+
 def _env(launch: JobLaunch) -> list[dict]:
     name = job_name(launch)
-    job_dir = f"{CHECKPOINT_MOUNT}/job-{launch.job_id}"
+    job_dir = _job_dir(launch)
     fixed = [
         {"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}},
         {"name": "WORLD_SIZE", "value": str(len(launch.replicas))},
@@ -96,9 +128,14 @@ def _env(launch: JobLaunch) -> list[dict]:
         {"name": "TRAIN_STEPS", "value": str(launch.steps)},
         {"name": "TRAIN_CHECKPOINT_EVERY", "value": str(launch.checkpoint_every_steps)},
         {"name": "TRAIN_MAX_RUNTIME_S", "value": str(launch.max_runtime_s)},
+        *({"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()),
     ]
-    # The tenant's variables were checked by the portal: none of them can shadow the ones above.
-    return fixed + [{"name": key, "value": value} for key, value in launch.env]
+    # The tenant's variables were checked by the portal; checked again here, as the local backend
+    # does, since env_policy refuses every name above (a duplicate would also fail the apply).
+    refused = [f"{key}: {why}" for key, _ in launch.env if (why := env_policy.refusal(key))]
+    if refused:
+        raise PermanentBackendError(f"The job sets variables a tenant may not set: {'; '.join(refused)}.")
+    return [{"name": key, "value": value} for key, value in launch.env] + fixed
 
 
 def training_job_manifest(
@@ -113,15 +150,21 @@ def training_job_manifest(
         "memory": f"{launch.memory_mib_per_replica}Mi",
         launch.gpu_resource: str(launch.gpus_per_replica),
     }
+    custom = launch.template == "custom"
     container = {
         "name": "trainer",
-        "image": launch.image if launch.template == "custom" else trainer_image,
-        "command": list(launch.command) if launch.template == "custom" else list(TRAINER_COMMAND),
+        "image": launch.image if custom else trainer_image,
+        "command": list(launch.command) if custom else list(TRAINER_COMMAND),
+        **({} if custom else {"args": trainer_args(launch)}),
         "env": _env(launch),
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
-        # Requests equal limits: the portal placed the pod on exactly these resources.
+        # Requests equal limits: the portal placed the pod on exactly these resources, and the
+        # memory limit is memory_mib_per_replica, enforced by the kernel (OOM kill past it).
         "resources": {"requests": dict(resources), "limits": dict(resources)},
-        "volumeMounts": [{"name": CHECKPOINT_CLAIM, "mountPath": CHECKPOINT_MOUNT}],
+        "volumeMounts": [
+            {"name": CHECKPOINT_CLAIM, "mountPath": CHECKPOINT_MOUNT},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
+        ],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -164,7 +207,10 @@ def training_job_manifest(
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    "volumes": [{"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}}],
+                    "volumes": [
+                        {"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},
+                        {"name": SCRATCH_VOLUME, "emptyDir": {}},
+                    ],
                 },
             },
         },

@@ -12,11 +12,17 @@ say. That keeps the rules testable on plain dicts.
 - `PodTracker` remembers, per attempt, each replica's exit code and replicas
   whose pod vanished before it finished, beyond the life of the pod objects.
 - `attempt_status` turns that into the portal's `AttemptStatus`.
+- `read_progress` reads the tagged records of rank 0's log incrementally: the pod log
+  API with `timestamps=true`, `sinceTime` and `limitBytes`, from a cursor the portal keeps
+  (see `LogCursor`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -28,6 +34,7 @@ from runners.backends.job_manifests import (
     JOB_LABEL,
     PLACEMENT_ANNOTATION,
 )
+from runners.workloads import progress
 
 
 class WatchGone(Exception):
@@ -207,6 +214,16 @@ class PodTracker:
         self.replicas.pop(attempt, None)
         self.vanished_nodes.pop(attempt, None)
 
+    def prune(self, keep: set[tuple[int, int]]) -> None:
+        """Drop every attempt but these (the ones the portal holds open), whoever ended the others."""
+        for table in (self.exits, self.vanished, self.replicas, self.vanished_nodes):
+            for attempt in [attempt for attempt in table if attempt not in keep]:
+                del table[attempt]
+
+    def attempts(self) -> set[tuple[int, int]]:
+        """Every attempt something is remembered of."""
+        return set(self.exits) | set(self.vanished) | set(self.replicas) | set(self.vanished_nodes)
+
 
 def node_lost_reason(node_name: str, node: dict | None, *, lost_after_s: float, now: datetime) -> str | None:
     """Why the node counts as lost (gone, or not Ready for longer than lost_after_s), or None."""
@@ -221,15 +238,19 @@ def node_lost_reason(node_name: str, node: dict | None, *, lost_after_s: float, 
     return None
 
 
-def job_finished(job: dict | None) -> str | None:
-    """'Complete' or 'Failed' once the Job controller has decided (FailureTarget counts as Failed), else None."""
+def job_verdict(job: dict | None) -> tuple[str, dict] | None:
+    """('Complete' or 'Failed', the condition that says so) once the Job controller has decided, else None.
+
+    Only a condition whose status is "True" counts (a controller may leave a condition "False");
+    FailureTarget counts as Failed.
+    """
     for condition in ((job or {}).get("status") or {}).get("conditions") or []:
         if condition.get("status") != "True":
             continue
         if condition.get("type") == "Complete":
-            return "Complete"
+            return "Complete", condition
         if condition.get("type") in ("Failed", "FailureTarget"):
-            return "Failed"
+            return "Failed", condition
     return None
 
 
@@ -260,14 +281,14 @@ def attempt_status(
     if vanished:
         return AttemptStatus("lost", exit_codes=dict(exits), reason=vanished[min(vanished)])
     live = [pod for pod in pods if pod_exit_code(pod) is None]
-    verdict = job_finished(job)
+    verdict, condition = job_verdict(job) or (None, {})
     if verdict == "Complete":
         # Every index succeeded, whether or not this process saw each pod end.
         return AttemptStatus("exited", exit_codes={rank: exits.get(rank, 0) for rank in range(replicas or len(exits))})
     if verdict == "Failed" and not live:
         if any(code != 0 for code in exits.values()):
             return AttemptStatus("exited", exit_codes=dict(exits))
-        condition = next(c for c in job["status"]["conditions"] if c.get("type") in ("Failed", "FailureTarget"))
+        # The condition that decided (status "True"), not merely the first one of its type.
         return AttemptStatus("lost", exit_codes=dict(exits), reason=f"The Job failed: {condition.get('reason')}: "
                                                                      f"{condition.get('message', '')}".strip())
     if not pods and not exits and job is None:
@@ -283,3 +304,170 @@ def _parse_time(text: str | None) -> datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+# --- Progress: rank 0's tagged log lines, read incrementally --------------------------------
+#
+# What the pod log API does (the kubelet's ReadLogs, behind the API server):
+# - `timestamps=true` prefixes each line with its time as RFC3339 with nine fractional digits
+#   and a space (`2026-12-03T10:00:05.123456789Z step 10 ...`);
+# - `sinceTime` keeps the lines whose time is not before it: inclusive, and with one-second
+#   resolution, since the API server hands it on to the kubelet formatted as RFC3339 without
+#   fractions;
+# - `limitBytes` stops the answer after that many bytes, timestamps included, cutting the last
+#   line wherever the limit falls;
+# - only the current log file is served: lines rotated away are gone.
+
+_TIMESTAMP = re.compile(rb"(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2}) ")
+# What every tagged line holds (the tags' common start), to pass over the others cheaply.
+_TAG_MARK = os.path.commonprefix([progress.METRIC_TAG, progress.CHECKPOINT_TAG]).encode() or b" "
+
+Stamp = tuple[int, int]  # (Unix seconds, nanoseconds)
+
+
+def log_stamp(line: bytes) -> Stamp | None:
+    """When a line of a `timestamps=true` log was written, or None if it carries no timestamp."""
+    match = _TIMESTAMP.match(line)
+    if match is None:
+        return None
+    base, fraction, zone = (group.decode() if group else "" for group in match.groups())
+    try:
+        seconds = datetime.fromisoformat(base + ("+00:00" if zone == "Z" else zone)).timestamp()
+    except ValueError:
+        return None
+    return int(seconds), int(fraction.ljust(9, "0")) if fraction else 0
+
+
+def since_time(seconds: int) -> str:
+    """A `sinceTime` query value: RFC3339 in UTC, to the second, as the API server passes it on."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _line_digest(line: bytes) -> str:
+    return hashlib.sha256(line).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LogCursor:
+    """How far the portal has read one pod's log, kept by the portal as a plain dict between reads.
+
+    The next read asks for `sinceTime=since` (or the whole log, when since is None). Since
+    sinceTime is inclusive and to the second, that read starts again with lines already read
+    in that second: the first `skip` lines of the answer are those, and `digest` (of the last of
+    them, timestamp included) checks that they still are. If they are not (the kubelet rotated
+    the log file meanwhile, and serves only the new one), every line after `last`, the exact
+    time of the last line read, counts as new.
+    """
+
+    job_id: int
+    attempt: int
+    pod_uid: str
+    since: int | None = None
+    skip: int = 0
+    digest: str = ""
+    last: Stamp | None = None
+
+    def as_dict(self) -> dict:
+        cursor: dict = {"job_id": self.job_id, "attempt": self.attempt, "pod_uid": self.pod_uid, "skip": self.skip}
+        if self.since is not None:
+            cursor["since"] = since_time(self.since)
+        if self.digest:
+            cursor["digest"] = self.digest
+        if self.last is not None:
+            cursor["last"] = list(self.last)
+        return cursor
+
+    @classmethod
+    def resume(cls, cursor: dict, *, job_id: int, attempt: int, pod_uid: str) -> "LogCursor":
+        """Where to go on in this pod's log: the cursor's place if it is this attempt's and this pod's, else the start."""
+        fresh = cls(job_id, attempt, pod_uid)
+        if not isinstance(cursor, dict) or (cursor.get("job_id"), cursor.get("attempt"), cursor.get("pod_uid")) != (
+            job_id, attempt, pod_uid
+        ):
+            return fresh
+        try:
+            since = cursor.get("since")
+            last = cursor.get("last")
+            return cls(
+                job_id, attempt, pod_uid,
+                since=int(datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp()) if since else None,
+                skip=max(0, int(cursor.get("skip", 0))),
+                digest=str(cursor.get("digest", "")),
+                last=(int(last[0]), int(last[1])) if last else None,
+            )
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return fresh  # not a cursor this backend wrote
+
+
+@dataclass(frozen=True)
+class ProgressChunk:
+    """The records one answer of the log API held, and the cursor for the next read."""
+
+    metrics: list[dict]
+    checkpoints: list[dict]
+    cursor: LogCursor
+    # The second whose remaining lines were given up on: more of them than one read may
+    # return (or one line longer than that) would otherwise stop the log from being read on.
+    skipped_second: int | None = None
+
+
+def read_progress(data: bytes, cursor: LogCursor, *, limit: int) -> ProgressChunk:
+    """The records in `data` (an answer to `timestamps=true`, `sinceTime` from the cursor, `limitBytes=limit`) not read before.
+
+    Only whole lines count: a line the limit cut, or one still being written, comes whole next time.
+    """
+    lines = data.split(b"\n")
+    complete, cut = lines[:-1], lines[-1]
+    new = _unread(complete, cursor)
+    metrics, checkpoints = progress.parse_log("\n".join(_payload(line) for line in new if _TAG_MARK in line))
+    if len(data) >= limit and not new:
+        # The whole answer was lines read before (or one longer line): reading from here again
+        # would bring the same. Go on from the second after the line that could not be read.
+        blocked = log_stamp(cut) or (log_stamp(complete[-1]) if complete else None)
+        if blocked is not None:
+            moved = LogCursor(cursor.job_id, cursor.attempt, cursor.pod_uid, since=blocked[0] + 1)
+            return ProgressChunk(metrics, checkpoints, moved, skipped_second=blocked[0])
+    if not complete:
+        return ProgressChunk(metrics, checkpoints, cursor)
+    last_stamp = log_stamp(complete[-1])
+    if last_stamp is None:
+        # No timestamps (not what the API sends with timestamps=true): count lines from where this read began.
+        since, skip, last_stamp = cursor.since, len(complete), cursor.last
+    else:
+        # A read from `since` brings back every line of this answer from that second on: count them.
+        # (Going back until a line more than a second older: stdout and stderr may interleave
+        # slightly out of order, never by that much.)
+        since, skip = last_stamp[0], 0
+        for line in reversed(complete):
+            stamp = log_stamp(line)
+            if stamp is None or stamp[0] >= since:
+                skip += 1
+            elif stamp[0] < since - 1:
+                break
+    moved = LogCursor(cursor.job_id, cursor.attempt, cursor.pod_uid, since=since, skip=skip,
+                      digest=_line_digest(complete[-1]), last=last_stamp)
+    return ProgressChunk(metrics, checkpoints, moved)
+
+
+def _unread(lines: list[bytes], cursor: LogCursor) -> list[bytes]:
+    """The lines of an answer read from cursor.since that the cursor has not been past."""
+    if cursor.skip == 0:
+        return lines
+    if len(lines) >= cursor.skip and _line_digest(lines[cursor.skip - 1]) == cursor.digest:
+        return lines[cursor.skip:]
+    # The lines read before are not where they were: the log was rotated. What is left of
+    # them is what was written up to `last`; the rest is new.
+    if cursor.last is None:
+        return lines
+    unread = []
+    for line in lines:
+        stamp = log_stamp(line)
+        if stamp is not None and (stamp < cursor.last or (stamp == cursor.last and _line_digest(line) == cursor.digest)):
+            continue
+        unread.append(line)
+    return unread
+
+
+def _payload(line: bytes) -> str:
+    match = _TIMESTAMP.match(line)
+    return (line[match.end():] if match else line).decode(errors="replace")

@@ -12,8 +12,12 @@ Training attempts are an indexed batch/v1 Job and a headless Service in the
 environment's namespace, with the environment's checkpoint PVC. Their pods name
 the portal's scheduler, so kube-scheduler never places them; this backend binds
 each one to the node the portal chose for its completion index through the
-pods/binding subresource, as a secondary scheduler does. How attempts stand is
-read from a pod watch (`runners.backends.k8s_jobs`).
+pods/binding subresource, as a secondary scheduler does, but only pods of the
+attempts the portal holds open (`jobs_open`, plus what this process launched
+since): a leftover pod of an ended attempt is never started on GPUs already given
+to someone else. How attempts stand is read from a pod watch
+(`runners.backends.k8s_jobs`); progress from rank 0's log, incrementally, from a
+cursor the portal keeps (`job_progress`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from runners.backends import k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
+    PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
     BackendError,
     EnvironmentSpec,
@@ -39,6 +44,7 @@ from runners.backends.base import (
     NodeInfo,
     PartitionSpec,
     PermanentBackendError,
+    ProgressRead,
     TransientBackendError,
 )
 from runners.backends.job_manifests import (
@@ -55,7 +61,6 @@ from runners.backends.manifests import (
     ownership_selector,
 )
 from runners.nvidia import names
-from runners.workloads import progress
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +184,15 @@ class KubernetesBackend:
         # Status reads within this long of the last sync answer from the cache (one reconcile
         # pass reads every attempt; one watch serves them all).
         self.min_sync_interval_s = 0.5
+        # The attempts whose pods may be bound: the set the portal last gave jobs_open, and what
+        # this process launched since. Pods of any other attempt are left unbound, logged once each (by uid).
+        self._open_attempts: set[tuple[int, int]] = set()
+        self._launched_since: set[tuple[int, int]] = set()
+        self._unbound_noted: set[str] = set()
+        # Bytes of pod log read by job_progress, all told (what the reconcile's reads cost).
+        self.log_bytes_read = 0
+        # The cached pods by attempt, built on first use after each sync.
+        self._pods_by_attempt: dict[tuple[int, int], list[dict]] | None = None
 
     @classmethod
     def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
@@ -475,11 +489,14 @@ class KubernetesBackend:
     def launch_job(self, launch: JobLaunch) -> int | None:
         """Apply the checkpoint PVC, the rendezvous Service and the indexed Job, then bind what pods exist.
 
-        Applying again changes nothing, so a redelivered launch is harmless. The pods the Job
-        controller creates later are bound by the next status read (the reconcile sweep).
+        Applying again changes nothing, so a redelivered launch is harmless. The attempt counts
+        as open in this process until the portal's next jobs_open; the pods the Job controller
+        creates later are bound by the next sync (the reconcile's status reads).
         """
         if launch.template == "custom" and not (launch.image and launch.command):
             raise PermanentBackendError("A custom job needs an image and a command.")
+        # Open from now on in this process, so its pods are bound at once (and by every later sync here).
+        self._launched_since.add((launch.job_id, launch.attempt))
         self._apply(checkpoint_pvc_manifest(
             namespace=launch.namespace, tenant_slug=launch.tenant_slug,
             storage_class=self.checkpoint_storage_class, size=self.checkpoint_volume_size,
@@ -524,23 +541,51 @@ class KubernetesBackend:
         finally:
             response.release_conn()
 
+    def jobs_open(self, attempts: set[tuple[int, int]]) -> None:
+        """The attempts the portal holds open now: only their pods are bound, and only they are remembered.
+
+        Replaces the open set (and what this process launched before now); the trackers drop
+        every other attempt, whichever process ended it, so memory stays bounded by the open ones.
+        """
+        with self._sync_lock:
+            self._open_attempts = {(int(job_id), int(attempt)) for job_id, attempt in attempts}
+            self._launched_since = set()
+            self.tracker.prune(self._open_attempts)
+
+    def _is_open(self, attempt: tuple[int, int] | None) -> bool:
+        return attempt is not None and (attempt in self._open_attempts or attempt in self._launched_since)
+
     def _sync(self, *, force: bool = False) -> None:
-        """Bring the pod cache up to date (at most every min_sync_interval_s) and bind pods still unbound."""
+        """Bring the pod cache up to date (at most every min_sync_interval_s) and bind open attempts' pods still unbound."""
         with self._sync_lock:
             if not force and time.monotonic() - self._synced_at < self.min_sync_interval_s:
                 return
             self.pods.sync()
             self._synced_at = time.monotonic()
             self._node_verdicts = {}
+            self._pods_by_attempt = None
+            present = set()
             for pod in list(self.pods.items.values()):
-                if k8s_jobs.needs_binding(pod, self.scheduler_name):
-                    try:
-                        self._bind(pod)
-                    except BackendError as exc:
-                        # One pod the server will not bind (being deleted, refused) must not
-                        # stop the others, nor the status reads this sync serves.
-                        metadata = pod["metadata"]
-                        logger.warning("Could not bind pod %s/%s yet: %s", metadata["namespace"], metadata["name"], exc)
+                metadata = pod["metadata"]
+                present.add(metadata.get("uid", ""))
+                if not k8s_jobs.needs_binding(pod, self.scheduler_name):
+                    continue
+                attempt = k8s_jobs.attempt_of(pod)
+                if not self._is_open(attempt):
+                    # A leftover of an attempt that ended (or never was): starting it would put it
+                    # on GPUs the portal has given to someone else.
+                    if metadata.get("uid", "") not in self._unbound_noted:
+                        self._unbound_noted.add(metadata.get("uid", ""))
+                        logger.warning("Leaving pod %s/%s unbound: its attempt %s is not open.",
+                                       metadata["namespace"], metadata["name"], attempt)
+                    continue
+                try:
+                    self._bind(pod)
+                except BackendError as exc:
+                    # One pod the server will not bind (being deleted, refused) must not
+                    # stop the others, nor the status reads this sync serves.
+                    logger.warning("Could not bind pod %s/%s yet: %s", metadata["namespace"], metadata["name"], exc)
+            self._unbound_noted &= present
 
     def _bind(self, pod: dict) -> None:
         node = k8s_jobs.placed_node(pod)
@@ -565,10 +610,22 @@ class KubernetesBackend:
             )
         return self._node_verdicts[node_name]
 
+    def _cached_pods(self, key: tuple[int, int]) -> list[dict]:
+        """The attempt's pods in the watch cache (indexed once per sync: a pass reads every attempt)."""
+        index = self._pods_by_attempt
+        if index is None:
+            index = {}
+            for pod in list(self.pods.items.values()):
+                attempt = k8s_jobs.attempt_of(pod)
+                if attempt is not None:
+                    index.setdefault(attempt, []).append(pod)
+            self._pods_by_attempt = index
+        return index.get(key, [])
+
     def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
         self._sync()
         key = (job_id, attempt)
-        pods = [pod for pod in self.pods.items.values() if k8s_jobs.attempt_of(pod) == key]
+        pods = self._cached_pods(key)
         nodes = {(pod.get("spec") or {}).get("nodeName") for pod in pods if k8s_jobs.pod_exit_code(pod) is None}
         vanished_nodes = self.tracker.vanished_nodes.get(key, {})
         nodes |= set(vanished_nodes.values())
@@ -620,34 +677,44 @@ class KubernetesBackend:
         self.stop_job(job_id, attempt, grace_period_s=1)
 
     def forget_job(self, job_id: int, attempt: int) -> None:
-        """The attempt is over: its Service goes, and anything of it still running is stopped at once.
+        """The attempt is over and its outcome recorded: its Job, every pod of it and its Service go.
 
-        A finished Job and its pods stay (ttlSecondsAfterFinished removes them) so their logs
-        can still be read.
+        Idempotent (what is already gone counts as deleted). The Job goes first, with
+        propagationPolicy Background: its controller makes no more pods, and should a pod
+        delete below fail, the garbage collector still removes the pods, where Orphan would
+        leave them with no owner, a leftover nothing ever removes. Each pod is then deleted
+        with one second (the server takes the shorter of that and what the collector asked;
+        finished and unbound pods go at once), so nothing of an ended attempt holds its GPUs
+        or is bound later. Logs go with the pods: the portal has recorded the progress.
         """
-        pods = self._attempt_pods(job_id, attempt)
-        if any(k8s_jobs.pod_exit_code(pod) is None for pod in pods):
-            self.kill_job(job_id, attempt)
-        for service in self._checked(
-            "Service", "list", label_selector=self._attempt_selector(job_id, attempt)
-        )[1].get("items") or []:
+        selector = self._attempt_selector(job_id, attempt)
+        for job in self._checked("Job", "list", label_selector=selector)[1].get("items") or []:
+            self._delete("Job", job["metadata"]["name"], job["metadata"]["namespace"], propagation_policy="Background")
+        for pod in self._attempt_pods(job_id, attempt):
+            metadata = pod["metadata"]
+            self._delete("Pod", metadata["name"], metadata["namespace"], grace_period_seconds=1)
+        for service in self._checked("Service", "list", label_selector=selector)[1].get("items") or []:
             self._delete("Service", service["metadata"]["name"], service["metadata"]["namespace"])
-        self.tracker.forget((job_id, attempt))
+        key = (job_id, attempt)
+        with self._sync_lock:
+            self.tracker.forget(key)
+            self._open_attempts.discard(key)
+            self._launched_since.discard(key)
 
-    def _log(self, pod: dict, *, tail: int | None = None) -> str:
+    def _read_log(self, pod: dict, query: list[tuple[str, object]]) -> bytes | None:
+        """One read of a pod's trainer log; None when there is none (the pod is gone, or its container has not started)."""
         metadata = pod["metadata"]
-        query = [("container", "trainer")] + ([("tailLines", tail)] if tail else [])
         try:
             _status, response = self._call(
                 "Pod", "read", metadata["name"], metadata["namespace"], subresource="log",
-                query_params=query, stream=True, accept=(200,),
+                query_params=[("container", k8s_jobs.TRAINER_CONTAINER), *query], stream=True, accept=(200,),
             )
         except ApiStatusError as exc:
             if exc.status in (400, 404):  # gone, or its container has not started yet
-                return ""
+                return None
             raise exc.backend_error() from None
         try:
-            return response.data.decode(errors="replace")
+            return response.data
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise TransientBackendError(f"Reading the log of pod {metadata['namespace']}/{metadata['name']} "
                                         f"broke off: {exc}") from None
@@ -657,31 +724,50 @@ class KubernetesBackend:
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         for pod in self._attempt_pods(job_id, attempt):
             if k8s_jobs.pod_rank(pod) == rank:
-                return self._log(pod, tail=tail)
+                data = self._read_log(pod, [("tailLines", tail)] if tail else [])
+                return (data or b"").decode(errors="replace")
         return ""
 
-    def _progress(self, job_id: int) -> tuple[list[dict], list[dict]]:
-        """Metrics and checkpoints from the logs of rank 0 of each attempt whose pods still exist."""
-        metrics, checkpoints = [], []
-        ranks0 = [pod for pod in self._attempt_pods(job_id) if k8s_jobs.pod_rank(pod) == 0]
-        for pod in sorted(ranks0, key=lambda pod: k8s_jobs.attempt_of(pod) or (0, 0)):
-            try:
-                text = self._log(pod)
-            except BackendError as exc:
-                # A pod on an unreachable node has no readable log; the others still count,
-                # and the attempt's status is read regardless.
-                logger.warning("Skipping the log of pod %s: %s", pod["metadata"]["name"], exc)
-                continue
-            found_metrics, found_checkpoints = progress.parse_log(text)
-            metrics += found_metrics
-            checkpoints += found_checkpoints
-        return metrics, checkpoints
+    def _rank0_pod(self, job_id: int, attempt: int) -> dict | None:
+        """Rank 0's pod of the attempt from the watch cache (the newest, should there be two)."""
+        pods = [pod for pod in self._cached_pods((job_id, attempt)) if k8s_jobs.pod_rank(pod) == 0]
+        return max(pods, key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"]),
+                   default=None)
 
-    def job_metrics(self, job_id: int) -> list[dict]:
-        return self._progress(job_id)[0]
+    def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
+        """Records rank 0 wrote since the cursor: one read of its pod's log, from where the last one stopped.
 
-    def job_checkpoints(self, job_id: int) -> list[dict]:
-        return self._progress(job_id)[1]
+        `timestamps=true` and `sinceTime` from the cursor (see k8s_jobs.LogCursor), at most
+        PROGRESS_READ_MAX_BYTES (`limitBytes`). A cursor of another attempt or pod starts this
+        pod's log afresh. No pod, a pod gone, a container not started or a log that cannot be
+        read now: no records, and the cursor handed back as it came, so nothing is lost or read twice.
+        """
+        unchanged = ProgressRead(cursor=dict(cursor or {}))
+        self._sync()
+        pod = self._rank0_pod(job_id, attempt)
+        if pod is None:
+            return unchanged
+        metadata = pod["metadata"]
+        position = k8s_jobs.LogCursor.resume(cursor or {}, job_id=job_id, attempt=attempt, pod_uid=metadata.get("uid", ""))
+        query: list[tuple[str, object]] = [("timestamps", "true"), ("limitBytes", PROGRESS_READ_MAX_BYTES)]
+        if position.since is not None:
+            query.append(("sinceTime", k8s_jobs.since_time(position.since)))
+        try:
+            data = self._read_log(pod, query)
+        except BackendError as exc:
+            # A pod on an unreachable node has no readable log; the status is read regardless.
+            logger.warning("Could not read the log of pod %s/%s now: %s", metadata["namespace"], metadata["name"], exc)
+            return unchanged
+        if data is None:
+            return unchanged
+        self.log_bytes_read += len(data)
+        chunk = k8s_jobs.read_progress(data, position, limit=PROGRESS_READ_MAX_BYTES)
+        if chunk.skipped_second is not None:
+            logger.warning("Pod %s/%s logged more in the second %s than one read takes (%d bytes); "
+                           "skipping the rest of that second.", metadata["namespace"], metadata["name"],
+                           k8s_jobs.since_time(chunk.skipped_second), PROGRESS_READ_MAX_BYTES)
+        return ProgressRead(metrics=chunk.metrics, checkpoints=chunk.checkpoints, cursor=chunk.cursor.as_dict(),
+                            bytes_read=len(data))
 
 
 def _owner(namespace: dict) -> str | None:

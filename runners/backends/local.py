@@ -30,6 +30,7 @@ from runners.backends.base import (
     NodeInfo,
     PartitionSpec,
     PermanentBackendError,
+    ProgressRead,
     TransientBackendError,
     resources_of,
 )
@@ -247,11 +248,13 @@ class LocalBackend:
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return self.jobs.logs(job_id, attempt, rank, tail=tail)
 
-    def job_metrics(self, job_id: int) -> list[dict]:
-        return self.jobs.metrics(job_id)
+    def jobs_open(self, attempts: set[tuple[int, int]]) -> None:
+        """Nothing to do here: a local attempt binds nothing, and its processes and scratch folder go with
+        forget_job. Killing or dropping what is not in `attempts` would race a launch made after the
+        portal took its list, so the local backend acts on an attempt only when told that attempt's end."""
 
-    def job_checkpoints(self, job_id: int) -> list[dict]:
-        return self.jobs.checkpoints(job_id)
+    def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
+        return self.jobs.progress(job_id, attempt, cursor)
 
     def set_node_down(self, node_name: str, down: bool = True) -> None:
         """Simulate losing a node (or getting it back): it leaves the inventory and its jobs' processes die."""

@@ -1,21 +1,27 @@
 """Jobs on the local backend: each attempt's replicas are real processes on this host.
 
 One attempt lives in ``<jobs_dir>/<job id>/attempts/<n>/``: ``launch.json`` (what to run),
-``supervisor.pid``, ``rank-<r>.log`` and ``rank-<r>.exit``. The job folder itself is the
-trainer's (``metrics.jsonl``, ``checkpoints/``), shared by every attempt, so a relaunch
-resumes from the newest checkpoint. `runners.workloads.supervise` starts the replicas in a
-process group of their own and records their exit codes; nothing here waits for a process,
-so a worker restart loses nothing and the status is read from the outside.
+``supervisor.pid``, ``rank-<r>.log``, ``rank-<r>.exit`` and ``scratch/`` (the replicas' $HOME,
+$TMPDIR and caches). The job folder itself is the trainer's (``metrics.jsonl``,
+``checkpoints/``), shared by every attempt, so a relaunch resumes from the newest checkpoint.
+`runners.workloads.supervise` starts the replicas in a process group of their own and records
+their exit codes; nothing here waits for a process, so a worker restart loses nothing and the
+status is read from the outside.
 
-Only the shipped trainer runs here: a tenant never gets to run a command on the portal host,
-and the environment variables it may set were checked by the portal (no ``PYTHON*``,
-``LD_*`` or rendezvous names). Pure Python, no Django.
+Only the shipped trainer runs here, and only the job's spec steers it: a tenant never gets to
+run a command on the portal host; the trainer's settings are flags built from the spec; the
+variables a tenant set pass `runners.workloads.env_policy` (checked by the portal, and again
+here); of the host's own variables a replica sees only ``HOST_VARIABLES``; its $HOME, $TMPDIR
+and caches are folders of the attempt; and its memory is bounded by memory_mib_per_replica
+(RLIMIT_DATA, see `runners.workloads.supervise`). Pure Python, no Django.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,8 +29,16 @@ import sys
 import time
 from pathlib import Path
 
-from runners.backends.base import AttemptStatus, JobLaunch, PermanentBackendError, TransientBackendError
-from runners.workloads import progress, supervise
+from runners.backends.base import (
+    PROGRESS_READ_MAX_BYTES,
+    AttemptStatus,
+    JobLaunch,
+    NodeLostError,
+    PermanentBackendError,
+    ProgressRead,
+    TransientBackendError,
+)
+from runners.workloads import env_policy, progress, supervise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SUPERVISOR_MODULE = "runners.workloads.supervise"
@@ -32,7 +46,18 @@ TRAINER_MODULE = "runners.workloads.train"
 # How long a launch waits for the detached supervisor to say it is up.
 SUPERVISOR_START_TIMEOUT_S = 20.0
 # Variables of the portal host a replica inherits; everything else it gets is set below.
-INHERITED_VARIABLES = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+HOST_VARIABLES = ("PATH", "LANG", "LC_ALL", "VIRTUAL_ENV")
+# Where a replica's home, temporary files and caches go: folders of the attempt's scratch folder,
+# removed when the attempt is forgotten, never the host's.
+SCRATCH_DIR = "scratch"
+SCRATCH_VARIABLES = {
+    "HOME": "home",
+    "TMPDIR": "tmp",
+    "XDG_CACHE_HOME": "cache",
+    "TORCH_HOME": "cache/torch",
+    "TORCHINDUCTOR_CACHE_DIR": "cache/torchinductor",
+    "TRITON_CACHE_DIR": "cache/triton",
+}
 
 
 def free_port() -> int:
@@ -52,6 +77,35 @@ def _alive(pid: int) -> bool:
             return SUPERVISOR_MODULE.encode() in stream.read()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def _attempt_processes(pgid: int, job_id: int, attempt: int, job_dir: Path, attempt_dir: Path) -> bool:
+    """Whether process group `pgid` still holds a process of this attempt: its supervisor or one of its replicas.
+
+    Checked by what each process is, not only by the number: a group whose processes all ended
+    frees its id for reuse, and another attempt's group must never be signalled for this one.
+    """
+    marks = (f"PORTAL_JOB={job_id}\0".encode(), f"PORTAL_ATTEMPT={attempt}\0".encode())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stream:
+                fields = stream.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] in ("Z", "X"):
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as stream:
+                args = stream.read().split(b"\0")
+            if SUPERVISOR_MODULE.encode() in args and str(attempt_dir).encode() in args:
+                return True
+            if TRAINER_MODULE.encode() in args and str(job_dir).encode() in args:
+                with open(f"/proc/{entry.name}/environ", "rb") as stream:
+                    environ = b"\0" + stream.read()
+                if all(b"\0" + mark in environ for mark in marks):
+                    return True
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    return False
 
 
 def _signal_group(pgid: int, signum: int) -> None:
@@ -96,25 +150,36 @@ class LocalJobs:
             down = set(state.get("down", []))
         lost = sorted({replica.node for replica in launch.replicas} & down)
         if lost:
-            raise PermanentBackendError(f"Node {', '.join(lost)} is down.")
+            raise NodeLostError(f"Node {', '.join(lost)} is down.")
+        refused = [f"{name}: {why}" for name, _ in launch.env if (why := env_policy.refusal(name))]
+        if refused:
+            raise PermanentBackendError(f"The job sets variables a tenant may not set: {'; '.join(refused)}.")
         job_dir = self.job_dir(launch.job_id)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         resumed = progress.latest_checkpoint_step(job_dir)
         port = free_port()
         real_nodes = self._real_gpu_nodes()
-        inherited = {name: os.environ[name] for name in INHERITED_VARIABLES if name in os.environ}
-        # Each host's cores shared out between the replicas running on it.
+        host = {name: os.environ[name] for name in HOST_VARIABLES if name in os.environ}
+        scratch = {}
+        for name, folder in SCRATCH_VARIABLES.items():
+            path = attempt_dir / SCRATCH_DIR / folder
+            path.mkdir(parents=True, exist_ok=True)
+            scratch[name] = str(path)
+        # This host's cores shared out between the replicas running on it, and no more than each declared.
         per_host = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
+        threads = max(1, min(per_host, math.ceil(launch.cpu_milli_per_replica / 1000)))
+        argv = [
+            sys.executable, "-m", TRAINER_MODULE, "--job-dir", str(job_dir), "--steps", str(launch.steps),
+            "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
+            *launch.trainer.flags(),
+        ]
         replicas = []
         for replica in launch.replicas:
             env = {
-                **inherited,
+                **host,
                 **dict(launch.env),
-                "OMP_NUM_THREADS": str(per_host),
-                "TRAIN_JOB_DIR": str(job_dir),
-                "TRAIN_STEPS": str(launch.steps),
-                "TRAIN_CHECKPOINT_EVERY": str(launch.checkpoint_every_steps),
-                "TRAIN_MAX_RUNTIME_S": str(launch.max_runtime_s),
+                **scratch,
+                "OMP_NUM_THREADS": str(threads),
                 "PORTAL_ATTEMPT": str(launch.attempt),
                 "PORTAL_JOB": str(launch.job_id),
                 "RANK": str(replica.rank),
@@ -128,7 +193,10 @@ class LocalJobs:
             if replica.node in real_nodes and replica.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in replica.gpus)
                 env["LOCAL_RANK"] = "0"  # each rank sees only its own GPUs
-            replicas.append({"rank": replica.rank, "argv": [sys.executable, "-m", TRAINER_MODULE], "env": env})
+            replicas.append({
+                "rank": replica.rank, "argv": argv, "env": env,
+                "memory_limit_bytes": launch.memory_mib_per_replica * 1024 * 1024,
+            })
         record = {
             "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(REPO_ROOT), "replicas": replicas,
             "nodes": sorted({replica.node for replica in launch.replicas}), "resumed_from_step": resumed,
@@ -199,8 +267,14 @@ class LocalJobs:
             _signal_group(supervisor[1], signal.SIGKILL)
 
     def forget(self, job_id: int, attempt: int) -> None:
+        """The attempt's outcome is recorded: kill whatever of it still runs, drop its scratch folder and its workload."""
+        attempt_dir = self.attempt_dir(job_id, attempt)
+        supervisor = self._supervisor(job_id, attempt)
+        if supervisor and _attempt_processes(supervisor[1], job_id, attempt, self.job_dir(job_id), attempt_dir):
+            _signal_group(supervisor[1], signal.SIGKILL)  # an ended attempt never keeps processes
+        shutil.rmtree(attempt_dir / SCRATCH_DIR, ignore_errors=True)
         try:
-            record = json.loads((self.attempt_dir(job_id, attempt) / supervise.LAUNCH_FILE).read_text())
+            record = json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text())
         except FileNotFoundError:
             return
         with self._state(write=True) as state:
@@ -237,8 +311,28 @@ class LocalJobs:
             return ""
         return "\n".join(lines[-tail:]) + ("\n" if lines else "")
 
-    def metrics(self, job_id: int) -> list[dict]:
-        return progress.read_metrics(self.job_dir(job_id))
+    def progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
+        """New records of the job folder's checkpoints.jsonl, then metrics.jsonl, from the cursor's byte offsets.
 
-    def checkpoints(self, job_id: int) -> list[dict]:
-        return progress.read_checkpoints(self.job_dir(job_id))
+        The cursor is {"checkpoints": offset, "metrics": offset} (a missing or unusable key: 0).
+        Both files are the job's, shared by its attempts; the portal keeps one cursor per job and
+        each record names its attempt, so nothing is filtered here. Checkpoints first: they are
+        few and what a resume needs; metrics take what is left of PROGRESS_READ_MAX_BYTES.
+        Only whole lines are taken; ``bytes_read`` counts them (a torn last line read and left
+        for the next call does not count, so a read that returns 0 means nothing new).
+        """
+        job_dir = self.job_dir(job_id)
+        left = PROGRESS_READ_MAX_BYTES
+        found: dict[str, list[dict]] = {}
+        new_cursor: dict[str, int] = {}
+        for key, name in (("checkpoints", progress.CHECKPOINTS_FILE), ("metrics", progress.METRICS_FILE)):
+            start = cursor.get(key) if isinstance(cursor, dict) else None
+            start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
+            chunk = progress.read_jsonl_chunk(job_dir / name, start, left, whole_budget=left == PROGRESS_READ_MAX_BYTES)
+            found[key] = chunk.records
+            new_cursor[key] = chunk.offset
+            left -= chunk.taken
+        return ProgressRead(
+            metrics=found["metrics"], checkpoints=found["checkpoints"], cursor=new_cursor,
+            bytes_read=PROGRESS_READ_MAX_BYTES - left,
+        )

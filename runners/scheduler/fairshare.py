@@ -24,12 +24,19 @@ def dominant_share(usage_units_by_flavor: Mapping[str, int], capacity_units_by_f
 
 
 def weighted_dominant_share(
-    usage_units_by_flavor: Mapping[str, int], capacity_units_by_flavor: Mapping[str, int], weight: float
+    usage_units_by_flavor: Mapping[str, int], capacity_units_by_flavor: Mapping[str, int], weight: float,
+    flavor_weights: Mapping[str, float] | None = None,
 ) -> float:
-    """Dominant share divided by the tenant's fair-share weight (weight > 0)."""
+    """Dominant share with each flavor's share divided by its weight (the flavor's own, else `weight`; > 0)."""
     if not weight > 0:
         raise ValueError(f"weight must be > 0, got {weight!r}: set a positive fair-share weight on the tenant")
-    return dominant_share(usage_units_by_flavor, capacity_units_by_flavor) / weight
+    if not flavor_weights:
+        return dominant_share(usage_units_by_flavor, capacity_units_by_flavor) / weight
+    share = 0.0
+    for flavor, units in usage_units_by_flavor.items():
+        flavor_weight = flavor_weights.get(flavor) or weight
+        share = max(share, dominant_share({flavor: units}, capacity_units_by_flavor) / flavor_weight)
+    return share
 
 
 def gang_order_key(

@@ -24,9 +24,10 @@ appear twice with different attempts: `latest_per_step` keeps the newest.
 A line of checkpoints.jsonl::
 
     {"step": 10, "path": "checkpoints/step-00000010.pt", "bytes": 523511,
-     "created_at": "2025-01-01T12:00:00.456+00:00"}
+     "created_at": "2025-01-01T12:00:00.456+00:00", "attempt": 0}
 
-`path` is relative to the job folder. The line is appended only once the file
+`path` is relative to the job folder; `attempt` is PORTAL_ATTEMPT of the process that
+saved it, as in a metric line (records written before it was added have none). The line is appended only once the file
 is durable (written, fsynced, renamed into place), but old checkpoints are
 pruned later, so a line may name a file that no longer exists.
 
@@ -37,14 +38,18 @@ instead (`parse_log`).
 
 Every reader here tolerates a half-written last line (the writer may be in
 the middle of it, or may have been killed there) and skips lines it cannot
-parse rather than failing.
+parse rather than failing. `read_jsonl_chunk` reads a file piecewise, from a byte
+offset and within a byte budget, whatever the file's size: what the local backend's
+`job_progress` hands the portal a little at a time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 # Exit codes of `python -m runners.workloads.train`.
 EXIT_OK = 0
@@ -87,6 +92,56 @@ def read_jsonl(path: str | Path) -> list[dict]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+class Chunk(NamedTuple):
+    records: list[dict]  # the records of the whole lines taken (objects with an integer "step")
+    offset: int  # where the next read starts
+    taken: int  # the bytes of the lines taken (0: nothing new)
+
+
+def read_jsonl_chunk(path: str | Path, offset: int, budget: int, *, whole_budget: bool = True) -> Chunk:
+    """The records of the whole lines in at most `budget` bytes of the file from `offset`.
+
+    Seeks, never reads from the start: the cost is at most `budget` bytes however long the file.
+    A torn last line (no newline yet) is left for the next call. A line longer than a whole
+    budget could never be taken in one piece: with `whole_budget` (this call was given all
+    that one read may take) its first `budget` bytes are passed over, and the rest of it,
+    unparsable on its own, is skipped by the next call. A file shorter than `offset` was
+    replaced: it is read from its start. A missing file reads as nothing, offset unchanged.
+    """
+    offset = max(0, int(offset))
+    try:
+        with open(path, "rb") as stream:
+            if os.fstat(stream.fileno()).st_size < offset:
+                offset = 0
+            stream.seek(offset)
+            data = stream.read(max(0, budget))
+    except FileNotFoundError:
+        return Chunk([], offset, 0)
+    end = data.rfind(b"\n") + 1
+    if end == 0 and whole_budget and 0 < budget == len(data):
+        return Chunk([], offset + budget, budget)  # one line longer than any read: not a record of ours
+    return Chunk([r for r in _parse_lines(data[:end]) if isinstance(r.get("step"), int)], offset + end, end)
+
+
+def _parse_lines(data: bytes) -> list[dict]:
+    """The JSON objects of these lines; a line that is not one is skipped."""
+    lines = data.splitlines()
+    try:
+        # All at once, as one array, is three times faster than line by line; any bad line
+        # (or an empty one) fails the whole, and then each line is tried on its own.
+        parsed = json.loads(b"[" + b",".join(lines) + b"]")
+        if len(parsed) != len(lines):  # a line of several values ("{...}, {...}"): not a record
+            raise ValueError("not one value a line")
+    except ValueError:
+        parsed = []
+        for line in lines:
+            try:
+                parsed.append(json.loads(line))
+            except ValueError:
+                continue
+    return [record for record in parsed if isinstance(record, dict)]
 
 
 def read_metrics(job_dir: str | Path) -> list[dict]:

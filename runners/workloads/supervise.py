@@ -2,9 +2,17 @@
 
     python -m runners.workloads.supervise ATTEMPT_DIR
 
-ATTEMPT_DIR holds ``launch.json``: {"replicas": [{"rank": 0, "argv": [...], "env": {...}}, ...],
-"cwd": "..."}. The supervisor detaches (double fork, its own session, so it outlives the
-worker that started it and is never that worker's zombie), writes ``supervisor.pid`` ("<pid> <process group>"), starts
+ATTEMPT_DIR holds ``launch.json``: {"replicas": [{"rank": 0, "argv": [...], "env": {...},
+"memory_limit_bytes": N}, ...], "cwd": "..."}. Each replica starts with exactly that environment
+and, when ``memory_limit_bytes`` is given, under that data-segment limit (RLIMIT_DATA, soft and
+hard, set between fork and exec): every private writable mapping counts (heap, anonymous
+mappings such as torch's tensors, thread stacks), so the replica's own memory can never grow
+past it; an allocation beyond it fails (torch raises, the trainer exits 1). RLIMIT_AS would
+also count the shared libraries mapped read-only and every address-space reservation, which
+for torch is three times its resident size (and for CUDA, terabytes).
+
+The supervisor detaches (double fork, its own session, so it outlives the worker that started
+it and is never that worker's zombie), writes ``supervisor.pid`` ("<pid> <process group>"), starts
 every replica in its process group with stdout and stderr to ``rank-<r>.log``, and writes
 ``rank-<r>.exit`` (the exit code; -N for a signal) as each one ends, each through a temporary
 file and a rename. When a replica fails (not 0, not 75), the others get SIGTERM and, after
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -48,6 +57,19 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
+def _before_exec(memory_limit_bytes: int | None):
+    """What a replica's child process does between fork and exec (this process has no other threads)."""
+
+    def prepare() -> None:
+        # The replicas take SIGTERM the default way (the trainer installs its own handler).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if memory_limit_bytes:
+            resource.setrlimit(resource.RLIMIT_DATA, (int(memory_limit_bytes), int(memory_limit_bytes)))
+
+    return prepare
+
+
 def supervise(attempt_dir: Path) -> int:
     launch = json.loads((attempt_dir / LAUNCH_FILE).read_text())
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # for the replicas; we keep waiting for them
@@ -58,10 +80,7 @@ def supervise(attempt_dir: Path) -> int:
         with open(log_path(attempt_dir, rank), "ab") as log:
             children[rank] = subprocess.Popen(
                 replica["argv"], cwd=launch["cwd"], env=replica["env"], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT,
-                # The replicas take SIGTERM the default way (the trainer installs its own handler).
-                preexec_fn=lambda: (signal.signal(signal.SIGTERM, signal.SIG_DFL),
-                                    signal.signal(signal.SIGINT, signal.SIG_DFL)),
+                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_before_exec(replica.get("memory_limit_bytes")),
             )
     failure_grace_s = float(launch.get("failure_grace_s", 30))
     kill_at = None

@@ -15,17 +15,31 @@ command line wins over its variable, which wins over the default.
     --seq-len             TRAIN_SEQ_LEN          64      characters per sequence
     --lr                  TRAIN_LR               0.003   Adam's learning rate
     --keep-checkpoints    TRAIN_KEEP_CHECKPOINTS 3       older checkpoint files are deleted
-    --max-runtime-s       TRAIN_MAX_RUNTIME_S    0       0: no limit; else stop as on SIGTERM
+    --max-runtime-s       TRAIN_MAX_RUNTIME_S    0       0: no limit; else stop as on SIGTERM once this
+                                                         long has passed since this process's first
+                                                         training step (torch's import, the rendezvous
+                                                         and loading the checkpoint do not count)
     --seed                TRAIN_SEED             0
     --corpus              TRAIN_CORPUS           corpus.txt beside this file
     --dist-timeout-s      TRAIN_DIST_TIMEOUT_S   300     how long a rank waits for the others
 
+The portal's launchers pass every setting as a flag, from the job's spec (a tenant may set
+no TRAIN_* variable: `runners.workloads.env_policy`); the variables are for running the
+trainer by hand.
+
 Set by the launcher, as torchrun would: RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (the last two only when WORLD_SIZE > 1;
 unset WORLD_SIZE means 1), and PORTAL_ATTEMPT (default 0), copied into every
-metrics line. The backend is NCCL when torch.cuda.is_available() and
-CUDA_VISIBLE_DEVICES is set (each rank takes GPU LOCAL_RANK), gloo otherwise.
-Without OMP_NUM_THREADS, each rank uses its share of this machine's cores.
+metric and checkpoint record.
+
+Memory: under a data-segment limit (RLIMIT_DATA, which the local backend sets to the
+job's memory_mib_per_replica) smaller than env_policy.TRAINER_MIN_MEMORY_MIB the trainer
+exits 1 at once, since torch.distributed's start-up can hang rather than fail that short
+of memory. Above it, a step that needs more than the limit fails its allocation: exit 1.
+
+The backend is NCCL when torch.cuda.is_available() and CUDA_VISIBLE_DEVICES is set
+(each rank takes GPU LOCAL_RANK), gloo otherwise. Without OMP_NUM_THREADS, each rank
+uses its share of this machine's cores.
 
 Exit codes (constants in `runners.workloads.progress`, re-exported here):
 0 EXIT_OK, every step done; 75 EXIT_CHECKPOINTED_ON_SIGNAL, stopped early on
@@ -52,6 +66,7 @@ import gc
 import json
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -68,6 +83,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from runners.workloads.progress import (
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
@@ -234,7 +250,9 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int) -> Path:
+def save_checkpoint(
+    job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int, attempt: int
+) -> Path:
     folder = job_dir / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / checkpoint_name(step)
@@ -263,7 +281,10 @@ def save_checkpoint(job_dir: Path, step: int, model: nn.Module, optimizer, *, ke
     fsync_dir(folder)
     size = final.stat().st_size
     with open_jsonl(job_dir / CHECKPOINTS_FILE) as index:
-        record = {"step": step, "path": f"{CHECKPOINT_DIR}/{final.name}", "bytes": size, "created_at": now_iso()}
+        record = {
+            "step": step, "path": f"{CHECKPOINT_DIR}/{final.name}", "bytes": size, "created_at": now_iso(),
+            "attempt": attempt,
+        }
         write_jsonl(index, record, durable=True)
     print(tagged_line(CHECKPOINT_TAG, record), flush=True)
     for old_path in list(checkpoint_files(job_dir).values())[:-keep]:
@@ -352,12 +373,12 @@ def start_process_group(args) -> Placement:
     return Placement(device, backend)
 
 
-def run(args, stop: StopRequest, started: float) -> int:
+def run(args, stop: StopRequest) -> int:
     with ExitStack() as stack:
-        return _run(args, stop, started, stack)
+        return _run(args, stop, stack)
 
 
-def _run(args, stop: StopRequest, started: float, stack: ExitStack) -> int:
+def _run(args, stop: StopRequest, stack: ExitStack) -> int:
     rank, world = args.rank, args.world_size
 
     def log(message: str) -> None:
@@ -412,6 +433,9 @@ def _run(args, stop: StopRequest, started: float, stack: ExitStack) -> int:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     step = start_step
     stopping = False
+    started = time.monotonic()  # --max-runtime-s counts from here: the first step of this process
+    if args.max_runtime_s:
+        log(f"first step; --max-runtime-s {args.max_runtime_s:g} counts from now")
     while step < args.steps:
         began = time.perf_counter()
         inputs, targets = batch_for(
@@ -458,7 +482,8 @@ def _run(args, stop: StopRequest, started: float, stack: ExitStack) -> int:
         if stopping or due or step == args.steps:
             if rank == 0:
                 path = save_checkpoint(
-                    job_dir, step, model, optimizer, keep=args.keep_checkpoints, world_size=world
+                    job_dir, step, model, optimizer, keep=args.keep_checkpoints, world_size=world,
+                    attempt=args.attempt,
                 )
                 log(f"saved checkpoint {path.name}")
         if stopping:
@@ -475,13 +500,26 @@ def _run(args, stop: StopRequest, started: float, stack: ExitStack) -> int:
     return EXIT_OK
 
 
+def memory_limit_mib() -> int | None:
+    """This process's data-segment limit (RLIMIT_DATA) in MiB, or None when there is none."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_DATA)
+    return None if soft == resource.RLIM_INFINITY else soft // (1024 * 1024)
+
+
 def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()
     stop = StopRequest()
     stop.install()
     args = parse_args(argv)
+    limit = memory_limit_mib()
+    if limit is not None and limit < TRAINER_MIN_MEMORY_MIB:
+        print(
+            f"memory limit {limit} MiB is below the {TRAINER_MIN_MEMORY_MIB} MiB this trainer needs to start; "
+            "raise memory_mib_per_replica",
+            file=sys.stderr, flush=True,
+        )
+        return EXIT_FAILED
     try:
-        return run(args, stop, started)
+        return run(args, stop)
     except Exception:
         traceback.print_exc()
         return EXIT_FAILED

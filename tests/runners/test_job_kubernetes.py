@@ -74,6 +74,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     cluster.clear_log()
     with django_capture_on_commit_callbacks(execute=True):
         assert cycle.cycle_run()["preempted"] == [borrower.id]
+    launch.job_stop_run(job_id=borrower.id)  # what the job_stop task sent after commit does
     pod_deletes = [r for r in cluster.requests if r.method == "DELETE" and "/pods/" in r.path]
     assert len(pod_deletes) == 2 and {r.query["gracePeriodSeconds"][0] for r in pod_deletes} == {"7"}
     borrower = reconcile_until(borrower, {"queued"}, timeout_s=10, pause_s=0.05)
@@ -109,6 +110,7 @@ def test_cancel_deletes_with_the_grace_period_and_the_job_ends_cancelled(
     cluster.clear_log()
     with django_capture_on_commit_callbacks(execute=True):
         jobs.job_cancel(actor=owner, job=Job.objects.get(id=job.id))
+    launch.job_stop_run(job_id=job.id)  # what the job_stop task sent after commit does
     deletes = [r for r in cluster.requests if r.method == "DELETE"]
     assert {r.query["gracePeriodSeconds"][0] for r in deletes if "/pods/" in r.path} == {"7"}
     assert [r.query["propagationPolicy"] for r in deletes if "/jobs/" in r.path] == [["Orphan"]]

@@ -27,15 +27,17 @@ def _admitted(owner, environment, **overrides):
 
 
 def test_a_replica_that_fails_is_retried_then_the_job_fails_with_the_reason(owner, environment):
-    # A batch size of 0 is refused by the trainer's argument parser: exit 2 at once.
-    job = _admitted(owner, environment, replicas=1, max_retries=1, env={"TRAIN_BATCH_SIZE": "0"},
+    # The largest batch the spec allows, in the least memory it allows: the replica cannot allocate
+    # its first step within its memory limit and exits 1.
+    job = _admitted(owner, environment, replicas=1, max_retries=1, memory_mib_per_replica=512,
+                    hyperparameters={"batch_size": 1024, "seq_len": 512},
                     topology={"level": "none", "mode": "required"})
     assert launch.job_launch_run(job_id=job.id, attempt_number=1) == "running"
     job = reconcile_until(job, {"failed"})
     attempts = list(job.attempts.order_by("number"))
-    assert [(a.outcome, a.exit_code) for a in attempts] == [("failed", 2), ("failed", 2)]
+    assert [(a.outcome, a.exit_code) for a in attempts] == [("failed", 1), ("failed", 1)]
     assert job.failures == 2
-    assert "Replica 0 exited with 2" in job.reason and "max_retries is 1" in job.reason
+    assert "Replica 0 exited with 1" in job.reason and "max_retries is 1" in job.reason
     events = [event.to_state for event in job.events.all()]
     assert events.count("queued") == 2, "queued at submit, requeued once for the retry"
 

@@ -151,12 +151,73 @@ class QuickJobs(LocalBackend):
     def job_logs(self, job_id, attempt, rank, *, tail):
         return ""
 
-    def job_metrics(self, job_id):
-        return []
+    def jobs_open(self, attempts):
+        pass
 
-    def job_checkpoints(self, job_id):
-        return []
+    def job_progress(self, job_id, attempt, cursor):
+        from runners.backends.base import ProgressRead
+
+        return ProgressRead(cursor=dict(cursor))
 
 
 def quick_jobs() -> LocalBackend:
     return _local(QuickJobs)
+
+
+class Gated(LocalBackend):
+    """The real local backend, except that a call named in ``gates`` stops until the test opens its gate.
+
+    ``gates[name]`` is a Gate: the call sets ``reached`` and waits for ``opened``, so a test can
+    hold a worker inside launch_job (say) while it runs the cycle or a cancel, then let it go on.
+    Within one process only (tests that drive the services from threads).
+    """
+
+    gates: dict = {}
+
+    def _pass(self, name):
+        gate = Gated.gates.get(name)
+        if gate is not None:
+            gate.reached.set()
+            if not gate.opened.wait(60):
+                raise AssertionError(f"the test never opened the gate at {name}")
+
+    def launch_job(self, launch):
+        self._pass("launch_job")
+        return super().launch_job(launch)
+
+    def job_status(self, job_id, attempt):
+        self._pass("job_status")
+        return super().job_status(job_id, attempt)
+
+    def discover_inventory(self):
+        self._pass("discover_inventory")
+        return super().discover_inventory()
+
+
+class Gate:
+    def __init__(self):
+        import threading
+
+        self.reached, self.opened = threading.Event(), threading.Event()
+
+
+def gated() -> LocalBackend:
+    return _local(Gated)
+
+
+class Faulty(LocalBackend):
+    """The real local backend, except that every call named in ``failing`` raises the error given for it."""
+
+    failing: dict = {}
+
+    def __getattribute__(self, name):
+        error = Faulty.failing.get(name)
+        if error is not None:
+            def fail(*args, **kwargs):
+                raise error
+            return fail
+        return super().__getattribute__(name)
+
+
+def faulty() -> LocalBackend:
+    return _local(Faulty)

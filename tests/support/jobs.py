@@ -38,7 +38,7 @@ def job_data(environment, /, **overrides) -> dict:
         "cpu_milli_per_replica": 2000, "memory_mib_per_replica": 4096,
         "topology": {"level": "node", "mode": "required"}, "priority": 10, "preemptible": True,
         "steps": 40, "checkpoint_every_steps": 10, "max_runtime_s": 600, "max_retries": 1,
-        "env": {"TRAIN_LR": "0.003"}, "image": None, "command": None,
+        "env": {"DATASET_SPLIT": "train"}, "image": None, "command": None,
     }
     data.update(overrides)
     return data

@@ -1,8 +1,11 @@
-"""Helpers for tests of the Kubernetes backend: API clients for the stand-in, specs, Node and Pod objects."""
+"""Helpers for tests of the Kubernetes backend: API clients for the stand-in, specs, Node and Pod objects (training replicas too)."""
+
+import json
 
 from kubernetes import client
 
 from runners.backends.base import EnvironmentSpec, MemberBinding
+from runners.backends.job_manifests import ATTEMPT_LABEL, COMPLETION_INDEX_ANNOTATION, JOB_LABEL, PLACEMENT_ANNOTATION
 
 
 def client_for(url: str) -> client.ApiClient:
@@ -51,4 +54,29 @@ def portal_pod(name, node, namespace="acme-train", phase="Running"):
         "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "gpu-portal"}},
         "spec": {"nodeName": node, "containers": [{"name": "main", "image": "trainer"}]},
         "status": {"phase": phase},
+    }
+
+
+def training_pod(job_id: int, attempt: int, rank: int, node: str | None, namespace="acme-train",
+                 scheduler_name="gpu-portal"):
+    """A replica's pod as the Job controller makes it from the portal's template; running on `node`, or Pending unbound."""
+    spec = {"schedulerName": scheduler_name, "containers": [{"name": "trainer", "image": "trainer"}]}
+    status = {"phase": "Pending"}
+    if node:
+        spec["nodeName"] = node
+        status = {"phase": "Running",
+                  "containerStatuses": [{"name": "trainer", "ready": True, "state": {"running": {}}}]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"job-{job_id}-{attempt}-{rank}-pod",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "gpu-portal", JOB_LABEL: str(job_id),
+                       ATTEMPT_LABEL: str(attempt), COMPLETION_INDEX_ANNOTATION: str(rank)},
+            "annotations": {COMPLETION_INDEX_ANNOTATION: str(rank),
+                            PLACEMENT_ANNOTATION: json.dumps({str(rank): node or "gpu-a"})},
+        },
+        "spec": spec,
+        "status": status,
     }

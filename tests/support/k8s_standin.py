@@ -21,23 +21,33 @@ For training jobs it serves Services, PersistentVolumeClaims and batch/v1 Jobs,
 and plays the Job controller for Indexed Jobs with backoffLimit 0 (one pod per
 completion index with the index annotation and label; a pod that fails or
 vanishes fails the Job; all succeeded completes it; deleting the Job orphans
-its pods unless propagationPolicy says Background/Foreground), and a small
+its pods unless propagationPolicy says Background/Foreground, when the garbage
+collector deletes them `gc_delay_s` later with their own grace), and a small
 kubelet: a pod bound through pods/binding (409 once it is bound) runs at once;
 a running pod deleted with a grace period is Terminating for
 `pod_stop_delay_s`, then exits with `sigterm_exit_code` and goes; with grace 0
-it goes at once. Pod logs are what the test wrote (`write_log`), served with
-tailLines. It is not a validator, a scheduler, or a full apply merge: an apply
-replaces what its manager sent and keeps labels other managers set.
+it goes at once. Pod logs are what the test wrote (`write_log`, each line with the
+time it was written, given or now), served as the kubelet serves them: `tailLines`,
+`timestamps` (RFC3339 with nine fractional digits and a space before each line),
+`sinceTime` (inclusive, to the second: the API server passes it on without
+fractions) or `sinceSeconds`, and `limitBytes` (cutting the answer, timestamps
+included, wherever the limit falls); only lines since the last `rotate_log` (the
+kubelet serves the current file); 400 while the container has not started. Bytes
+and reads served are counted per pod (`log_bytes_served`, `log_reads`). It is not
+a validator, a scheduler, or a full apply merge: an apply replaces what its
+manager sent and keeps labels other managers set.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -159,8 +169,13 @@ class KubernetesStandIn:
 
     def __init__(
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
-        gone_as: str = "event", pod_stop_delay_s: float = 0.05,
+        gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05,
     ):
+        # The garbage collector: how long after a Job deleted with propagationPolicy Background
+        # (or Foreground) it deletes the Job's pods (with their own grace period), as it works
+        # asynchronously on a real cluster.
+        self.gc_delay_s = gc_delay_s
+        self._collect_at: dict[tuple[str, str], float] = {}
         # How long the simulated GPU Operator takes to re-partition a node after its label changes.
         self.operator_delay_s = operator_delay_s
         self._reconfigure_at: dict[str, float] = {}
@@ -176,7 +191,10 @@ class KubernetesStandIn:
         # exit code it stops with (75: the shipped trainer checkpointed on SIGTERM).
         self.pod_stop_delay_s = pod_stop_delay_s
         self.sigterm_exit_code = 75
-        self.pod_logs: dict[tuple[str, str], str] = {}
+        # Each pod's log lines as (Unix time in nanoseconds, that time as served, text without its newline).
+        self.pod_logs: dict[tuple[str, str], list[tuple[int, str, str]]] = {}
+        self.log_bytes_served: dict[tuple[str, str], int] = {}
+        self.log_reads: dict[tuple[str, str], int] = {}
         self._stopping_pods: dict[tuple[str, str], float] = {}
         self._job_indexes: dict[tuple[str, str], set[int]] = {}  # indexes the Job controller made a pod for
         self._job_done: dict[tuple[str, str], dict[int, str]] = {}
@@ -526,10 +544,11 @@ class KubernetesStandIn:
         if resource.kind == "Pod":
             return self._delete_pod(key, obj, grace_period_s)
         if resource.kind == "Job":
-            # batch/v1 Jobs deleted through the API orphan their pods unless told otherwise.
+            # batch/v1 Jobs deleted through the API orphan their pods unless told otherwise; the
+            # garbage collector deletes them a moment later otherwise.
             for pod_key, pod in list(self._owned_pods(namespace, obj)):
                 if propagation in ("Background", "Foreground"):
-                    self._delete_pod(pod_key, pod, None)
+                    self._collect_at[pod_key[1:]] = time.monotonic() + self.gc_delay_s
                 else:
                     pod["metadata"].pop("ownerReferences", None)
                     pod["metadata"]["resourceVersion"] = self._bump()
@@ -651,12 +670,43 @@ class KubernetesStandIn:
         self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
-    def _log(self, namespace, name, query) -> str:
-        if ("pods", namespace, name) not in self._state.objects:
+    def _log(self, namespace, name, query) -> bytes:
+        """pods/log as the kubelet answers it: tailLines first, then since, then timestamps, then limitBytes."""
+        pod = self._state.objects.get(("pods", namespace, name))
+        if pod is None:
             raise self._not_found(RESOURCE_TYPES["pods"], name)
-        lines = self.pod_logs.get((namespace, name), "").splitlines(keepends=True)
-        tail = _one(query, "tailLines")
-        return "".join(lines[-int(tail):] if tail else lines)
+        tail, limit = _count_param(query, "tailLines", minimum=0), _count_param(query, "limitBytes", minimum=1)
+        since_seconds = _count_param(query, "sinceSeconds", minimum=1)
+        since_text = _one(query, "sinceTime")
+        if since_text and since_seconds is not None:
+            raise ApiError(422, "Invalid", "PodLogOptions is invalid: at most one of `sinceTime` or `sinceSeconds` "
+                                           "may be specified")
+        if (pod.get("status") or {}).get("phase", "Pending") == "Pending":
+            container = _one(query, "container") or "trainer"
+            raise ApiError(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: '
+                                              "ContainerCreating")
+        since_ns = 0
+        if since_text:
+            try:
+                since = datetime.fromisoformat(since_text.replace("Z", "+00:00"))
+            except ValueError:
+                raise ApiError(400, "BadRequest", f"invalid sinceTime {since_text!r}: not RFC3339") from None
+            # The API server hands sinceTime on to the kubelet as RFC3339 without fractions.
+            since_ns = int(since.timestamp()) * 1_000_000_000
+        elif since_seconds is not None:
+            since_ns = time.time_ns() - since_seconds * 1_000_000_000
+        lines = self.pod_logs.get((namespace, name), [])
+        if tail is not None:
+            lines = lines[-tail:] if tail else []
+        stamped = _one(query, "timestamps") in ("true", "1")
+        payload = "".join(
+            (f"{shown} " if stamped else "") + text + "\n" for at, shown, text in lines if at >= since_ns
+        ).encode()
+        if limit is not None:
+            payload = payload[:limit]
+        self.log_bytes_served[(namespace, name)] = self.log_bytes_served.get((namespace, name), 0) + len(payload)
+        self.log_reads[(namespace, name)] = self.log_reads.get((namespace, name), 0) + 1
+        return payload
 
     def _delete_pod(self, key, pod, grace_period_s) -> dict:
         """A running pod deleted with a grace period is Terminating until its container stops (the kubelet's part)."""
@@ -789,9 +839,30 @@ class KubernetesStandIn:
             self._terminate(pod, exit_code, "Completed" if exit_code == 0 else "Error")
             self._reap()
 
-    def write_log(self, namespace: str, name: str, text: str) -> None:
+    def write_log(self, namespace: str, name: str, text: str, *, at: datetime | int | None = None) -> None:
+        """The pod's container writes these lines, all at `at` (a datetime, or Unix nanoseconds), or now.
+
+        Lines written now get increasing times, as a container runtime stamps them.
+        """
+        self.append_log(namespace, name, [(at, line) for line in text.splitlines()])
+
+    def append_log(self, namespace: str, name: str, lines: Iterable[tuple[datetime | int | None, str]]) -> None:
+        """Lines the pod's container writes, each with its time (None: now)."""
         with self._lock:
-            self.pod_logs[(namespace, name)] = self.pod_logs.get((namespace, name), "") + text
+            log = self.pod_logs.setdefault((namespace, name), [])
+            for at, line in lines:
+                if at is None:
+                    stamp = max(time.time_ns(), log[-1][0] + 1 if log else 0)
+                elif isinstance(at, datetime):
+                    stamp = int(at.timestamp()) * 1_000_000_000 + at.microsecond * 1000
+                else:
+                    stamp = int(at)
+                log.append((stamp, _log_time(stamp), line))
+
+    def rotate_log(self, namespace: str, name: str) -> None:
+        """The kubelet rotates the pod's log file: what was written so far is no longer served."""
+        with self._lock:
+            self.pod_logs[(namespace, name)] = []
 
     def set_node_ready(self, name: str, ready: bool, *, since: str | None = None) -> None:
         """The node's Ready condition, as the node lifecycle controller writes it."""
@@ -860,9 +931,21 @@ class KubernetesStandIn:
         node["metadata"]["resourceVersion"] = self._bump()
         self._record_event("MODIFIED", RESOURCE_TYPES["nodes"], node)
 
+    def _collect_garbage(self) -> None:
+        """The garbage collector's part: pods of Jobs deleted with Background propagation go, with their own grace."""
+        now = time.monotonic()
+        for (namespace, name), due in list(self._collect_at.items()):
+            if due > now:
+                continue
+            del self._collect_at[(namespace, name)]
+            pod = self._state.objects.get(("pods", namespace, name))
+            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+                self._delete_pod(("pods", namespace, name), pod, None)
+
     def _reap(self) -> None:
         """Finish deleting namespaces whose termination delay has passed, with everything in them."""
         self._reconfigure_nodes()
+        self._collect_garbage()
         self._stop_pods()
         self._run_jobs()
         now = time.monotonic()
@@ -889,6 +972,32 @@ def _one(query: dict[str, list[str]], name: str) -> str:
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _log_time(stamp_ns: int) -> str:
+    """A log line's time as the kubelet writes it with timestamps=true (RFC3339, nine fractional digits)."""
+    seconds, nanos = divmod(stamp_ns, 1_000_000_000)
+    return f"{_log_second(seconds)}.{nanos:09d}Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _log_second(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _count_param(query: dict[str, list[str]], name: str, *, minimum: int) -> int | None:
+    """A whole-number query parameter of pods/log, refused as the API server refuses it."""
+    text = _one(query, name)
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ApiError(400, "BadRequest", f"{name}: invalid value {text!r}: not an integer") from None
+    if value < minimum:
+        bound = "must be greater than or equal to 0" if minimum == 0 else f"must be greater than {minimum - 1}"
+        raise ApiError(422, "Invalid", f"PodLogOptions is invalid: {name}: Invalid value: {value}: {bound}")
+    return value
 
 
 def _content(obj: dict) -> dict:
@@ -952,7 +1061,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
         code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body)
-        payload = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
+        if isinstance(answer, bytes):
+            payload = answer
+        else:
+            payload = answer.encode() if isinstance(answer, str) else json.dumps(answer).encode()
         self.send_response(code)
         self.send_header("Content-Type", "text/plain" if self.path.split("?")[0].endswith("/log") else "application/json")
         self.send_header("Content-Length", str(len(payload)))

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,9 @@ class Replica:
         self.log_path = job_dir.parent / f"{job_dir.name}-attempt{attempt}-rank{rank}.log"
         child_env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TRAIN_")}
         child_env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PORTAL_ATTEMPT=str(attempt))
+        # One thread a rank, as the local backend gives a replica of one declared CPU: OpenMP threads
+        # spinning for cores that a busy test machine does not have slow a step a hundredfold.
+        child_env["OMP_NUM_THREADS"] = "1"
         if world > 1:
             child_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         child_env.update(env or {})
@@ -41,7 +44,7 @@ class Replica:
                 command, cwd=REPO, env=child_env, stdout=log, stderr=subprocess.STDOUT, **popen
             )
 
-    def wait(self, timeout=60) -> int:
+    def wait(self, timeout=240) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -58,7 +61,7 @@ class Replica:
             self.proc.wait()
 
 
-def run_job(job_dir: Path, args, *, world=1, attempt=0, env=None, timeout=60) -> list[Replica]:
+def run_job(job_dir: Path, args, *, world=1, attempt=0, env=None, timeout=240) -> list[Replica]:
     port = free_port() if world > 1 else None
     replicas = [Replica(job_dir, args, rank=r, world=world, port=port, attempt=attempt, env=env) for r in range(world)]
     try:
@@ -79,7 +82,7 @@ def steps_of(job_dir: Path, **where) -> list[int]:
     return [r["step"] for r in progress.read_metrics(job_dir) if all(r[k] == v for k, v in where.items())]
 
 
-def wait_for_step(job_dir: Path, step: int, replicas, timeout=60) -> int:
+def wait_for_step(job_dir: Path, step: int, replicas, timeout=240) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         reached = steps_of(job_dir)
@@ -112,6 +115,7 @@ def test_one_process_trains_logs_and_checkpoints(tmp_path):
     checkpoints = progress.read_checkpoints(job)
     assert [c["step"] for c in checkpoints] == [10, 20, 30]
     for record in checkpoints:
+        assert set(record) == {"step", "path", "bytes", "created_at", "attempt"} and record["attempt"] == 0
         path = job / record["path"]
         assert path.stat().st_size == record["bytes"] > 0
         datetime.fromisoformat(record["created_at"])
@@ -177,6 +181,9 @@ def test_sigterm_to_the_group_checkpoints_then_a_restart_resumes(tmp_path):
     assert steps_of(job, attempt=1) == list(range(reached + 1, reached + 6))
     assert steps_of(job) == list(range(1, reached + 6))
     assert progress.latest_checkpoint_step(job) == reached + 5
+    assert [(c["step"], c["attempt"]) for c in progress.read_checkpoints(job)] == [(reached, 0), (reached + 5, 1)]
+    _, logged = progress.parse_log(again[0].log())
+    assert [(c["step"], c["attempt"]) for c in logged] == [(reached + 5, 1)], "the tagged line carries it too"
 
 
 def test_a_signal_to_one_rank_stops_every_rank(tmp_path):
@@ -230,6 +237,33 @@ def test_max_runtime_stops_like_a_signal(tmp_path):
     assert progress.latest_checkpoint_step(job) == steps_of(job)[-1] > 0
 
 
+def test_max_runtime_counts_from_the_first_step_not_from_the_start(tmp_path):
+    # Rank 1 starts 5 s after rank 0, so rank 0 waits at the rendezvous for longer than its
+    # --max-runtime-s: counted from the process's start it would stop after its first step.
+    job = tmp_path / "job"
+    port = free_port()
+    args = ["--steps", 100000, "--checkpoint-every", 100000, "--max-runtime-s", 2]
+    first = Replica(job, args, rank=0, world=2, port=port)
+    replicas = [first]
+    try:
+        time.sleep(5)
+        late = datetime.now(UTC)
+        replicas.append(Replica(job, args, rank=1, world=2, port=port))
+        for replica in replicas:
+            replica.wait()
+    finally:
+        for replica in replicas:
+            replica.kill()
+
+    assert_exit(replicas, EXIT_CHECKPOINTED_ON_SIGNAL)
+    (counted_from,) = [line for line in first.log().splitlines() if "--max-runtime-s 2 counts from now" in line]
+    counted_from = datetime.fromisoformat(counted_from.split()[0])
+    last = datetime.fromisoformat(progress.read_metrics(job)[-1]["time"])
+    assert counted_from > late, "the clock starts once the rendezvous is done"
+    assert (last - counted_from).total_seconds() >= 2
+    assert "--max-runtime-s 2 reached" in first.log() or "--max-runtime-s 2 reached" in replicas[1].log()
+
+
 def test_configured_from_the_environment_alone(tmp_path):
     job = tmp_path / "job"
     env = {"TRAIN_JOB_DIR": str(job), "TRAIN_STEPS": "4", "TRAIN_CHECKPOINT_EVERY": "0", "TRAIN_BATCH_SIZE": "8"}
@@ -244,7 +278,7 @@ def test_configured_from_the_environment_alone(tmp_path):
         env={**child_env, **env, "TRAIN_JOB_DIR": str(tmp_path / "bare")},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=240,
     )
 
     assert result.returncode == EXIT_OK, result.stderr

@@ -58,7 +58,7 @@ from .types import (
 )
 
 # Long enough for a training job to write a checkpoint of a large model to shared storage.
-DEFAULT_GRACE_PERIOD_S = 300.0
+DEFAULT_GRACE_PERIOD_S = 120.0
 
 
 def decide(
@@ -147,7 +147,9 @@ class _Cycle:
             else:
                 self.live[workload.id] = workload
         self.pending = sorted(snapshot.pending, key=lambda g: g.id)
-        self.priority = {gang.id: self._clamped_priority(gang.tenant, gang.priority) for gang in self.pending}
+        self.priority = {
+            gang.id: self._clamped_priority(gang.tenant, gang.priority, gang.units_by_flavor) for gang in self.pending
+        }
         self.holds: list[_Hold] = []
         self.admitted: list[Admission] = []
         # When this cycle's admissions are estimated to end, for projected starts.
@@ -157,12 +159,12 @@ class _Cycle:
 
     # --- bookkeeping ---------------------------------------------------------
 
-    def _clamped_priority(self, tenant: str, priority: int) -> int:
+    def _clamped_priority(self, tenant: str, priority: int, flavors) -> int:
         quota = self.quotas.get(tenant)
-        return min(priority, quota.max_priority) if quota else priority
+        return min(priority, quota.priority_cap(flavors)) if quota else priority
 
     def _clamped(self, workload: RunningWorkload) -> RunningWorkload:
-        priority = self._clamped_priority(workload.tenant, workload.priority)
+        priority = self._clamped_priority(workload.tenant, workload.priority, workload.units_by_flavor)
         return workload if priority == workload.priority else dataclasses.replace(workload, priority=priority)
 
     def _add_to_pool(self, workload: RunningWorkload, deadline_s: float) -> None:
@@ -186,7 +188,8 @@ class _Cycle:
         )
 
     def _share(self, tenant: str) -> float:
-        return weighted_dominant_share(self.committed[tenant], self.capacity, self.quotas[tenant].weight)
+        quota = self.quotas[tenant]
+        return weighted_dominant_share(self.committed[tenant], self.capacity, quota.weight, quota.flavor_weights())
 
     def _order_key(self, gang: PendingGang) -> tuple[int, float, int, float, str]:
         return gang_order_key(

@@ -34,10 +34,13 @@ def frozen_units(owner: str, field_name: str, units_by_flavor: Mapping[str, int]
 
 @dataclass(frozen=True)
 class FlavorQuota:
-    """A tenant's guaranteed and maximum units of one flavor."""
+    """A tenant's guaranteed and maximum units of one flavor, and optionally that flavor's own
+    fair-share weight and highest priority (None: the tenant's)."""
 
     guaranteed_units: int
     max_units: int
+    weight: float | None = None
+    max_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.guaranteed_units <= self.max_units:
@@ -65,6 +68,16 @@ class TenantQuota:
         """Guaranteed units of a flavor; a flavor without a quota guarantees nothing."""
         quota = self.quotas.get(flavor)
         return quota.guaranteed_units if quota else 0
+
+    def flavor_weights(self) -> dict[str, float]:
+        """The fair-share weight of each flavor: its quota's own, else the tenant's."""
+        return {flavor: quota.weight or self.weight for flavor, quota in self.quotas.items()}
+
+    def priority_cap(self, flavors) -> int:
+        """The highest priority a workload on these flavors may have: the lowest of their caps."""
+        caps = [quota.max_priority for flavor in flavors if (quota := self.quotas.get(flavor)) is not None
+                and quota.max_priority is not None]
+        return min(caps) if caps else self.max_priority
 
     def max_units(self, flavor: str) -> int:
         """Maximum units of a flavor; a flavor without a quota may not be used at all."""

@@ -1,0 +1,124 @@
+"""The job path under chaos: two real workers, random submits, cancels, environment deletes, lost nodes,
+redelivered messages and a killed worker, every backend call delayed a random while, and the
+invariants (tests/support/invariants.py) checked every half second and once more after everything
+drained.
+
+The suite runs one fixed seed for about a minute; `bench/jobs_chaos.py --seconds N --seed S` runs the
+same driver (tests/support/chaos.py) for as long as asked.
+"""
+
+import os
+
+import pytest
+
+from tests.support.chaos import FACTORY_QUICK, ChaosRun, ChaosSettings, StandInCluster, Workers
+
+pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+
+SEED = int(os.environ.get("CHAOS_SEED", "20261"))
+SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))
+KUBERNETES_SECONDS = float(os.environ.get("CHAOS_KUBERNETES_SECONDS", "40"))
+
+
+def test_random_submits_cancels_deletes_and_lost_nodes_keep_every_invariant(settings, tmp_path):
+    from runners.registry import get_backend
+
+    config = ChaosSettings(seed=SEED)
+    settings.CLUSTER_BACKEND_FACTORY = FACTORY_QUICK
+    settings.PREEMPTION_GRACE_PERIOD_S = config.grace_period_s
+    get_backend.cache_clear()
+    workers = Workers(config, tmp_path)
+    run = ChaosRun(config, workers=workers)
+    run.setup()
+    try:
+        workers.start()
+        run.run(SECONDS)
+        summary = run.drain(timeout_s=120)
+        logs = workers.logs()  # before the stop, whose SIGTERMs leave tracebacks of their own
+    finally:
+        workers.stop()
+    print(f"\nchaos seed {SEED}, {SECONDS:.0f}s: {summary}")
+
+    assert not run.violations, "\n".join(run.violations[:20])
+    assert "Traceback" not in logs, "no task failed with an error"
+    assert summary["submit"] > 50 and summary["cancel"] > 5, summary
+    assert summary["environment_delete"] >= 2 and summary["node_loss"] >= 1, summary
+    assert summary["preempted_for_guarantee"] >= 1, "borrowed GPUs were reclaimed for a guarantee at least once"
+    assert summary.get("job_queued", 0) == 0 and summary["checks"] >= SECONDS, summary
+
+
+
+def test_the_kubernetes_backend_under_chaos_keeps_every_invariant(settings, tmp_path, kubernetes_cluster):
+    """The same driver against the API stand-in: pods bound where placed, stopped with the grace period,
+    gone with their node; the driver plays the trainers (a pod exits 0 once its steps are done)."""
+    from runners.registry import get_backend
+    from tests.support.k8s import gpu_node
+
+    config = ChaosSettings(seed=SEED)
+    for node in ("gpu-a", "gpu-b"):
+        kubernetes_cluster.put(gpu_node(node))
+    cluster = StandInCluster(kubernetes_cluster, config.step_s)
+    settings.CLUSTER_BACKEND_FACTORY = cluster.factory
+    settings.PREEMPTION_GRACE_PERIOD_S = config.grace_period_s
+    get_backend.cache_clear()
+    workers = Workers(config, tmp_path, factory=cluster.factory)
+    run = ChaosRun(config, cluster=cluster, workers=workers)
+    run.setup()
+    try:
+        workers.start()
+        run.run(KUBERNETES_SECONDS)
+        summary = run.drain(timeout_s=120)
+        logs = workers.logs()  # before the stop, whose SIGTERMs leave tracebacks of their own
+    finally:
+        workers.stop()
+    print(f"\nchaos on the Kubernetes stand-in, seed {SEED}, {KUBERNETES_SECONDS:.0f}s: {summary}")
+
+    assert not run.violations, "\n".join(run.violations[:20])
+    assert "Traceback" not in logs, "no task failed with an error"
+    assert summary["submit"] > 50 and summary["cancel"] > 5 and summary["node_loss"] >= 1, summary
+    assert summary.get("attempt_succeeded", 0) >= 3 and summary.get("job_queued", 0) == 0, summary
+
+
+def test_the_checker_names_each_kind_of_violation(settings, tenant, owner):
+    """The invariants are only as good as the checker: each rule, broken on purpose, is reported by name."""
+    import time
+
+    from django.utils import timezone
+
+    from runners import cycle, jobs
+    from runners.models import Job, JobAttempt
+    from runners.registry import get_backend
+    from tests.support import invariants
+    from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+
+    settings.CLUSTER_BACKEND_FACTORY = FACTORY_QUICK
+    settings.PREEMPTION_GRACE_PERIOD_S = 1
+    get_backend.cache_clear()
+    flavors = demo_cluster_with_flavors()
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=4)
+    environment = ready_environment(actor=owner, tenant=tenant)
+    base = invariants.baseline()
+    one_gpu = dict(replicas=1, gpus_per_replica=1, topology={"level": "none", "mode": "required"}, env={})
+    first, second = (jobs.job_submit(actor=owner, data=job_data(environment, name=f"j{n}", **one_gpu)) for n in (1, 2))
+    cycle.cycle_run()
+    assert invariants.check(get_backend(), baseline=base) == []
+
+    # Both on one GPU; the first "running" with its attempt unstarted; past max and capacity.
+    placement = JobAttempt.objects.get(job=first).placement
+    JobAttempt.objects.filter(job=second).update(placement=placement)
+    Job.objects.filter(id=first.id).update(state="running")
+    Job.objects.filter(id=second.id).update(replicas=4, state_changed_at=timezone.now() - timezone.timedelta(hours=1))
+    # A third job queued with no reason, and an ended attempt whose replicas still run.
+    third = jobs.job_submit(actor=owner, data=job_data(environment, name="j3", **one_gpu))
+    Job.objects.filter(id=third.id).update(reason="")
+    ended = JobAttempt.objects.create(job=third, number=1, placement=placement,
+                                      ended_at=timezone.now() - timezone.timedelta(seconds=30), outcome="cancelled")
+    get_backend()._write(third.id, 1, {"started": time.time(), "duration": 60, "ranks": [0], "end": None})
+
+    found = "\n".join(invariants.check(get_backend(), stuck_after_s=60, slack_s=1, baseline=base))
+    assert f"job {first.id} (acme/j1, running) is running with open attempts [1], 0 of them started" in found
+    assert f"GPU {placement[0]['node']}/{placement[0]['gpus'][0]} is held whole and by another replica too" in found
+    assert f"tenant acme holds 5 units of h100-80gb, past its max 4: jobs {first.id}, {second.id}" in found
+    assert f"job {second.id} (acme/j2, admitted) has waited" in found
+    assert f"job {third.id} (acme/j3, queued) waits in the queue with no reason" in found
+    assert f"attempt {third.id}/{ended.number} ended cancelled" in found and "QuickJobs record" in found

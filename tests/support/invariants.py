@@ -1,0 +1,346 @@
+"""The job path's invariants, checked at any moment from the database and the backend's own view.
+
+``check(backend)`` returns the violations it finds (an empty list when every rule holds); each
+message names the job, attempt, tenant, flavor or GPU it is about. The database is read in one
+REPEATABLE READ snapshot (on PostgreSQL), so rows written while the check runs cannot make two of
+its reads disagree; the backend is read after it, and only for attempts that ended long enough
+ago that no write in flight can explain what it shows.
+
+The rules:
+
+1. Attempts and states: a ``running`` job has exactly one open (``ended_at`` null), started
+   attempt; a job in a holding state (JOB_HOLDING_STATES) has exactly one open attempt; a queued
+   or final job has none.
+2. No attempt's processes outlive it: an attempt that ended more than PREEMPTION_GRACE_PERIOD_S +
+   ``slack_s`` ago has nothing running any more (the local backend: its supervisor; QuickJobs: its
+   record; the Kubernetes stand-in: its pods).
+3. No GPU is held twice by open attempts: a whole GPU by one replica; a MIG instance (GPU and
+   instance start) by one replica, and never beside a whole-GPU replica; a time-sliced GPU by at
+   most its ``timeslice_replicas`` shares.
+4. No tenant holds more than its quota's max of a flavor, and no flavor is held past its
+   capacity (units of holding jobs). Capacity lowered during the run (a lost node, a
+   re-partition) does not count: the units are checked against the larger of the capacity now
+   and the capacity in the ``baseline`` taken at the start.
+5. Nothing is stuck: every job is final; or queued with a reason; or running (within its
+   max_runtime_s plus ``stuck_after_s``); or in a state that waits on a message (admitted,
+   launching, preempted, cancelling) for less than ``stuck_after_s`` since its state changed,
+   its launch lease ran out or its stop deadline passed.
+6. Deleted environments: no job of an environment being deleted (or deleted) waits in the
+   queue or got an attempt after the delete, and no environment is deleted while an attempt of
+   its jobs is open.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from quotas.models import PartitionKind, Quota, ResourceFlavor
+from runners.models import (
+    JOB_FINAL_STATES,
+    JOB_HOLDING_STATES,
+    Environment,
+    EnvironmentState,
+    Gpu,
+    Job,
+    JobAttempt,
+    JobState,
+)
+
+# States that wait for a message (a launch, a stop) or the reconcile to move them on.
+WAITING_STATES = (JobState.ADMITTED, JobState.LAUNCHING, JobState.PREEMPTED, JobState.CANCELLING)
+
+
+@dataclass
+class Baseline:
+    """What the check compares against: the cluster as it was when the run started."""
+
+    capacities: dict[str, int] = field(default_factory=dict)  # flavor name -> units
+    timeslice_replicas: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, GPU index) -> shares
+
+    def learn(self, gpus) -> None:
+        """Remember each time-sliced GPU's share count (a lost node's GPU rows go; its jobs may still hold them)."""
+        for node, index, replicas in gpus:
+            self.timeslice_replicas[(node, index)] = max(replicas, self.timeslice_replicas.get((node, index), 0))
+
+
+def baseline() -> Baseline:
+    """The capacities and GPUs now: take it once the cluster is set up, before the run."""
+    taken = Baseline(capacities=dict(ResourceFlavor.objects.values_list("name", "capacity")))
+    taken.learn(Gpu.objects.filter(partition_kind=PartitionKind.TIMESLICE)
+                .values_list("node__name", "index", "timeslice_replicas"))
+    return taken
+
+
+@dataclass
+class _Snapshot:
+    now: object
+    jobs: dict[int, Job]
+    open_attempts: dict[int, list[JobAttempt]]
+    ended_attempts: list[JobAttempt]
+    quotas: dict[tuple[int, int], int]  # (tenant id, flavor id) -> max
+    flavors: dict[int, ResourceFlavor]
+    gpus: list[tuple[str, int, int]]
+    environments: dict[int, Environment]
+
+
+def _read(horizon_s: float) -> _Snapshot:
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        now = timezone.now()
+        jobs = {job.id: job for job in Job.objects.exclude(state__in=JOB_FINAL_STATES).select_related("tenant", "flavor")}
+        open_attempts: dict[int, list[JobAttempt]] = defaultdict(list)
+        for attempt in JobAttempt.objects.filter(ended_at__isnull=True).select_related("job__tenant", "job__flavor"):
+            open_attempts[attempt.job_id].append(attempt)
+            # An open attempt of a final job: the job is read here too, so the rule can name it.
+            jobs.setdefault(attempt.job_id, attempt.job)
+        ended = list(JobAttempt.objects.filter(
+            ended_at__isnull=False, ended_at__gte=now - timezone.timedelta(seconds=horizon_s)
+        ).only("id", "job_id", "number", "ended_at", "outcome"))
+        return _Snapshot(
+            now=now, jobs=jobs, open_attempts=open_attempts, ended_attempts=ended,
+            quotas={(tenant, flavor): cap for tenant, flavor, cap in Quota.objects.values_list("tenant_id", "flavor_id", "max")},
+            flavors={flavor.id: flavor for flavor in ResourceFlavor.objects.all()},
+            gpus=list(Gpu.objects.filter(partition_kind=PartitionKind.TIMESLICE)
+                      .values_list("node__name", "index", "timeslice_replicas")),
+            environments={env.id: env for env in Environment.objects.filter(
+                state__in=[EnvironmentState.DELETING, EnvironmentState.DELETED])},
+        )
+
+
+def _name(job: Job) -> str:
+    return f"job {job.id} ({job.tenant.slug}/{job.name}, {job.state})"
+
+
+def _attempt(attempt: JobAttempt) -> str:
+    return f"attempt {attempt.job_id}/{attempt.number}"
+
+
+# --- 1. Attempts and states ---------------------------------------------------------------
+
+
+def _attempts_match_states(snap: _Snapshot) -> list[str]:
+    found = []
+    for job in snap.jobs.values():
+        opened = snap.open_attempts.get(job.id, [])
+        numbers = ", ".join(str(a.number) for a in opened) or "none"
+        if job.state == JobState.RUNNING:
+            started = [a for a in opened if a.started_at is not None]
+            if len(opened) != 1 or len(started) != 1:
+                found.append(f"{_name(job)} is running with open attempts [{numbers}], "
+                             f"{len(started)} of them started (wants exactly one, started)")
+        elif job.state in JOB_HOLDING_STATES:
+            if len(opened) != 1:
+                found.append(f"{_name(job)} holds with open attempts [{numbers}] (wants exactly one)")
+        elif opened:
+            found.append(f"{_name(job)} has open attempts [{numbers}] (a {job.state} job holds none)")
+    return found
+
+
+# --- 2. Processes that outlive their attempt ------------------------------------------------
+
+
+def _alive_in_backend(backend, attempt: JobAttempt) -> str | None:
+    """What of this attempt still runs, in the backend's own view; None when nothing does."""
+    from tests.support.backends import QuickJobs
+    from tests.support.k8s_standin import KubernetesStandIn
+
+    if isinstance(backend, KubernetesStandIn):
+        from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
+
+        pods = [pod for pod in backend.pods(**{JOB_LABEL: str(attempt.job_id), ATTEMPT_LABEL: str(attempt.number)})
+                if (pod.get("status") or {}).get("phase") in ("Pending", "Running")]
+        return f"pods {', '.join(pod['metadata']['name'] for pod in pods)}" if pods else None
+    if isinstance(backend, QuickJobs):
+        record = backend._read(attempt.job_id, attempt.number)
+        if record and record.get("end") is None and time.time() - record["started"] < record["duration"]:
+            return f"its QuickJobs record (started {time.time() - record['started']:.1f}s ago, not ended)"
+        return None
+    jobs = getattr(backend, "jobs", None)
+    if jobs is not None and hasattr(jobs, "attempt_dir"):
+        from runners.backends.local_jobs import _alive
+
+        try:
+            pid, _group = (jobs.attempt_dir(attempt.job_id, attempt.number) / "supervisor.pid").read_text().split()
+        except (FileNotFoundError, ValueError):
+            return None
+        return f"supervisor pid {pid}" if _alive(int(pid)) else None
+    return None  # a backend this check cannot look into
+
+
+def _nothing_outlives(snap: _Snapshot, backend, slack_s: float) -> list[str]:
+    if backend is None:
+        return []
+    cutoff = snap.now - timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S + slack_s)
+    found = []
+    for attempt in snap.ended_attempts:
+        if attempt.ended_at > cutoff:
+            continue
+        alive = _alive_in_backend(backend, attempt)
+        if alive:
+            ago = (snap.now - attempt.ended_at).total_seconds()
+            found.append(f"{_attempt(attempt)} ended {attempt.outcome} {ago:.1f}s ago but {alive} still runs "
+                         f"(grace {settings.PREEMPTION_GRACE_PERIOD_S}s + slack {slack_s}s)")
+    return found
+
+
+# --- 3. GPUs held twice ---------------------------------------------------------------
+
+
+def _gpus_held_once(snap: _Snapshot, base: Baseline) -> list[str]:
+    claims: dict[tuple[str, int], list[tuple[str, JobAttempt, int | None]]] = defaultdict(list)
+    for attempts in snap.open_attempts.values():
+        for attempt in attempts:
+            kind = attempt.job.flavor.kind
+            for replica in attempt.placement:
+                for index in replica["gpus"]:
+                    if replica.get("mig_profile"):
+                        claims[(replica["node"], index)].append(("mig", attempt, replica.get("mig_start")))
+                    elif kind == PartitionKind.TIMESLICE:
+                        claims[(replica["node"], index)].append(("share", attempt, None))
+                    else:
+                        claims[(replica["node"], index)].append(("whole", attempt, None))
+    found = []
+    for (node, index), held in sorted(claims.items()):
+        if len(held) < 2:
+            continue
+        who = ", ".join(f"{_attempt(a)} ({kind}{'' if start is None else f' @{start}'})" for kind, a, start in held)
+        kinds = {kind for kind, _, _ in held}
+        where = f"GPU {node}/{index}"
+        if "whole" in kinds:
+            found.append(f"{where} is held whole and by another replica too: {who}")
+        elif kinds == {"mig"}:
+            starts = [start for _, _, start in held]
+            if len(starts) != len(set(starts)):
+                found.append(f"{where}: one MIG instance held twice: {who}")
+        elif kinds == {"share"}:
+            limit = base.timeslice_replicas.get((node, index), 1)
+            if len(held) > limit:
+                found.append(f"{where} holds {len(held)} time-slice shares, past its {limit}: {who}")
+        else:
+            found.append(f"{where} is held as a MIG instance and as a time-slice share at once: {who}")
+    return found
+
+
+# --- 4. Quota max and capacity -------------------------------------------------------------
+
+
+def _within_max_and_capacity(snap: _Snapshot, base: Baseline) -> list[str]:
+    per_tenant: dict[tuple[int, int], list[Job]] = defaultdict(list)
+    per_flavor: dict[int, list[Job]] = defaultdict(list)
+    for job in snap.jobs.values():
+        if job.state in JOB_HOLDING_STATES:
+            per_tenant[(job.tenant_id, job.flavor_id)].append(job)
+            per_flavor[job.flavor_id].append(job)
+    found = []
+    for (tenant_id, flavor_id), jobs in sorted(per_tenant.items()):
+        held = sum(job.units for job in jobs)
+        cap = snap.quotas.get((tenant_id, flavor_id), 0)
+        if held > cap:
+            found.append(f"tenant {jobs[0].tenant.slug} holds {held} units of {jobs[0].flavor.name}, past its max "
+                         f"{cap}: jobs {', '.join(str(job.id) for job in sorted(jobs, key=lambda j: j.id))}")
+    for flavor_id, jobs in sorted(per_flavor.items()):
+        flavor = snap.flavors[flavor_id]
+        limit = max(flavor.capacity, base.capacities.get(flavor.name, flavor.capacity))
+        held = sum(job.units for job in jobs)
+        if held > limit:
+            found.append(f"flavor {flavor.name} is held {held} units, past its capacity {limit}: jobs "
+                         f"{', '.join(str(job.id) for job in sorted(jobs, key=lambda j: j.id))}")
+    return found
+
+
+# --- 5. Stuck jobs ------------------------------------------------------------------------
+
+
+def _nothing_stuck(snap: _Snapshot, stuck_after_s: float) -> list[str]:
+    found = []
+    for job in snap.jobs.values():
+        if job.state in JOB_FINAL_STATES:
+            continue
+        if job.state == JobState.QUEUED:
+            if not job.reason.strip():
+                found.append(f"{_name(job)} waits in the queue with no reason")
+            continue
+        opened = snap.open_attempts.get(job.id, [])
+        if job.state == JobState.RUNNING:
+            started = min((a.started_at for a in opened if a.started_at), default=None)
+            budget = job.spec["max_runtime_s"] + stuck_after_s
+            if started and (snap.now - started).total_seconds() > budget:
+                found.append(f"{_name(job)} has run {(snap.now - started).total_seconds():.0f}s, past max_runtime_s "
+                             f"+ {stuck_after_s}s")
+            continue
+        moments = [job.state_changed_at, job.stop_deadline, *(a.launch_lease_until for a in opened)]
+        since = max(moment for moment in moments if moment is not None)
+        waited = (snap.now - since).total_seconds()
+        if waited > stuck_after_s:
+            found.append(f"{_name(job)} has waited {waited:.1f}s (since its state changed, its lease ran out or its "
+                         f"stop deadline passed; the bound is {stuck_after_s}s): {job.reason[:200]}")
+    return found
+
+
+# --- 6. Deleted environments ------------------------------------------------------------
+
+
+def _deleted_environments_hold_nothing(snap: _Snapshot) -> list[str]:
+    found = []
+    for job in snap.jobs.values():
+        environment = snap.environments.get(job.environment_id)
+        if environment is None:
+            continue
+        deleted_at = environment.delete_requested_at
+        if job.state in (JobState.QUEUED, JobState.ADMITTED):
+            found.append(f"{_name(job)} of environment {environment.id} ({environment.state} since "
+                         f"{deleted_at}) is still {job.state}")
+        for attempt in snap.open_attempts.get(job.id, []):
+            if deleted_at is not None and attempt.admitted_at > deleted_at:
+                found.append(f"{_attempt(attempt)} was admitted at {attempt.admitted_at}, after environment "
+                             f"{environment.id} was deleted at {deleted_at}")
+            if environment.state == EnvironmentState.DELETED:
+                found.append(f"{_attempt(attempt)} is open but environment {environment.id} is deleted")
+    return found
+
+
+def check(backend=None, *, stuck_after_s: float = 60.0, slack_s: float = 5.0, baseline: Baseline | None = None,
+          horizon_s: float = 3600.0) -> list[str]:
+    """Every violation of the rules above, now; empty when all hold.
+
+    ``backend``: the portal's backend (local, QuickJobs) or a KubernetesStandIn, for rule 2;
+    None skips it. ``baseline``: from ``baseline()`` at the start (capacities, time-slice share
+    counts); without one, today's capacities and GPUs are the measure. ``horizon_s``: how far back
+    ended attempts are looked at for rule 2.
+    """
+    snap = _read(horizon_s)
+    base = baseline or Baseline(capacities={})
+    base.learn(snap.gpus)
+    return [
+        *_attempts_match_states(snap),
+        *_nothing_outlives(snap, backend, slack_s),
+        *_gpus_held_once(snap, base),
+        *_within_max_and_capacity(snap, base),
+        *_nothing_stuck(snap, stuck_after_s),
+        *_deleted_environments_hold_nothing(snap),
+    ]
+
+
+def describe(job_ids) -> str:
+    """Each job's state, reason and attempts: what a failure message needs."""
+    lines = []
+    for job in Job.objects.filter(id__in=list(job_ids)).order_by("id"):
+        attempts = "; ".join(
+            f"{a.number}: {a.outcome or 'open'} admitted {a.admitted_at:%H:%M:%S.%f} "
+            f"started {a.started_at and f'{a.started_at:%H:%M:%S.%f}'} ended {a.ended_at and f'{a.ended_at:%H:%M:%S.%f}'}"
+            f" {a.reason[:80]} {json.dumps(a.placement)[:120]}"
+            for a in job.attempts.order_by("number")
+        )
+        events = " -> ".join(f"{e.to_state}@{e.at:%H:%M:%S.%f}" for e in job.events.order_by("at", "id"))
+        lines.append(f"job {job.id} {job.tenant.slug}/{job.name}: {job.state} ({job.reason[:150]}); attempts {attempts}; "
+                     f"events {events}")
+    return "\n".join(lines)
