@@ -131,6 +131,12 @@ class _Cycle:
         self.quotas: dict[str, TenantQuota] = {
             quota.tenant: quota for quota in sorted(snapshot.tenants, key=lambda q: q.tenant)
         }
+        # Per tenant, each flavor's fair-share weight where some flavor has its own; None where all
+        # take the tenant's (the share is then one division, the common case kept cheap).
+        self.flavor_weights: dict[str, dict[str, float] | None] = {}
+        for tenant, quota in self.quotas.items():
+            weights = quota.flavor_weights()
+            self.flavor_weights[tenant] = None if all(w == quota.weight for w in weights.values()) else weights
         self.occupied: dict[str, int] = defaultdict(int)
         self.committed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # Work that reclamation may still stop; work already stopping feeds the pool below instead.
@@ -188,8 +194,9 @@ class _Cycle:
         )
 
     def _share(self, tenant: str) -> float:
-        quota = self.quotas[tenant]
-        return weighted_dominant_share(self.committed[tenant], self.capacity, quota.weight, quota.flavor_weights())
+        return weighted_dominant_share(
+            self.committed[tenant], self.capacity, self.quotas[tenant].weight, self.flavor_weights[tenant]
+        )
 
     def _order_key(self, gang: PendingGang) -> tuple[int, float, int, float, str]:
         return gang_order_key(
