@@ -36,9 +36,11 @@ def populate(queued: int, tenants: int, seed: int) -> None:
     from django.utils import timezone
 
     from quotas.models import Quota, ResourceFlavor
-    from runners.jobs import DEFAULTS
-    from runners.models import Environment, EnvironmentState, Gpu, Job, Node
-    from runners.services import flavor_capacity_refresh, flavors_discover, inventory_sync
+    from runners.clusters.models import Gpu, Node
+    from runners.clusters.services import flavor_capacity_refresh, flavors_discover, inventory_sync
+    from runners.environments.models import Environment, EnvironmentState
+    from runners.jobs.models import Job
+    from runners.jobs.services import DEFAULTS
     from tenants.models import Tenant
 
     inventory_sync()
@@ -89,8 +91,8 @@ def populate(queued: int, tenants: int, seed: int) -> None:
 def run(queued: int, tenants: int, seed: int) -> list[dict]:
     from django.db import connection
 
-    from runners.cycle import cycle_run
-    from runners.models import Job
+    from runners.jobs.models import Job
+    from runners.scheduling.services import cycle_run
 
     creation = connection.creation
     original = connection.settings_dict["NAME"]

@@ -59,8 +59,8 @@ def main() -> int:
     connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     worker = None
     try:
-        from runners import jobs
-        from runners.models import Job, JobEvent
+        from runners.jobs import services as jobs
+        from runners.jobs.models import Job, JobEvent
         from tenants.models import Membership, Tenant
         from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
         from tests.support.worker import WorkerProcess

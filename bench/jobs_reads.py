@@ -70,8 +70,8 @@ def main() -> int:
         from django.test import Client
         from rest_framework.test import APIClient
 
-        from runners import jobs
-        from runners.models import JobMetric
+        from runners.jobs import services as jobs
+        from runners.jobs.models import JobMetric
         from tenants.models import Membership, Tenant
         from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 

@@ -7,10 +7,10 @@ from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
 
+from common import nulls
 from frontend.drawings import parse_layout
-from portal import nulls
 from quotas.models import PartitionKind
-from runners.models import PartitionChange
+from runners.clusters.models import PartitionChange
 from runners.nvidia.mig import GPU_MODELS
 from tenants import login_throttle
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator

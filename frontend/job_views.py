@@ -7,12 +7,14 @@ from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
+from common.errors import Conflict
 from frontend.forms import JobForm
-from portal.errors import Conflict
 from quotas import selectors as quota_selectors
-from runners import jobs
-from runners import selectors as runner_selectors
-from runners.models import JOB_FINAL_STATES, EnvironmentState, JobState
+from runners.environments import selectors as environment_selectors
+from runners.environments.models import EnvironmentState
+from runners.jobs import selectors as job_selectors
+from runners.jobs import services as jobs
+from runners.jobs.models import JOB_FINAL_STATES, JobState
 from tenants import selectors
 from tenants.models import Role
 
@@ -21,7 +23,7 @@ CHART_WIDTH, CHART_HEIGHT, CHART_POINTS = 600, 180, 300
 
 def _flavor_rows(tenant) -> list[dict]:
     """The tenant's flavors, each with what its quota leaves now."""
-    usage = runner_selectors.tenant_flavor_usage(tenant=tenant)
+    usage = job_selectors.tenant_flavor_usage(tenant=tenant)
     rows = []
     for quota in quota_selectors.tenant_quotas(tenant=tenant):
         used = usage.get(quota.flavor_id, 0)
@@ -35,14 +37,14 @@ def _flavor_rows(tenant) -> list[dict]:
 
 def _render_jobs(request, tenant, form=None, *, status=200):
     can_submit = selectors.user_has_role(user=request.user, tenant=tenant, at_least=Role.MEMBER)
-    ready = runner_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
+    ready = environment_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
     flavors = _flavor_rows(tenant)
     state = request.GET.get("state") or ""
     if state and state not in JobState.values:
         state = ""
     context = {
         "tenant": tenant,
-        "jobs": runner_selectors.job_list(user=request.user, tenant=tenant.slug, state=state or None)[:200],
+        "jobs": job_selectors.job_list(user=request.user, tenant=tenant.slug, state=state or None)[:200],
         "state": state,
         "states": JobState.values,
         "can_submit": can_submit,
@@ -63,7 +65,7 @@ def job_list(request, slug):
 @require_POST
 def job_submit(request, slug):
     tenant = selectors.tenant_get(user=request.user, slug=slug)
-    ready = runner_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
+    ready = environment_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
     form = JobForm(request.POST, environments=ready, flavors=_flavor_rows(tenant))
     if form.is_valid():
         try:
@@ -107,8 +109,8 @@ def loss_chart(series: list[dict]) -> dict | None:
 
 
 def _job_context(request, job_id) -> dict:
-    job = runner_selectors.job_get(user=request.user, job_id=job_id)
-    context = runner_selectors.job_page(job)
+    job = job_selectors.job_get(user=request.user, job_id=job_id)
+    context = job_selectors.job_page(job)
     chart = loss_chart(context["series"])
     if chart is not None:
         chart["count"] = context["steps_recorded"]  # the series is downsampled; say how many steps it covers
@@ -138,7 +140,7 @@ def job_live(request, job_id):
 @login_required
 @require_POST
 def job_cancel(request, job_id):
-    job = runner_selectors.job_get(user=request.user, job_id=job_id)
+    job = job_selectors.job_get(user=request.user, job_id=job_id)
     try:
         jobs.job_cancel(actor=request.user, job=job)
     except PermissionDenied as exc:

@@ -11,6 +11,7 @@ from django.urls import reverse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
+from common import nulls
 from frontend import drawings
 from frontend.forms import (
     EnvironmentForm,
@@ -21,13 +22,15 @@ from frontend.forms import (
     QuotaForm,
     add_service_errors,
 )
-from portal import nulls
 from quotas import selectors as quota_selectors
 from quotas import services as quota_services
-from runners import environments
-from runners import selectors as runner_selectors
-from runners import services as runner_services
-from runners.models import EnvironmentState, PartitionChange
+from runners.clusters import selectors as cluster_selectors
+from runners.clusters import services as clusters
+from runners.clusters.models import PartitionChange
+from runners.environments import selectors as environment_selectors
+from runners.environments import services as environments
+from runners.environments.models import EnvironmentState
+from runners.jobs import selectors as job_selectors
 from tenants import selectors, services
 from tenants.models import Role
 
@@ -65,7 +68,7 @@ def dashboard(request):
         {"tenant": tenant, "role": selectors.user_role(user=request.user, tenant=tenant)}
         for tenant in selectors.tenant_list(user=request.user)
     ]
-    environments = runner_selectors.environment_list(user=request.user)
+    environments = environment_selectors.environment_list(user=request.user)
     return render(request, "frontend/dashboard.html", {"tenants": tenants, "environments": environments})
 
 
@@ -73,7 +76,7 @@ def _render_tenant(request, tenant, *, environment_form=None, member_form=None, 
     context = {
         "tenant": tenant,
         "members": selectors.member_list(user=request.user, tenant=tenant),
-        "environments": runner_selectors.environment_list(user=request.user, tenant=tenant),
+        "environments": environment_selectors.environment_list(user=request.user, tenant=tenant),
         "environment_form": environment_form or EnvironmentForm(),
         "member_form": member_form or MemberAddForm(),
         **_abilities(request.user, tenant),
@@ -149,7 +152,7 @@ def environment_detail(request, environment_id):
 
 
 def _environment_context(request, environment_id) -> dict:
-    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = environment_selectors.environment_get(user=request.user, environment_id=environment_id)
     return {"environment": environment, **_abilities(request.user, environment.tenant)}
 
 
@@ -166,7 +169,7 @@ def environment_status(request, environment_id):
 @require_GET
 def environment_row(request, environment_id):
     """One row of an environment table; empty once the environment is deleted, so the row goes away."""
-    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = environment_selectors.environment_get(user=request.user, environment_id=environment_id)
     if environment.state == EnvironmentState.DELETED:
         return HttpResponse("")
     context = {"environment": environment, "show_tenant": request.GET.get("show_tenant") == "1"}
@@ -177,11 +180,11 @@ def environment_row(request, environment_id):
 @require_http_methods(["GET", "POST"])
 def environment_delete(request, environment_id):
     """GET asks for confirmation; only the POST from that page deletes."""
-    environment = runner_selectors.environment_get(user=request.user, environment_id=environment_id)
+    environment = environment_selectors.environment_get(user=request.user, environment_id=environment_id)
     if request.method == "GET":
         context = {
             "environment": environment, **_abilities(request.user, environment.tenant),
-            "live_jobs": runner_selectors.environment_live_jobs(environment),
+            "live_jobs": job_selectors.environment_live_jobs(environment),
         }
         return render(request, "frontend/environment_delete.html", context)
     try:
@@ -277,9 +280,9 @@ def _render_partitions(request, form, *, preview=None, status=200):
         {
             "profile": profile,
             "drawing": drawings.profile_drawing(profile),
-            "configs": runner_selectors.partition_profile_configs(profile),
+            "configs": cluster_selectors.partition_profile_configs(profile),
         }
-        for profile in runner_selectors.partition_profile_list()
+        for profile in cluster_selectors.partition_profile_list()
     ]
     context = {"profiles": profiles, "form": form, "preview": preview}
     return render(request, "frontend/partitions.html", context, status=status)
@@ -310,7 +313,7 @@ def _preview(form: PartitionPreviewForm) -> dict:
 def _geometry_problem(gpu_model: str, kind: str, layout: list[str], replicas: int | None) -> str | None:
     # The service's own check, so the preview never promises what Save then refuses.
     try:
-        runner_services.partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+        clusters.partition_profile_check(gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
     except ValidationError as exc:
         return " ".join(message for messages in exc.message_dict.values() for message in messages)
     return None
@@ -330,7 +333,7 @@ def partition_create(request):
     if form.is_valid():
         data = form.cleaned_data
         try:
-            profile = runner_services.partition_profile_create(actor=request.user, **data)
+            profile = clusters.partition_profile_create(actor=request.user, **data)
         except PermissionDenied as exc:
             form.add_error(None, str(exc))
         except ValidationError as exc:
@@ -344,8 +347,8 @@ def partition_create(request):
 @staff_required
 @require_GET
 def node_pool_list(request):
-    latest = runner_selectors.partition_change_latest_by_pool(user=request.user)
-    first_gpus = runner_selectors.node_pool_first_gpus(user=request.user)
+    latest = cluster_selectors.partition_change_latest_by_pool(user=request.user)
+    first_gpus = cluster_selectors.node_pool_first_gpus(user=request.user)
     pools = [
         {
             "pool": pool,
@@ -353,16 +356,16 @@ def node_pool_list(request):
             # A pool is partitioned alike, so its first GPU shows how each of them is cut.
             "drawing": drawings.gpu_drawing(first_gpus[pool.id]) if pool.id in first_gpus else None,
         }
-        for pool in runner_selectors.node_pool_list(user=request.user)
+        for pool in cluster_selectors.node_pool_list(user=request.user)
     ]
     return render(request, "frontend/node_pools.html", {"pools": pools})
 
 
 def _pool_live_context(request, pool) -> dict:
-    change = runner_selectors.partition_change_latest(user=request.user, pool=pool)
+    change = cluster_selectors.partition_change_latest(user=request.user, pool=pool)
     nodes = [
         {"node": node, "gpus": [{"gpu": gpu, "drawing": drawings.gpu_drawing(gpu)} for gpu in node.gpus.all()]}
-        for node in runner_selectors.node_pool_nodes(user=request.user, pool=pool)
+        for node in cluster_selectors.node_pool_nodes(user=request.user, pool=pool)
     ]
     return {
         "pool": pool,
@@ -373,7 +376,7 @@ def _pool_live_context(request, pool) -> dict:
 
 
 def _render_pool(request, pool, form=None, *, status=200):
-    profiles = runner_selectors.node_pool_profiles(user=request.user, pool=pool)
+    profiles = cluster_selectors.node_pool_profiles(user=request.user, pool=pool)
     context = {
         **_pool_live_context(request, pool),
         "form": form or NodePoolApplyForm(profiles=profiles),
@@ -392,7 +395,7 @@ def _capacity_preview(request, pool, form: NodePoolApplyForm) -> dict:
         profile = None
     if profile is None:
         return {"problem": "Choose a profile to see what it does to capacity."}
-    result = runner_services.node_pool_apply(
+    result = clusters.node_pool_apply(
         actor=request.user, pool=pool, profile=profile, drain=PartitionChange.Drain.WAIT, dry_run=True
     )
     return {"profile": profile, "rows": result["capacity"]}
@@ -402,8 +405,8 @@ def _capacity_preview(request, pool, form: NodePoolApplyForm) -> dict:
 @require_GET
 def node_pool_apply_preview(request, pool_id):
     """A fragment: per flavor, capacity before and after the chosen profile, and guarantees that no longer fit."""
-    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
-    form = NodePoolApplyForm(request.GET, profiles=runner_selectors.node_pool_profiles(user=request.user, pool=pool))
+    pool = cluster_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    form = NodePoolApplyForm(request.GET, profiles=cluster_selectors.node_pool_profiles(user=request.user, pool=pool))
     return render(
         request, "frontend/fragments/pool_capacity_preview.html",
         {"pool": pool, "preview": _capacity_preview(request, pool, form)},
@@ -413,7 +416,7 @@ def node_pool_apply_preview(request, pool_id):
 @staff_required
 @require_GET
 def node_pool_detail(request, pool_id):
-    return _render_pool(request, runner_selectors.node_pool_get(user=request.user, pool_id=pool_id))
+    return _render_pool(request, cluster_selectors.node_pool_get(user=request.user, pool_id=pool_id))
 
 
 @never_cache
@@ -421,18 +424,18 @@ def node_pool_detail(request, pool_id):
 @require_GET
 def node_pool_live(request, pool_id):
     """The pool's layouts and latest change, polled while the change is in flight."""
-    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    pool = cluster_selectors.node_pool_get(user=request.user, pool_id=pool_id)
     return render(request, "frontend/fragments/node_pool_live.html", _pool_live_context(request, pool))
 
 
 @staff_required
 @require_POST
 def node_pool_apply(request, pool_id):
-    pool = runner_selectors.node_pool_get(user=request.user, pool_id=pool_id)
-    form = NodePoolApplyForm(request.POST, profiles=runner_selectors.node_pool_profiles(user=request.user, pool=pool))
+    pool = cluster_selectors.node_pool_get(user=request.user, pool_id=pool_id)
+    form = NodePoolApplyForm(request.POST, profiles=cluster_selectors.node_pool_profiles(user=request.user, pool=pool))
     if form.is_valid():
         try:
-            change = runner_services.node_pool_apply(actor=request.user, pool=pool, **form.cleaned_data)["change"]
+            change = clusters.node_pool_apply(actor=request.user, pool=pool, **form.cleaned_data)["change"]
         except PermissionDenied as exc:
             form.add_error(None, str(exc))
         except ValidationError as exc:

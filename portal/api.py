@@ -6,16 +6,11 @@ from rest_framework import exceptions
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from portal import errors
+from common import errors
 from quotas.api import FlavorViewSet, QuotaViewSet
-from runners.api import (
-    EnvironmentViewSet,
-    JobViewSet,
-    NodePoolViewSet,
-    NodeViewSet,
-    PartitionChangeViewSet,
-    PartitionProfileViewSet,
-)
+from runners.clusters.api import NodePoolViewSet, NodeViewSet, PartitionChangeViewSet, PartitionProfileViewSet
+from runners.environments.api import EnvironmentViewSet
+from runners.jobs.api import JobViewSet
 from tenants.api import MemberViewSet, TenantViewSet
 
 router = DefaultRouter()
@@ -45,7 +40,7 @@ class ConflictError(exceptions.APIException):
 
 
 def exception_handler(exc, context):
-    """Map the portal's own exceptions (portal.errors) to HTTP; a ValidationError is a 400 naming the field."""
+    """Map the portal's own exceptions (common.errors) to HTTP; a ValidationError is a 400 naming the field."""
     if isinstance(exc, errors.NotFound):
         exc = exceptions.NotFound(str(exc))
     elif isinstance(exc, errors.Conflict):

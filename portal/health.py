@@ -13,7 +13,7 @@ from django.http import JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
 
-from portal import tasks
+from common import dispatch
 
 
 @never_cache
@@ -46,7 +46,7 @@ def _broker() -> str:
 @require_GET
 def readyz(request):
     checks = {"database": _database(), "broker": _broker()}
-    last = tasks.last_send_failure()
+    last = dispatch.last_send_failure()
     if last is not None:
         checks["task_sends"] = f"degraded: a task could not be sent {int(time.time() - last)} s ago; the sweeps resend it"
     ready = checks["database"] == "ok" and checks["broker"] == "ok"

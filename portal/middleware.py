@@ -11,8 +11,8 @@ import re
 
 from django.http import Http404, HttpResponse, JsonResponse
 
-from portal import tasks
-from portal.errors import Conflict, NotFound, TooMany
+from common import dispatch
+from common.errors import Conflict, NotFound, TooMany
 
 # C0 controls but tab, and DEL: what no path segment, query value or header value here may hold.
 CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -80,11 +80,11 @@ class DegradedSendMiddleware:
         self.get_response = get_response
 
     def __call__(self, request):
-        token = tasks.begin_request()
+        token = dispatch.begin_request()
         try:
             response = self.get_response(request)
         finally:
-            failed = tasks.end_request(token)
+            failed = dispatch.end_request(token)
         if failed:
             response[DEGRADED_HEADER] = (
                 "broker-unreachable; saved, and the work starts once the broker is back: " + ", ".join(sorted(set(failed)))
@@ -93,7 +93,7 @@ class DegradedSendMiddleware:
 
 
 class PortalErrorMiddleware:
-    """Answer the portal's own exceptions (portal.errors) raised under a page view."""
+    """Answer the portal's own exceptions (common.errors) raised under a page view."""
 
     def __init__(self, get_response):
         self.get_response = get_response

@@ -45,7 +45,11 @@ INSTALLED_APPS = [
     "portal",
     "tenants",
     "quotas",
-    "runners",
+    "runners",  # the migration history from before the apps below were split out of it
+    "runners.clusters",
+    "runners.environments",
+    "runners.jobs",
+    "runners.scheduling",
     "frontend",
 ]
 
@@ -60,7 +64,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    # Last, so it sees what a view raised: portal.errors.NotFound is a 404 page, Conflict a 409.
+    # Last, so it sees what a view raised: common.errors.NotFound is a 404 page, Conflict a 409.
     "portal.middleware.PortalErrorMiddleware",
 ]
 
@@ -148,14 +152,14 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     # ?page= must be a positive integer (400 naming it otherwise); past the last page is a 404.
-    "DEFAULT_PAGINATION_CLASS": "portal.pagination.PageNumberPagination",
+    "DEFAULT_PAGINATION_CLASS": "common.pagination.PageNumberPagination",
     "PAGE_SIZE": env_int("API_PAGE_SIZE", 50, minimum=1),
     # Documents every error answer, with its body, next to the success one (portal/schema.py).
     "DEFAULT_SCHEMA_CLASS": "portal.schema.PortalAutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # JSON only, with size and nesting bounded (portal/parsers.py).
-    "DEFAULT_PARSER_CLASSES": ["portal.parsers.BoundedJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["common.parsers.BoundedJSONParser"],
     "EXCEPTION_HANDLER": "portal.api.exception_handler",
     "NUM_PROXIES": env_int("NUM_PROXIES", 0, minimum=0),
 }

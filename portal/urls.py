@@ -1,5 +1,6 @@
 from django.contrib import admin
-from django.urls import include, path
+from django.urls import include, path, re_path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from frontend.forms import AdminLoginForm
@@ -11,10 +12,19 @@ from tenants.api import TokenView
 # The admin's login shares the throttle of the login page and the token endpoint.
 admin.site.login_form = AdminLoginForm
 
+# Admin pages of the models that moved from the app `runners` to the apps inside it keep working
+# from old bookmarks: /admin/runners/job/5/change/ -> /admin/jobs/job/5/change/.
+MOVED_ADMIN = {"job": "jobs", "environment": "environments"}
+
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/login/", throttled_login(admin.site.login), name="admin-login"),
+    *[
+        re_path(rf"^admin/runners/{model}/(?P<rest>.*)$",
+                RedirectView.as_view(url=f"/admin/{label}/{model}/%(rest)s", permanent=True, query_string=True))
+        for model, label in MOVED_ADMIN.items()
+    ],
     path("admin/", admin.site.urls),
     path("api/v1/auth/token/", TokenView.as_view(), name="api-token"),
     path("api/v1/", include(router.urls)),

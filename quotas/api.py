@@ -8,8 +8,8 @@ from rest_framework.decorators import action
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 from rest_framework.response import Response
 
-from portal import nulls
-from portal.fields import StrictTypesMixin
+from common import nulls
+from common.fields import StrictTypesMixin
 from quotas import selectors, services
 from quotas.filters import QuotaFilter
 from quotas.models import PartitionKind, Quota, ResourceFlavor

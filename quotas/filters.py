@@ -2,7 +2,7 @@
 
 import django_filters
 
-from portal.filters import StrictFilterSet
+from common.filters import StrictFilterSet
 from quotas.models import Quota
 
 

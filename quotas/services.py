@@ -11,7 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from portal.errors import Invalid, NotAllowed
+from common.errors import Invalid, NotAllowed
 from quotas.models import GuaranteeReduction, PartitionKind, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import guaranteed_total
 from quotas.signals import quota_changed

@@ -2,8 +2,9 @@ from django.apps import AppConfig
 
 
 class RunnersConfig(AppConfig):
-    name = "runners"
-    verbose_name = "Environments, inventory and partitions"
+    """The layer "where work runs". Its own models moved to the apps inside it (clusters,
+    environments, jobs, scheduling); this app keeps their migration history up to the move
+    (runners/migrations/0001-0007), so a database made before the move migrates on."""
 
-    def ready(self) -> None:
-        from runners import signals  # noqa: F401  (connects the receivers)
+    name = "runners"
+    verbose_name = "Where work runs (migration history)"

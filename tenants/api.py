@@ -12,7 +12,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.fields import StrictTypesMixin
+from common.fields import StrictTypesMixin
 from tenants import login_throttle, selectors, services
 from tenants.models import (
     DNS_LABEL_MESSAGE,

@@ -3,7 +3,7 @@
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 
-from portal.errors import NotFound
+from common.errors import NotFound
 from tenants.models import Membership, Tenant, role_at_least
 
 

@@ -10,7 +10,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
-from portal.errors import Invalid, NotAllowed, NotFound
+from common.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, role_at_least
 from tenants.selectors import user_has_role, user_role
 from tenants.signals import members_changed

@@ -49,7 +49,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _isolated_workspaces(settings, tmp_path):
     """Each test gets its own local-backend workspace folder."""
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
 
     settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
     settings.LOCAL_JOBS_DIR = tmp_path / "jobs"
@@ -138,7 +138,7 @@ def staff(make_user):
 @pytest.fixture
 def inventory(db):
     """The demo cluster file, synced into Node and Gpu rows."""
-    from runners.services import inventory_sync
+    from runners.clusters.services import inventory_sync
 
     return inventory_sync()
 
@@ -148,7 +148,7 @@ def kubernetes_cluster(settings, tmp_path):
     """CLUSTER_BACKEND=kubernetes against the API server stand-in, through a real kubeconfig."""
     import yaml
 
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
     from tests.support.k8s_standin import KubernetesStandIn
 
     with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05) as api:

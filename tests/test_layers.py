@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PURE_PACKAGES = ["runners/scheduler", "runners/backends", "runners/nvidia", "runners/workloads"]
-PORTAL_APPS = {"portal", "tenants", "quotas", "runners", "frontend"}
+PORTAL_APPS = {"common", "portal", "tenants", "quotas", "runners", "frontend"}
 PURE_MODULE_PREFIXES = tuple(path.replace("/", ".") for path in PURE_PACKAGES)
 
 
@@ -73,56 +73,169 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
     assert not offending, "Import the name from runners.nvidia.names instead:\n" + "\n".join(offending)
 
 
-# Apps from the bottom up. An app may import those below it, the pure libraries, and the
-# portal's shared modules; never one above it, at module level or inside a function.
-LAYERS = ["tenants", "quotas", "runners", "frontend"]
-# The project package's top: the router, the URLs and the commands import every app.
-PORTAL_TOP = ("portal.api", "portal.urls", "portal.management", "portal.wsgi", "portal.celery")
+# Apps from the bottom up. An app may import those below it, the pure libraries and the ground
+# floor (common); never one above it, at module level or inside a function. The apps inside
+# runners/ are layers of their own: the inventory, then environments on it, jobs in them, and the
+# cycle that schedules jobs (and, next, inference replicas).
+LAYERS = [
+    "common", "tenants", "quotas",
+    "runners.clusters", "runners.environments", "runners.jobs", "runners.scheduling",
+    "frontend", "portal",
+]
+# runners itself holds only the migration history from before the split (and its pure libraries).
+PROJECT_PACKAGES = ["common", "portal", "tenants", "quotas", "runners", "frontend"]
+MODEL_APP_LABELS = {"tenants": "tenants", "quotas": "quotas", "clusters": "runners.clusters",
+                    "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
+                    "runners": "runners"}
 
 
 def _layer_of(module: str) -> str | None:
     """The app layer a module belongs to (None for the pure libraries and everything else)."""
     if module.startswith(PURE_MODULE_PREFIXES):
         return None
-    top = module.split(".")[0]
-    return top if top in LAYERS else None
-
-
-def _app_files(app: str) -> list[Path]:
-    return [path for path in _python_files(app) if not str(path.relative_to(REPO)).startswith(tuple(PURE_PACKAGES))]
+    for layer in sorted(LAYERS, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return "runners" if module == "runners" or module.startswith("runners.") else None
 
 
 def _model_references(path: Path) -> list[tuple[int, str]]:
-    """String references to another app's model ("runners.PartitionProfile"), as foreign keys use them."""
+    """String references to another app's model ("jobs.Job"), as foreign keys use them: (line, layer)."""
     import re
 
     found = []
+    labels = "|".join(MODEL_APP_LABELS)
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            match = re.fullmatch(r"(tenants|quotas|runners|frontend)\.[A-Z]\w*", node.value)
+            match = re.fullmatch(rf"({labels})\.[A-Z]\w*", node.value)
             if match:
-                found.append((node.lineno, match.group(1)))
+                found.append((node.lineno, MODEL_APP_LABELS[match.group(1)]))
     return found
 
 
-@pytest.mark.parametrize("app", LAYERS[:-1])
-def test_apps_depend_one_way(app):
-    above = set(LAYERS[LAYERS.index(app) + 1 :])
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_files() -> list[Path]:
+    return [path for package in PROJECT_PACKAGES for path in _python_files(package)]
+
+
+@pytest.mark.parametrize("layer", LAYERS[:-1])
+def test_apps_depend_one_way(layer):
+    above = set(LAYERS[LAYERS.index(layer) + 1 :]) | {"runners"}
     offending = []
-    for path in _app_files(app):
+    for path in _project_files():
+        module = _module_name(path)
+        if _layer_of(module) != layer:
+            continue
         relative = path.relative_to(REPO)
-        for line, module in _imports(path):
-            if _layer_of(module) in above or module.startswith(PORTAL_TOP):
-                offending.append(f"{relative}:{line} imports {module}")
+        for line, imported in _imports(path):
+            if _layer_of(imported) in above:
+                offending.append(f"{relative}:{line} imports {imported}")
         for line, target in _model_references(path):
             if target in above:
                 offending.append(f"{relative}:{line} refers to a model of {target}")
-    assert not offending, f"{app} sits below {', '.join(sorted(above))} and must not reach up:\n" + "\n".join(offending)
+    assert not offending, f"{layer} sits below {', '.join(sorted(above))} and must not reach up:\n" + "\n".join(offending)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (a `from package import module` counts as the module)."""
+    files = {_module_name(path): path for path in _project_files()}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for child in graph.get(node, ()):
+            if child not in index:
+                visit(child)
+                low[node] = min(low[node], low[child])
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_among_the_projects_modules():
+    """Counting imports inside functions: a lazy import that closes a circle is still a circle."""
+    circles = _circles(_import_graph())
+    assert not circles, "Import circles:\n" + "\n".join(" <-> ".join(circle) for circle in circles)
+
+
+def test_the_circle_finder_finds_a_circle_through_a_lazy_import():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_ground_floor_and_the_apps_import_nothing_of_the_portal_package():
+    """portal/ is the top only (settings, URLs, the router, Celery, WSGI, middleware, health, schema,
+    commands): no app imports a helper from it."""
+    offending = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in _project_files() if _layer_of(_module_name(path)) not in ("portal", None)
+        for line, module in _imports(path) if module == "portal" or module.startswith("portal.")
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_tasks_modules_are_imported_by_nothing_but_celery():
+    """Services send tasks by name through common.dispatch; a tasks module is loaded by autodiscovery."""
+    offending = []
+    for path in _project_files():
+        for line, module in _imports(path):
+            if module.endswith(".tasks") and module != "common.dispatch":
+                offending.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not offending, "\n".join(offending)
 
 
 def test_the_layer_checker_catches_a_lazy_import_and_a_model_string(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text('def f():\n    from runners.services import inventory_sync\n\nFK = "runners.PartitionProfile"\n')
-    assert [_layer_of(module) for _line, module in _imports(probe)] == ["runners"]
-    assert _model_references(probe) == [(4, "runners")]
+    probe.write_text('def f():\n    from runners.jobs.services import job_submit\n\nFK = "jobs.Job"\n')
+    assert [_layer_of(module) for _line, module in _imports(probe)] == ["runners.jobs"]
+    assert _model_references(probe) == [(4, "runners.jobs")]
     assert _layer_of("runners.nvidia.names") is None and _layer_of("quotas.models") == "quotas"
+    assert _layer_of("runners.clusters.services") == "runners.clusters" and _layer_of("common.errors") == "common"

@@ -4,7 +4,7 @@ import pytest
 
 from runners.backends.base import EnvironmentSpec
 from runners.backends.kubernetes import KubernetesBackend
-from runners.registry import kubernetes_backend_options
+from runners.clusters.registry import kubernetes_backend_options
 from tests.support.k8s import client_for, make_spec
 from tests.support.k8s_standin import KubernetesStandIn
 

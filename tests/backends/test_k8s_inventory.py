@@ -2,7 +2,7 @@
 
 from runners.backends.k8s_inventory import node_info as _node_info
 from runners.backends.k8s_inventory import parse_quantity_mib, parse_quantity_milli
-from runners.registry import kubernetes_backend_options
+from runners.clusters.registry import kubernetes_backend_options
 
 
 def node_info(node: dict):

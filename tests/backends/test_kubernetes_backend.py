@@ -10,7 +10,7 @@ from kubernetes_validate.utils import latest_version
 from runners.backends.base import MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.kubernetes import KubernetesBackend
 from runners.backends.manifests import environment_manifests, service_account_manifest
-from runners.registry import kubernetes_backend_from_settings, kubernetes_backend_options
+from runners.clusters.registry import kubernetes_backend_from_settings, kubernetes_backend_options
 from tests.support.k8s import client_for, make_spec
 from tests.support.k8s_standin import APPLY_PATCH, KubernetesStandIn
 

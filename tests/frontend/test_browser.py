@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from runners.models import Environment, EnvironmentState
+from runners.environments.models import Environment, EnvironmentState
 from tests.frontend.conftest import LIVE_TIMEOUT_MS
 from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
 from tests.frontend.conftest import log_in as _log_in

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runners.models import Job
+from runners.jobs.models import Job
 from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 

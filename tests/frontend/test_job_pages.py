@@ -2,7 +2,7 @@
 
 import pytest
 
-from runners.models import Job
+from runners.jobs.models import Job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db
@@ -59,7 +59,7 @@ def test_a_refused_submit_shows_the_services_message_at_its_field(client, owner,
 
 
 def test_a_viewer_sees_jobs_but_no_form_and_cannot_cancel(client, owner, viewer, environment):
-    from runners import jobs
+    from runners.jobs import services as jobs
 
     job = jobs.job_submit(actor=owner, data=job_data(environment))
     client.force_login(viewer)
@@ -71,7 +71,7 @@ def test_a_viewer_sees_jobs_but_no_form_and_cannot_cancel(client, owner, viewer,
 
 
 def test_another_tenants_jobs_are_404(client, owner, outsider, environment):
-    from runners import jobs
+    from runners.jobs import services as jobs
 
     job = jobs.job_submit(actor=owner, data=job_data(environment))
     client.force_login(outsider)

@@ -3,8 +3,8 @@
 import pytest
 from django.urls import reverse
 
-from runners import environments
-from runners.models import Environment, EnvironmentState
+from runners.environments import services as environments
+from runners.environments.models import Environment, EnvironmentState
 from tenants.models import Membership
 from tests.conftest import PASSWORD
 

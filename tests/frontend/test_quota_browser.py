@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 
 from quotas.models import PriceCard, Quota
-from runners.models import Gpu, NodePool, PartitionChange, PartitionProfile
+from runners.clusters.models import Gpu, NodePool, PartitionChange, PartitionProfile
 from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
 from tests.frontend.conftest import log_in as _log_in
 from tests.frontend.conftest import mark_loaded as _mark_loaded

@@ -6,8 +6,8 @@ from decimal import Decimal
 import pytest
 
 from quotas.models import PriceCard, Quota
-from runners.models import NodePool, PartitionChange, PartitionProfile
-from runners.registry import get_backend
+from runners.clusters.models import NodePool, PartitionChange, PartitionProfile
+from runners.clusters.registry import get_backend
 
 pytestmark = pytest.mark.django_db
 
@@ -433,8 +433,8 @@ def test_my_quota_is_a_404_for_an_outsider(client, outsider, tenant, h100_flavor
 def test_my_quota_shows_live_capacity_and_says_when_a_guarantee_is_not_backed(
     client, viewer, tenant, other_tenant, inventory, h100_flavor
 ):
-    from runners.registry import get_backend
-    from runners.services import inventory_sync
+    from runners.clusters.registry import get_backend
+    from runners.clusters.services import inventory_sync
 
     Quota.objects.create(tenant=tenant, flavor=h100_flavor, guaranteed=8, max=16)
     Quota.objects.create(tenant=other_tenant, flavor=h100_flavor, guaranteed=4, max=16)

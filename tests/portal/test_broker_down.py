@@ -4,8 +4,8 @@ import pytest
 from django.test import Client
 
 from portal.middleware import DEGRADED_HEADER
-from runners import environments
-from runners.models import Environment
+from runners.environments import services as environments
+from runners.environments.models import Environment
 from tests.support.worker import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,7 +16,8 @@ from django.urls import URLPattern, URLResolver, get_resolver
 from rest_framework.test import APIClient
 
 from quotas.models import Quota
-from runners.models import Environment, NodePool, PartitionProfile
+from runners.clusters.models import NodePool, PartitionProfile
+from runners.environments.models import Environment
 
 pytestmark = pytest.mark.django_db
 

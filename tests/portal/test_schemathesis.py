@@ -164,7 +164,8 @@ def fast_passwords(settings):
 def world(fast_passwords, db, tenant, owner, staff, inventory, flavor_factory):
     """One tenant with a member, an environment and a quota; staff; the demo inventory and its extras."""
     from quotas.models import PriceCard, Quota
-    from runners.models import Environment, Node, NodePool, PartitionChange, PartitionProfile
+    from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
+    from runners.environments.models import Environment
 
     flavor = flavor_factory()
     PriceCard.objects.create(flavor=flavor, price_per_hour="4.2", effective_from="2026-01-01T00:00Z")

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from quotas.models import Quota, ResourceFlavor
-from runners.models import Environment, PartitionProfile
+from runners.clusters.models import PartitionProfile
+from runners.environments.models import Environment
 
 pytestmark = pytest.mark.django_db
 
@@ -47,7 +48,7 @@ def test_a_quota_change_is_patched_and_propagated(client_for, staff, tenant, h10
 
 
 def test_a_quota_change_reaches_the_local_workspace_record(client_for, staff, owner, tenant, h100, settings):
-    from runners import environments
+    from runners.environments import services as environments
 
     environment = Environment.objects.create(tenant=tenant, name="train", namespace="acme-train", backend="local")
     environments.environment_provision_run(environment_id=environment.id)
@@ -186,8 +187,8 @@ def test_a_profile_shows_the_gpu_operator_config_it_applies(client_for, staff):
 
 
 def test_a_guarantee_can_be_lowered_after_capacity_shrank(client_for, staff, tenant, h100):
-    from runners.registry import get_backend
-    from runners.services import inventory_sync
+    from runners.clusters.registry import get_backend
+    from runners.clusters.services import inventory_sync
 
     quota_id = _quota(client_for(staff), guaranteed=16, max=16).json()["id"]
     for node in ("h100-node-1", "h100-node-2"):  # every H100 node cordoned: capacity 0

@@ -4,15 +4,15 @@ import kubernetes_validate
 import pytest
 
 from quotas import services as quota_services
-from runners import environments
-from runners.models import Environment
+from runners.environments import services as environments
+from runners.environments.models import Environment
 from tests.support.k8s import gpu_node
 
 pytestmark = pytest.mark.django_db
 
 
 def test_a_quota_change_reaches_each_environments_resource_quota(kubernetes_cluster, staff, owner, tenant, flavor_factory):
-    from runners.services import inventory_sync
+    from runners.clusters.services import inventory_sync
 
     kubernetes_cluster.put(gpu_node("gpu-1"))
     inventory_sync()

@@ -6,8 +6,10 @@ import threading
 import pytest
 from django.db import connection
 
-from runners import cycle, jobs
-from runners.models import Job, JobState, SchedulerCycle
+from runners.jobs import services as jobs
+from runners.jobs.models import Job, JobState
+from runners.scheduling import services as scheduling
+from runners.scheduling.models import SchedulerCycle
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 
@@ -50,7 +52,7 @@ def test_a_job_within_quota_is_admitted_as_one_gang_on_one_node(flavors, tenant,
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
     job = _submit(owner, acme_env, replicas=2, gpus_per_replica=2)
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        result = cycle.cycle_run()
+        result = scheduling.cycle_run()
     assert result["admitted"] == [job.id]
     job.refresh_from_db()
     assert job.state == "admitted" and job.reason.startswith("Admitted and placed on h100-node-")
@@ -68,7 +70,7 @@ def test_past_max_a_job_waits_with_the_reason_and_its_place_in_line(flavors, ten
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
     first = _submit(owner, acme_env, name="first", replicas=2, gpus_per_replica=4)
     second = _submit(owner, acme_env, name="second", replicas=2, gpus_per_replica=4)
-    cycle.cycle_run()
+    scheduling.cycle_run()
     first.refresh_from_db(), second.refresh_from_db()
     assert first.state == "admitted"
     assert second.state == "queued" and second.queue_position == 1
@@ -79,13 +81,13 @@ def test_past_max_a_job_waits_with_the_reason_and_its_place_in_line(flavors, ten
 def test_placement_takes_out_what_running_attempts_hold(flavors, tenant, owner, acme_env):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
     first = _submit(owner, acme_env, name="first", replicas=1, gpus_per_replica=8)
-    cycle.cycle_run()
+    scheduling.cycle_run()
     _run(first)
     second = _submit(owner, acme_env, name="second", replicas=1, gpus_per_replica=8)
-    cycle.cycle_run()
+    scheduling.cycle_run()
     assert {_placed(first)[0]["node"], _placed(second)[0]["node"]} == {"h100-node-1", "h100-node-2"}
     third = _submit(owner, acme_env, name="third", replicas=1, gpus_per_replica=1)
-    cycle.cycle_run()
+    scheduling.cycle_run()
     third.refresh_from_db()
     assert third.state == "queued", "all 16 H100s are held"
 
@@ -98,11 +100,11 @@ def test_a_guarantee_reclaims_borrowed_gpus_by_preempting_with_a_deadline(
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
     borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8, topology={"level": "none", "mode": "preferred"})
-    cycle.cycle_run()
+    scheduling.cycle_run()
     _run(borrower)
     owed = _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
-        result = cycle.cycle_run()
+        result = scheduling.cycle_run()
     borrower.refresh_from_db(), owed.refresh_from_db()
     assert result["preempted"] == [borrower.id]
     assert borrower.state == "preempted" and f"job {owed.id}" in borrower.reason
@@ -110,7 +112,7 @@ def test_a_guarantee_reclaims_borrowed_gpus_by_preempting_with_a_deadline(
     assert owed.state == "queued", "it starts once the victim has stopped"
     assert len(callbacks) == 1, "the stop is sent after commit"
     # The victim still holds its GPUs until it stops: another cycle preempts nothing more.
-    assert cycle.cycle_run()["preempted"] == []
+    assert scheduling.cycle_run()["preempted"] == []
 
 
 @pytest.mark.django_db
@@ -121,7 +123,7 @@ def test_mig_and_time_slice_jobs_take_existing_slices(flavors, tenant, owner, ac
     mig_job = _submit(owner, acme_env, name="mig", flavor="a100-40gb-mig-1g.5gb", replicas=8,
                       topology={"level": "none", "mode": "required"})
     ts_job = _submit(owner, acme_env, name="ts", flavor=shared, replicas=5, topology={"level": "node", "mode": "preferred"})
-    cycle.cycle_run()
+    scheduling.cycle_run()
     mig_job.refresh_from_db(), ts_job.refresh_from_db()
     assert mig_job.state == ts_job.state == "admitted", (mig_job.reason, ts_job.reason)
     slices = {(r["node"], r["gpus"][0], r["mig_start"]) for r in _placed(mig_job)}
@@ -142,7 +144,7 @@ def test_two_cycles_at_once_never_admit_the_same_capacity_twice(flavors, tenant,
     def run():
         try:
             barrier.wait()
-            results.append(cycle.cycle_run())
+            results.append(scheduling.cycle_run())
         except Exception as exc:  # pragma: no cover - reported below
             errors.append(exc)
         finally:
@@ -162,7 +164,7 @@ def test_two_cycles_at_once_never_admit_the_same_capacity_twice(flavors, tenant,
 
 @pytest.mark.django_db
 def test_the_cycle_does_not_overwrite_the_reason_of_a_job_that_left_the_queue_meanwhile(flavors, tenant, owner, acme_env):
-    from runners.jobs import job_rows_update
+    from runners.jobs.services import job_rows_update
 
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=1)
     waiting = _submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=1)

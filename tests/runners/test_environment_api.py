@@ -2,7 +2,7 @@
 
 import pytest
 
-from runners.models import Environment
+from runners.environments.models import Environment
 
 pytestmark = pytest.mark.django_db
 

@@ -5,9 +5,9 @@ import json
 import pytest
 from django.utils import timezone
 
-from runners import environments
-from runners.models import Environment
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.environments import services as environments
+from runners.environments.models import Environment
 from tenants import services
 from tenants.models import Membership
 from tests.support.backends import FailingBackend, SomethingHappensWhileBuilding, use_backend
@@ -56,7 +56,7 @@ def test_a_permanent_error_fails_it_with_the_reason(environment, settings):
 
 
 def test_a_transient_error_is_retried_then_gives_up(environment, settings):
-    from runners import tasks
+    from runners.environments import tasks as environment_tasks
 
     use_backend(settings, "unreachable")
     settings.CELERY_TASK_ALWAYS_EAGER = True
@@ -64,11 +64,11 @@ def test_a_transient_error_is_retried_then_gives_up(environment, settings):
 
     app.conf.task_always_eager = True
     try:
-        tasks.environment_provision.apply(args=[environment.id])
+        environment_tasks.environment_provision.apply(args=[environment.id])
     finally:
         app.conf.task_always_eager = False
     environment.refresh_from_db()
-    assert FailingBackend.calls == tasks.ENVIRONMENT_MAX_RETRIES + 1
+    assert FailingBackend.calls == environment_tasks.ENVIRONMENT_MAX_RETRIES + 1
     assert environment.state == "failed"
     assert "connection refused" in environment.status_message
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from runners import environments
-from runners.models import Environment
-from runners.tasks import teardown_countdown_s
+from runners.environments import services as environments
+from runners.environments.models import Environment
+from runners.environments.tasks import teardown_countdown_s
 from tests.support.worker import wait_for
 
 

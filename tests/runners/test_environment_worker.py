@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from runners.models import Environment
+from runners.environments.models import Environment
 from tests.support.worker import wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]

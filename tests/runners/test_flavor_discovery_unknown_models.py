@@ -3,8 +3,8 @@
 import pytest
 
 from quotas.models import ResourceFlavor
-from runners.models import Gpu
-from runners.services import flavors_discover, inventory_sync
+from runners.clusters.models import Gpu
+from runners.clusters.services import flavors_discover, inventory_sync
 
 
 @pytest.mark.django_db
@@ -12,7 +12,7 @@ def test_discovery_skips_an_unknown_model_and_still_names_the_rest(settings, tmp
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nold-1,64000,262144,2,P100\nnew-1,96000,786432,8,H100-80GB\n")
     settings.LOCAL_CLUSTER_FILE = str(nodes)
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
 
     get_backend.cache_clear()
     inventory_sync()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runners.models import Job, JobEvent
+from runners.jobs.models import Job, JobEvent
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db
@@ -160,16 +160,19 @@ def test_an_allow_listed_custom_image_is_accepted_where_it_can_run(client_for, o
 
 
 def test_staff_see_jobs_with_attempts_and_events_in_the_admin_but_cannot_change_them(client, staff, owner, environment):
-    from runners import jobs
+    from runners.jobs import services as jobs
 
     staff.is_superuser = True
     staff.save()
     job = jobs.job_submit(actor=owner, data=job_data(environment))
     client.force_login(staff)
-    assert "llm-pretrain" in client.get("/admin/runners/job/").content.decode()
-    page = client.get(f"/admin/runners/job/{job.id}/change/")
+    assert "llm-pretrain" in client.get("/admin/jobs/job/").content.decode()
+    page = client.get(f"/admin/jobs/job/{job.id}/change/")
     assert page.status_code == 200 and "Submitted by olivia." in page.content.decode()
-    assert client.post(f"/admin/runners/job/{job.id}/change/", {"name": "renamed"}).status_code == 403
+    assert client.post(f"/admin/jobs/job/{job.id}/change/", {"name": "renamed"}).status_code == 403
+    # Bookmarks from before jobs had their own app lead to the same page.
+    moved = client.get(f"/admin/runners/job/{job.id}/change/")
+    assert moved.status_code == 301 and moved["Location"] == f"/admin/jobs/job/{job.id}/change/"
     assert Job.objects.get().name == "llm-pretrain"
 
 

@@ -21,7 +21,7 @@ KUBERNETES_SECONDS = float(os.environ.get("CHAOS_KUBERNETES_SECONDS", "40"))
 
 
 def test_random_submits_cancels_deletes_and_lost_nodes_keep_every_invariant(settings, tmp_path):
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
 
     config = ChaosSettings(seed=SEED)
     settings.CLUSTER_BACKEND_FACTORY = FACTORY_QUICK
@@ -51,7 +51,7 @@ def test_random_submits_cancels_deletes_and_lost_nodes_keep_every_invariant(sett
 def test_the_kubernetes_backend_under_chaos_keeps_every_invariant(settings, tmp_path, kubernetes_cluster):
     """The same driver against the API stand-in: pods bound where placed, stopped with the grace period,
     gone with their node; the driver plays the trainers (a pod exits 0 once its steps are done)."""
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
     from tests.support.k8s import gpu_node
 
     config = ChaosSettings(seed=SEED)
@@ -85,9 +85,10 @@ def test_the_checker_names_each_kind_of_violation(settings, tenant, owner):
 
     from django.utils import timezone
 
-    from runners import cycle, jobs
-    from runners.models import Job, JobAttempt
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
+    from runners.jobs import services as jobs
+    from runners.jobs.models import Job, JobAttempt
+    from runners.scheduling import services as scheduling
     from tests.support import invariants
     from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
@@ -100,7 +101,7 @@ def test_the_checker_names_each_kind_of_violation(settings, tenant, owner):
     base = invariants.baseline()
     one_gpu = dict(replicas=1, gpus_per_replica=1, topology={"level": "none", "mode": "required"}, env={})
     first, second = (jobs.job_submit(actor=owner, data=job_data(environment, name=f"j{n}", **one_gpu)) for n in (1, 2))
-    cycle.cycle_run()
+    scheduling.cycle_run()
     assert invariants.check(get_backend(), baseline=base) == []
 
     # Both on one GPU; the first "running" with its attempt unstarted; past max and capacity.

@@ -21,9 +21,10 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from runners import cycle, jobs
 from runners.backends.base import PermanentBackendError, TransientBackendError
-from runners.models import IdempotencyKey, Job, JobAttempt, JobState
+from runners.jobs import services as jobs
+from runners.jobs.models import IdempotencyKey, Job, JobAttempt, JobState
+from runners.scheduling import services as scheduling
 from tests.support.backends import Faulty, use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
@@ -56,7 +57,7 @@ def faulty(settings):
 def _running_without_processes(actor, environment, name: str) -> Job:
     """A job the portal holds as running (its attempt started), with nothing on the cluster."""
     job = jobs.job_submit(actor=actor, data=job_data(environment, name=name, **ONE_GPU))
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED, job.reason
     assert jobs.transition(job, JobState.LAUNCHING, "test: claimed")

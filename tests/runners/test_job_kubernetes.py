@@ -8,9 +8,11 @@ and exit codes).
 
 import pytest
 
-from runners import cycle, jobs, launch
-from runners.models import Job
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.jobs import attempts, reconcile
+from runners.jobs import services as jobs
+from runners.jobs.models import Job
+from runners.scheduling import services as scheduling
 from runners.workloads.progress import CHECKPOINT_TAG, tagged_line
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 from tests.support.k8s import gpu_node
@@ -38,11 +40,11 @@ def _pods(api, job, attempt):
 
 
 def _launch(job):
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == "admitted", job.reason
     attempt = job.attempts.get(ended_at__isnull=True)
-    assert launch.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
     return attempt
 
 
@@ -55,7 +57,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     globex_env = ready_environment(actor=outsider, tenant=other_tenant)
     borrower = jobs.job_submit(actor=owner, data=job_data(acme_env, name="borrower", replicas=2, gpus_per_replica=4))
     attempt = _launch(borrower)
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     pods = _pods(cluster, borrower, 1)
     # Bound by the portal to the node it placed each replica on; both on one node (topology node).
     placed = {replica["replica"]: replica["node"] for replica in attempt.placement}
@@ -64,7 +66,7 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     checkpoint = {"step": 10, "path": "checkpoints/step-00000010.pt", "bytes": 4096,
                   "created_at": "2026-12-03T10:00:00+00:00"}
     cluster.write_log(acme_env.namespace, pods[0]["metadata"]["name"], tagged_line(CHECKPOINT_TAG, checkpoint) + "\n")
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     assert list(borrower.checkpoints.values_list("step", flat=True)) == [10]
 
     # Globex claims its guarantee: the borrower is preempted; its pods are deleted with the grace period.
@@ -73,8 +75,8 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
                                                          priority=50))
     cluster.clear_log()
     with django_capture_on_commit_callbacks(execute=True):
-        assert cycle.cycle_run()["preempted"] == [borrower.id]
-    launch.job_stop_run(job_id=borrower.id)  # what the job_stop task sent after commit does
+        assert scheduling.cycle_run()["preempted"] == [borrower.id]
+    attempts.job_stop_run(job_id=borrower.id)  # what the job_stop task sent after commit does
     pod_deletes = [r for r in cluster.requests if r.method == "DELETE" and "/pods/" in r.path]
     assert len(pod_deletes) == 2 and {r.query["gracePeriodSeconds"][0] for r in pod_deletes} == {"7"}
     borrower = reconcile_until(borrower, {"queued"}, timeout_s=10, pause_s=0.05)
@@ -84,14 +86,14 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
 
     # The owed job runs and finishes; then the borrower comes back, resuming from step 10.
     _launch(owed)
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     for pod in _pods(cluster, owed, 1).values():
         cluster.finish_pod(globex_env.namespace, pod["metadata"]["name"], 0)
     owed = reconcile_until(owed, {"succeeded"}, timeout_s=10, pause_s=0.05)
     second = _launch(borrower)
     second.refresh_from_db()
     assert second.number == 2 and second.resumed_from_step == 10
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     for pod in _pods(cluster, borrower, 2).values():
         assert pod["spec"]["nodeName"]
         cluster.finish_pod(acme_env.namespace, pod["metadata"]["name"], 0)
@@ -106,11 +108,11 @@ def test_cancel_deletes_with_the_grace_period_and_the_job_ends_cancelled(
     environment = ready_environment(actor=owner, tenant=tenant)
     job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=2))
     _launch(job)
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     cluster.clear_log()
     with django_capture_on_commit_callbacks(execute=True):
         jobs.job_cancel(actor=owner, job=Job.objects.get(id=job.id))
-    launch.job_stop_run(job_id=job.id)  # what the job_stop task sent after commit does
+    attempts.job_stop_run(job_id=job.id)  # what the job_stop task sent after commit does
     deletes = [r for r in cluster.requests if r.method == "DELETE"]
     assert {r.query["gracePeriodSeconds"][0] for r in deletes if "/pods/" in r.path} == {"7"}
     assert [r.query["propagationPolicy"] for r in deletes if "/jobs/" in r.path] == [["Orphan"]]
@@ -123,13 +125,13 @@ def test_a_node_lost_on_kubernetes_requeues_the_job(cluster, flavors, tenant, ow
     environment = ready_environment(actor=owner, tenant=tenant)
     job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=1, topology={"level": "none", "mode": "required"}))
     attempt = _launch(job)
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     node = attempt.placement[0]["node"]
     cluster.delete("nodes", node)
     job = reconcile_until(job, {"queued"}, timeout_s=10, pause_s=0.05)
     assert job.attempts.get(number=1).outcome == "node_lost"
     assert node in job.attempts.get(number=1).reason
     # The inventory no longer offers the node, so the next placement goes elsewhere.
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.attempts.get(number=2).placement[0]["node"] != node

@@ -4,8 +4,11 @@
 import pytest
 from django.utils import timezone
 
-from runners import cycle, jobs, launch
-from runners.models import Job, JobState
+from runners.jobs import attempts as job_attempts
+from runners.jobs import reconcile
+from runners.jobs import services as jobs
+from runners.jobs.models import Job, JobState
+from runners.scheduling import services as scheduling
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 
 pytestmark = pytest.mark.django_db
@@ -20,7 +23,7 @@ def environment(tenant, owner):
 
 def _admitted(owner, environment, **overrides):
     job = jobs.job_submit(actor=owner, data=job_data(environment, **overrides))
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == "admitted", job.reason
     return job
@@ -32,7 +35,7 @@ def test_a_replica_that_fails_is_retried_then_the_job_fails_with_the_reason(owne
     job = _admitted(owner, environment, replicas=1, max_retries=1, memory_mib_per_replica=512,
                     hyperparameters={"batch_size": 1024, "seq_len": 512},
                     topology={"level": "none", "mode": "required"})
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1) == "running"
+    assert job_attempts.job_launch_run(job_id=job.id, attempt_number=1) == "running"
     job = reconcile_until(job, {"failed"})
     attempts = list(job.attempts.order_by("number"))
     assert [(a.outcome, a.exit_code) for a in attempts] == [("failed", 1), ("failed", 1)]
@@ -49,10 +52,10 @@ def test_a_job_cancelled_before_its_launch_went_through_ends_cancelled(owner, en
     job.refresh_from_db()
     assert job.state == "cancelling"
     # The launch message, redelivered now, sees the cancel and starts nothing.
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1) == "cancelling"
+    assert job_attempts.job_launch_run(job_id=job.id, attempt_number=1) == "cancelling"
     assert job.attempts.get().started_at is None
     Job.objects.filter(id=job.id).update(state_changed_at=timezone.now() - timezone.timedelta(minutes=5))
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     job.refresh_from_db()
     assert job.state == "cancelled"
     assert job.attempts.get().outcome == "cancelled"

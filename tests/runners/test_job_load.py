@@ -24,7 +24,8 @@ from collections import Counter, defaultdict
 import pytest
 from django.db import connection
 
-from runners.models import JOB_FINAL_STATES, Environment, Job, JobAttempt
+from runners.environments.models import Environment
+from runners.jobs.models import JOB_FINAL_STATES, Job, JobAttempt
 from tests.support.backends import use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for

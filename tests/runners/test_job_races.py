@@ -23,22 +23,17 @@ from django.conf import settings as django_settings
 from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from runners import cycle, environments, jobs, launch, services
 from runners.backends.base import PermanentBackendError, TransientBackendError
 from runners.backends.local import LocalBackend
-from runners.models import (
-    JOB_HOLDING_STATES,
-    Environment,
-    IdempotencyKey,
-    Job,
-    JobAttempt,
-    JobState,
-    Node,
-    NodePool,
-    PartitionChange,
-    PartitionProfile,
-)
-from runners.registry import local_backend_options
+from runners.clusters import services as clusters
+from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters.registry import local_backend_options
+from runners.environments import services as environments
+from runners.environments.models import Environment
+from runners.jobs import attempts, reconcile
+from runners.jobs import services as jobs
+from runners.jobs.models import JOB_HOLDING_STATES, IdempotencyKey, Job, JobAttempt, JobState
+from runners.scheduling import services as scheduling
 from tenants.models import Tenant
 from tests.support.backends import Faulty, Gate, Gated, use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
@@ -114,7 +109,7 @@ def scripted_backend() -> Scripted:
 @pytest.fixture
 def scripted(settings):
     """The Scripted backend (CLUSTER_BACKEND_FACTORY names this module's factory)."""
-    from runners.registry import get_backend
+    from runners.clusters.registry import get_backend
 
     settings.CLUSTER_BACKEND_FACTORY = f"{__name__}.scripted_backend"
     get_backend.cache_clear()
@@ -225,7 +220,7 @@ def _submit(actor, environment, **overrides) -> Job:
 
 def _admitted(actor, environment, **overrides) -> Job:
     job = _submit(actor, environment, **{**ONE_GPU, **overrides})
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED, job.reason
     return job
@@ -245,7 +240,7 @@ def _started_without_processes(job: Job) -> JobAttempt:
 def _reconcile_until(predicate, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        launch.jobs_reconcile_run()
+        reconcile.jobs_reconcile_run()
         if predicate():
             return
         time.sleep(0.3)
@@ -283,7 +278,7 @@ def _borrower_and_owed(tenant, other_tenant, owner, outsider, acme_env, globex_e
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
     borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                        topology={"level": "none", "mode": "preferred"})
-    cycle.cycle_run()
+    scheduling.cycle_run()
     borrower.refresh_from_db()
     assert borrower.state == JobState.ADMITTED, borrower.reason
     owed = _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
@@ -308,9 +303,9 @@ def test_a_victim_preempted_while_admitted_is_not_launched_by_the_launch_that_co
     gate = gates("launch_job")
     attempt = borrower.attempts.get()
     with _rows_locked(JobAttempt.objects.filter(id=attempt.id)):
-        the_cycle = _Thread(cycle.cycle_run)
+        the_cycle = _Thread(scheduling.cycle_run)
         assert _wait(lambda: _lock_waiters() >= 1), "the cycle should wait to end the victim's attempt"
-        the_launch = _Thread(launch.job_launch_run, job_id=borrower.id, attempt_number=1)
+        the_launch = _Thread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
         # Now: waiting for the victim's row behind the cycle; before the fix: inside launch_job.
         _wait(lambda: gate.reached.is_set() or _lock_waiters() >= 2)
     the_cycle.outcome()
@@ -345,9 +340,9 @@ def test_a_victim_whose_launch_claimed_first_is_preempted_with_a_stop_not_requeu
     gate = gates("launch_job")
     attempt = borrower.attempts.get()
     with _rows_locked(JobAttempt.objects.filter(id=attempt.id)):
-        the_launch = _Thread(launch.job_launch_run, job_id=borrower.id, attempt_number=1)
+        the_launch = _Thread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
         assert _wait(lambda: _lock_waiters() >= 1), "the claim should hold the job's row, waiting on its attempt's"
-        the_cycle = _Thread(cycle.cycle_run)
+        the_cycle = _Thread(scheduling.cycle_run)
         assert _wait(lambda: _lock_waiters() >= 2), "the cycle should wait for the victim's row"
     assert gate.reached.wait(30), "the claim went through: the launch is in the backend call"
     decided = the_cycle.outcome()
@@ -366,7 +361,7 @@ def test_a_victim_whose_launch_claimed_first_is_preempted_with_a_stop_not_requeu
     _assert_attempts_match_states()
     assert _phase(borrower.id, 1) == "running"
 
-    launch.job_stop_run(job_id=borrower.id)  # the stop the launch sent after commit, as a worker runs it
+    attempts.job_stop_run(job_id=borrower.id)  # the stop the launch sent after commit, as a worker runs it
     _reconcile_until(lambda: _ended(attempt))
     borrower.refresh_from_db()
     assert borrower.state == JobState.QUEUED
@@ -391,12 +386,12 @@ def test_the_reconcile_never_ends_an_attempt_whose_launch_lease_is_live(owner, a
     settings.JOB_LAUNCH_LEASE_S = 300
     job = _admitted(owner, acme_env, **LONG)
     gate = gates("launch_job")
-    the_launch = _Thread(launch.job_launch_run, job_id=job.id, attempt_number=1)
+    the_launch = _Thread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
     assert gate.reached.wait(30)
     jobs.job_cancel(actor=owner, job=job)
     Job.objects.filter(id=job.id).update(state_changed_at=timezone.now() - timezone.timedelta(minutes=5))
 
-    launch.jobs_reconcile_run()
+    reconcile.jobs_reconcile_run()
     attempt = job.attempts.get()
     job.refresh_from_db()
     assert attempt.ended_at is None, "the reconcile ended an attempt whose launch is in flight"
@@ -408,7 +403,7 @@ def test_the_reconcile_never_ends_an_attempt_whose_launch_lease_is_live(owner, a
     assert attempt.started_at is not None and attempt.ended_at is None
     _assert_attempts_match_states()
 
-    launch.job_stop_run(job_id=job.id)  # the stop the launch sent after commit
+    attempts.job_stop_run(job_id=job.id)  # the stop the launch sent after commit
     _reconcile_until(lambda: _ended(attempt))
     job.refresh_from_db()
     assert job.state == JobState.CANCELLED and attempt.outcome == "cancelled"
@@ -430,27 +425,27 @@ def test_a_launch_whose_lease_ran_out_kills_what_it_started_and_never_runs_besid
     settings.JOB_LAUNCH_LEASE_S = 300  # no renewal comes during the test; the test ends the lease itself
     job = _admitted(owner, acme_env, **LONG)
     first_gate = gates("launch_job")
-    old_launch = _Thread(launch.job_launch_run, job_id=job.id, attempt_number=1)
+    old_launch = _Thread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
     assert first_gate.reached.wait(30)
     node = job.attempts.get().placement[0]["node"]
-    assert launch.jobs_preempt_on_nodes([node], reason="Preempted: test.") == {f"job-{job.id}"}
+    assert attempts.jobs_preempt_on_nodes([node], reason="Preempted: test.") == {f"job-{job.id}"}
     job.refresh_from_db()
     assert job.state == JobState.PREEMPTED
 
     # The launch's worker is stuck: its lease runs out.
     JobAttempt.objects.filter(job=job, number=1).update(launch_lease_until=timezone.now() - timezone.timedelta(seconds=1))
-    counts = launch.jobs_reconcile_run()
+    counts = reconcile.jobs_reconcile_run()
     first = job.attempts.get(number=1)
     job.refresh_from_db()
     assert counts.get("finished") == 1, counts
     assert first.ended_at is not None and first.started_at is None and first.outcome == "preempted"
     assert job.state == JobState.QUEUED
 
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED, job.reason
     del Gated.gates["launch_job"]  # the next launch passes; the old one stays held on its own gate
-    assert launch.job_launch_run(job_id=job.id, attempt_number=2) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=2) == JobState.RUNNING
 
     first_gate.opened.set()
     assert old_launch.outcome() == "ended"
@@ -480,7 +475,7 @@ def test_a_job_whose_status_read_raises_is_backed_off_while_the_pass_finishes_th
     attempts = {job.id: _started_without_processes(job) for job in (before, bad, after)}
     Scripted.broken[bad.id] = PermanentBackendError("namespaces is forbidden")
 
-    counts = launch.jobs_reconcile_run()
+    counts = reconcile.jobs_reconcile_run()
     assert counts["errors"] == 1 and counts["finished"] == 2, counts
     assert _ended(attempts[before.id]) and _ended(attempts[after.id])
     assert not _ended(attempts[bad.id])
@@ -489,11 +484,11 @@ def test_a_job_whose_status_read_raises_is_backed_off_while_the_pass_finishes_th
     assert bad.reconcile_after is not None and bad.reconcile_after > timezone.now()
     _assert_attempts_match_states()
 
-    assert launch.jobs_reconcile_run()["looked"] == 0, "the bad job waits out its backoff"
+    assert reconcile.jobs_reconcile_run()["looked"] == 0, "the bad job waits out its backoff"
 
     Scripted.broken.clear()
     Job.objects.filter(id=bad.id).update(reconcile_after=timezone.now() - timezone.timedelta(seconds=1))
-    counts = launch.jobs_reconcile_run()
+    counts = reconcile.jobs_reconcile_run()
     assert counts["errors"] == 0 and counts["finished"] == 1, counts
     bad.refresh_from_db()
     assert (bad.reconcile_errors, bad.reconcile_error, bad.reconcile_after) == (0, "", None)
@@ -510,13 +505,13 @@ def test_a_kill_that_raises_past_the_deadline_is_backed_off_and_retried(owner, a
     answers the next pass kills it and the job is requeued.
     """
     job = _admitted(owner, acme_env, **LONG)
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=1) == JobState.RUNNING
     job.refresh_from_db()
     assert jobs.transition(job, JobState.PREEMPTED, "test: preempted",
                            stop_deadline=timezone.now() - timezone.timedelta(seconds=1))
     faulty["kill_job"] = PermanentBackendError("pods/exec is forbidden")
 
-    assert launch.jobs_reconcile_run()["errors"] == 1
+    assert reconcile.jobs_reconcile_run()["errors"] == 1
     job.refresh_from_db()
     assert job.reconcile_errors == 1 and job.reconcile_after > timezone.now()
     assert job.state == JobState.PREEMPTED and _phase(job.id, 1) == "running"
@@ -524,7 +519,7 @@ def test_a_kill_that_raises_past_the_deadline_is_backed_off_and_retried(owner, a
 
     faulty.clear()
     Job.objects.filter(id=job.id).update(reconcile_after=timezone.now() - timezone.timedelta(seconds=1))
-    assert launch.jobs_reconcile_run().get("killed") == 1
+    assert reconcile.jobs_reconcile_run().get("killed") == 1
     attempt = job.attempts.get()
     _reconcile_until(lambda: _ended(attempt))
     job.refresh_from_db()
@@ -542,12 +537,12 @@ def test_a_cancel_that_lands_while_the_pass_reads_a_finished_job_ends_it_cancell
     whole pass, on every pass. Now the outcome is decided from the locked row: cancelled.
     """
     job = _admitted(owner, acme_env, steps=1, checkpoint_every_steps=0)
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=1) == JobState.RUNNING
     assert _wait(lambda: _phase(job.id, 1) == "exited", timeout_s=240), "the trainer did not finish its one step"
     assert set(_cluster().job_status(job.id, 1).exit_codes.values()) == {0}
 
     gate = gates("job_status")
-    the_pass = _Thread(launch.jobs_reconcile_run)
+    the_pass = _Thread(reconcile.jobs_reconcile_run)
     assert gate.reached.wait(30)
     jobs.job_cancel(actor=owner, job=job)
     gate.opened.set()
@@ -572,10 +567,10 @@ def test_a_second_reconcile_pass_skips_while_the_first_runs(owner, acme_env, gat
     job = _admitted(owner, acme_env)
     attempt = _started_without_processes(job)
     gate = gates("job_status")
-    first = _Thread(launch.jobs_reconcile_run)
+    first = _Thread(reconcile.jobs_reconcile_run)
     assert gate.reached.wait(30)
     gate.reached.clear()
-    assert launch.jobs_reconcile_run() == {"skipped": 1}
+    assert reconcile.jobs_reconcile_run() == {"skipped": 1}
     assert not gate.reached.is_set(), "the second pass asked the backend"
     gate.opened.set()
     assert first.outcome()["finished"] == 1
@@ -601,12 +596,12 @@ def test_an_error_mid_pass_does_not_let_a_second_pass_run_beside_the_first(owner
     def first_pass():
         own = connections["default"]
         own.settings_dict = {**own.settings_dict, "CONN_MAX_AGE": 0}
-        return launch.jobs_reconcile_run()
+        return reconcile.jobs_reconcile_run()
 
     first = _Thread(first_pass)
     assert gate.reached.wait(30), "the first pass should reach the held job"
     gate.reached.clear()
-    second = _Thread(launch.jobs_reconcile_run)
+    second = _Thread(reconcile.jobs_reconcile_run)
     second.join(5)
     ran_beside = gate.reached.is_set()
     gate.opened.set()
@@ -631,10 +626,10 @@ def test_deleting_an_environment_cancels_its_jobs_and_tears_down_only_once_their
     open, deleted once the last one ended.
     """
     running = _admitted(owner, acme_env, name="running", replicas=1, gpus_per_replica=8, **LONG)
-    assert launch.job_launch_run(job_id=running.id, attempt_number=1) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=running.id, attempt_number=1) == JobState.RUNNING
     admitted = _admitted(owner, acme_env, name="admitted", replicas=1, gpus_per_replica=8)
     queued = _submit(owner, acme_env, name="queued", **ONE_GPU)
-    cycle.cycle_run()
+    scheduling.cycle_run()
     queued.refresh_from_db()
     assert queued.state == JobState.QUEUED, "all 16 H100s are held"
 
@@ -652,7 +647,7 @@ def test_deleting_an_environment_cancels_its_jobs_and_tears_down_only_once_their
     assert acme_env.state == "deleting" and "1 job attempt" in acme_env.status_message
     assert _phase(running.id, 1) == "running"
 
-    launch.job_stop_run(job_id=running.id)  # the stop the delete sent after commit
+    attempts.job_stop_run(job_id=running.id)  # the stop the delete sent after commit
     attempt = running.attempts.get()
     _reconcile_until(lambda: _ended(attempt))
     running.refresh_from_db()
@@ -734,7 +729,7 @@ def test_inventory_sync_asks_the_cluster_outside_any_transaction(inventory, gate
 
     def sync():
         seen["connection"] = connections["default"]
-        return services.inventory_sync()
+        return clusters.inventory_sync()
 
     the_sync = _Thread(sync)
     assert gate.reached.wait(30)
@@ -778,7 +773,7 @@ def test_an_admitted_job_makes_a_drain_wait_apply_refused_naming_it(owner, staff
     job = _admitted(owner, borrowing_env)
     node = job.attempts.get().placement[0]["node"]
     pool = NodePool.objects.get(name="h100-pool")
-    assert f"{borrowing_env.namespace}/job-{job.id}" in services.pool_workloads(pool)[node]
+    assert f"{borrowing_env.namespace}/job-{job.id}" in clusters.pool_workloads(pool)[node]
 
     response = client_for(staff).post(f"/api/v1/node-pools/{pool.id}/apply/", {"profile": h100_mig.name, "drain": "wait"})
     assert response.status_code == 400, response.content
@@ -829,25 +824,25 @@ def test_a_launch_whose_worker_died_is_sent_again_under_a_fresh_token_once_its_l
     JobAttempt.objects.filter(job=job).update(
         launch_token=dead, launch_lease_until=timezone.now() + timezone.timedelta(seconds=60)
     )
-    assert launch.jobs_reconcile_run().get("launching") == 1, "a live lease is left alone"
+    assert reconcile.jobs_reconcile_run().get("launching") == 1, "a live lease is left alone"
     assert job.attempts.get().launch_token == dead
 
     JobAttempt.objects.filter(job=job).update(launch_lease_until=timezone.now() - timezone.timedelta(seconds=1))
     before = timezone.now()
-    assert launch.jobs_reconcile_run().get("relaunched") == 1
+    assert reconcile.jobs_reconcile_run().get("relaunched") == 1
     attempt = job.attempts.get()
     fresh = attempt.launch_token
     assert fresh and fresh != dead
     assert attempt.launch_lease_until > before
     assert any(fresh in sent and str(job.id) in sent for sent in _sent_job_launches()), "no job_launch was sent"
 
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1, token=dead) == JobState.LAUNCHING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=1, token=dead) == JobState.LAUNCHING
     assert _phase(job.id, 1) != "running" and job.attempts.get().launch_token == fresh
 
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1, token=fresh) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=1, token=fresh) == JobState.RUNNING
     attempt.refresh_from_db()
     assert attempt.started_at is not None and _phase(job.id, 1) == "running"
-    assert launch.job_launch_run(job_id=job.id, attempt_number=1, token=dead) == JobState.RUNNING
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=1, token=dead) == JobState.RUNNING
     _assert_attempts_match_states()
 
 

@@ -4,9 +4,13 @@ per-flavor caps, and where recorded progress is credited."""
 import pytest
 from django.utils import timezone
 
-from runners import cycle, jobs, launch, selectors
+from common.errors import Invalid
 from runners.backends.base import AttemptStatus, ProgressRead
-from runners.models import Checkpoint, Job, JobAttempt, JobMetric
+from runners.jobs import attempts, reconcile
+from runners.jobs import selectors as job_selectors
+from runners.jobs import services as jobs
+from runners.jobs.models import Checkpoint, Job, JobAttempt, JobMetric
+from runners.scheduling import services as scheduling
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db
@@ -66,7 +70,7 @@ def test_queued_jobs_past_the_tenant_cap_answer_429(client_for, owner, environme
 def _running(owner, environment, **overrides):
     """A job admitted and marked started without a process: the rules below read only the rows."""
     job = jobs.job_submit(actor=owner, data=job_data(environment, **overrides))
-    cycle.cycle_run()
+    scheduling.cycle_run()
     job.refresh_from_db()
     attempt = job.attempts.get()
     JobAttempt.objects.filter(id=attempt.id).update(started_at=timezone.now())
@@ -80,7 +84,7 @@ def test_a_spent_runtime_budget_fails_the_job_without_a_retry(owner, environment
     job, attempt = _running(owner, environment, max_runtime_s=10, max_retries=3)
     # Its trainer took its first step 11 s ago: the budget counts from there, across attempts.
     JobAttempt.objects.filter(id=attempt.id).update(first_step_at=timezone.now() - timezone.timedelta(seconds=11))
-    assert launch.attempt_end(job.id, attempt.id, status=AttemptStatus("exited", {0: 75, 1: 75}))
+    assert attempts.attempt_end(job.id, attempt.id, status=AttemptStatus("exited", {0: 75, 1: 75}))
     job.refresh_from_db()
     assert job.state == "failed" and "max_runtime_s" in job.reason
     assert job.attempts.count() == 1, "no retry once the budget is spent"
@@ -93,7 +97,7 @@ def test_the_budget_left_for_a_relaunch_is_what_earlier_attempts_did_not_use(own
         first_step_at=now - timezone.timedelta(seconds=30), ended_at=now, outcome="preempted")
     # Import time before the first step does not count: only first_step_at -> ended_at.
     JobAttempt.objects.filter(id=attempt.id).update(started_at=now - timezone.timedelta(seconds=90))
-    assert 69 <= launch.runtime_left_s(job) <= 70
+    assert 69 <= attempts.runtime_left_s(job) <= 70
 
 
 # --- Where recorded progress is credited --------------------------------------------------
@@ -114,7 +118,7 @@ def test_checkpoints_are_credited_to_the_attempt_that_wrote_them(owner, environm
                 cursor={"done": True}, bytes_read=100,
             )
 
-    launch.progress_record(job, second, Reads())
+    attempts.progress_record(job, second, Reads())
     credited = dict(Checkpoint.objects.filter(job=job).values_list("step", "attempt__number"))
     assert credited == {5: 1, 9: 2}
     job.refresh_from_db()
@@ -155,7 +159,7 @@ def test_the_newest_attempt_wins_for_a_repeated_step(owner, environment):
     job = jobs.job_submit(actor=owner, data=job_data(environment))
     JobMetric.objects.create(job=job, attempt=1, step=7, loss=3.0)
     JobMetric.objects.create(job=job, attempt=2, step=7, loss=2.0)
-    assert [(p["attempt"], p["loss"]) for p in selectors.job_metric_series(job)["series"]] == [(2, 2.0)]
+    assert [(p["attempt"], p["loss"]) for p in job_selectors.job_metric_series(job)["series"]] == [(2, 2.0)]
 
 
 # --- The schema is the spec check's --------------------------------------------------------
@@ -178,7 +182,7 @@ def test_the_submit_schema_has_the_spec_checks_bounds_and_defaults(client_for, s
 def test_the_spec_check_refuses_just_past_each_bound_and_takes_each_bound(owner, environment, field):
     low, high = jobs.BOUNDS[field]
     for bad in (low - 1, high + 1):
-        with pytest.raises(jobs.Invalid) as refused:
+        with pytest.raises(Invalid) as refused:
             jobs.job_spec_check(actor=owner, data=job_data(environment, **{field: bad}))
         assert field in refused.value.message_dict or "replicas" in refused.value.message_dict, (field, bad)
 
@@ -209,7 +213,7 @@ def test_a_pass_finishes_every_job_whose_attempt_is_gone(owner, environment):
     """Attempts with no launch record on this host read as lost: each is finished and retried in one pass."""
     first, _ = _running(owner, environment, name="first", replicas=1)
     second, _ = _running(owner, environment, name="second", replicas=1)
-    counts = launch.jobs_reconcile_run()
+    counts = reconcile.jobs_reconcile_run()
     assert counts["looked"] == 2 and counts["finished"] == 2
     for job in (first, second):
         job.refresh_from_db()

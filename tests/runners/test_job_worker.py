@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from runners.models import Job
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.jobs.models import Job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for as _wait_for
 

@@ -21,9 +21,9 @@ import pytest
 import redis
 from django.utils import timezone
 
-from runners import jobs
-from runners.models import Job
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.jobs import services as jobs
+from runners.jobs.models import Job
 from tests.support.chaos import FACTORY_QUICK
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import WorkerProcess, wait_for

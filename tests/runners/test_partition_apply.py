@@ -5,9 +5,9 @@ import json
 import pytest
 
 from quotas.models import ResourceFlavor
-from runners import services
-from runners.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
-from runners.registry import get_backend
+from runners.clusters import services as clusters
+from runners.clusters.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters.registry import get_backend
 from tests.support.partitions import drive_partition_change
 
 pytestmark = pytest.mark.django_db
@@ -159,7 +159,7 @@ def test_a_redelivered_copy_leaves_a_change_with_a_live_lease_alone(inventory, h
     assert drive_partition_change(change.id) == "waiting"
     state_file = get_backend().state_file
     assert not state_file.exists() or json.loads(state_file.read_text())["nodes"] == {}, "no node was touched"
-    assert services.partition_change_sweep(stuck_after_s=120) == [], "a live lease is not stuck"
+    assert clusters.partition_change_sweep(stuck_after_s=120) == [], "a live lease is not stuck"
 
 
 def test_a_change_whose_worker_died_is_swept_and_resumed(inventory, h100_mig, staff, django_capture_on_commit_callbacks):
@@ -172,7 +172,7 @@ def test_a_change_whose_worker_died_is_swept_and_resumed(inventory, h100_mig, st
         pool=pool, profile=h100_mig, drain="wait", created_by=staff, state="relabeling",
         lease_expires_at=timezone.now() - timedelta(seconds=1),
     )
-    assert services.partition_change_sweep(stuck_after_s=120) == [change.id]
+    assert clusters.partition_change_sweep(stuck_after_s=120) == [change.id]
     assert drive_partition_change(change.id) == "succeeded"
     assert Node.objects.get(name="h100-node-2").gpu_resources == {"nvidia.com/mig-4g.40gb": 8, "nvidia.com/mig-3g.40gb": 8}
 
@@ -182,14 +182,14 @@ def test_giving_up_before_the_relabel_hands_the_nodes_back(inventory, h100_mig, 
     change = PartitionChange.objects.create(pool=pool, profile=h100_mig, drain="preempt", created_by=staff, state="draining")
     for name in ("h100-node-1", "h100-node-2"):
         get_backend().cordon(name)
-    services.partition_change_give_up(change_id=change.id, reason="eviction kept answering 429")
+    clusters.partition_change_give_up(change_id=change.id, reason="eviction kept answering 429")
     change.refresh_from_db()
     assert change.state == "failed" and "429" in change.message
     assert all(node.schedulable for node in get_backend().discover_inventory() if node.pool == "h100-pool")
 
 
 def test_a_node_an_operator_had_cordoned_stays_cordoned(inventory, h100_mig, staff):
-    from runners.services import inventory_sync
+    from runners.clusters.services import inventory_sync
 
     get_backend().cordon("h100-node-2")
     inventory_sync()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from runners import services
-from runners.models import Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters import services as clusters
+from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
 from tests.support.k8s import gpu_node, portal_pod
 from tests.support.partitions import drive_partition_change
 
@@ -17,7 +17,7 @@ def cluster(kubernetes_cluster):
         api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
     api.put(gpu_node("gpu-1"))
     api.put(gpu_node("gpu-2"))
-    services.inventory_sync()
+    clusters.inventory_sync()
     return api
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from runners import services
-from runners.models import Node, NodePool, PartitionChange, PartitionProfile
-from runners.registry import get_backend
+from runners.clusters import services as clusters
+from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters.registry import get_backend
 from tests.support.worker import wait_for
 
 
@@ -25,20 +25,20 @@ def test_each_run_does_one_step_and_hands_the_next_to_a_follow_up(inventory, h10
     change = _change(staff, h100_mig)
     backend = get_backend()
 
-    state, delay, lease = services.partition_change_step(change_id=change.id)
+    state, delay, lease = clusters.partition_change_step(change_id=change.id)
     assert (state, delay) == ("relabeling", 0), "cordoned, found no work: relabel next, at once"
     assert not any(node.schedulable for node in Node.objects.filter(pool__name="h100-pool"))
-    assert not backend.partition_applied("h100-node-1", services.partition_spec(h100_mig)), "nothing relabeled yet"
+    assert not backend.partition_applied("h100-node-1", clusters.partition_spec(h100_mig)), "nothing relabeled yet"
 
     # Between steps the change is leased to the follow-up: a redelivered copy without its lease does nothing.
-    assert services.partition_change_step(change_id=change.id) == ("relabeling", None, None)
-    assert services.partition_change_sweep(stuck_after_s=0) == [], "a change waiting for its follow-up is not stuck"
+    assert clusters.partition_change_step(change_id=change.id) == ("relabeling", None, None)
+    assert clusters.partition_change_sweep(stuck_after_s=0) == [], "a change waiting for its follow-up is not stuck"
 
-    state, delay, lease = services.partition_change_step(change_id=change.id, lease=lease)
+    state, delay, lease = clusters.partition_change_step(change_id=change.id, lease=lease)
     assert (state, delay) == ("waiting", 7), "relabeled; look again after the poll interval, not by sleeping"
-    state, delay, lease = services.partition_change_step(change_id=change.id, lease=lease)
+    state, delay, lease = clusters.partition_change_step(change_id=change.id, lease=lease)
     assert (state, delay) == ("uncordoning", 0)
-    state, delay, lease = services.partition_change_step(change_id=change.id, lease=lease)
+    state, delay, lease = clusters.partition_change_step(change_id=change.id, lease=lease)
     assert (state, delay, lease) == ("succeeded", None, None)
     assert all(node.schedulable for node in Node.objects.filter(pool__name="h100-pool"))
 
@@ -56,7 +56,7 @@ def test_a_node_that_never_reports_fails_the_change_after_the_timeout(inventory,
         staff, h100_mig, state="waiting",
         steps=[{"at": long_ago, "node": "h100-node-1", "step": "relabeling", "message": "Asked h100-node-1."}],
     )
-    state, delay, _lease = services.partition_change_step(change_id=change.id)
+    state, delay, _lease = clusters.partition_change_step(change_id=change.id)
     assert (state, delay) == ("failed", None)
     change.refresh_from_db()
     assert "Timed out after 60s" in change.message and "h100-node-1" in change.message

@@ -3,7 +3,7 @@
 import pytest
 
 from quotas.models import GuaranteeReduction, Quota, ResourceFlavor
-from runners.models import NodePool, PartitionChange
+from runners.clusters.models import NodePool, PartitionChange
 from tests.support.partitions import drive_partition_change
 
 pytestmark = pytest.mark.django_db

@@ -11,9 +11,9 @@ import redis
 from django.conf import settings as django_settings
 from django.db import connection, connections
 
-from runners import environments
-from runners.models import Environment
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.environments import services as environments
+from runners.environments.models import Environment
 from tenants import services
 
 pytestmark = pytest.mark.django_db(transaction=True)

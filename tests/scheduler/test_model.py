@@ -116,7 +116,7 @@ def test_no_module_of_the_scheduler_package_imports_django_or_a_portal_app():
         "import importlib, pkgutil, sys, runners.scheduler as pkg\n"
         "for module in pkgutil.walk_packages(pkg.__path__, 'runners.scheduler.'):\n"
         "    importlib.import_module(module.name)\n"
-        "apps = ('django', 'portal', 'tenants', 'quotas', 'frontend', 'runners.models', 'runners.backends')\n"
+        "apps = ('django', 'portal', 'tenants', 'quotas', 'frontend', 'common', 'runners.clusters', 'runners.environments', 'runners.jobs', 'runners.scheduling', 'runners.backends')\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] in apps or name.startswith(apps)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -7,8 +7,8 @@ attributes carry what the test wants to happen and what happened.
 
 from runners.backends.base import PermanentBackendError, TransientBackendError
 from runners.backends.local import LocalBackend
-from runners.models import Environment
-from runners.registry import get_backend, local_backend_options
+from runners.clusters.registry import get_backend, local_backend_options
+from runners.environments.models import Environment
 
 
 def use_backend(settings, factory: str) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from runners.backends.base import AttemptStatus, PermanentBackendError
 from runners.backends.kubernetes import KubernetesBackend
 from runners.backends.local import LocalBackend
-from runners.registry import local_backend_options
+from runners.clusters.registry import local_backend_options
 from tests.support.backends import QuickJobs
 
 FACTORY_QUICK = "tests.support.chaos.chaos_quick_jobs"
@@ -171,7 +171,7 @@ class ChaosKubernetes(_Delays, KubernetesBackend):
 def chaos_kubernetes() -> KubernetesBackend:
     from django.conf import settings
 
-    from runners.registry import kubernetes_backend_options
+    from runners.clusters.registry import kubernetes_backend_options
 
     backend = ChaosKubernetes.from_kubeconfig(in_cluster=False, kubeconfig=settings.KUBECONFIG,
                                               **kubernetes_backend_options())
@@ -190,17 +190,17 @@ class LocalCluster:
 
     def inspected(self):
         """What invariants.check reads for its rule 2 (processes outliving their attempt)."""
-        from runners.registry import get_backend
+        from runners.clusters.registry import get_backend
 
         return get_backend()
 
     def lose(self, node: str) -> None:
-        from runners.registry import get_backend
+        from runners.clusters.registry import get_backend
 
         get_backend().set_node_down(node)
 
     def restore(self, node: str) -> None:
-        from runners.registry import get_backend
+        from runners.clusters.registry import get_backend
 
         get_backend().set_node_down(node, False)
 
@@ -236,7 +236,7 @@ class StandInCluster:
 
     def tick(self) -> None:
         from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
-        from runners.models import Job
+        from runners.jobs.models import Job
 
         now = time.monotonic()
         for pod in self.api.pods():
@@ -399,16 +399,16 @@ class ChaosRun:
 
     @staticmethod
     def _node_rows():
-        from runners.models import Node
+        from runners.clusters.models import Node
 
         return Node.objects.all()
 
     # --- The operations ----------------------------------------------------------------
 
     def _submit(self) -> None:
-        from portal.errors import Invalid, TooMany
-        from runners import jobs
-        from runners.models import Environment, EnvironmentState
+        from common.errors import Invalid, TooMany
+        from runners.environments.models import Environment, EnvironmentState
+        from runners.jobs import services as jobs
 
         rng = self.rng
         tenancy = self.tenants[rng.choice(sorted(self.tenants))]
@@ -449,9 +449,9 @@ class ChaosRun:
         self.counts["submit"] += 1
 
     def _cancel(self) -> None:
-        from portal.errors import Conflict
-        from runners import jobs
-        from runners.models import JOB_FINAL_STATES, Job
+        from common.errors import Conflict
+        from runners.jobs import services as jobs
+        from runners.jobs.models import JOB_FINAL_STATES, Job
 
         candidates = list(Job.objects.filter(tenant__slug__startswith="chaos-").exclude(state__in=JOB_FINAL_STATES)
                           .order_by("id").values_list("id", flat=True))
@@ -469,8 +469,8 @@ class ChaosRun:
         self.counts[f"cancel_of_{before}"] += 1
 
     def _environment_delete(self) -> None:
-        from runners import environments
-        from runners.models import Environment, EnvironmentState
+        from runners.environments import services as environments
+        from runners.environments.models import Environment, EnvironmentState
 
         ready = list(Environment.objects.filter(tenant__slug__startswith="chaos-", state=EnvironmentState.READY)
                      .select_related("tenant").order_by("id"))
@@ -489,7 +489,7 @@ class ChaosRun:
         self.counts["environment_request"] += 1
 
     def _node_loss(self) -> None:
-        from runners.services import inventory_sync
+        from runners.clusters.services import inventory_sync
 
         if self.down:
             return  # one node lost at a time
@@ -502,7 +502,7 @@ class ChaosRun:
             self.counts["inventory_sync"] += 1
 
     def _nodes_back(self, *, all_now: bool = False) -> None:
-        from runners.services import inventory_sync
+        from runners.clusters.services import inventory_sync
 
         for node, back_at in list(self.down.items()):
             if all_now or time.monotonic() >= back_at:
@@ -512,9 +512,9 @@ class ChaosRun:
                 self.counts["node_back"] += 1
 
     def _redeliver(self) -> None:
-        from portal.tasks import send_task
-        from runners.models import JOB_HOLDING_STATES, JobAttempt
-        from runners.tasks import job_launch, job_stop
+        from common.dispatch import send_task
+        from runners.jobs.models import JOB_HOLDING_STATES, JobAttempt
+        from runners.jobs.tasks import job_launch, job_stop
 
         attempts = list(JobAttempt.objects.filter(ended_at__isnull=True, job__state__in=JOB_HOLDING_STATES)
                         .order_by("id").values_list("job_id", "number", "job__state"))
@@ -529,13 +529,13 @@ class ChaosRun:
             self.counts["redeliver_launch"] += 1
 
     def _cycle_here(self) -> None:
-        from runners.cycle import cycle_run
+        from runners.scheduling.services import cycle_run
 
         cycle_run()
         self.counts["cycle_here"] += 1
 
     def _reconcile_here(self) -> None:
-        from runners.launch import jobs_reconcile_run
+        from runners.jobs.reconcile import jobs_reconcile_run
 
         jobs_reconcile_run()
         self.counts["reconcile_here"] += 1
@@ -609,9 +609,9 @@ class ChaosRun:
 
     def drain(self, timeout_s: float = 120) -> dict[str, int]:
         """Nodes back, everything left cancelled; wait until every job is final, then check once more."""
-        from portal.errors import Conflict
-        from runners import jobs
-        from runners.models import JOB_FINAL_STATES, Job
+        from common.errors import Conflict
+        from runners.jobs import services as jobs
+        from runners.jobs.models import JOB_FINAL_STATES, Job
 
         self._nodes_back(all_now=True)
         deadline = time.monotonic() + timeout_s
@@ -645,7 +645,7 @@ class ChaosRun:
     def summary(self) -> dict[str, int]:
         from django.db.models import Count
 
-        from runners.models import Job, JobAttempt
+        from runners.jobs.models import Job, JobAttempt
 
         outcomes = dict(JobAttempt.objects.values_list("outcome").annotate(n=Count("id")))
         self.counts["attempts"] = sum(outcomes.values())

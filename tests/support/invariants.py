@@ -42,16 +42,9 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from quotas.models import PartitionKind, Quota, ResourceFlavor
-from runners.models import (
-    JOB_FINAL_STATES,
-    JOB_HOLDING_STATES,
-    Environment,
-    EnvironmentState,
-    Gpu,
-    Job,
-    JobAttempt,
-    JobState,
-)
+from runners.clusters.models import Gpu
+from runners.environments.models import Environment, EnvironmentState
+from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobAttempt, JobState
 
 # States that wait for a message (a launch, a stop) or the reconcile to move them on.
 WAITING_STATES = (JobState.ADMITTED, JobState.LAUNCHING, JobState.PREEMPTED, JobState.CANCELLING)

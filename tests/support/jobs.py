@@ -3,15 +3,17 @@
 import time
 
 from quotas.models import Quota, ResourceFlavor
-from runners import cycle, environments, launch
-from runners.services import flavors_discover, inventory_sync
+from runners.clusters.services import flavors_discover, inventory_sync
+from runners.environments import services as environments
+from runners.jobs import attempts, reconcile
+from runners.scheduling import services as scheduling
 
 
 def demo_cluster_with_flavors() -> dict[str, ResourceFlavor]:
     """The demo cluster synced, every kind of capacity given a flavor, capacities written."""
     inventory_sync()
     flavors_discover()
-    from runners.services import flavor_capacity_refresh
+    from runners.clusters.services import flavor_capacity_refresh
 
     flavor_capacity_refresh()
     return {flavor.name: flavor for flavor in ResourceFlavor.objects.all()}
@@ -48,15 +50,15 @@ def reconcile_until(job, states, *, timeout_s: float = 60, pause_s: float = 0.3)
     """Run reconcile passes until the job is in one of `states`; a requeued job gets its next cycle and launch."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        launch.jobs_reconcile_run()
+        reconcile.jobs_reconcile_run()
         job.refresh_from_db()
         if job.state in states:
             return job
         if job.state == "queued":
-            cycle.cycle_run()
+            scheduling.cycle_run()
             job.refresh_from_db()
             attempt = job.attempts.filter(ended_at__isnull=True).first()
             if attempt is not None:
-                launch.job_launch_run(job_id=job.id, attempt_number=attempt.number)
+                attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number)
         time.sleep(pause_s)
     raise AssertionError(f"job {job.id} is {job.state}: {job.reason}")

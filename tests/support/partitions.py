@@ -8,7 +8,7 @@ def drive_partition_change(change_id: int, *, max_steps: int = 500) -> str:
 
     Each step's delay is honoured, as the countdown of the task it would send.
     """
-    from runners.services import partition_change_step
+    from runners.clusters.services import partition_change_step
 
     lease = None
     for _ in range(max_steps):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runners.models import Environment
+from runners.environments.models import Environment
 from tenants.models import Membership
 
 pytestmark = pytest.mark.django_db

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runners.models import Environment
+from runners.environments.models import Environment
 from tenants.models import DNS_LABEL_RE, NAMESPACE_MAX, Membership, Tenant, environment_namespace
 
 pytestmark = pytest.mark.django_db

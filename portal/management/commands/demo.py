@@ -5,8 +5,8 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from quotas.models import PriceCard, Quota, ResourceFlavor
-from runners.models import PartitionProfile
-from runners.services import flavors_discover, inventory_sync
+from runners.clusters.models import PartitionProfile
+from runners.clusters.services import flavors_discover, inventory_sync
 from tenants.models import Membership, Tenant
 
 DEMO_PASSWORD = "portal-demo"

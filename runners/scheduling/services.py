@@ -21,23 +21,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import connection, transaction
 from django.db.models import F, Max
 from django.utils import timezone
 
-from portal.tasks import send_task
+from common.dispatch import send_task
 from quotas.models import PartitionKind, Quota, ResourceFlavor
-from runners.jobs import job_rows_update, transition_locked
-from runners.models import (
-    JOB_HOLDING_STATES,
-    Gpu,
-    Job,
-    JobAttempt,
-    JobState,
-    Node,
-    SchedulerCycle,
-)
+from runners.clusters.models import Gpu, Node
+from runners.jobs.attempts import job_preempt_locked, open_attempts
+from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
+from runners.jobs.services import job_rows_update, send_job_stop, transition_locked
 from runners.scheduler import model as placement_model
 from runners.scheduler.admission import (
     AdmissionSnapshot,
@@ -48,26 +41,12 @@ from runners.scheduler.admission import (
     decide,
 )
 from runners.scheduler.placement import place_gangs
+from runners.scheduling.models import SchedulerCycle
 
 logger = logging.getLogger(__name__)
 
 # pg_advisory_xact_lock's key for the cycle: "portal" in ASCII.
 CYCLE_LOCK_KEY = 0x706F7274616C
-KICK_KEY = "runners:scheduler-cycle-kick"
-
-
-def kick_cycle() -> None:
-    """Ask for a cycle soon; kicks within a second of each other send one message (the beat runs it anyway)."""
-    from runners.tasks import scheduler_cycle
-
-    try:
-        first = cache.add(KICK_KEY, 1, timeout=1)
-    except Exception:  # a cache that is down must not stop a submit
-        first = True
-    if first:
-        send_task(scheduler_cycle, time.time())
-
-
 def cycle_ran_since(moment_s: float) -> bool:
     """Whether a cycle started at or after this time (so it saw everything committed before it)."""
     started = SchedulerCycle.objects.filter(id=1).values_list("last_started_at", flat=True).first()
@@ -260,8 +239,6 @@ def _epoch(moment) -> float:
 
 def cycle_run() -> dict:
     """One scheduler cycle; returns what it decided, by job id."""
-    from runners.launch import job_preempt_locked, send_job_stop
-    from runners.tasks import job_launch
 
     started = time.perf_counter()
     with transaction.atomic():
@@ -278,10 +255,7 @@ def cycle_run() -> dict:
             entry["weight"] = max(entry["weight"], float(quota.fair_share_weight))
             entry["max_priority"] = max(entry["max_priority"], quota.max_priority)
         holding = list(Job.objects.filter(state__in=JOB_HOLDING_STATES).select_related("tenant", "flavor"))
-        attempts = {
-            attempt.job_id: attempt
-            for attempt in JobAttempt.objects.filter(job__in=holding, ended_at__isnull=True)
-        }
+        attempts = open_attempts(holding)
         queued = list(
             Job.objects.filter(state=JobState.QUEUED).select_related("tenant", "flavor").order_by("submitted_at", "id")
         )
@@ -358,7 +332,7 @@ def cycle_run() -> dict:
             last_waiting=len(order),
         )
         for job_id, number in launches:
-            transaction.on_commit(lambda job_id=job_id, number=number: send_task(job_launch, job_id, number))
+            transaction.on_commit(lambda job_id=job_id, number=number: send_task("runners.tasks.job_launch", job_id, number))
         for job_id in stops:
             transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
     return {

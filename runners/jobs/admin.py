@@ -1,14 +1,8 @@
+"""The Django admin's view of jobs, read-only."""
+
 from django.contrib import admin
 
-from runners.models import Environment, Job, JobAttempt, JobEvent
-
-
-@admin.register(Environment)
-class EnvironmentAdmin(admin.ModelAdmin):
-    list_display = ["namespace", "tenant", "state", "backend", "state_changed_at", "task_runs"]
-    list_filter = ["state", "backend", "tenant"]
-    search_fields = ["name", "namespace"]
-    readonly_fields = ["namespace", "backend", "state", "status_message", "created_at", "state_changed_at", "task_runs"]
+from runners.jobs.models import Job, JobAttempt, JobEvent
 
 
 class JobAttemptInline(admin.TabularInline):

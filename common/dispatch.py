@@ -1,6 +1,10 @@
-"""What the portal's Celery tasks share, and the one way a web request sends one.
+"""Sending a Celery task by its name, after commit: the one way any code sends one.
 
-A request writes its rows, commits, then asks a worker to act. When the broker
+Services never import a tasks module (tasks import services, so that would be a circle); they
+name the task, as registered with its explicit ``name=``, and this module sends it. Only Celery's
+autodiscovery imports the tasks modules.
+
+A request writes its rows, commits, then asks a worker to act.When the broker
 cannot be reached at that moment the write has still happened, and the beat
 sweeps pick the work up once the broker is back; so a failed send is logged and
 reported as *degraded* (the response carries ``X-Portal-Degraded``, ``/readyz``
@@ -42,13 +46,25 @@ def retry_or_give_up(
     raise task.retry(exc=exc, countdown=backoff_s(task.request.retries, cap_s))
 
 
-def send_task(task, *args, on_failure: Callable[[], None] | None = None, countdown: float | None = None) -> bool:
-    """Send a task now (to run after `countdown` seconds); False (logged, degraded) when the broker cannot take it."""
+def _publish(name: str, args: tuple, countdown: float | None) -> None:
+    from celery import current_app
+
+    if current_app.conf.task_always_eager:
+        # Eager mode (CELERY_TASK_ALWAYS_EAGER) runs the task here, which needs its function.
+        current_app.loader.import_default_modules()
+        current_app.tasks[name].apply_async(args=args, countdown=countdown)
+        return
+    current_app.send_task(name, args=args, countdown=countdown)
+
+
+def send_task(name: str, *args, on_failure: Callable[[], None] | None = None, countdown: float | None = None) -> bool:
+    """Send the task registered under ``name`` now (to run after `countdown` seconds); False (logged,
+    degraded) when the broker cannot take it."""
     try:
-        task.apply_async(args=args, countdown=countdown)
+        _publish(name, args, countdown)
     except Exception as exc:  # kombu raises OperationalError, redis ConnectionError, socket errors...
-        logger.error("Could not send %s%r to the broker; the sweep will retry it: %s", task.name, args, exc)
-        _failed_sends.set((*_failed_sends.get(), task.name))
+        logger.error("Could not send %s%r to the broker; the sweep will retry it: %s", name, args, exc)
+        _failed_sends.set((*_failed_sends.get(), name))
         try:
             cache.set(LAST_SEND_FAILURE_KEY, time.time(), SEND_FAILURE_MEMORY_S)
         except Exception:  # The cache may be the same unreachable Redis; the log line stands.
@@ -59,7 +75,17 @@ def send_task(task, *args, on_failure: Callable[[], None] | None = None, countdo
     return True
 
 
-def enqueue_on_commit(task, *args, before_send: Callable[[], bool] | None = None,
+def send_task_at_most_every(window_s: float, name: str, *args) -> bool:
+    """Send a task unless one was sent under this name in the last ``window_s`` seconds (a shared
+    cache key), so a burst of asks costs one message; a cache that is down sends anyway."""
+    try:
+        first = cache.add(f"portal:dispatch:once:{name}", 1, timeout=window_s)
+    except Exception:
+        first = True
+    return send_task(name, *args) if first else False
+
+
+def enqueue_on_commit(name: str, *args, before_send: Callable[[], bool] | None = None,
                       on_failure: Callable[[], None] | None = None) -> None:
     """Send a task once the current transaction commits (at once outside one).
 
@@ -70,7 +96,7 @@ def enqueue_on_commit(task, *args, before_send: Callable[[], bool] | None = None
     def send() -> None:
         if before_send is not None and not before_send():
             return
-        send_task(task, *args, on_failure=on_failure)
+        send_task(name, *args, on_failure=on_failure)
 
     transaction.on_commit(send)
 

@@ -11,29 +11,36 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from portal.errors import Conflict, Invalid, TooMany
+from common.dispatch import send_task, send_task_at_most_every
+from common.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
-from runners.models import (
-    JOB_FINAL_STATES,
-    Environment,
-    EnvironmentState,
-    IdempotencyKey,
-    Job,
-    JobEvent,
-    JobState,
-)
-from runners.services import flavor_units_per_node
+from runners.clusters.services import flavor_units_per_node
+from runners.environments.models import Environment, EnvironmentState
+from runners.jobs.models import JOB_FINAL_STATES, IdempotencyKey, Job, JobEvent, JobState
 from runners.workloads import env_policy
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
 from tenants.selectors import tenant_list
 from tenants.services import require_role
+
+
+def send_job_stop(job_id: int) -> None:
+    """Ask a worker to tell the job's attempt to checkpoint and stop (call it after commit)."""
+    send_task("runners.tasks.job_stop", job_id)
+
+
+def kick_cycle() -> None:
+    """Ask for a scheduling cycle soon (after a submit, a cancel, an attempt's end); asks within a
+    second of each other send one message, and the beat runs the cycle anyway."""
+    send_task_at_most_every(1, "runners.tasks.scheduler_cycle", time.time())
+
 
 # --- The spec ---------------------------------------------------------------------
 
@@ -394,8 +401,6 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
     is refused. The environment's and tenant's rows are locked while the job is written, so a
     delete of the environment and the per-tenant cap on queued jobs both hold under concurrency.
     """
-    from runners.cycle import kick_cycle
-
     key = _idempotency_key(idempotency_key)
     checked = job_spec_check(actor=actor, data=data)
     spec = checked["spec"]
@@ -448,9 +453,6 @@ def job_cancel(*, actor: AbstractBaseUser, job: Job) -> Job:
     No cluster call happens here: the stop goes to a worker after commit (job_stop), and the
     reconcile asks again, and kills past the deadline, whatever happens to that message.
     """
-    from runners.cycle import kick_cycle
-    from runners.launch import send_job_stop
-
     require_role(user=actor, tenant=job.tenant, at_least=Role.MEMBER)
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).get(id=job.id)
@@ -471,10 +473,22 @@ def job_cancel_locked(job: Job, reason: str, *, final_is_conflict: bool = True) 
         return
     if job.state in (JobState.QUEUED, JobState.ADMITTED):
         # Admitted means no launch is in flight (a launch claims under this row lock): end the attempt here.
-        job.attempts.filter(ended_at__isnull=True).update(
+        job.attempts.open().update(
             outcome="cancelled", ended_at=timezone.now(), reason=reason[:1000], launch_lease_until=None
         )
         transition(job, JobState.CANCELLED, reason)
     else:
         deadline = timezone.now() + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
         transition(job, JobState.CANCELLING, reason, stop_deadline=deadline)
+
+
+def jobs_cancel_in_environment(environment: Environment, reason: str) -> None:
+    """Cancel every job of an environment being deleted, inside the delete's transaction (the
+    tenant's and the environment's rows are locked, so no job slips in after the cancels). Jobs
+    that wait end cancelled at once; jobs that run are told to stop after commit."""
+    for job in Job.objects.select_for_update(of=("self",)).filter(environment=environment).exclude(
+        state__in=JOB_FINAL_STATES
+    ).order_by("id"):
+        job_cancel_locked(job, reason, final_is_conflict=False)
+        if job.state == JobState.CANCELLING:
+            transaction.on_commit(lambda job_id=job.id: send_job_stop(job_id))

@@ -2,7 +2,7 @@
 
 Environments copy two things from the apps below: the tenant's members (tenants)
 and its quota (quotas). Those apps announce changes with a signal; the receivers
-in runners.signals call ``environments_resync``, the one re-sync path.
+in runners.environments.receivers call ``environments_resync``, the one re-sync path.
 """
 
 import logging
@@ -14,12 +14,13 @@ from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from portal.errors import Invalid
-from portal.tasks import enqueue_on_commit, send_task
+from common.dispatch import enqueue_on_commit, send_task
+from common.errors import Invalid
 from quotas.selectors import environment_quota_hard
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
-from runners.models import Environment, EnvironmentState
-from runners.registry import get_backend
+from runners.clusters.registry import get_backend
+from runners.environments import signals
+from runners.environments.models import Environment, EnvironmentState
 from tenants.models import NAMESPACE_MAX, Membership, Role, Tenant, environment_namespace
 from tenants.services import require_role
 
@@ -43,8 +44,6 @@ def environments_resync(tenant: Tenant) -> None:
     burst of quota or membership changes costs one or two backend applies per
     environment, not one per change.
     """
-    from runners.tasks import environment_sync
-
     ids = list(Environment.objects.filter(tenant=tenant, state__in=_SYNCED_STATES).values_list("id", flat=True))
     if not ids:
         return
@@ -52,8 +51,7 @@ def environments_resync(tenant: Tenant) -> None:
         sync_generation=F("sync_generation") + 1, sync_requested_at=timezone.now()
     )
     for environment_id in ids:
-        enqueue_on_commit(
-            environment_sync,
+        enqueue_on_commit("runners.tasks.environment_sync",
             environment_id,
             before_send=lambda environment_id=environment_id: _claim_sync_message(environment_id),
             on_failure=lambda environment_id=environment_id: _release_sync_message(environment_id),
@@ -75,8 +73,6 @@ def _release_sync_message(environment_id: int) -> None:
 
 def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -> Environment:
     """Record a new environment as requested; a worker provisions it after commit."""
-    from runners.tasks import environment_provision
-
     require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
     namespace = environment_namespace(tenant.slug, name)
     if len(namespace) > NAMESPACE_MAX:
@@ -104,7 +100,7 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     try:
         with transaction.atomic():
             environment.save()
-            enqueue_on_commit(environment_provision, environment.id)
+            enqueue_on_commit("runners.tasks.environment_provision", environment.id)
     except IntegrityError:
         # Two requests raced past the checks above; the constraints decided.
         if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
@@ -120,10 +116,6 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
     grace period, and the teardown waits until every attempt of the environment has ended, so no
     process or pod outlives the namespace it ran in and no job is retried into a deleted one.
     """
-    from runners.jobs import job_cancel_locked
-    from runners.launch import send_job_stop
-    from runners.models import JOB_FINAL_STATES, Job, JobState
-    from runners.tasks import environment_teardown
 
     require_role(user=actor, tenant=environment.tenant, at_least=Role.MEMBER)
     with transaction.atomic():
@@ -131,13 +123,11 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
         # so no job slips in after the cancels.
         Tenant.objects.select_for_update().filter(id=environment.tenant_id).order_by("id").first()
         Environment.objects.select_for_update(of=("self",)).filter(id=environment.id).order_by("id").first()
-        reason = f"Cancelled: environment {environment.name} was deleted by {actor.get_username()}."
-        for job in Job.objects.select_for_update(of=("self",)).filter(environment=environment).exclude(
-            state__in=JOB_FINAL_STATES
-        ).order_by("id"):
-            job_cancel_locked(job, reason, final_is_conflict=False)
-            if job.state == JobState.CANCELLING:
-                transaction.on_commit(lambda job_id=job.id: send_job_stop(job_id))
+        # Its work (jobs now) is cancelled here, in this transaction, by the apps that own it.
+        signals.environment_deleting.send(
+            sender=Environment, environment=environment,
+            reason=f"Cancelled: environment {environment.name} was deleted by {actor.get_username()}.",
+        )
         changed = (
             Environment.objects.filter(id=environment.id)
             .exclude(state__in=[EnvironmentState.DELETING, EnvironmentState.DELETED])
@@ -149,7 +139,7 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
             )
         )
         if changed:
-            enqueue_on_commit(environment_teardown, environment.id)
+            enqueue_on_commit("runners.tasks.environment_teardown", environment.id)
     environment.refresh_from_db()
     return environment
 
@@ -235,8 +225,6 @@ def environment_provision_run(*, environment_id: int) -> str:
 
 def _undo_if_deleted(environment_id: int) -> None:
     """Delete what a provision or sync just built when the environment was deleted meanwhile."""
-    from runners.tasks import environment_teardown
-
     environment = Environment.objects.select_related("tenant").get(id=environment_id)
     if environment.state not in (EnvironmentState.DELETING, EnvironmentState.DELETED):
         return
@@ -249,7 +237,7 @@ def _undo_if_deleted(environment_id: int) -> None:
         Environment.objects.filter(id=environment_id).update(
             state=EnvironmentState.DELETING, delete_requested_at=Coalesce("delete_requested_at", Now())
         )
-        enqueue_on_commit(environment_teardown, environment_id)
+        enqueue_on_commit("runners.tasks.environment_teardown", environment_id)
 
 
 def environment_provision_give_up(*, environment_id: int, reason: str) -> None:
@@ -282,13 +270,12 @@ def environment_teardown_run(*, environment_id: int) -> str:
     if not claimed:
         return Environment.objects.filter(id=environment_id).values_list("state", flat=True).first() or "missing"
     environment = Environment.objects.select_related("tenant").get(id=environment_id)
-    from runners.models import JobAttempt
 
-    running = JobAttempt.objects.filter(job__environment_id=environment_id, ended_at__isnull=True).count()
+    running = signals.work_left(environment_id)
     if running:
-        # Its jobs were cancelled with the delete; the namespace goes once their attempts have ended.
+        # Its work was cancelled with the delete; the namespace goes once all of it has stopped.
         Environment.objects.filter(id=environment_id, state=EnvironmentState.DELETING).update(
-            status_message=f"Deleting: waiting for {running} job attempt(s) to stop."
+            status_message=f"Deleting: waiting for {', '.join(running)} to stop."
         )
         return EnvironmentState.DELETING
     if get_backend().delete_environment(environment_spec(environment)):
@@ -353,8 +340,6 @@ def environment_sync_run(*, environment_id: int) -> bool:
 
 def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
     """Find environments whose task message was lost (or never sent) and enqueue them again."""
-    from runners.tasks import environment_provision, environment_sync, environment_teardown
-
     cutoff = timezone.now() - timezone.timedelta(seconds=stuck_after_s)
     found: dict[str, list[int]] = {"provision": [], "teardown": [], "sync": []}
     stale = Environment.objects.filter(state_changed_at__lt=cutoff)
@@ -368,10 +353,10 @@ def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
             continue
         if state == EnvironmentState.DELETING:
             found["teardown"].append(environment_id)
-            send_task(environment_teardown, environment_id)
+            send_task("runners.tasks.environment_teardown", environment_id)
         else:
             found["provision"].append(environment_id)
-            send_task(environment_provision, environment_id)
+            send_task("runners.tasks.environment_provision", environment_id)
     # Ready environments behind on a change whose sync was lost: nobody holds the lease, and the
     # change is older than the cutoff. Touch the request time so the next sweep waits again.
     behind = Environment.objects.filter(
@@ -382,7 +367,7 @@ def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
             sync_requested_at=timezone.now(), sync_pending=True
         ):
             found["sync"].append(environment_id)
-            send_task(environment_sync, environment_id, on_failure=lambda i=environment_id: _release_sync_message(i))
+            send_task("runners.tasks.environment_sync", environment_id, on_failure=lambda i=environment_id: _release_sync_message(i))
     if any(found.values()):
         logger.warning("Sweep re-enqueued stuck environments: %s", found)
     return found

@@ -1,4 +1,5 @@
-"""Launching attempts and reconciling them with what runs: what the workers do between scheduler cycles.
+"""An attempt's life: launched, stopped, preempted, its progress recorded, ended. What the workers do
+between scheduling cycles; the reconcile (runners/jobs/reconcile.py) drives each open attempt on.
 
 **The ownership rule.** An attempt is open from its admission until ``ended_at`` is written, and
 every write that starts, ends or moves an attempt or its job is conditional on what it read, under
@@ -18,10 +19,6 @@ the job's row lock, and acted on by its result:
   again by the reconcile from the database and driven on after a bounded time, whatever the
   broker lost: a launch is sent again (under a fresh token, so stale copies cannot claim), a stop
   is re-sent, a victim past its deadline is killed.
-
-``jobs_reconcile_run`` (beat, every JOB_RECONCILE_INTERVAL_S) is one pass at a time,
-cluster-wide, and handles each job in isolation: one job's error is logged, counted and retried
-with backoff for that job while the pass goes on. Outcomes are decided from the locked row.
 """
 
 from __future__ import annotations
@@ -37,7 +34,6 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.tasks import send_task
 from quotas.selectors import flavor_kubernetes_resource
 from runners.backends.base import (
     BackendError,
@@ -47,8 +43,8 @@ from runners.backends.base import (
     ReplicaPlacement,
     TrainerSettings,
 )
-from runners.jobs import TRAINER_KEEP_CHECKPOINTS, transition
-from runners.models import (
+from runners.clusters.registry import get_backend
+from runners.jobs.models import (
     JOB_HOLDING_STATES,
     AttemptOutcome,
     Checkpoint,
@@ -56,14 +52,11 @@ from runners.models import (
     JobAttempt,
     JobMetric,
     JobState,
-    SchedulerCycle,
 )
-from runners.registry import get_backend
+from runners.jobs.services import TRAINER_KEEP_CHECKPOINTS, kick_cycle, send_job_stop, transition
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
 
 logger = logging.getLogger(__name__)
-# pg_advisory_lock's key for the reconcile: "reconc" in ASCII.
-RECONCILE_LOCK_KEY = 0x7265636F6E63
 # A finishing attempt's progress is read until it is drained, at most this many reads.
 FINAL_PROGRESS_READS = 8
 
@@ -73,19 +66,19 @@ FINAL_PROGRESS_READS = 8
 
 def open_attempt(job: Job) -> JobAttempt | None:
     """The job's open attempt (at most one exists), or None."""
-    return job.attempts.filter(ended_at__isnull=True).order_by("-number").first()
+    return job.attempts.open().order_by("-number").first()
 
 
 def open_attempts(jobs) -> dict[int, JobAttempt]:
     """The open attempt of each of these jobs (a list or a queryset), by job id, in one query."""
     return {
         attempt.job_id: attempt
-        for attempt in JobAttempt.objects.filter(job__in=jobs, ended_at__isnull=True).order_by("number")
+        for attempt in JobAttempt.objects.open().filter(job__in=jobs).order_by("number")
     }
 
 
 def newest_checkpoint_step(job: Job) -> int | None:
-    return job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+    return job.checkpoints.newest_first().values_list("step", flat=True).first()
 
 
 def runtime_used_s(job: Job, *, now=None) -> float:
@@ -153,7 +146,7 @@ def _lease_renewed(attempt_id: int, token: str):
     def renew() -> None:
         try:
             while not done.wait(settings.JOB_LAUNCH_LEASE_S / 3):
-                JobAttempt.objects.filter(id=attempt_id, launch_token=token, ended_at__isnull=True).update(
+                JobAttempt.objects.open().filter(id=attempt_id, launch_token=token).update(
                     launch_lease_until=_lease_until()
                 )
         except Exception:  # a lease that cannot be renewed runs out; the final write then says so
@@ -218,8 +211,8 @@ def job_launch_run(*, job_id: int, attempt_number: int, token: str | None = None
     detail = f"resumed from step {resumed}" if resumed else "from the start"
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
-        started = JobAttempt.objects.filter(
-            id=attempt.id, launch_token=token, ended_at__isnull=True, started_at__isnull=True
+        started = JobAttempt.objects.open().filter(
+            id=attempt.id, launch_token=token, started_at__isnull=True
         ).update(started_at=timezone.now(), resumed_from_step=resumed, launch_lease_until=None)
         if started and job.state == JobState.LAUNCHING:
             transition(job, JobState.RUNNING, f"Running on {where} ({detail}).")
@@ -244,12 +237,6 @@ def job_launch_give_up(*, job_id: int, attempt_number: int, reason: str, token: 
     if attempt is not None:
         attempt_end(job_id, attempt.id, outcome=AttemptOutcome.FAILED, reason=f"Could not launch: {reason}",
                     token=token)
-
-
-def send_job_stop(job_id: int) -> None:
-    from runners.tasks import job_stop
-
-    send_task(job_stop, job_id)
 
 
 def job_stop_run(*, job_id: int) -> str:
@@ -283,7 +270,7 @@ def job_preempt_locked(job: Job, reason: str, *, now=None) -> str | None:
     now = now or timezone.now()
     if job.state == JobState.ADMITTED:
         # No launch is in flight: a claim moves the job to launching under this same row lock.
-        JobAttempt.objects.filter(job=job, ended_at__isnull=True).update(
+        JobAttempt.objects.open().filter(job=job).update(
             ended_at=now, outcome=AttemptOutcome.PREEMPTED, reason=reason[:1000], launch_lease_until=None
         )
         return "requeued" if transition(job, JobState.QUEUED, reason) else None
@@ -297,8 +284,8 @@ def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
     """Preempt every job holding an open attempt placed on these nodes; returns their workload names (job-<id>)."""
     wanted = set(nodes)
     job_ids = [
-        job_id for job_id, placement in JobAttempt.objects.filter(
-            ended_at__isnull=True, job__state__in=JOB_HOLDING_STATES
+        job_id for job_id, placement in JobAttempt.objects.open().filter(
+            job__state__in=JOB_HOLDING_STATES
         ).values_list("job_id", "placement")
         if {replica["node"] for replica in placement} & wanted
     ]
@@ -310,8 +297,6 @@ def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
                 transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
         names.add(f"job-{job_id}")
     if job_ids:
-        from runners.cycle import kick_cycle
-
         kick_cycle()
     return names
 
@@ -409,15 +394,13 @@ def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, rea
     the launch holding it is this one; ``never_started`` ends it only if it never started and
     no launch holds a live lease. The backend forgets the attempt after commit.
     """
-    from runners.cycle import kick_cycle
-
     now = timezone.now()
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
         attempt = JobAttempt.objects.get(id=attempt_id)
         if status is not None:
             outcome, reason, exit_code = _outcome(job, attempt, status)
-        open_rows = JobAttempt.objects.filter(id=attempt_id, ended_at__isnull=True)
+        open_rows = JobAttempt.objects.open().filter(id=attempt_id)
         if token is not None:
             open_rows = open_rows.filter(launch_token=token)
         if never_started:
@@ -462,147 +445,3 @@ def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, rea
         # told again by forget's idempotent callers (kill on a late launch, the next pass's jobs_open).
         logger.warning("Could not forget job %s attempt %s: %s", job_id, attempt.number, exc)
     return True
-
-
-# --- The reconcile ----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _one_pass_at_a_time():
-    """True while this process holds the cluster-wide reconcile lock; False when another pass runs."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [RECONCILE_LOCK_KEY])
-            held = cursor.fetchone()[0]
-        try:
-            yield held
-        finally:
-            if held:
-                # A connection lost mid-pass took the lock with it; nothing is left to release then.
-                with contextlib.suppress(Exception), connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_unlock(%s)", [RECONCILE_LOCK_KEY])
-        return
-    # Elsewhere (the SQLite default) a lease on the scheduler's row, taken by a conditional update.
-    SchedulerCycle.objects.get_or_create(id=1)
-    now = timezone.now()
-    held = bool(SchedulerCycle.objects.filter(id=1).filter(
-        Q(reconcile_lease_until__isnull=True) | Q(reconcile_lease_until__lt=now)
-    ).update(reconcile_lease_until=now + timezone.timedelta(seconds=60)))
-    try:
-        yield held
-    finally:
-        if held:
-            SchedulerCycle.objects.filter(id=1).update(reconcile_lease_until=None)
-
-
-def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
-    """Drive one job on; returns what was done (for the pass's counts)."""
-    if attempt is None:
-        # A job holding nothing cannot stay in a holding state: the rules above never leave one
-        # so, but if one is found it is driven on rather than left to hold GPUs nobody sees.
-        with transaction.atomic():
-            locked = Job.objects.select_for_update(of=("self",)).get(id=job.id)
-            if locked.state not in JOB_HOLDING_STATES or open_attempt(locked) is not None:
-                return "moved"
-            logger.error("Job %s was %s with no open attempt; moving it on.", job.id, locked.state)
-            if locked.state == JobState.CANCELLING:
-                transition(locked, JobState.CANCELLED, locked.reason)
-            else:
-                transition(locked, JobState.QUEUED, "Requeued: it held no attempt.", stop_deadline=None)
-        return "repaired"
-    if attempt.started_at is None:
-        return _reconcile_unstarted(job, attempt, now)
-    status = backend.job_status(job.id, attempt.number)
-    finished = status.phase != "running"
-    progress_record(job, attempt, backend, drain=finished)
-    if not finished:
-        if job.stop_deadline and now >= job.stop_deadline:
-            backend.kill_job(job.id, attempt.number)
-            return "killed"
-        told_s = (now - job.state_changed_at).total_seconds()
-        if job.state in (JobState.PREEMPTED, JobState.CANCELLING) and told_s >= settings.JOB_LAUNCH_RESEND_AFTER_S:
-            # The stop message may have been lost: asking again is harmless (the trainer ignores a repeat).
-            backend.stop_job(job.id, attempt.number, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
-        return "running"
-    if status.node_lost:
-        # The node is gone: take it out of the inventory before the job is placed again.
-        from runners.services import inventory_sync
-
-        inventory_sync()
-    return "finished" if attempt_end(job.id, attempt.id, status=status) else "moved"
-
-
-def _reconcile_unstarted(job: Job, attempt: JobAttempt, now) -> str:
-    if _lease_live(attempt, now):
-        return "launching"  # its launch (or a message reserved for it) is in flight
-    if job.state in (JobState.CANCELLING, JobState.PREEMPTED):
-        outcome = AttemptOutcome.CANCELLED if job.state == JobState.CANCELLING else AttemptOutcome.PREEMPTED
-        if attempt_end(job.id, attempt.id, outcome=outcome, reason=f"{job.reason} (before it started)",
-                       never_started=True):
-            # A launcher that died after starting it leaves no mark but what it started.
-            _kill_and_forget(job.id, attempt.number)
-            return "finished"
-        return "moved"
-    waited_since = max(filter(None, [job.state_changed_at, attempt.launch_lease_until]))
-    if job.state == JobState.LAUNCHING or (now - waited_since).total_seconds() >= settings.JOB_LAUNCH_RESEND_AFTER_S:
-        # Admitted with no claim for a while (the message was lost), or its launcher died mid-launch
-        # (the lease ran out): launch again under a fresh token; the launch is idempotent.
-        token = str(uuid.uuid4())
-        reserved = JobAttempt.objects.filter(
-            id=attempt.id, ended_at__isnull=True, started_at__isnull=True
-        ).filter(Q(launch_lease_until__isnull=True) | Q(launch_lease_until__lte=now)).update(
-            launch_token=token, launch_lease_until=_lease_until()
-        )
-        if reserved:
-            from runners.tasks import job_launch
-
-            send_task(job_launch, job.id, attempt.number, token)
-            return "relaunched"
-    return "waiting"
-
-
-def _backoff(job: Job, exc: Exception) -> None:
-    errors = job.reconcile_errors + 1
-    delay = min(settings.JOB_RECONCILE_BACKOFF_MAX_S, settings.JOB_RECONCILE_INTERVAL_S * 2 ** min(errors, 16))
-    Job.objects.filter(id=job.id).update(
-        reconcile_errors=errors, reconcile_error=f"{type(exc).__name__}: {exc}"[:1000],
-        reconcile_after=timezone.now() + timezone.timedelta(seconds=delay),
-    )
-
-
-def jobs_reconcile_run() -> dict[str, int]:
-    """One pass over every job that holds (or is about to hold) GPUs; returns counts of what it did."""
-    with _one_pass_at_a_time() as held:
-        if not held:
-            return {"skipped": 1}
-        backend = get_backend()
-        now = timezone.now()
-        holding = Job.objects.filter(state__in=JOB_HOLDING_STATES)
-        attempts = open_attempts(holding)
-        backend.jobs_open({(attempt.job_id, attempt.number) for attempt in attempts.values()})
-        jobs = list(
-            holding.filter(Q(reconcile_after__isnull=True) | Q(reconcile_after__lte=now))
-            .select_related("tenant", "environment", "flavor").order_by("reconcile_errors", "id")
-        )
-        counts: dict[str, int] = {"looked": 0, "finished": 0, "errors": 0}
-        for job in jobs:
-            counts["looked"] += 1
-            try:
-                done = _reconcile_one(backend, job, attempts.get(job.id), now)
-            except Exception as exc:  # one job's trouble never stops the pass
-                logger.exception("Reconciling job %s failed; retrying it with backoff", job.id)
-                counts["errors"] += 1
-                if connection.connection is not None and not connection.is_usable():
-                    # The database connection died, and the pass's lock with it: another pass may
-                    # start now, so this one stops; the next beat's pass carries on.
-                    logger.error("The reconcile lost its database connection; ending this pass.")
-                    connection.close()
-                    counts["aborted"] = 1
-                    break
-                with contextlib.suppress(Exception):
-                    _backoff(job, exc)
-                continue
-            counts[done] = counts.get(done, 0) + 1
-            if job.reconcile_errors:
-                Job.objects.filter(id=job.id).update(reconcile_errors=0, reconcile_error="", reconcile_after=None)
-        return counts

@@ -16,14 +16,15 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from portal.errors import Invalid
-from portal.tasks import enqueue_on_commit, send_task
+from common.dispatch import enqueue_on_commit, send_task
+from common.errors import Invalid
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from quotas.services import gpu_model_check, guarantees_shrink, require_staff
 from runners.backends.base import BackendError, NodeInfo, PartitionSpec, PermanentBackendError
-from runners.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters import signals
+from runners.clusters.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
+from runners.clusters.registry import get_backend
 from runners.nvidia import catalog, mig
-from runners.registry import get_backend
 
 MAX_TIMESLICE_REPLICAS = 64
 
@@ -154,22 +155,8 @@ def pool_workloads(pool: NodePool) -> dict[str, list[str]]:
     """
     backend = get_backend()
     names = list(pool.nodes.values_list("name", flat=True))
-    placed = _placed_jobs(names)
+    placed = signals.placed(names)
     return {name: sorted(set(backend.node_workloads(name)) | set(placed.get(name, []))) for name in names}
-
-
-def _placed_jobs(node_names: list[str]) -> dict[str, list[str]]:
-    """Per node, the portal's jobs holding an open attempt placed on it (namespace/job-<id>)."""
-    from runners.models import JobAttempt
-
-    found: dict[str, list[str]] = {}
-    wanted = set(node_names)
-    for job_id, namespace, placement in JobAttempt.objects.filter(ended_at__isnull=True).values_list(
-        "job_id", "job__environment__namespace", "placement"
-    ):
-        for node in {replica["node"] for replica in placement} & wanted:
-            found.setdefault(node, []).append(f"{namespace}/job-{job_id}")
-    return found
 
 
 def flavor_units_per_node(flavor: ResourceFlavor) -> dict[str, int]:
@@ -292,7 +279,7 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
             backend.cordon(name)
             _record(change.id, state=State.CORDONING, node=name, message=f"Cordoned {name}.")
         _set_schedulable(nodes, False)  # once for the pool: one capacity refresh, not one per node
-        placed = _placed_jobs(nodes)
+        placed = signals.placed(nodes)
         busy = {name: sorted(set(backend.node_workloads(name)) | set(placed.get(name, []))) for name in nodes}
         busy = {name: names for name, names in busy.items() if names}
         if busy and change.drain == PartitionChange.Drain.WAIT:
@@ -303,11 +290,9 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
                 message=f"Refused: work is running ({listed}). Apply with drain=preempt to checkpoint and preempt it.",
             )
             return None
-        from runners.launch import jobs_preempt_on_nodes
-
         # The portal's own jobs stop through the portal (checkpoint, requeue elsewhere), including
         # those admitted but not launched yet; anything else on the nodes is evicted by the backend.
-        ours = jobs_preempt_on_nodes(nodes, reason=f"Preempted: node pool {change.pool.name} is being re-partitioned.")
+        ours = signals.drain(nodes, reason=f"Preempted: node pool {change.pool.name} is being re-partitioned.")
         for name, names in sorted(busy.items()):
             for workload in names:
                 if workload.rsplit("/", 1)[-1] not in ours:
@@ -321,7 +306,7 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
         _move(change.id, State.RELABELING)
         return 0
     if change.state == State.DRAINING:
-        placed = _placed_jobs(nodes)
+        placed = signals.placed(nodes)
         if any(backend.node_workloads(name) or placed.get(name) for name in nodes):
             _check_timeout(change, State.DRAINING, "workloads to stop")
             return poll
@@ -392,8 +377,6 @@ def partition_change_give_up(*, change_id: int, reason: str) -> None:
 
 def partition_change_sweep(*, stuck_after_s: int) -> list[int]:
     """Re-enqueue unfinished changes nobody holds: a lost message or a dead worker."""
-    from runners.tasks import partition_apply
-
     now = timezone.now()
     stale = (
         PartitionChange.objects.exclude(state__in=PartitionChange.FINISHED)
@@ -402,7 +385,7 @@ def partition_change_sweep(*, stuck_after_s: int) -> list[int]:
     )
     found = list(stale)
     for change_id in found:
-        send_task(partition_apply, change_id)
+        send_task("runners.tasks.partition_apply", change_id)
     if found:
         logger.warning("Sweep re-enqueued partition changes: %s", found)
     return found
@@ -569,8 +552,6 @@ def partition_change_start(
     the backend); the task checks again after cordoning, since work may have
     started in between.
     """
-    from runners.tasks import partition_apply
-
     require_staff(actor)
     if drain not in PartitionChange.Drain.values:
         raise Invalid("drain", f"{drain!r} is not one of: wait, preempt.")
@@ -584,7 +565,7 @@ def partition_change_start(
     try:
         with transaction.atomic():
             change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
-            enqueue_on_commit(partition_apply, change.id)
+            enqueue_on_commit("runners.tasks.partition_apply", change.id)
     except IntegrityError:
         raise Invalid("profile", f"Pool {pool.name} is already being re-partitioned; wait for that to finish.") from None
     return change

@@ -1,0 +1,230 @@
+"""REST API for training jobs: submit, read, cancel, logs and the loss curve."""
+
+from django.db import transaction
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from common import nulls
+from runners.jobs import selectors as job_selectors
+from runners.jobs import services as jobs
+from runners.jobs.filters import JobFilter
+from runners.jobs.models import Checkpoint, Job, JobAttempt, JobEvent
+from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
+from tenants.scoping import TenantScopedMixin
+
+
+class TopologySerializer(serializers.Serializer):
+    level = serializers.ChoiceField(choices=jobs.TOPOLOGY_LEVELS, default="none")
+    mode = serializers.ChoiceField(choices=jobs.TOPOLOGY_MODES, default=jobs.DEFAULT_TOPOLOGY_MODE)
+
+
+def _bounded(field: str, help_text: str = "") -> serializers.IntegerField:
+    """An integer field of the submit schema with the spec check's own bounds and default (runners.jobs.BOUNDS)."""
+    low, high = jobs.BOUNDS[field]
+    default = jobs.DEFAULTS[field]
+    options = {"default": default} if default is not None else {"required": False}
+    return serializers.IntegerField(min_value=low, max_value=high, help_text=help_text, **options)
+
+
+class HyperparametersSerializer(serializers.Serializer):
+    """The shipped trainer's settings (pytorch-ddp only), each within the spec check's bounds."""
+
+    lr = serializers.FloatField(min_value=jobs.HYPERPARAMETERS["lr"][1], max_value=jobs.HYPERPARAMETERS["lr"][2],
+                                default=jobs.HYPERPARAMETERS["lr"][3])
+    batch_size = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["batch_size"][1],
+                                          max_value=jobs.HYPERPARAMETERS["batch_size"][2],
+                                          default=jobs.HYPERPARAMETERS["batch_size"][3])
+    seq_len = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["seq_len"][1],
+                                       max_value=jobs.HYPERPARAMETERS["seq_len"][2],
+                                       default=jobs.HYPERPARAMETERS["seq_len"][3])
+    seed = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["seed"][1], max_value=jobs.HYPERPARAMETERS["seed"][2],
+                                    default=jobs.HYPERPARAMETERS["seed"][3])
+
+
+class JobSubmitSerializer(serializers.Serializer):
+    """The shape a job is submitted in (documentation, generated from the spec check's tables: the service checks
+    it, and refuses unknown fields)."""
+
+    tenant = serializers.CharField(help_text="The tenant's slug.")
+    environment = serializers.IntegerField(min_value=1, max_value=2**31 - 1,
+                                           help_text="One of the tenant's ready environments.")
+    name = serializers.RegexField(rf"^{jobs.NAME_PATTERN}$", max_length=jobs.NAME_MAX)
+    template = serializers.ChoiceField(choices=jobs.TEMPLATES, default=jobs.DEFAULTS["template"])
+    replicas = _bounded("replicas")
+    flavor = serializers.CharField(help_text="A flavor the tenant has a quota for.")
+    gpus_per_replica = _bounded("gpus_per_replica", "1 for MIG and time-slice flavors; at most what one node has.")
+    cpu_milli_per_replica = _bounded("cpu_milli_per_replica")
+    memory_mib_per_replica = _bounded(
+        "memory_mib_per_replica", f"At least {TRAINER_MIN_MEMORY_MIB} for the pytorch-ddp template.")
+    topology = TopologySerializer(required=False)
+    priority = _bounded("priority", "At most the tenant's max_priority for the flavor.")
+    preemptible = serializers.BooleanField(default=jobs.DEFAULTS["preemptible"])
+    steps = _bounded("steps")
+    checkpoint_every_steps = _bounded(
+        "checkpoint_every_steps",
+        f"At most steps; {jobs.DEFAULT_CHECKPOINT_EVERY_STEPS} (or steps, when fewer) unless given; 0: only at the end.")
+    max_runtime_s = _bounded("max_runtime_s", "The job's total across attempts, counted from the trainer's first step.")
+    max_retries = _bounded("max_retries")
+    env = serializers.DictField(child=serializers.CharField(max_length=jobs.MAX_ENV_VALUE), required=False,
+                                help_text="Variables for the replicas; names the runtimes read are refused.")
+    hyperparameters = HyperparametersSerializer(required=False)
+    image = serializers.CharField(allow_null=True, required=False, help_text="custom template only (Kubernetes).")
+    command = serializers.ListField(child=serializers.CharField(), allow_null=True, required=False)
+
+
+class PlacementSerializer(serializers.Serializer):
+    replica = serializers.IntegerField()
+    node = serializers.CharField()
+    gpus = serializers.ListField(child=serializers.IntegerField())
+    mig_profile = serializers.CharField(required=False)
+    mig_start = serializers.IntegerField(required=False)
+
+
+class JobAttemptSerializer(serializers.ModelSerializer):
+    placement = PlacementSerializer(many=True)
+
+    class Meta:
+        model = JobAttempt
+        fields = ["number", "placement", "started_at", "ended_at", "outcome", "exit_code", "reason", "resumed_from_step"]
+
+
+class CheckpointSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Checkpoint
+        fields = ["step", "bytes", "created_at", "uri"]
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["at", "from_state", "to_state", "reason"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    submitted_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    attempts = JobAttemptSerializer(many=True, read_only=True)
+    checkpoints = CheckpointSerializer(many=True, read_only=True)
+    events = JobEventSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Job
+        fields = [
+            "id", "tenant", "environment", "name", "kind", "flavor", "replicas", "gpus_per_replica", "priority",
+            "preemptible", "state", "reason", "queue_position", "failures", "spec", "submitted_by", "submitted_at",
+            "started_at", "finished_at", "attempts", "checkpoints", "events",
+        ]
+
+
+class JobLogsSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField(allow_null=True)
+    replica = serializers.IntegerField()
+    text = serializers.CharField(allow_blank=True)
+
+
+class MetricPointSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    step = serializers.IntegerField()
+    loss = serializers.FloatField(allow_null=True)
+    samples_per_s = serializers.FloatField(allow_null=True)
+    time = serializers.CharField()
+
+
+class JobMetricsSerializer(serializers.Serializer):
+    series = MetricPointSerializer(many=True)
+    steps_recorded = serializers.IntegerField(help_text="How many steps the series spans (before downsampling).")
+    first_step = serializers.IntegerField(allow_null=True)
+    last_step = serializers.IntegerField(allow_null=True)
+
+
+def _query_int(request, name: str, default: int, low: int, high: int) -> int:
+    raw = nulls.query_param(request, name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise serializers.ValidationError({name: "A whole number."}) from None
+    if not low <= value <= high:
+        raise serializers.ValidationError({name: f"Between {low} and {high}."})
+    return value
+
+
+class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Training jobs of the caller's tenants: submit (member and up), read (viewers too), cancel, logs, metrics."""
+
+    queryset = Job.objects.select_related("tenant", "flavor", "submitted_by").prefetch_related(
+        "attempts", "checkpoints", "events"
+    )
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+    lookup_value_regex = r"[0-9]+"
+
+    @extend_schema(
+        request=JobSubmitSerializer,
+        parameters=[OpenApiParameter(
+            "Idempotency-Key", str, location=OpenApiParameter.HEADER, required=False,
+            description="Retry safely: the same key and body within a day answer the job the first request made "
+                        "(200), never a second job; the same key with another body is a 400.",
+        )],
+        responses={201: JobSerializer, 200: JobSerializer},
+    )
+    def create(self, request):
+        # The answer is built inside the transaction that writes the job: once it commits, nothing
+        # is left to read that could fail and turn a created job into an error for the client.
+        with transaction.atomic():
+            job, created = jobs.job_submit_keyed(
+                actor=request.user, data=request.data, idempotency_key=request.headers.get("Idempotency-Key"),
+            )
+            data = JobSerializer(self.get_queryset().get(id=job.id)).data
+        return Response(data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk):
+        with transaction.atomic():
+            job = jobs.job_cancel(actor=request.user, job=self.get_object())
+            data = JobSerializer(self.get_queryset().get(id=job.id)).data
+        return Response(data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("replica", int, description="Which replica (rank); 0 unless given."),
+            OpenApiParameter("tail", int, description="How many of the last lines (1-5000, default 200)."),
+        ],
+        responses={200: JobLogsSerializer, 503: OpenApiResponse(description="The cluster cannot be read now.")},
+    )
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk):
+        job = self.get_object()
+        replica = _query_int(request, "replica", 0, 0, job.replicas - 1)
+        tail = _query_int(request, "tail", 200, 1, 5000)
+        attempt = job.attempts.filter(started_at__isnull=False).order_by("-number").first()
+        try:
+            text = job_selectors.job_log_tail(job, attempt.number, replica, tail=tail) if attempt else ""
+        except job_selectors.BackendUnavailable as exc:
+            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
+                            headers={"Retry-After": "5"})
+        return Response({"attempt": attempt.number if attempt else None, "replica": replica, "text": text})
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("points", int, description=f"At most this many points, spread evenly over the steps "
+                                                        f"(1-{job_selectors.MAX_SERIES_POINTS}, default 1000)."),
+            OpenApiParameter("first_step", int, description="Only steps from this one on (zoom in)."),
+            OpenApiParameter("last_step", int, description="Only steps up to this one."),
+        ],
+        responses={200: JobMetricsSerializer},
+    )
+    @action(detail=True, methods=["get"])
+    def metrics(self, request, pk):
+        """The loss curve as the reconcile recorded it: downsampled, so a long run costs what a short one does."""
+        job = self.get_object()
+        points = _query_int(request, "points", 1000, 1, job_selectors.MAX_SERIES_POINTS)
+        first = _query_int(request, "first_step", None, 0, 2**31 - 1)
+        last = _query_int(request, "last_step", None, 0, 2**31 - 1)
+        found = job_selectors.job_metric_series(job, points=points, first_step=first, last_step=last)
+        return Response(found)

@@ -1,0 +1,211 @@
+"""Training jobs: the validated spec, its attempts, checkpoints, metrics and events, and the reconcile's lease."""
+
+from django.conf import settings
+from django.db import models
+
+from runners.environments.models import Environment
+from tenants.models import dns_label_validator
+
+
+class JobState(models.TextChoices):
+    QUEUED = "queued"  # waiting for the scheduler cycle
+    ADMITTED = "admitted"  # the cycle placed it; an attempt exists, a worker launches it
+    LAUNCHING = "launching"  # a worker is starting its replicas
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # told to checkpoint and stop; holds its GPUs until it has
+    CANCELLING = "cancelling"  # a user cancelled it while it ran; stopping with the grace period
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# Jobs in these states hold what their attempt was placed on.
+JOB_HOLDING_STATES = [
+    JobState.ADMITTED, JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED, JobState.CANCELLING
+]
+JOB_FINAL_STATES = [JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED]
+
+
+class AttemptOutcome(models.TextChoices):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    NODE_LOST = "node_lost"
+    CANCELLED = "cancelled"
+
+
+class Job(models.Model):
+    """A training job: the validated spec, where it stands, and why.
+
+    State changes go through ``runners.jobs.transition`` only, which records each as a
+    JobEvent with its reason.
+    """
+
+    class Kind(models.TextChoices):
+        TRAINING = "training"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs")
+    environment = models.ForeignKey(Environment, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=63, validators=[dns_label_validator])
+    kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.TRAINING)
+    # The request as validated (the API's shape, tenant slug and environment id included).
+    spec = models.JSONField()
+    flavor = models.ForeignKey("quotas.ResourceFlavor", on_delete=models.PROTECT, related_name="jobs")
+    replicas = models.PositiveSmallIntegerField()
+    gpus_per_replica = models.PositiveSmallIntegerField()
+    priority = models.PositiveSmallIntegerField(default=0)
+    preemptible = models.BooleanField(default=True)
+    state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
+    reason = models.CharField(max_length=1000, blank=True)
+    # Written by each scheduler cycle for queued jobs: 1 is next in line.
+    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    # Failed attempts so far (preemptions and lost nodes do not count).
+    failures = models.PositiveSmallIntegerField(default=0)
+    # Set when the job is told to stop (preemption or cancel); after it, the backend kills.
+    stop_deadline = models.DateTimeField(null=True, blank=True)
+    submitted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    submitted_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # The reconcile's bookkeeping: after an error on this job it waits until reconcile_after
+    # (backoff doubling with reconcile_errors) while the other jobs go on.
+    reconcile_errors = models.PositiveIntegerField(default=0)
+    reconcile_after = models.DateTimeField(null=True, blank=True)
+    reconcile_error = models.CharField(max_length=1000, blank=True)
+    # Where the last read of the job's progress (metrics, checkpoints) stopped: the backend's own cursor.
+    progress_cursor = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        db_table = "runners_job"  # the table kept its name when the model moved here
+        ordering = ["-submitted_at", "-id"]
+        indexes = [
+            models.Index(fields=["state", "priority"], name="job_state_priority"),
+            models.Index(fields=["tenant", "state"], name="job_tenant_state"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.name}#{self.id}"
+
+    @property
+    def units(self) -> int:
+        return self.replicas * self.gpus_per_replica
+
+
+class AttemptQuerySet(models.QuerySet):
+    def open(self) -> "AttemptQuerySet":
+        """Attempts not ended yet: each holds what it was placed on (the ownership rule's one query)."""
+        return self.filter(ended_at__isnull=True)
+
+
+class JobAttempt(models.Model):
+    """One launch of a job: where each replica was placed, and how it ended."""
+
+    objects = AttemptQuerySet.as_manager()
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveSmallIntegerField()
+    # [{"replica": 0, "node": "h100-node-1", "gpus": [0, 1]}, ...]; a MIG slice is
+    # {"gpus": [3], "mig_profile": "3g.40gb", "mig_start": 4}.
+    placement = models.JSONField(default=list)
+    admitted_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=20, choices=AttemptOutcome.choices, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    reason = models.CharField(max_length=1000, blank=True)
+    resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
+    # The launch lease: the worker launching this attempt (its token) holds it until
+    # launch_lease_until, renewing it while the backend call runs. Nobody else ends or
+    # relaunches an attempt whose lease is live; see runners.launch for the whole rule.
+    launch_token = models.CharField(max_length=36, blank=True)
+    launch_lease_until = models.DateTimeField(null=True, blank=True)
+    # When its trainer finished its first step: max_runtime_s is counted from here.
+    first_step_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "runners_jobattempt"  # the table kept its name when the model moved here
+        ordering = ["job_id", "number"]
+        constraints = [models.UniqueConstraint(fields=["job", "number"], name="unique_attempt_number")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/{self.number}"
+
+
+class CheckpointQuerySet(models.QuerySet):
+    def newest_first(self) -> "CheckpointQuerySet":
+        return self.order_by("-step")
+
+
+class Checkpoint(models.Model):
+    """A checkpoint a job wrote: resuming starts from the newest."""
+
+    objects = CheckpointQuerySet.as_manager()
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    attempt = models.ForeignKey(JobAttempt, null=True, on_delete=models.SET_NULL, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    uri = models.CharField(max_length=1000)
+    bytes = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "runners_checkpoint"  # the table kept its name when the model moved here
+        ordering = ["job_id", "step"]
+        constraints = [models.UniqueConstraint(fields=["job", "step"], name="unique_checkpoint_step")]
+
+
+class JobMetric(models.Model):
+    """One training step a job's rank 0 reported, recorded by the reconcile as it reads the job's progress.
+
+    Kept in the database so the loss curve survives deleted pods and rotated logs; the pages
+    and the API read it downsampled (runners.selectors.job_metric_series).
+    """
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")
+    attempt = models.PositiveSmallIntegerField()
+    step = models.PositiveIntegerField()
+    loss = models.FloatField(null=True)
+    samples_per_s = models.FloatField(null=True)
+    at = models.CharField(max_length=40, blank=True)
+
+    class Meta:
+        db_table = "runners_jobmetric"  # the table kept its name when the model moved here
+        ordering = ["job_id", "step", "attempt"]
+        constraints = [models.UniqueConstraint(fields=["job", "step", "attempt"], name="unique_metric_step_attempt")]
+
+
+class IdempotencyKey(models.Model):
+    """A submit made with an Idempotency-Key header: the same key and body answer this job again for a day."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    request_hash = models.CharField(max_length=64)
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "runners_idempotencykey"  # the table kept its name when the model moved here
+        constraints = [models.UniqueConstraint(fields=["user", "key"], name="unique_idempotency_key_per_user")]
+        indexes = [models.Index(fields=["created_at"], name="idempotency_key_age")]
+
+
+class JobEvent(models.Model):
+    """One state change of a job, with its reason: the job page's event list."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    at = models.DateTimeField(auto_now_add=True)
+    from_state = models.CharField(max_length=20, blank=True)
+    to_state = models.CharField(max_length=20)
+    reason = models.CharField(max_length=1000, blank=True)
+
+    class Meta:
+        db_table = "runners_jobevent"  # the table kept its name when the model moved here
+        ordering = ["job_id", "at", "id"]
+
+
+class ReconcileLease(models.Model):
+    """One row: the reconcile's one-pass-at-a-time lease on databases without advisory locks
+    (PostgreSQL uses pg_try_advisory_lock instead)."""
+
+    until = models.DateTimeField(null=True, blank=True)

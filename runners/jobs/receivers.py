@@ -1,0 +1,36 @@
+"""Jobs' answers to what the apps below ask (connected in JobsConfig.ready()).
+
+The inventory and environments never import jobs: a partition change asks which work sits on its
+nodes and has it stopped there; an environment being deleted has its jobs cancelled, and its
+teardown asks whether any attempt still runs.
+"""
+
+from django.dispatch import receiver
+
+from runners.clusters.signals import nodes_draining, placed_on_nodes
+from runners.environments.signals import environment_deleting, environment_work_left
+from runners.jobs.attempts import jobs_preempt_on_nodes
+from runners.jobs.models import JobAttempt
+from runners.jobs.selectors import jobs_placed_on_nodes
+from runners.jobs.services import jobs_cancel_in_environment
+
+
+@receiver(placed_on_nodes, dispatch_uid="jobs-placed-on-nodes")
+def _placed_on_nodes(sender, *, nodes, **kwargs) -> dict[str, list[str]]:
+    return jobs_placed_on_nodes(nodes)
+
+
+@receiver(nodes_draining, dispatch_uid="jobs-preempted-on-drained-nodes")
+def _nodes_draining(sender, *, nodes, reason, **kwargs) -> set[str]:
+    return jobs_preempt_on_nodes(nodes, reason=reason)
+
+
+@receiver(environment_deleting, dispatch_uid="jobs-cancelled-with-their-environment")
+def _environment_deleting(sender, *, environment, reason, **kwargs) -> None:
+    jobs_cancel_in_environment(environment, reason)
+
+
+@receiver(environment_work_left, dispatch_uid="jobs-attempts-left-in-environment")
+def _environment_work_left(sender, *, environment_id, **kwargs) -> str | None:
+    running = JobAttempt.objects.open().filter(job__environment_id=environment_id).count()
+    return f"{running} job attempt(s)" if running else None
