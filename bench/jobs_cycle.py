@@ -8,7 +8,7 @@ list synced as the inventory (every GPU model a whole-GPU flavor), tenants with 
 add up to the capacity and a max of a fifth of it, and that many queued jobs of mixed shapes
 (1-4 replicas of 1, 2, 4 or 8 GPUs of one model, topology none or node, priorities 0-20),
 written straight into the job table in the shape the submit service stores. Then
-``runners.cycle.cycle_run()`` runs on the empty cluster and again once what it admitted holds
+``runners.scheduling.services.cycle_run()`` runs on the empty cluster and again once what it admitted holds
 its GPUs; the bench prints each cycle's time (in all, and under the lock: snapshot, decisions
 and writes, before the launches are sent after commit), how many jobs it admitted, how many it left
 waiting with a reason, and admissions per second. The launch messages go to a queue of the

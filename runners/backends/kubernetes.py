@@ -139,7 +139,7 @@ class KubernetesBackend:
         api_client: client.ApiClient,
         *,
         # No defaults here: every option is a KUBERNETES_* setting, with its one default in
-        # portal/settings.py (runners.registry.kubernetes_backend_options reads them).
+        # portal/settings.py (runners.clusters.registry.kubernetes_backend_options reads them).
         field_manager: str,
         username_template: str,
         request_timeout_s: float,

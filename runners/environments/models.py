@@ -38,7 +38,7 @@ class Environment(models.Model):
     task_runs = models.PositiveIntegerField(default=0)
     # Re-syncs (members or quota changed) coalesce: each change bumps sync_generation, at most
     # one sync message is pending (sync_pending), and the sync that holds the lease applies the
-    # newest state until synced_generation catches up. See runners.environments.environments_resync.
+    # newest state until synced_generation catches up. See runners.environments.services.environments_resync.
     sync_generation = models.PositiveBigIntegerField(default=0)
     synced_generation = models.PositiveBigIntegerField(default=0)
     sync_pending = models.BooleanField(default=False)

@@ -37,7 +37,7 @@ class AttemptOutcome(models.TextChoices):
 class Job(models.Model):
     """A training job: the validated spec, where it stands, and why.
 
-    State changes go through ``runners.jobs.transition`` only, which records each as a
+    State changes go through ``runners.jobs.services.transition`` only, which records each as a
     JobEvent with its reason.
     """
 
@@ -117,7 +117,7 @@ class JobAttempt(models.Model):
     resumed_from_step = models.PositiveIntegerField(null=True, blank=True)
     # The launch lease: the worker launching this attempt (its token) holds it until
     # launch_lease_until, renewing it while the backend call runs. Nobody else ends or
-    # relaunches an attempt whose lease is live; see runners.launch for the whole rule.
+    # relaunches an attempt whose lease is live; see runners.jobs.attempts for the whole rule.
     launch_token = models.CharField(max_length=36, blank=True)
     launch_lease_until = models.DateTimeField(null=True, blank=True)
     # When its trainer finished its first step: max_runtime_s is counted from here.
@@ -159,7 +159,7 @@ class JobMetric(models.Model):
     """One training step a job's rank 0 reported, recorded by the reconcile as it reads the job's progress.
 
     Kept in the database so the loss curve survives deleted pods and rotated logs; the pages
-    and the API read it downsampled (runners.selectors.job_metric_series).
+    and the API read it downsampled (runners.jobs.selectors.job_metric_series).
     """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="metrics")

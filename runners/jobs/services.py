@@ -3,7 +3,7 @@
 A job's state changes only through ``transition`` (or its bulk form ``transition_locked``),
 which checks the move is allowed, writes the new state and reason, and records a JobEvent in
 the same transaction.
-Scheduling is ``runners.cycle``; launching and watching attempts is ``runners.launch``.
+Scheduling is ``runners.scheduling.services``; an attempt's life is ``runners.jobs.attempts`` and the reconcile ``runners.jobs.reconcile``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ MAX_ENV_VARIABLES = 64
 MAX_ENV_VALUE = 4096
 DEFAULT_CHECKPOINT_EVERY_STEPS = 50
 # The one table of every whole-number field's bounds: the spec check enforces it and the API's
-# schema (runners.api.JobSubmitSerializer) is generated from it, so the two cannot drift.
+# schema (runners.jobs.api.JobSubmitSerializer) is generated from it, so the two cannot drift.
 BOUNDS = {
     "replicas": (1, 64),
     "gpus_per_replica": (1, 64),  # 1 for MIG and time-slice flavors

@@ -5,7 +5,7 @@ tests/support/backends.py) or inside the database (a row locked from another con
 side seen waiting on it in pg_stat_activity), lets the other side act, then lets the first go on.
 Each docstring says what the code before the fix did in that interleaving.
 
-What every test checks in the end is the rule of runners/launch.py: a job that holds GPUs by its
+What every test checks in the end is the rule of runners/jobs/attempts.py: a job that holds GPUs by its
 state has exactly one open attempt, nothing else has one, and nothing runs on the cluster for an
 attempt that has ended (the local backend's own view: its supervisor processes).
 """
