@@ -251,7 +251,8 @@ def fsync_dir(folder: Path) -> None:
 
 
 def save_checkpoint(
-    job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int, attempt: int
+    job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int, attempt: int,
+    alphabet: bytes = b"",
 ) -> Path:
     folder = job_dir / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -266,6 +267,8 @@ def save_checkpoint(
         "rng": {"torch": torch.get_rng_state()},
         "world_size": world_size,
         "saved_at": now_iso(),
+        # The bytes the corpus holds: the server refuses a prompt with any other (the model never saw it).
+        "alphabet": torch.tensor(sorted(set(alphabet)), dtype=torch.uint8),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["rng"]["cuda"] = torch.cuda.get_rng_state()
@@ -387,6 +390,7 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
     placement = start_process_group(args)
     device = placement.device
     data = load_corpus(args.corpus, args.seq_len)
+    alphabet = np.unique(data).tobytes()
     torch.manual_seed(args.seed)
     model = CharModel().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -483,7 +487,7 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
             if rank == 0:
                 path = save_checkpoint(
                     job_dir, step, model, optimizer, keep=args.keep_checkpoints, world_size=world,
-                    attempt=args.attempt,
+                    attempt=args.attempt, alphabet=alphabet,
                 )
                 log(f"saved checkpoint {path.name}")
         if stopping:

@@ -1,0 +1,702 @@
+"""The inference server: a checkpoint of the shipped trainer's model, served over HTTP.
+
+Run one process per replica::
+
+    python -m runners.workloads.serve --checkpoint PATH [--port 8000] [...]
+
+PATH is a checkpoint file the trainer wrote (`checkpoints/step-N.pt`) or a job folder, whose
+newest checkpoint is taken. The model is the trainer's `CharModel`; generation is greedy, one
+byte a token, restricted to the bytes of the corpus it was trained on.
+
+API::
+
+    POST /v1/generate   {"prompt": str, "max_tokens": int, "deadline_ms": number (optional)}
+        200 {"text", "tokens", "queue_ms", "compute_ms"}
+        400 {"<field>": ["why"]}       a field is missing, of the wrong type, out of range or unknown
+        413 / 415                      the body is too large / not application/json
+        429 {"detail"} + Retry-After   the queue is full, or the deadline can't be met behind the work ahead
+        503 {"detail"} + Retry-After   draining (SIGTERM received): nothing new is admitted
+        504 {"detail"}                 the deadline passed before the answer was ready
+    GET /healthz   200 while the process serves
+    GET /readyz    200 once the model is loaded and warm, 503 before and while draining
+    GET /metrics   Prometheus text: queue depth, batch tokens, time to first token, latency,
+                   outcomes (answered, shed, expired, draining, invalid), prefix-cache lookups and hits
+
+How work flows. A request is checked, then admitted to a bounded queue ordered by deadline
+(earliest first) or refused at once: never left to time out. One engine thread runs the
+model. Each iteration it drops queued requests whose deadline has passed or can no longer be
+met (answered 504, before they cost compute), lets waiting requests join the running batch
+while the sum of their token costs (prompt bytes plus max_tokens) fits the batch token
+budget, computes each joiner's prompt (from the prefix cache's state where a prefix is
+cached), then runs one decode step for every running sequence together. A sequence that is
+done leaves at once and its budget goes to the next waiting request at the next iteration,
+so a short request is never held behind a long one (continuous, iteration-level batching).
+A running request still unfinished at its deadline is answered 504 then, so no caller waits
+past its deadline.
+
+The prefix cache keeps the model's state after prompt prefixes cut at every
+`--prefix-block` bytes, keyed by the prefix itself, bounded in bytes and evicted least
+recently used: a system prompt many requests share is computed once. The output is the
+same with the cache on or off.
+
+Drain: on SIGTERM (or SIGINT) readiness goes false, nothing new is admitted, everything
+admitted is answered, then the process exits 0.
+
+Configuration: every flag has an environment variable; a flag wins over its variable,
+which wins over the default.
+
+    flag                    variable                   default
+    --checkpoint            SERVE_CHECKPOINT           (required)
+    --host                  SERVE_HOST                 127.0.0.1
+    --port                  SERVE_PORT                 8000    0: any free port
+    --queue-limit           SERVE_QUEUE_LIMIT          64      requests waiting, beyond the running batch
+    --batch-token-budget    SERVE_BATCH_TOKEN_BUDGET   4096    prompt bytes + max_tokens over the batch
+    --max-batch-wait-ms     SERVE_MAX_BATCH_WAIT_MS    2       an idle engine waits this long for a batch to form
+    --default-deadline-ms   SERVE_DEFAULT_DEADLINE_MS  10000
+    --max-deadline-ms       SERVE_MAX_DEADLINE_MS      120000
+    --max-prompt-bytes      SERVE_MAX_PROMPT_BYTES     2048
+    --max-tokens            SERVE_MAX_TOKENS           256     the most one request may ask for
+    --prefix-cache-mib      SERVE_PREFIX_CACHE_MIB     32      0: no prefix cache
+    --prefix-block          SERVE_PREFIX_BLOCK         16      bytes between cached prefix states
+    --device                SERVE_DEVICE               auto    cuda when available, else cpu
+
+Once it listens, the server prints `PORTAL_SERVE_LISTENING {"host": ..., "port": ...}`.
+Exit codes: 0 after a drain, 1 on an error (the checkpoint does not load), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runners.workloads.progress import checkpoint_files, tagged_line
+from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
+
+LISTENING_TAG = "PORTAL_SERVE_LISTENING"
+MAX_BODY_BYTES = 64 * 1024
+REQUEST_FIELDS = {"prompt", "max_tokens", "deadline_ms"}
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    queue_limit: int = 64
+    batch_token_budget: int = 4096
+    max_batch_wait_ms: float = 2.0
+    default_deadline_ms: float = 10_000.0
+    max_deadline_ms: float = 120_000.0
+    max_prompt_bytes: int = 2048
+    max_tokens: int = 256
+    prefix_cache_mib: float = 32.0
+    prefix_block: int = 16
+
+
+def _at_least(minimum: float, kind=int):
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a number >= {minimum}")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> argparse.Namespace:
+    environ = os.environ if environ is None else environ
+
+    def env(name: str, default):
+        return environ.get(f"SERVE_{name}", default)
+
+    parser = argparse.ArgumentParser(prog="python -m runners.workloads.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", type=Path, default=env("CHECKPOINT", None), required=env("CHECKPOINT", None) is None)
+    parser.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=_at_least(0), default=env("PORT", "8000"))
+    parser.add_argument("--queue-limit", type=_at_least(1), default=env("QUEUE_LIMIT", "64"))
+    parser.add_argument("--batch-token-budget", type=_at_least(2), default=env("BATCH_TOKEN_BUDGET", "4096"))
+    parser.add_argument("--max-batch-wait-ms", type=_at_least(0, float), default=env("MAX_BATCH_WAIT_MS", "2"))
+    parser.add_argument("--default-deadline-ms", type=_at_least(1, float), default=env("DEFAULT_DEADLINE_MS", "10000"))
+    parser.add_argument("--max-deadline-ms", type=_at_least(1, float), default=env("MAX_DEADLINE_MS", "120000"))
+    parser.add_argument("--max-prompt-bytes", type=_at_least(1), default=env("MAX_PROMPT_BYTES", "2048"))
+    parser.add_argument("--max-tokens", type=_at_least(1), default=env("MAX_TOKENS", "256"))
+    parser.add_argument("--prefix-cache-mib", type=_at_least(0, float), default=env("PREFIX_CACHE_MIB", "32"))
+    parser.add_argument("--prefix-block", type=_at_least(1), default=env("PREFIX_BLOCK", "16"))
+    parser.add_argument("--device", default=env("DEVICE", "auto"))
+    args = parser.parse_args(argv)
+    # argparse applies `type` to string defaults, so variables are checked like flags.
+    if args.default_deadline_ms > args.max_deadline_ms:
+        parser.error("--default-deadline-ms must not exceed --max-deadline-ms")
+    return args
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return Settings(
+        queue_limit=args.queue_limit, batch_token_budget=args.batch_token_budget,
+        max_batch_wait_ms=args.max_batch_wait_ms, default_deadline_ms=args.default_deadline_ms,
+        max_deadline_ms=args.max_deadline_ms, max_prompt_bytes=args.max_prompt_bytes, max_tokens=args.max_tokens,
+        prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block,
+    )
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def checkpoint_path(path: Path) -> Path:
+    """A checkpoint file as given, or the newest one of a job folder."""
+    path = Path(path)
+    if path.is_dir():
+        files = checkpoint_files(path)
+        if not files:
+            raise FileNotFoundError(f"no checkpoint in {path}")
+        return files[max(files)]
+    return path
+
+
+def load_model(path: Path, device: torch.device) -> tuple[CharModel, bytes]:
+    """(the model in eval mode, the bytes it was trained on: every byte for checkpoints older than that record)."""
+    state = torch.load(checkpoint_path(path), map_location=device, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT or "model" not in state:
+        raise ValueError(f"{path} is not a checkpoint of the shipped trainer")
+    model = CharModel().to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    alphabet = state.get("alphabet")
+    alphabet = bytes(alphabet.tolist()) if alphabet is not None and len(alphabet) else bytes(range(VOCAB))
+    return model, alphabet
+
+
+class PrefixCache:
+    """The model's state after prompt prefixes cut every `block` bytes; least recently used goes first."""
+
+    ENTRY_OVERHEAD = 120  # the dict slot, the key object and the tensor's header, roughly
+
+    def __init__(self, limit_bytes: int, block: int) -> None:
+        self.limit = limit_bytes
+        self.block = block
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.lookups = 0
+        self.hits = 0
+        self.tokens_saved = 0
+
+    def longest(self, prompt: bytes) -> tuple[int, torch.Tensor | None]:
+        """(how many leading bytes are covered, the state after them): at least one byte is always left to run."""
+        if self.limit <= 0 or len(prompt) <= self.block:
+            return 0, None
+        self.lookups += 1
+        for length in range((len(prompt) - 1) // self.block * self.block, 0, -self.block):
+            state = self.entries.get(prompt[:length])
+            if state is not None:
+                self.entries.move_to_end(prompt[:length])
+                self.hits += 1
+                self.tokens_saved += length
+                return length, state
+        return 0, None
+
+    def store(self, prompt: bytes, start: int, states: torch.Tensor) -> None:
+        """Keep the states at block boundaries past `start`; `states[i]` is the state after byte start + i."""
+        if self.limit <= 0:
+            return
+        first = (start // self.block + 1) * self.block
+        for length in range(first, len(prompt) + 1, self.block):
+            key = prompt[:length]
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                continue
+            state = states[length - start - 1].clone()
+            self.entries[key] = state
+            self.bytes += self._size(key, state)
+        while self.bytes > self.limit and self.entries:
+            key, state = self.entries.popitem(last=False)
+            self.bytes -= self._size(key, state)
+
+    def _size(self, key: bytes, state: torch.Tensor) -> int:
+        return len(key) + state.numel() * state.element_size() + self.ENTRY_OVERHEAD
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """Answered at once with this status, a message and, for 429 and 503, a Retry-After in seconds."""
+
+    def __init__(self, status: int, detail: str, retry_after: int | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.retry_after = status, detail, retry_after
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: bytes
+    max_tokens: int
+    arrived: float
+    deadline: float
+    cost: int = 0
+    joined: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    compute_s: float = 0.0
+    hidden: torch.Tensor | None = None
+    last: int = 0
+    out: list[int] = field(default_factory=list)
+    status: int = 0
+    detail: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def answer(self) -> dict:
+        return {
+            "text": bytes(self.out).decode("utf-8", errors="replace"),
+            "tokens": len(self.out),
+            "queue_ms": round(((self.joined or self.arrived) - self.arrived) * 1000, 3),
+            "compute_ms": round(self.compute_s * 1000, 3),
+        }
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("serve_queue_depth", "Requests admitted and waiting to join the batch", registry=r)
+        self.running = Gauge("serve_running_sequences", "Sequences in the running batch", registry=r)
+        self.batch_tokens = Histogram(
+            "serve_batch_tokens", "Token cost (prompt + max_tokens) of the running batch at each decode step",
+            buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), registry=r,
+        )
+        latency_buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("serve_time_to_first_token_seconds", "Arrival to first token", buckets=latency_buckets, registry=r)
+        self.latency = Histogram("serve_request_seconds", "Arrival to answer, answered requests", buckets=latency_buckets, registry=r)
+        self.outcomes = Counter("serve_requests", "Requests by outcome", ["outcome"], registry=r)
+        for outcome in ("answered", "shed", "expired", "draining", "invalid"):
+            self.outcomes.labels(outcome)
+        self.received = Counter("serve_requests_received", "Generate requests received, before any check", registry=r)
+        self.tokens = Counter("serve_generated_tokens", "Tokens generated", registry=r)
+        self.prefix_lookups = Counter("serve_prefix_cache_lookups", "Prompts looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("serve_prefix_cache_hits", "Prompts that reused a cached prefix", registry=r)
+        self.prefix_bytes = Gauge("serve_prefix_cache_bytes", "Bytes the prefix cache holds", registry=r)
+
+
+class Engine:
+    """The bounded queue, the running batch and the one thread that runs the model."""
+
+    def __init__(self, model: CharModel, alphabet: bytes, settings: Settings, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.alphabet = alphabet
+        self.allowed = frozenset(alphabet)
+        self.settings = settings
+        self.device = torch.device(device)
+        self.mask = torch.full((VOCAB,), float("-inf"), device=self.device)
+        self.mask[list(self.allowed)] = 0.0
+        self.cache = PrefixCache(int(settings.prefix_cache_mib * 1024 * 1024), settings.prefix_block)
+        self.metrics = Metrics()
+        self.lock = threading.Condition()
+        self.queue: list[tuple[float, int, Sequence]] = []  # a heap by deadline: earliest first
+        self.queued_cost = 0
+        self.running: list[Sequence] = []
+        self.running_cost = 0
+        self.order = itertools.count()
+        self.draining = False
+        self.ready = False
+        self.answered = 0
+        self.peak_batch_tokens = 0
+        # Running estimates, for refusing at once what can't be served in time.
+        self.step_s = 0.001
+        self.prefill_s_per_byte = 0.00002
+        self.thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
+
+    # -- requests, from the HTTP threads --
+
+    def check(self, body) -> tuple[bytes, int, float]:
+        """(prompt bytes, max_tokens, deadline_ms) of a request body, or ValueError({field: why})."""
+        s = self.settings
+        if not isinstance(body, dict):
+            raise ValueError({"non_field_errors": "the body must be a JSON object"})
+        unknown = sorted(set(body) - REQUEST_FIELDS)
+        if unknown:
+            raise ValueError({unknown[0]: f"unknown field; the fields are {', '.join(sorted(REQUEST_FIELDS))}"})
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError({"prompt": "required, a string"})
+        try:
+            data = prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError({"prompt": "not valid text (a lone surrogate)"}) from None
+        if not data:
+            raise ValueError({"prompt": "must not be empty"})
+        if len(data) > s.max_prompt_bytes:
+            raise ValueError({"prompt": f"{len(data)} bytes; at most {s.max_prompt_bytes}"})
+        if not set(data) <= self.allowed:
+            unseen = sorted({ch for ch in prompt if not set(ch.encode("utf-8")) <= self.allowed})
+            shown = "".join(unseen)[:20]
+            raise ValueError({"prompt": f"holds characters the model never saw in training: {shown!r}"})
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise ValueError({"max_tokens": "required, an integer"})
+        if not 1 <= max_tokens <= s.max_tokens:
+            raise ValueError({"max_tokens": f"must be between 1 and {s.max_tokens}"})
+        if len(data) + max_tokens > s.batch_token_budget:
+            raise ValueError({"max_tokens": f"prompt bytes + max_tokens must fit the batch budget of {s.batch_token_budget}"})
+        deadline_ms = body.get("deadline_ms", s.default_deadline_ms)
+        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not math.isfinite(deadline_ms):
+            raise ValueError({"deadline_ms": "a number of milliseconds"})
+        if deadline_ms <= 0:
+            raise ValueError({"deadline_ms": "must be positive: the deadline is that long after the request arrives"})
+        if deadline_ms > s.max_deadline_ms:
+            raise ValueError({"deadline_ms": f"at most {s.max_deadline_ms:g}"})
+        return data, max_tokens, float(deadline_ms)
+
+    def submit(self, prompt: bytes, max_tokens: int, deadline_ms: float, *, arrived: float | None = None) -> Sequence:
+        """Admit a checked request to the queue, or raise Refused at once."""
+        now = time.monotonic()
+        seq = Sequence(
+            prompt=prompt, max_tokens=max_tokens, arrived=arrived or now, deadline=(arrived or now) + deadline_ms / 1000,
+            cost=len(prompt) + max_tokens,
+        )
+        with self.lock:
+            if self.draining:
+                self.metrics.outcomes.labels("draining").inc()
+                raise Refused(503, "draining: this replica is stopping; try another or retry", retry_after=1)
+            if len(self.queue) >= self.settings.queue_limit:
+                self.metrics.outcomes.labels("shed").inc()
+                raise Refused(429, "the queue is full", retry_after=max(1, math.ceil(self._drain_estimate())))
+            wait = self._wait_estimate(seq)
+            finish = now + wait + self._own_estimate(seq)
+            if finish > seq.deadline:
+                self.metrics.outcomes.labels("shed").inc()
+                raise Refused(
+                    429, f"cannot meet the deadline behind the work ahead (about {wait * 1000:.0f} ms of waiting)",
+                    retry_after=max(1, math.ceil(wait)),
+                )
+            heapq.heappush(self.queue, (seq.deadline, next(self.order), seq))
+            self.queued_cost += seq.cost
+            self.metrics.queue_depth.set(len(self.queue))
+            self.lock.notify()
+        return seq
+
+    def _own_estimate(self, seq: Sequence) -> float:
+        return len(seq.prompt) * self.prefill_s_per_byte + seq.max_tokens * self.step_s
+
+    def _wait_estimate(self, seq: Sequence) -> float:
+        """Seconds until `seq` could join the batch: the budget-steps of the work ahead, over the budget."""
+        budget = self.settings.batch_token_budget
+        ahead = [s for _, _, s in self.queue if s.deadline <= seq.deadline]
+        if self.running_cost + sum(s.cost for s in ahead) + seq.cost <= budget:
+            return 0.0
+        held = sum(s.cost * (s.max_tokens - len(s.out)) for s in self.running)
+        held += sum(s.cost * s.max_tokens for s in ahead)
+        return held / budget * self.step_s
+
+    def _drain_estimate(self) -> float:
+        held = sum(s.cost * (s.max_tokens - len(s.out)) for s in self.running)
+        held += sum(s.cost * s.max_tokens for _, _, s in self.queue)
+        return held / self.settings.batch_token_budget * self.step_s
+
+    def drain(self) -> None:
+        with self.lock:
+            self.draining = True
+            self.lock.notify_all()
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.queue and not self.running
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while self.queue or self.running:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.lock.wait(left if left is not None else 0.5)
+        return True
+
+    # -- the engine thread --
+
+    def start(self) -> None:
+        self._warm_up()
+        self.ready = True
+        self.thread.start()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run the model once at a few sizes: the first calls allocate, and the estimates start from real figures."""
+        prompt = torch.tensor([list(self.alphabet[:1]) * 64], device=self.device)
+        started = time.monotonic()
+        for _ in range(3):
+            out, _ = self.model.rnn(self.model.embed(prompt))
+            self._sync()
+        self.prefill_s_per_byte = (time.monotonic() - started) / 3 / 64
+        hidden = torch.zeros(1, 32, self.model.rnn.hidden_size, device=self.device)
+        tokens = torch.zeros(32, 1, dtype=torch.long, device=self.device)
+        started = time.monotonic()
+        for _ in range(5):
+            out, hidden = self.model.rnn(self.model.embed(tokens), hidden)
+            (self.model.head(out[:, 0]) + self.mask).argmax(-1).tolist()
+        self.step_s = (time.monotonic() - started) / 5
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _finish(self, seq: Sequence, status: int, detail: str = "") -> None:
+        seq.status, seq.detail = status, detail
+        now = seq.finished = time.monotonic()
+        if status == 200:
+            self.answered += 1
+            self.metrics.outcomes.labels("answered").inc()
+            self.metrics.latency.observe(now - seq.arrived)
+        else:
+            self.metrics.outcomes.labels("expired").inc()
+        seq.done.set()
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                joiners = self._next_joiners()
+                if joiners is None:
+                    return
+                for seq in joiners:
+                    self._prefill(seq)
+                self._expire_running()
+                if self.running:
+                    self._step()
+                with self.lock:
+                    self.lock.notify_all()  # wait_idle
+
+    def _next_joiners(self) -> list[Sequence] | None:
+        s = self.settings
+        with self.lock:
+            while not self.queue and not self.running:
+                self.metrics.running.set(0)
+                self.lock.notify_all()
+                self.lock.wait()
+            if not self.running and self.queue and s.max_batch_wait_ms > 0:
+                # An idle engine lets a batch form for a moment, unless it is full already.
+                oldest = min(seq.arrived for _, _, seq in self.queue)
+                until = oldest + s.max_batch_wait_ms / 1000
+                while self.queued_cost < s.batch_token_budget and time.monotonic() < until and not self.draining:
+                    self.lock.wait(until - time.monotonic())
+            now = time.monotonic()
+            joiners: list[Sequence] = []
+            while self.queue:
+                _, _, head = self.queue[0]
+                if head.deadline <= now + self._own_estimate(head):
+                    heapq.heappop(self.queue)
+                    self.queued_cost -= head.cost
+                    late = "passed" if head.deadline <= now else "can no longer be met"
+                    self._finish(head, 504, f"the deadline {late} while the request waited; it cost no compute")
+                    continue
+                if self.running_cost + head.cost > s.batch_token_budget:
+                    break  # earliest deadline first: nothing jumps the head
+                heapq.heappop(self.queue)
+                self.queued_cost -= head.cost
+                self.running_cost += head.cost
+                head.joined = now
+                joiners.append(head)
+                self.running.append(head)
+                self.peak_batch_tokens = max(self.peak_batch_tokens, self.running_cost)
+            self.metrics.queue_depth.set(len(self.queue))
+            self.metrics.running.set(len(self.running))
+            return joiners
+
+    def _prefill(self, seq: Sequence) -> None:
+        started = time.monotonic()
+        start, state = self.cache.longest(seq.prompt)
+        if len(seq.prompt) > self.cache.block and self.cache.limit > 0:
+            self.metrics.prefix_lookups.inc()
+            if start:
+                self.metrics.prefix_hits.inc()
+        tokens = torch.tensor([list(seq.prompt[start:])], device=self.device)
+        hidden = None if state is None else state.view(1, 1, -1)
+        out, hidden = self.model.rnn(self.model.embed(tokens), hidden)
+        first = int((self.model.head(out[0, -1]) + self.mask).argmax())
+        self.cache.store(seq.prompt, start, out[0])
+        self.metrics.prefix_bytes.set(self.cache.bytes)
+        seq.hidden = hidden[0, 0]
+        seq.last = first
+        seq.out.append(first)
+        now = time.monotonic()
+        seq.first_token = now
+        seq.compute_s += now - started
+        self.metrics.ttft.observe(now - seq.arrived)
+        self.metrics.tokens.inc()
+        ran = len(seq.prompt) - start
+        self.prefill_s_per_byte = 0.9 * self.prefill_s_per_byte + 0.1 * ((now - started) / ran)
+        if len(seq.out) >= seq.max_tokens:
+            self._leave(seq, 200)
+
+    def _leave(self, seq: Sequence, status: int, detail: str = "") -> None:
+        with self.lock:
+            self.running.remove(seq)
+            self.running_cost -= seq.cost
+        self._finish(seq, status, detail)
+
+    def _expire_running(self) -> None:
+        now = time.monotonic()
+        for seq in [s for s in self.running if s.deadline <= now]:
+            self._leave(seq, 504, f"the deadline passed after {len(seq.out)} of {seq.max_tokens} tokens")
+
+    def _step(self) -> None:
+        batch = list(self.running)
+        started = time.monotonic()
+        tokens = torch.tensor([[seq.last] for seq in batch], device=self.device)
+        hidden = torch.stack([seq.hidden for seq in batch]).unsqueeze(0)
+        out, hidden = self.model.rnn(self.model.embed(tokens), hidden)
+        chosen = (self.model.head(out[:, 0]) + self.mask).argmax(-1).tolist()
+        elapsed = time.monotonic() - started
+        self.step_s = 0.9 * self.step_s + 0.1 * elapsed
+        self.metrics.batch_tokens.observe(self.running_cost)
+        self.metrics.tokens.inc(len(batch))
+        for i, seq in enumerate(batch):
+            seq.hidden = hidden[0, i]
+            seq.last = chosen[i]
+            seq.out.append(chosen[i])
+            seq.compute_s += elapsed
+            if len(seq.out) >= seq.max_tokens:
+                self._leave(seq, 200)
+
+
+# --- HTTP ----------------------------------------------------------------------------------------
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    server_version = "portal-serve"
+
+    def log_message(self, format, *args) -> None:  # one line per request is too much under load
+        pass
+
+    def _send(self, status: int, body: dict | bytes, *, content_type: str = "application/json", headers=None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        engine = self.server.engine
+        if self.path == "/healthz":
+            self._send(200, {"status": "ok"})
+        elif self.path == "/readyz":
+            ready = engine.ready and not engine.draining
+            self._send(200 if ready else 503, {"ready": ready, "draining": engine.draining})
+        elif self.path == "/metrics":
+            self._send(200, generate_latest(engine.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+        else:
+            self._send(404, {"detail": "not found"})
+
+    def do_POST(self) -> None:
+        arrived = time.monotonic()
+        engine = self.server.engine
+        if self.path != "/v1/generate":
+            self._send(404, {"detail": "not found"})
+            return
+        engine.metrics.received.inc()
+        if self.headers.get_content_type() != "application/json":
+            engine.metrics.outcomes.labels("invalid").inc()
+            self._send(415, {"Content-Type": ["must be application/json"]})
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            length = -1
+        if length < 0:
+            engine.metrics.outcomes.labels("invalid").inc()
+            self._send(411, {"Content-Length": ["required, a byte count"]})
+            return
+        if length > MAX_BODY_BYTES:
+            engine.metrics.outcomes.labels("invalid").inc()
+            self._send(413, {"detail": f"the body is {length} bytes; at most {MAX_BODY_BYTES}"})
+            self.close_connection = True
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+            prompt, max_tokens, deadline_ms = engine.check(body)
+        except ValueError as error:
+            engine.metrics.outcomes.labels("invalid").inc()
+            problem = error.args[0] if error.args and isinstance(error.args[0], dict) else {"body": "not valid JSON"}
+            self._send(400, {name: [why] for name, why in problem.items()})
+            return
+        try:
+            seq = engine.submit(prompt, max_tokens, deadline_ms, arrived=arrived)
+        except Refused as refused:
+            self._send(refused.status, {"detail": refused.detail}, headers={"Retry-After": str(refused.retry_after)})
+            return
+        # The engine answers every admitted request by its deadline; the margin covers a stalled engine.
+        if not seq.done.wait(max(0.0, seq.deadline - time.monotonic()) + 5):
+            self._send(504, {"detail": "no answer by the deadline"})
+        elif seq.status == 200:
+            self._send(200, seq.answer())
+        else:
+            self._send(seq.status, {"detail": seq.detail})
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = False  # server_close() waits for every answer being written
+    request_queue_size = 1024
+
+    def __init__(self, address, engine: Engine) -> None:
+        self.engine = engine
+        super().__init__(address, Handler)
+
+
+def serve(args: argparse.Namespace) -> int:
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    model, alphabet = load_model(args.checkpoint, device)
+    engine = Engine(model, alphabet, settings_from(args), device)
+    server = Server((args.host, args.port), engine)
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        engine.drain()  # readiness false and nothing new admitted, at once
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    engine.start()
+    listener = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    listener.start()
+    host, port = server.server_address[:2]
+    print(tagged_line(LISTENING_TAG, {"host": host, "port": port, "device": str(device)}), flush=True)
+    while not stop.wait(0.5):
+        pass
+    engine.wait_idle()
+    # Every admitted request is answered; the listener stops taking connections and the
+    # handler threads still writing their answers are waited for.
+    server.shutdown()
+    server.server_close()
+    print(f"drained: {engine.answered} answered in all", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return serve(args)
+    except (OSError, ValueError, RuntimeError) as error:
+        print(f"serve: {error}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
