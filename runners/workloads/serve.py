@@ -11,7 +11,7 @@ byte a token, restricted to the bytes of the corpus it was trained on.
 API::
 
     POST /v1/generate   {"prompt": str, "max_tokens": int, "deadline_ms": number (optional)}
-        200 {"text", "tokens", "queue_ms", "compute_ms"}
+        200 {"text", "tokens", "queue_ms", "compute_ms"}, header X-Time-To-First-Token-Ms
         400 {"<field>": ["why"]}       a field is missing, of the wrong type, out of range or unknown
         413 / 415                      the body is too large / not application/json
         429 {"detail"} + Retry-After   the queue is full, or the deadline can't be met behind the work ahead
@@ -67,6 +67,7 @@ Exit codes: 0 after a drain, 1 on an error (the checkpoint does not load), 2 bad
 from __future__ import annotations
 
 import argparse
+import asyncio
 import heapq
 import itertools
 import json
@@ -78,11 +79,12 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
 from pathlib import Path
 
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
 from runners.workloads.progress import checkpoint_files, tagged_line
 from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
@@ -248,15 +250,18 @@ class Sequence:
     deadline: float
     cost: int = 0
     joined: float | None = None
+    joined_step: int = 0
     first_token: float | None = None
     finished: float | None = None
-    compute_s: float = 0.0
-    hidden: torch.Tensor | None = None
-    last: int = 0
     out: list[int] = field(default_factory=list)
     status: int = 0
     detail: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: object = None  # called from the engine thread once answered (the HTTP front wakes its waiter)
+
+    @property
+    def compute_s(self) -> float:
+        return 0.0 if self.joined is None else (self.finished or time.monotonic()) - self.joined
 
     def answer(self) -> dict:
         return {
@@ -306,8 +311,21 @@ class Engine:
         self.lock = threading.Condition()
         self.queue: list[tuple[float, int, Sequence]] = []  # a heap by deadline: earliest first
         self.queued_cost = 0
-        self.running: list[Sequence] = []
+        self.active: list[Sequence] = []  # in the batch or joining it, under the lock: for the estimates
         self.running_cost = 0
+        # The running batch, row by row, touched by the engine thread only: each sequence's state,
+        # last token, tokens so far and how many it may have.
+        self.rows: list[Sequence] = []
+        hidden_size = model.rnn.hidden_size
+        self.zero_state = torch.zeros(hidden_size, device=self.device)
+        self.h = torch.zeros(0, hidden_size, device=self.device)
+        self.last = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.gen = torch.zeros(0, settings.max_tokens, dtype=torch.long, device=self.device)
+        self.count = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.limit = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.first_deadline = math.inf
+        self.step_no = 0
+        self.waited = 0.0
         self.order = itertools.count()
         self.draining = False
         self.ready = False
@@ -359,12 +377,14 @@ class Engine:
             raise ValueError({"deadline_ms": f"at most {s.max_deadline_ms:g}"})
         return data, max_tokens, float(deadline_ms)
 
-    def submit(self, prompt: bytes, max_tokens: int, deadline_ms: float, *, arrived: float | None = None) -> Sequence:
+    def submit(
+        self, prompt: bytes, max_tokens: int, deadline_ms: float, *, arrived: float | None = None, on_done=None
+    ) -> Sequence:
         """Admit a checked request to the queue, or raise Refused at once."""
         now = time.monotonic()
         seq = Sequence(
             prompt=prompt, max_tokens=max_tokens, arrived=arrived or now, deadline=(arrived or now) + deadline_ms / 1000,
-            cost=len(prompt) + max_tokens,
+            cost=len(prompt) + max_tokens, on_done=on_done,
         )
         with self.lock:
             if self.draining:
@@ -396,12 +416,15 @@ class Engine:
         ahead = [s for _, _, s in self.queue if s.deadline <= seq.deadline]
         if self.running_cost + sum(s.cost for s in ahead) + seq.cost <= budget:
             return 0.0
-        held = sum(s.cost * (s.max_tokens - len(s.out)) for s in self.running)
+        held = sum(s.cost * self._left(s) for s in self.active)
         held += sum(s.cost * s.max_tokens for s in ahead)
         return held / budget * self.step_s
 
+    def _left(self, seq: Sequence) -> int:
+        return max(0, seq.max_tokens - (self.step_no - seq.joined_step))
+
     def _drain_estimate(self) -> float:
-        held = sum(s.cost * (s.max_tokens - len(s.out)) for s in self.running)
+        held = sum(s.cost * self._left(s) for s in self.active)
         held += sum(s.cost * s.max_tokens for _, _, s in self.queue)
         return held / self.settings.batch_token_budget * self.step_s
 
@@ -412,12 +435,12 @@ class Engine:
 
     def idle(self) -> bool:
         with self.lock:
-            return not self.queue and not self.running
+            return not self.queue and not self.active
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while self.queue or self.running:
+            while self.queue or self.active:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -462,35 +485,40 @@ class Engine:
         else:
             self.metrics.outcomes.labels("expired").inc()
         seq.done.set()
+        if seq.on_done is not None:
+            seq.on_done()
 
     def _loop(self) -> None:
         with torch.inference_mode():
             while True:
+                started = time.monotonic()
                 joiners = self._next_joiners()
-                if joiners is None:
-                    return
-                for seq in joiners:
-                    self._prefill(seq)
-                self._expire_running()
-                if self.running:
+                self._join(self._prefill(joiners))
+                if self.rows:
                     self._step()
+                    # What the estimates use: the wall time of a whole iteration (the joiners' prompts,
+                    # the step, the lock and the interpreter shared with the HTTP front), idle waits left out.
+                    busy = time.monotonic() - started - self.waited
+                    self.step_s = 0.95 * self.step_s + 0.05 * busy
                 with self.lock:
                     self.lock.notify_all()  # wait_idle
 
-    def _next_joiners(self) -> list[Sequence] | None:
+    def _next_joiners(self) -> list[Sequence]:
         s = self.settings
         with self.lock:
-            while not self.queue and not self.running:
+            entered = time.monotonic()
+            while not self.queue and not self.active:
                 self.metrics.running.set(0)
                 self.lock.notify_all()
                 self.lock.wait()
-            if not self.running and self.queue and s.max_batch_wait_ms > 0:
+            if not self.active and self.queue and s.max_batch_wait_ms > 0:
                 # An idle engine lets a batch form for a moment, unless it is full already.
                 oldest = min(seq.arrived for _, _, seq in self.queue)
                 until = oldest + s.max_batch_wait_ms / 1000
                 while self.queued_cost < s.batch_token_budget and time.monotonic() < until and not self.draining:
-                    self.lock.wait(until - time.monotonic())
+                    self.lock.wait(max(0.0, until - time.monotonic()))
             now = time.monotonic()
+            self.waited = now - entered
             joiners: list[Sequence] = []
             while self.queue:
                 _, _, head = self.queue[0]
@@ -506,155 +534,263 @@ class Engine:
                 self.queued_cost -= head.cost
                 self.running_cost += head.cost
                 head.joined = now
+                head.joined_step = self.step_no
                 joiners.append(head)
-                self.running.append(head)
+                self.active.append(head)
                 self.peak_batch_tokens = max(self.peak_batch_tokens, self.running_cost)
             self.metrics.queue_depth.set(len(self.queue))
-            self.metrics.running.set(len(self.running))
+            self.metrics.running.set(len(self.active))
             return joiners
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, joiners: list[Sequence]) -> list[tuple[Sequence, torch.Tensor, int]]:
+        """Run the joiners' prompts together, each from its longest cached prefix on.
+
+        A recurrent model pays per position, so the prompts go in one packed call: as long as the
+        longest prompt left to run, not as the sum of them. Returns (sequence, the state after its
+        prompt, its first token) for each.
+        """
+        if not joiners:
+            return []
         started = time.monotonic()
-        start, state = self.cache.longest(seq.prompt)
-        if len(seq.prompt) > self.cache.block and self.cache.limit > 0:
-            self.metrics.prefix_lookups.inc()
-            if start:
-                self.metrics.prefix_hits.inc()
-        tokens = torch.tensor([list(seq.prompt[start:])], device=self.device)
-        hidden = None if state is None else state.view(1, 1, -1)
-        out, hidden = self.model.rnn(self.model.embed(tokens), hidden)
-        first = int((self.model.head(out[0, -1]) + self.mask).argmax())
-        self.cache.store(seq.prompt, start, out[0])
+        starts, states = [], []
+        for seq in joiners:
+            start, state = self.cache.longest(seq.prompt)
+            if len(seq.prompt) > self.cache.block and self.cache.limit > 0:
+                self.metrics.prefix_lookups.inc()
+                if start:
+                    self.metrics.prefix_hits.inc()
+            starts.append(start)
+            states.append(self.zero_state if state is None else state)
+        suffixes = [torch.tensor(list(seq.prompt[start:]), device=self.device) for seq, start in zip(joiners, starts)]
+        packed = pack_sequence([self.model.embed(t) for t in suffixes], enforce_sorted=False)
+        out, hidden = self.model.rnn(packed, torch.stack(states).unsqueeze(0))
+        out, _ = pad_packed_sequence(out, batch_first=True)
+        hidden = hidden[0]  # each row's state after its own last position
+        firsts = (self.model.head(hidden) + self.mask).argmax(-1).tolist()
+        for i, seq in enumerate(joiners):
+            self.cache.store(seq.prompt, starts[i], out[i, : len(suffixes[i])])
         self.metrics.prefix_bytes.set(self.cache.bytes)
-        seq.hidden = hidden[0, 0]
-        seq.last = first
-        seq.out.append(first)
         now = time.monotonic()
-        seq.first_token = now
-        seq.compute_s += now - started
-        self.metrics.ttft.observe(now - seq.arrived)
-        self.metrics.tokens.inc()
-        ran = len(seq.prompt) - start
+        ran = sum(len(t) for t in suffixes)
         self.prefill_s_per_byte = 0.9 * self.prefill_s_per_byte + 0.1 * ((now - started) / ran)
-        if len(seq.out) >= seq.max_tokens:
-            self._leave(seq, 200)
+        for seq in joiners:
+            seq.first_token = now
+            self.metrics.ttft.observe(now - seq.arrived)
+        self.metrics.tokens.inc(len(joiners))
+        return [(seq, hidden[i], firsts[i]) for i, seq in enumerate(joiners)]
 
-    def _leave(self, seq: Sequence, status: int, detail: str = "") -> None:
-        with self.lock:
-            self.running.remove(seq)
-            self.running_cost -= seq.cost
-        self._finish(seq, status, detail)
-
-    def _expire_running(self) -> None:
-        now = time.monotonic()
-        for seq in [s for s in self.running if s.deadline <= now]:
-            self._leave(seq, 504, f"the deadline passed after {len(seq.out)} of {seq.max_tokens} tokens")
+    def _join(self, prefilled: list[tuple[Sequence, torch.Tensor, int]]) -> None:
+        """Add the prefilled sequences to the batch as rows; one that asked for a single token is done."""
+        for seq, _, first in prefilled:
+            if seq.max_tokens == 1:
+                seq.out = [first]
+                self._leave([seq], 200)
+        prefilled = [p for p in prefilled if p[0].max_tokens > 1]
+        if not prefilled:
+            return
+        k, width = len(prefilled), self.gen.shape[1]
+        firsts = torch.tensor([first for _, _, first in prefilled], device=self.device)
+        gen = torch.zeros(k, width, dtype=torch.long, device=self.device)
+        gen[:, 0] = firsts
+        self.rows.extend(seq for seq, _, _ in prefilled)
+        self.h = torch.cat([self.h, torch.stack([hidden for _, hidden, _ in prefilled])])
+        self.last = torch.cat([self.last, firsts])
+        self.gen = torch.cat([self.gen, gen])
+        self.count = torch.cat([self.count, torch.ones(k, dtype=torch.long, device=self.device)])
+        self.limit = torch.cat([self.limit, torch.tensor([seq.max_tokens for seq, _, _ in prefilled], device=self.device)])
+        self.first_deadline = min(seq.deadline for seq in self.rows)
 
     def _step(self) -> None:
-        batch = list(self.running)
-        started = time.monotonic()
-        tokens = torch.tensor([[seq.last] for seq in batch], device=self.device)
-        hidden = torch.stack([seq.hidden for seq in batch]).unsqueeze(0)
-        out, hidden = self.model.rnn(self.model.embed(tokens), hidden)
-        chosen = (self.model.head(out[:, 0]) + self.mask).argmax(-1).tolist()
-        elapsed = time.monotonic() - started
-        self.step_s = 0.9 * self.step_s + 0.1 * elapsed
+        """One decode step for every row at once; then the rows that are done, or out of time, leave."""
+        batch = len(self.rows)
+        out, hidden = self.model.rnn(self.model.embed(self.last.view(batch, 1)), self.h.unsqueeze(0))
+        self.h = hidden[0]
+        self.last = (self.model.head(out[:, 0]) + self.mask).argmax(-1)
+        self.gen[torch.arange(batch, device=self.device), self.count] = self.last
+        self.count += 1
+        done = (self.count >= self.limit).nonzero().flatten().tolist()  # the one wait for the device a step
+        now = time.monotonic()
+        self.step_no += 1
         self.metrics.batch_tokens.observe(self.running_cost)
-        self.metrics.tokens.inc(len(batch))
-        for i, seq in enumerate(batch):
-            seq.hidden = hidden[0, i]
-            seq.last = chosen[i]
-            seq.out.append(chosen[i])
-            seq.compute_s += elapsed
-            if len(seq.out) >= seq.max_tokens:
-                self._leave(seq, 200)
+        self.metrics.tokens.inc(batch)
+        late = [i for i, seq in enumerate(self.rows) if seq.deadline <= now] if now >= self.first_deadline else []
+        if not done and not late:
+            return
+        gone = set(done) | set(late)
+        finished = [self.rows[i] for i in done]
+        for i in done:
+            self.rows[i].out = self.gen[i, : self.rows[i].max_tokens].tolist()
+        expired = [self.rows[i] for i in late if i not in set(done)]
+        keep = [i for i in range(batch) if i not in gone]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.h, self.last, self.gen = self.h[index], self.last[index], self.gen[index]
+        self.count, self.limit = self.count[index], self.limit[index]
+        self.first_deadline = min((seq.deadline for seq in self.rows), default=math.inf)
+        self._leave(finished, 200)
+        for seq in expired:
+            self._leave([seq], 504, f"the deadline passed after {self.step_no - seq.joined_step + 1} of {seq.max_tokens} tokens")
+
+    def _leave(self, seqs: list[Sequence], status: int, detail: str = "") -> None:
+        with self.lock:
+            for seq in seqs:
+                self.active.remove(seq)
+                self.running_cost -= seq.cost
+        for seq in seqs:
+            self._finish(seq, status, detail)
 
 
 # --- HTTP ----------------------------------------------------------------------------------------
 
 
-class Handler(BaseHTTPRequestHandler):
-    server: Server
-    server_version = "portal-serve"
+class Front:
+    """HTTP/1.1 on asyncio: one event loop takes every connection, the engine thread runs the model."""
 
-    def log_message(self, format, *args) -> None:  # one line per request is too much under load
-        pass
+    MAX_HEADERS = 100
 
-    def _send(self, status: int, body: dict | bytes, *, content_type: str = "application/json", headers=None) -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.connections: dict[asyncio.StreamWriter, bool] = {}  # writer -> busy with a request
 
-    def do_GET(self) -> None:
-        engine = self.server.engine
-        if self.path == "/healthz":
-            self._send(200, {"status": "ok"})
-        elif self.path == "/readyz":
-            ready = engine.ready and not engine.draining
-            self._send(200 if ready else 503, {"ready": ready, "draining": engine.draining})
-        elif self.path == "/metrics":
-            self._send(200, generate_latest(engine.metrics.registry), content_type=CONTENT_TYPE_LATEST)
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections[writer] = False
+        try:
+            while True:
+                request = await self._read(reader)
+                if request is None:
+                    return
+                self.connections[writer] = True
+                method, path, version, headers, body = request
+                if isinstance(body, tuple):  # refused while reading: (status, answer)
+                    status, answer, extra = *body, {}
+                    self.engine.metrics.outcomes.labels("invalid").inc()
+                else:
+                    status, answer, extra = await self.route(method, path, headers, body)
+                keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
+                keep = keep and not self.engine.draining and not isinstance(body, tuple)
+                self._write(writer, status, answer, extra, keep)
+                await writer.drain()
+                self.connections[writer] = False
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            return
+        finally:
+            self.connections.pop(writer, None)
+            writer.close()
+
+    async def _read(self, reader: asyncio.StreamReader):
+        line = await reader.readline()
+        if not line.strip():
+            return None
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3:
+            return "GET", "", "HTTP/1.0", {}, (400, {"detail": "not an HTTP request line"})
+        method, path, version = parts
+        headers: dict[str, str] = {}
+        for _ in range(self.MAX_HEADERS):
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
         else:
-            self._send(404, {"detail": "not found"})
+            return method, path, version, headers, (431, {"detail": "too many headers"})
+        body = b""
+        if method == "POST":
+            if "transfer-encoding" in headers:
+                return method, path, version, headers, (411, {"Content-Length": ["required; chunked bodies are not taken"]})
+            try:
+                length = int(headers.get("content-length", ""))
+            except ValueError:
+                length = -1
+            if length < 0:
+                return method, path, version, headers, (411, {"Content-Length": ["required, a byte count"]})
+            if length > MAX_BODY_BYTES:
+                if length <= 16 * MAX_BODY_BYTES:  # read it away, so the client sees the answer, not a reset
+                    await reader.readexactly(length)
+                return method, path, version, headers, (413, {"detail": f"the body is {length} bytes; at most {MAX_BODY_BYTES}"})
+            body = await reader.readexactly(length)
+        return method, path, version, headers, body
 
-    def do_POST(self) -> None:
+    def _write(self, writer, status: int, answer, extra: dict, keep: bool) -> None:
+        if isinstance(answer, bytes):
+            data, content_type = answer, CONTENT_TYPE_LATEST
+        else:
+            data, content_type = json.dumps(answer).encode(), "application/json"
+        head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Content-Type: {content_type}",
+                f"Content-Length: {len(data)}", "Server: portal-serve"]
+        head += [f"{name}: {value}" for name, value in extra.items()]
+        head.append("Connection: keep-alive" if keep else "Connection: close")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + data)
+
+    async def route(self, method: str, path: str, headers: dict, body: bytes):
+        engine = self.engine
+        if method == "GET" and path == "/healthz":
+            return 200, {"status": "ok"}, {}
+        if method == "GET" and path == "/readyz":
+            ready = engine.ready and not engine.draining
+            return (200 if ready else 503), {"ready": ready, "draining": engine.draining}, {}
+        if method == "GET" and path == "/metrics":
+            return 200, generate_latest(engine.metrics.registry), {}
+        if path != "/v1/generate":
+            return 404, {"detail": "not found"}, {}
+        if method != "POST":
+            return 405, {"detail": "POST only"}, {"Allow": "POST"}
         arrived = time.monotonic()
-        engine = self.server.engine
-        if self.path != "/v1/generate":
-            self._send(404, {"detail": "not found"})
-            return
         engine.metrics.received.inc()
-        if self.headers.get_content_type() != "application/json":
+        if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             engine.metrics.outcomes.labels("invalid").inc()
-            self._send(415, {"Content-Type": ["must be application/json"]})
-            return
+            return 415, {"Content-Type": ["must be application/json"]}, {}
         try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            length = -1
-        if length < 0:
-            engine.metrics.outcomes.labels("invalid").inc()
-            self._send(411, {"Content-Length": ["required, a byte count"]})
-            return
-        if length > MAX_BODY_BYTES:
-            engine.metrics.outcomes.labels("invalid").inc()
-            self._send(413, {"detail": f"the body is {length} bytes; at most {MAX_BODY_BYTES}"})
-            self.close_connection = True
-            return
-        try:
-            body = json.loads(self.rfile.read(length))
-            prompt, max_tokens, deadline_ms = engine.check(body)
-        except ValueError as error:
+            prompt, max_tokens, deadline_ms = engine.check(json.loads(body))
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors too
             engine.metrics.outcomes.labels("invalid").inc()
             problem = error.args[0] if error.args and isinstance(error.args[0], dict) else {"body": "not valid JSON"}
-            self._send(400, {name: [why] for name, why in problem.items()})
-            return
+            return 400, {name: [why] for name, why in problem.items()}, {}
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
         try:
-            seq = engine.submit(prompt, max_tokens, deadline_ms, arrived=arrived)
+            seq = engine.submit(
+                prompt, max_tokens, deadline_ms, arrived=arrived,
+                on_done=lambda: loop.call_soon_threadsafe(lambda: answered.done() or answered.set_result(None)),
+            )
         except Refused as refused:
-            self._send(refused.status, {"detail": refused.detail}, headers={"Retry-After": str(refused.retry_after)})
-            return
-        # The engine answers every admitted request by its deadline; the margin covers a stalled engine.
-        if not seq.done.wait(max(0.0, seq.deadline - time.monotonic()) + 5):
-            self._send(504, {"detail": "no answer by the deadline"})
-        elif seq.status == 200:
-            self._send(200, seq.answer())
-        else:
-            self._send(seq.status, {"detail": seq.detail})
+            return refused.status, {"detail": refused.detail}, {"Retry-After": str(refused.retry_after)}
+        try:
+            # The engine answers every admitted request by its deadline; the margin covers a stalled engine.
+            await asyncio.wait_for(answered, max(0.0, seq.deadline - time.monotonic()) + 5)
+        except TimeoutError:
+            return 504, {"detail": "no answer by the deadline"}, {}
+        if seq.status != 200:
+            return seq.status, {"detail": seq.detail}, {}
+        return 200, seq.answer(), {"X-Time-To-First-Token-Ms": f"{(seq.first_token - seq.arrived) * 1000:.3f}"}
+
+    async def close_idle(self) -> None:
+        """Close the connections waiting for a next request; those answering one finish first."""
+        while True:
+            for writer, busy in list(self.connections.items()):
+                if not busy:
+                    writer.close()
+            if not self.connections:
+                return
+            await asyncio.sleep(0.05)
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = False  # server_close() waits for every answer being written
-    request_queue_size = 1024
-
-    def __init__(self, address, engine: Engine) -> None:
-        self.engine = engine
-        super().__init__(address, Handler)
+async def serve_async(args: argparse.Namespace, engine: Engine) -> None:
+    front = Front(engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: (engine.drain(), stop.set()))  # readiness false at once
+    server = await asyncio.start_server(front.handle, args.host, args.port, backlog=1024, limit=MAX_BODY_BYTES)
+    host, port = server.sockets[0].getsockname()[:2]
+    print(tagged_line(LISTENING_TAG, {"host": host, "port": port, "device": str(engine.device)}), flush=True)
+    await stop.wait()
+    # Draining: new requests get 503 while everything admitted is answered; then no more connections.
+    await loop.run_in_executor(None, engine.wait_idle)
+    server.close()
+    await asyncio.wait_for(front.close_idle(), 30)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -664,27 +800,12 @@ def serve(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
     model, alphabet = load_model(args.checkpoint, device)
     engine = Engine(model, alphabet, settings_from(args), device)
-    server = Server((args.host, args.port), engine)
-    stop = threading.Event()
-
-    def on_signal(signum, frame) -> None:
-        engine.drain()  # readiness false and nothing new admitted, at once
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     engine.start()
-    listener = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    listener.start()
-    host, port = server.server_address[:2]
-    print(tagged_line(LISTENING_TAG, {"host": host, "port": port, "device": str(device)}), flush=True)
-    while not stop.wait(0.5):
-        pass
-    engine.wait_idle()
-    # Every admitted request is answered; the listener stops taking connections and the
-    # handler threads still writing their answers are waited for.
-    server.shutdown()
-    server.server_close()
+    # Two threads share the interpreter: the event loop and the engine, whose every model call lets
+    # go of the GIL and must win it back. At the default 5 ms a busy loop would hold the engine a
+    # whole interval at each hand-over, several a step; 0.5 ms keeps a step near its compute time.
+    sys.setswitchinterval(0.0005)
+    asyncio.run(serve_async(args, engine))
     print(f"drained: {engine.answered} answered in all", flush=True)
     return 0
 
