@@ -73,22 +73,21 @@ def _generate_one(model, mask, prompt: bytes, max_tokens: int) -> bytes:
 
 
 def _generate_batch(model, mask, prompts: list[bytes], max_tokens: list[int]) -> list[bytes]:
-    """A static batch: each prompt computed, then every sequence decoded together for the longest ask."""
+    """A static batch: the prompts in one packed call (as the portal's server runs its joiners), then
+    every sequence decoded together for as many steps as the longest ask."""
     import torch
+    from torch.nn.utils.rnn import pack_sequence
 
-    hiddens, tokens = [], []
-    for prompt in prompts:
-        out, hidden = model.rnn(model.embed(torch.tensor([list(prompt)])))
-        hiddens.append(hidden[0, 0])
-        tokens.append(int((model.head(out[0, -1]) + mask).argmax()))
-    generated = [[t] for t in tokens]
-    hidden = torch.stack(hiddens).unsqueeze(0)
+    packed = pack_sequence([model.embed(torch.tensor(list(p))) for p in prompts], enforce_sorted=False)
+    _, hidden = model.rnn(packed)
+    tokens = (model.head(hidden[0]) + mask).argmax(-1)
+    generated = [tokens]
     for _ in range(max(max_tokens) - 1):
-        out, hidden = model.rnn(model.embed(torch.tensor([[t] for t in tokens])), hidden)
-        tokens = (model.head(out[:, 0]) + mask).argmax(-1).tolist()
-        for seq, token in zip(generated, tokens):
-            seq.append(token)
-    return [bytes(seq[:n]) for seq, n in zip(generated, max_tokens)]
+        out, hidden = model.rnn(model.embed(tokens.view(-1, 1)), hidden)
+        tokens = (model.head(out[:, 0]) + mask).argmax(-1)
+        generated.append(tokens)
+    rows = torch.stack(generated, dim=1).tolist()
+    return [bytes(row[:n]) for row, n in zip(rows, max_tokens)]
 
 
 def _load(checkpoint: str):
@@ -298,8 +297,7 @@ class Started:
         if kind in ("portal", "portal-nocache"):
             command = [
                 sys.executable, "-m", "runners.workloads.serve", "--checkpoint", str(checkpoint), "--port", str(self.port),
-                "--queue-limit", str(args.queue_limit), "--batch-token-budget", str(args.token_budget),
-                "--max-batch-wait-ms", "2", "--max-tokens", "256",
+                "--queue-limit", str(args.queue_limit), "--max-tokens", "256",
             ]
             if kind == "portal-nocache":
                 command += ["--prefix-cache-mib", "0"]
@@ -364,7 +362,6 @@ def main() -> None:
     parser.add_argument("--servers", default="portal,portal-nocache,litserve,one-at-a-time")
     parser.add_argument("--capacity", type=float, help="requests/s of one portal replica; measured when not given")
     parser.add_argument("--queue-limit", type=int, default=256)
-    parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--litserve-batch", type=int, default=8)
     parser.add_argument("--litserve-timeout-ms", type=float, default=10)
     parser.add_argument("--seed", type=int, default=1)

@@ -50,8 +50,10 @@ which wins over the default.
     --host                  SERVE_HOST                 127.0.0.1
     --port                  SERVE_PORT                 8000    0: any free port
     --queue-limit           SERVE_QUEUE_LIMIT          64      requests waiting, beyond the running batch
-    --batch-token-budget    SERVE_BATCH_TOKEN_BUDGET   4096    prompt bytes + max_tokens over the batch
-    --max-batch-wait-ms     SERVE_MAX_BATCH_WAIT_MS    2       an idle engine waits this long for a batch to form
+    --batch-token-budget    SERVE_BATCH_TOKEN_BUDGET   16384   prompt bytes + max_tokens over the batch
+    --max-batch-wait-ms     SERVE_MAX_BATCH_WAIT_MS    5       how long waiting requests are gathered to join
+                                                               together (unless a quarter of the budget is
+                                                               free or the head of the queue can't wait)
     --default-deadline-ms   SERVE_DEFAULT_DEADLINE_MS  10000
     --max-deadline-ms       SERVE_MAX_DEADLINE_MS      120000
     --max-prompt-bytes      SERVE_MAX_PROMPT_BYTES     2048
@@ -100,8 +102,8 @@ REQUEST_FIELDS = {"prompt", "max_tokens", "deadline_ms"}
 @dataclass(frozen=True)
 class Settings:
     queue_limit: int = 64
-    batch_token_budget: int = 4096
-    max_batch_wait_ms: float = 2.0
+    batch_token_budget: int = 16384
+    max_batch_wait_ms: float = 5.0
     default_deadline_ms: float = 10_000.0
     max_deadline_ms: float = 120_000.0
     max_prompt_bytes: int = 2048
@@ -130,8 +132,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
     parser.add_argument("--host", default=env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=_at_least(0), default=env("PORT", "8000"))
     parser.add_argument("--queue-limit", type=_at_least(1), default=env("QUEUE_LIMIT", "64"))
-    parser.add_argument("--batch-token-budget", type=_at_least(2), default=env("BATCH_TOKEN_BUDGET", "4096"))
-    parser.add_argument("--max-batch-wait-ms", type=_at_least(0, float), default=env("MAX_BATCH_WAIT_MS", "2"))
+    parser.add_argument("--batch-token-budget", type=_at_least(2), default=env("BATCH_TOKEN_BUDGET", "16384"))
+    parser.add_argument("--max-batch-wait-ms", type=_at_least(0, float), default=env("MAX_BATCH_WAIT_MS", "5"))
     parser.add_argument("--default-deadline-ms", type=_at_least(1, float), default=env("DEFAULT_DEADLINE_MS", "10000"))
     parser.add_argument("--max-deadline-ms", type=_at_least(1, float), default=env("MAX_DEADLINE_MS", "120000"))
     parser.add_argument("--max-prompt-bytes", type=_at_least(1), default=env("MAX_PROMPT_BYTES", "2048"))
@@ -326,6 +328,7 @@ class Engine:
         self.first_deadline = math.inf
         self.step_no = 0
         self.waited = 0.0
+        self.last_join = 0.0
         self.order = itertools.count()
         self.draining = False
         self.ready = False
@@ -520,6 +523,9 @@ class Engine:
             now = time.monotonic()
             self.waited = now - entered
             joiners: list[Sequence] = []
+            if self.active and not self._join_now(now):
+                self.metrics.queue_depth.set(len(self.queue))
+                return joiners
             while self.queue:
                 _, _, head = self.queue[0]
                 if head.deadline <= now + self._own_estimate(head):
@@ -538,9 +544,27 @@ class Engine:
                 joiners.append(head)
                 self.active.append(head)
                 self.peak_batch_tokens = max(self.peak_batch_tokens, self.running_cost)
+            if joiners:
+                self.last_join = now
             self.metrics.queue_depth.set(len(self.queue))
             self.metrics.running.set(len(self.active))
             return joiners
+
+    def _join_now(self, now: float) -> bool:
+        """Whether waiting requests join the running batch at this step.
+
+        A recurrent model pays its prompts per position, so joiners are let in together: when a
+        quarter of the budget is free, when `max_batch_wait_ms` has passed since the last join, or
+        when the head of the queue could not wait that long.
+        """
+        if not self.queue:
+            return False
+        s = self.settings
+        wait = s.max_batch_wait_ms / 1000
+        if now - self.last_join >= wait or s.batch_token_budget - self.running_cost >= s.batch_token_budget / 4:
+            return True
+        _, _, head = self.queue[0]
+        return head.deadline - now - self._own_estimate(head) < 2 * wait
 
     def _prefill(self, joiners: list[Sequence]) -> list[tuple[Sequence, torch.Tensor, int]]:
         """Run the joiners' prompts together, each from its longest cached prefix on.
