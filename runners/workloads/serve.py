@@ -27,10 +27,13 @@ How work flows. A request is checked, then admitted to a bounded queue ordered b
 model. Each iteration it drops queued requests whose deadline has passed or can no longer be
 met (answered 504, before they cost compute), lets waiting requests join the running batch
 while the sum of their token costs (prompt bytes plus max_tokens) fits the batch token
-budget, computes each joiner's prompt (from the prefix cache's state where a prefix is
-cached), then runs one decode step for every running sequence together. A sequence that is
-done leaves at once and its budget goes to the next waiting request at the next iteration,
-so a short request is never held behind a long one (continuous, iteration-level batching).
+budget, computes the joiners' prompts in one packed call (each from the prefix cache's
+state where a prefix of it is cached), then runs one decode step for every running
+sequence together. A sequence that is done leaves at once and its budget goes to waiting
+requests, so a short request is never held behind a long one (continuous, iteration-level
+batching). A recurrent model pays its prompts per position, so joiners are gathered: they
+join when a quarter of the budget is free, when `--max-batch-wait-ms` has passed since the
+last join, or when the head of the queue could not wait that long.
 A running request still unfinished at its deadline is answered 504 then, so no caller waits
 past its deadline.
 

@@ -1,5 +1,6 @@
 """The inference server: its engine in this process, and the server as a real process on loopback."""
 
+import asyncio
 import json
 import os
 import signal
@@ -338,3 +339,42 @@ def test_sigterm_under_load_answers_every_admitted_request_then_exits_0(tmp_path
     assert Counter(r[0] for r in results) == {200: 48}
     assert all(r[2]["tokens"] == 200 for r in results)
     assert "drained: 48 answered" in server.proc.stdout.read()
+
+
+async def _post_all(port: int, bodies: list[dict], spacing_s: float) -> list[tuple[int, float]]:
+    """Send each body `spacing_s` after the one before (open loop); (status, seconds to the answer) each."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def one(i, body):
+        await asyncio.sleep(max(0.0, start + i * spacing_s - loop.time()))
+        sent = loop.time()
+        data = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        raw = await asyncio.wait_for(reader.read(), 120)
+        writer.close()
+        return int(raw.split(b" ", 2)[1]), loop.time() - sent
+
+    return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+
+
+def test_overload_is_answered_in_time_shed_or_expired_never_left_waiting(tmp_path):
+    # Two sequences at a time and 200 tokens each: the 300 requests of this burst are seconds of
+    # work, and the queue could hold them all. Without refusing what can't meet its deadline, and
+    # expiring what no longer can, most would be answered seconds past their deadline.
+    server = ServerProcess(write_checkpoint(tmp_path), "--batch-token-budget", 450, "--max-tokens", 200,
+                           "--queue-limit", 1000)
+    try:
+        bodies = [{"prompt": f"burst {i}", "max_tokens": 200, "deadline_ms": 500} for i in range(300)]
+        answers = asyncio.run(_post_all(server.port, bodies, 0.003))
+    finally:
+        server.stop()
+    statuses = Counter(status for status, _ in answers)
+    assert set(statuses) <= {200, 429, 504}, statuses
+    assert statuses[200] > 0 and statuses[429] > 0
+    # Every caller had its answer close to its deadline at the latest; the slack is for a busy test machine.
+    assert max(seconds for _, seconds in answers) < 0.5 + 1.5, sorted(s for _, s in answers)[-5:]
