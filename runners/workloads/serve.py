@@ -77,6 +77,7 @@ import heapq
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -187,6 +188,45 @@ def load_model(path: Path, device: torch.device) -> tuple[CharModel, bytes]:
     return model, alphabet
 
 
+def check_request(body, s: Settings, allowed: frozenset) -> tuple[bytes, int, float]:
+    """(prompt bytes, max_tokens, deadline_ms) of a request body, or ValueError({field: why})."""
+    if not isinstance(body, dict):
+        raise ValueError({"non_field_errors": "the body must be a JSON object"})
+    unknown = sorted(set(body) - REQUEST_FIELDS)
+    if unknown:
+        raise ValueError({unknown[0]: f"unknown field; the fields are {', '.join(sorted(REQUEST_FIELDS))}"})
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError({"prompt": "required, a string"})
+    try:
+        data = prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError({"prompt": "not valid text (a lone surrogate)"}) from None
+    if not data:
+        raise ValueError({"prompt": "must not be empty"})
+    if len(data) > s.max_prompt_bytes:
+        raise ValueError({"prompt": f"{len(data)} bytes; at most {s.max_prompt_bytes}"})
+    if not set(data) <= allowed:
+        unseen = sorted({ch for ch in prompt if not set(ch.encode("utf-8")) <= allowed})
+        shown = "".join(unseen)[:20]
+        raise ValueError({"prompt": f"holds characters the model never saw in training: {shown!r}"})
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise ValueError({"max_tokens": "required, an integer"})
+    if not 1 <= max_tokens <= s.max_tokens:
+        raise ValueError({"max_tokens": f"must be between 1 and {s.max_tokens}"})
+    if len(data) + max_tokens > s.batch_token_budget:
+        raise ValueError({"max_tokens": f"prompt bytes + max_tokens must fit the batch budget of {s.batch_token_budget}"})
+    deadline_ms = body.get("deadline_ms", s.default_deadline_ms)
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not math.isfinite(deadline_ms):
+        raise ValueError({"deadline_ms": "a number of milliseconds"})
+    if deadline_ms <= 0:
+        raise ValueError({"deadline_ms": "must be positive: the deadline is that long after the request arrives"})
+    if deadline_ms > s.max_deadline_ms:
+        raise ValueError({"deadline_ms": f"at most {s.max_deadline_ms:g}"})
+    return data, max_tokens, float(deadline_ms)
+
+
 class PrefixCache:
     """The model's state after prompt prefixes cut every `block` bytes; least recently used goes first."""
 
@@ -262,7 +302,7 @@ class Sequence:
     status: int = 0
     detail: str = ""
     done: threading.Event = field(default_factory=threading.Event)
-    on_done: object = None  # called from the engine thread once answered (the HTTP front wakes its waiter)
+    on_done: object = None  # called with the sequence from the engine thread once it is answered
 
     @property
     def compute_s(self) -> float:
@@ -291,9 +331,8 @@ class Metrics:
         self.ttft = Histogram("serve_time_to_first_token_seconds", "Arrival to first token", buckets=latency_buckets, registry=r)
         self.latency = Histogram("serve_request_seconds", "Arrival to answer, answered requests", buckets=latency_buckets, registry=r)
         self.outcomes = Counter("serve_requests", "Requests by outcome", ["outcome"], registry=r)
-        for outcome in ("answered", "shed", "expired", "draining", "invalid"):
+        for outcome in ("answered", "shed", "expired", "draining"):
             self.outcomes.labels(outcome)
-        self.received = Counter("serve_requests_received", "Generate requests received, before any check", registry=r)
         self.tokens = Counter("serve_generated_tokens", "Tokens generated", registry=r)
         self.prefix_lookups = Counter("serve_prefix_cache_lookups", "Prompts looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("serve_prefix_cache_hits", "Prompts that reused a cached prefix", registry=r)
@@ -346,42 +385,7 @@ class Engine:
 
     def check(self, body) -> tuple[bytes, int, float]:
         """(prompt bytes, max_tokens, deadline_ms) of a request body, or ValueError({field: why})."""
-        s = self.settings
-        if not isinstance(body, dict):
-            raise ValueError({"non_field_errors": "the body must be a JSON object"})
-        unknown = sorted(set(body) - REQUEST_FIELDS)
-        if unknown:
-            raise ValueError({unknown[0]: f"unknown field; the fields are {', '.join(sorted(REQUEST_FIELDS))}"})
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise ValueError({"prompt": "required, a string"})
-        try:
-            data = prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError({"prompt": "not valid text (a lone surrogate)"}) from None
-        if not data:
-            raise ValueError({"prompt": "must not be empty"})
-        if len(data) > s.max_prompt_bytes:
-            raise ValueError({"prompt": f"{len(data)} bytes; at most {s.max_prompt_bytes}"})
-        if not set(data) <= self.allowed:
-            unseen = sorted({ch for ch in prompt if not set(ch.encode("utf-8")) <= self.allowed})
-            shown = "".join(unseen)[:20]
-            raise ValueError({"prompt": f"holds characters the model never saw in training: {shown!r}"})
-        max_tokens = body.get("max_tokens")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise ValueError({"max_tokens": "required, an integer"})
-        if not 1 <= max_tokens <= s.max_tokens:
-            raise ValueError({"max_tokens": f"must be between 1 and {s.max_tokens}"})
-        if len(data) + max_tokens > s.batch_token_budget:
-            raise ValueError({"max_tokens": f"prompt bytes + max_tokens must fit the batch budget of {s.batch_token_budget}"})
-        deadline_ms = body.get("deadline_ms", s.default_deadline_ms)
-        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not math.isfinite(deadline_ms):
-            raise ValueError({"deadline_ms": "a number of milliseconds"})
-        if deadline_ms <= 0:
-            raise ValueError({"deadline_ms": "must be positive: the deadline is that long after the request arrives"})
-        if deadline_ms > s.max_deadline_ms:
-            raise ValueError({"deadline_ms": f"at most {s.max_deadline_ms:g}"})
-        return data, max_tokens, float(deadline_ms)
+        return check_request(body, self.settings, self.allowed)
 
     def submit(
         self, prompt: bytes, max_tokens: int, deadline_ms: float, *, arrived: float | None = None, on_done=None
@@ -492,7 +496,7 @@ class Engine:
             self.metrics.outcomes.labels("expired").inc()
         seq.done.set()
         if seq.on_done is not None:
-            seq.on_done()
+            seq.on_done(seq)
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -667,16 +671,164 @@ class Engine:
             self._finish(seq, status, detail)
 
 
+# --- the engine's process -------------------------------------------------------------------------
+
+
+def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
+    """The engine in a process of its own: it takes requests over `conn` and sends their answers back.
+
+    Messages in: ("submit", id, prompt, max_tokens, deadline_ms, arrived), ("drain",), ("metrics", id),
+    ("exit",). Out: ("ready", alphabet, device), ("done", id, status, detail, answer or None, ttft_ms),
+    ("idle",) once drained, ("metrics", id, text), ("bye", answered).
+    """
+    # The front decides when this process stops: a signal to the process group must not cut a drain short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    model, alphabet = load_model(Path(checkpoint), torch.device(device))
+    engine = Engine(model, alphabet, settings, device)
+    engine.start()
+    lock = threading.Lock()
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    def answered(rid: int, seq: Sequence) -> None:
+        if seq.status == 200:
+            ttft_ms = (seq.first_token - seq.arrived) * 1000
+            send(("done", rid, 200, "", seq.answer(), ttft_ms))
+        else:
+            send(("done", rid, seq.status, seq.detail, None, None))
+
+    send(("ready", alphabet, str(engine.device)))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the front is gone
+        kind = message[0]
+        if kind == "submit":
+            _, rid, prompt, max_tokens, deadline_ms, arrived = message
+            try:
+                engine.submit(
+                    prompt, max_tokens, deadline_ms, arrived=arrived, on_done=lambda seq, rid=rid: answered(rid, seq)
+                )
+            except Refused as refused:
+                send(("done", rid, refused.status, refused.detail, None, refused.retry_after))
+        elif kind == "drain":
+            engine.drain()
+            threading.Thread(target=lambda: (engine.wait_idle(), send(("idle",))), daemon=True).start()
+        elif kind == "metrics":
+            send(("metrics", message[1], generate_latest(engine.metrics.registry)))
+        elif kind == "exit":
+            send(("bye", engine.answered))
+            return
+
+
+class EngineClient:
+    """The front's handle on the engine's process: requests out, answers back to their awaiting callers."""
+
+    def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=engine_main, args=(child, str(args.checkpoint), device, settings), name="serve-engine", daemon=True
+        )
+        self.process.start()
+        child.close()
+        try:
+            _, alphabet, self.device = self.conn.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the engine did not start (exit code {self.process.exitcode}); its error is above") from None
+        self.settings = settings
+        self.allowed = frozenset(alphabet)
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.waiting: dict[int, asyncio.Future] = {}
+        self.ready = True
+        self.draining = False
+        self.dead = False
+        self.answered_in_all = 0
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send(message)
+
+    def listen(self, loop: asyncio.AbstractEventLoop, on_idle, on_dead) -> None:
+        """Read the engine's messages on a thread of their own and hand each to the event loop."""
+
+        def run() -> None:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    loop.call_soon_threadsafe(self._dead, on_dead)
+                    return
+                loop.call_soon_threadsafe(self._dispatch, message, on_idle)
+                if message[0] == "bye":
+                    return
+
+        threading.Thread(target=run, name="serve-engine-answers", daemon=True).start()
+
+    def _dispatch(self, message, on_idle) -> None:
+        kind = message[0]
+        if kind in ("done", "metrics"):
+            future = self.waiting.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif kind == "idle":
+            on_idle()
+        elif kind == "bye":
+            self.answered_in_all = message[1]
+            on_idle()
+
+    def _dead(self, on_dead) -> None:
+        self.dead, self.ready = True, False
+        for rid, future in list(self.waiting.items()):
+            if not future.done():
+                future.set_result(("done", rid, 503, "the engine stopped", None, 1))
+        self.waiting.clear()
+        on_dead()
+
+    async def ask(self, kind: str, *payload, timeout: float):
+        rid = next(self.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = future
+        self.send((kind, rid, *payload))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self.waiting.pop(rid, None)
+
+
 # --- HTTP ----------------------------------------------------------------------------------------
 
 
+class FrontMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.received = Counter(
+            "serve_requests_received", "Generate requests received, before any check", registry=self.registry
+        )
+        self.refused = Counter(
+            "serve_front_refused", "Generate requests the front answered itself", ["reason"], registry=self.registry
+        )
+        for reason in ("invalid", "draining"):
+            self.refused.labels(reason)
+
+
 class Front:
-    """HTTP/1.1 on asyncio: one event loop takes every connection, the engine thread runs the model."""
+    """HTTP/1.1 on asyncio: one event loop takes every connection; the model runs in the engine's process."""
 
     MAX_HEADERS = 100
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
+        self.metrics = FrontMetrics()
         self.connections: dict[asyncio.StreamWriter, bool] = {}  # writer -> busy with a request
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -690,7 +842,7 @@ class Front:
                 method, path, version, headers, body = request
                 if isinstance(body, tuple):  # refused while reading: (status, answer)
                     status, answer, extra = *body, {}
-                    self.engine.metrics.outcomes.labels("invalid").inc()
+                    self.metrics.refused.labels("invalid").inc()
                 else:
                     status, answer, extra = await self.route(method, path, headers, body)
                 keep = version == "HTTP/1.1" and headers.get("connection", "").lower() != "close"
@@ -754,44 +906,45 @@ class Front:
     async def route(self, method: str, path: str, headers: dict, body: bytes):
         engine = self.engine
         if method == "GET" and path == "/healthz":
-            return 200, {"status": "ok"}, {}
+            return (503 if engine.dead else 200), {"status": "engine stopped" if engine.dead else "ok"}, {}
         if method == "GET" and path == "/readyz":
             ready = engine.ready and not engine.draining
             return (200 if ready else 503), {"ready": ready, "draining": engine.draining}, {}
         if method == "GET" and path == "/metrics":
-            return 200, generate_latest(engine.metrics.registry), {}
+            text = generate_latest(self.metrics.registry)
+            if not engine.dead:
+                text += (await engine.ask("metrics", timeout=10))[2]
+            return 200, text, {}
         if path != "/v1/generate":
             return 404, {"detail": "not found"}, {}
         if method != "POST":
             return 405, {"detail": "POST only"}, {"Allow": "POST"}
-        arrived = time.monotonic()
-        engine.metrics.received.inc()
+        arrived = time.monotonic()  # CLOCK_MONOTONIC: the engine's process reads the same clock
+        self.metrics.received.inc()
         if headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-            engine.metrics.outcomes.labels("invalid").inc()
+            self.metrics.refused.labels("invalid").inc()
             return 415, {"Content-Type": ["must be application/json"]}, {}
         try:
-            prompt, max_tokens, deadline_ms = engine.check(json.loads(body))
+            prompt, max_tokens, deadline_ms = check_request(json.loads(body), engine.settings, engine.allowed)
         except ValueError as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors too
-            engine.metrics.outcomes.labels("invalid").inc()
+            self.metrics.refused.labels("invalid").inc()
             problem = error.args[0] if error.args and isinstance(error.args[0], dict) else {"body": "not valid JSON"}
             return 400, {name: [why] for name, why in problem.items()}, {}
-        loop = asyncio.get_running_loop()
-        answered = loop.create_future()
-        try:
-            seq = engine.submit(
-                prompt, max_tokens, deadline_ms, arrived=arrived,
-                on_done=lambda: loop.call_soon_threadsafe(lambda: answered.done() or answered.set_result(None)),
-            )
-        except Refused as refused:
-            return refused.status, {"detail": refused.detail}, {"Retry-After": str(refused.retry_after)}
+        if engine.draining or engine.dead:
+            self.metrics.refused.labels("draining").inc()
+            return 503, {"detail": "draining: this replica is stopping; try another or retry"}, {"Retry-After": "1"}
         try:
             # The engine answers every admitted request by its deadline; the margin covers a stalled engine.
-            await asyncio.wait_for(answered, max(0.0, seq.deadline - time.monotonic()) + 5)
+            _, _, status, detail, answer, extra = await engine.ask(
+                "submit", prompt, max_tokens, deadline_ms, arrived, timeout=deadline_ms / 1000 + 5
+            )
         except TimeoutError:
             return 504, {"detail": "no answer by the deadline"}, {}
-        if seq.status != 200:
-            return seq.status, {"detail": seq.detail}, {}
-        return 200, seq.answer(), {"X-Time-To-First-Token-Ms": f"{(seq.first_token - seq.arrived) * 1000:.3f}"}
+        if status == 200:
+            return 200, answer, {"X-Time-To-First-Token-Ms": f"{extra:.3f}"}
+        if status in (429, 503):
+            return status, {"detail": detail}, {"Retry-After": str(extra)}
+        return status, {"detail": detail}, {}
 
     async def close_idle(self) -> None:
         """Close the connections waiting for a next request; those answering one finish first."""
@@ -804,37 +957,49 @@ class Front:
             await asyncio.sleep(0.05)
 
 
-async def serve_async(args: argparse.Namespace, engine: Engine) -> None:
+async def serve_async(args: argparse.Namespace, engine: EngineClient) -> int:
     front = Front(engine)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    stop, idle = asyncio.Event(), asyncio.Event()
+    engine.listen(loop, on_idle=idle.set, on_dead=stop.set)
+
+    def on_signal() -> None:
+        if not engine.draining:
+            engine.draining = True  # readiness false and nothing new admitted, at once
+            engine.send(("drain",))
+            stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, lambda: (engine.drain(), stop.set()))  # readiness false at once
+        loop.add_signal_handler(signum, on_signal)
     server = await asyncio.start_server(front.handle, args.host, args.port, backlog=1024, limit=MAX_BODY_BYTES)
     host, port = server.sockets[0].getsockname()[:2]
-    print(tagged_line(LISTENING_TAG, {"host": host, "port": port, "device": str(engine.device)}), flush=True)
+    print(tagged_line(LISTENING_TAG, {"host": host, "port": port, "device": engine.device}), flush=True)
     await stop.wait()
+    if engine.dead:
+        server.close()
+        print("serve: the engine's process stopped", file=sys.stderr, flush=True)
+        return 1
     # Draining: new requests get 503 while everything admitted is answered; then no more connections.
-    await loop.run_in_executor(None, engine.wait_idle)
+    await idle.wait()
     server.close()
     await asyncio.wait_for(front.close_idle(), 30)
+    idle.clear()
+    engine.send(("exit",))
+    await asyncio.wait_for(idle.wait(), 30)
+    return 0
 
 
 def serve(args: argparse.Namespace) -> int:
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    model, alphabet = load_model(args.checkpoint, device)
-    engine = Engine(model, alphabet, settings_from(args), device)
-    engine.start()
-    # Two threads share the interpreter: the event loop and the engine, whose every model call lets
-    # go of the GIL and must win it back. At the default 5 ms a busy loop would hold the engine a
-    # whole interval at each hand-over, several a step; 0.5 ms keeps a step near its compute time.
-    sys.setswitchinterval(0.0005)
-    asyncio.run(serve_async(args, engine))
-    print(f"drained: {engine.answered} answered in all", flush=True)
-    return 0
+    engine = EngineClient(args, settings_from(args))
+    try:
+        code = asyncio.run(serve_async(args, engine))
+    finally:
+        engine.process.join(30)
+        if engine.process.is_alive():
+            engine.process.kill()
+    if code == 0:
+        print(f"drained: {engine.answered_in_all} answered in all", flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
