@@ -19,8 +19,14 @@ API::
         504 {"detail"}                 the deadline passed before the answer was ready
     GET /healthz   200 while the process serves
     GET /readyz    200 once the model is loaded and warm, 503 before and while draining
-    GET /metrics   Prometheus text: queue depth, batch tokens, time to first token, latency,
-                   outcomes (answered, shed, expired, draining, invalid), prefix-cache lookups and hits
+    GET /metrics   Prometheus text: requests received and refused by the front (invalid, draining),
+                   queue depth, running sequences, batch tokens, time to first token, latency,
+                   outcomes (answered, shed, expired), tokens, prefix-cache lookups, hits and bytes
+
+Two processes. The replica's main process is the HTTP front (asyncio: one event loop for
+every connection) and checks each request; the engine runs in a process of its own (spawned)
+so that reading requests never waits for the model's interpreter, and the two talk over a
+pipe. The engine ignores SIGTERM and SIGINT: the front decides when it stops.
 
 How work flows. A request is checked, then admitted to a bounded queue ordered by deadline
 (earliest first) or refused at once: never left to time out. One engine thread runs the

@@ -379,3 +379,35 @@ def test_overload_is_answered_in_time_shed_or_expired_never_left_waiting(tmp_pat
     assert statuses[200] > 0 and statuses[429] > 0
     # Every caller had its answer close to its deadline at the latest; the slack is for a busy test machine.
     assert max(seconds for _, seconds in answers) < 0.5 + 1.5, sorted(s for _, s in answers)[-5:]
+
+
+def test_the_engine_process_killed_mid_load_answers_every_waiting_caller_and_the_replica_exits_1(tmp_path):
+    server = ServerProcess(write_checkpoint(tmp_path), "--batch-token-budget", 220, "--max-tokens", 200)
+    results = []
+
+    def client(i):
+        try:
+            results.append(server.generate({"prompt": f"request {i}", "max_tokens": 200, "deadline_ms": 60_000})[0])
+        except Exception as error:
+            results.append(repr(error))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(20)]
+    try:
+        for t in threads:
+            t.start()
+        until = time.monotonic() + 30
+        while server.metric("serve_requests_received_total") < 20 and time.monotonic() < until:
+            time.sleep(0.005)
+        engine = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(engine) >= 1
+        for pid in engine:
+            os.kill(int(pid), signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert server.proc.wait(30) == 1
+    finally:
+        server.stop()
+    # Each caller had an answer: served before the kill, or told at once that the engine stopped.
+    assert len(results) == 20 and set(results) <= {200, 503}, results
+    assert 503 in results
+    assert "the engine's process stopped" in server.proc.stdout.read()
