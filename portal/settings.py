@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "knox",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI and Redoc served from here: /api/docs/ works offline
     "django_celery_beat",
     "portal",
     "tenants",
@@ -198,6 +199,10 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "quotas.models.PartitionKind"},
+    # The docs pages load Swagger UI from the portal's own static files, never from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # Celery. The default broker is kombu's filesystem transport, which needs no
