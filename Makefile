@@ -1,5 +1,7 @@
 # The two commands a newcomer needs: `make run` and `make test`.
 PYTHON ?= python3
+# Where `make run` serves the portal.
+PORT ?= 8000
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
@@ -20,7 +22,7 @@ install: $(STAMP)
 
 ## Portal, worker and beat in the foreground, on embedded defaults. Ctrl-C stops all.
 run: $(STAMP)
-	$(BIN)/python manage.py up
+	$(BIN)/python manage.py up --addrport 127.0.0.1:$(PORT)
 
 ## Lint, then the test suite on PostgreSQL and Redis.
 test: $(STAMP)
