@@ -58,6 +58,14 @@ class MemberAddForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
+class TokenForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="What it is for, e.g. \"CI\" or \"laptop\".")
+    expires_in_days = forms.IntegerField(
+        label="Expires in (days)", min_value=1, max_value=365, initial=30,
+        help_text="From 1 to 365 days.",
+    )
+
+
 def add_service_errors(form: forms.Form, error: ValidationError) -> None:
     """Put a service's ValidationError next to the fields it names; the rest go on top of the form."""
     if not hasattr(error, "error_dict"):

@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import job_views, views
+from frontend import job_views, token_views, views
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -30,6 +30,9 @@ urlpatterns = [
     path("jobs/<int:job_id>/", job_views.job_detail, name="job"),
     path("jobs/<int:job_id>/live/", job_views.job_live, name="job-live"),
     path("jobs/<int:job_id>/cancel/", job_views.job_cancel, name="job-cancel"),
+    path("tokens/", token_views.token_list, name="tokens"),
+    path("tokens/new/", token_views.token_create, name="token-create"),
+    path("tokens/<int:token_id>/revoke/", token_views.token_revoke, name="token-revoke"),
     path("quotas/", views.quota_table, name="quotas"),
     path("quotas/set/", views.quota_set, name="quota-set"),
     path("quotas/<int:quota_id>/remove/", views.quota_remove, name="quota-remove"),

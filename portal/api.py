@@ -11,9 +11,10 @@ from quotas.api import FlavorViewSet, QuotaViewSet
 from runners.clusters.api import NodePoolViewSet, NodeViewSet, PartitionChangeViewSet, PartitionProfileViewSet
 from runners.environments.api import EnvironmentViewSet
 from runners.jobs.api import JobViewSet
-from tenants.api import MemberViewSet, TenantViewSet
+from tenants.api import ApiTokenViewSet, MemberViewSet, TenantViewSet
 
 router = DefaultRouter()
+router.register("tokens", ApiTokenViewSet, basename="token")
 router.register("tenants", TenantViewSet, basename="tenant")
 router.register(r"tenants/(?P<tenant_slug>[a-z0-9-]+)/members", MemberViewSet, basename="tenant-member")
 router.register("environments", EnvironmentViewSet, basename="environment")

@@ -4,7 +4,6 @@ from django.contrib.auth import authenticate
 from django.db.models import OuterRef, Subquery
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, inline_serializer
-from knox.auth import TokenAuthentication
 from knox.models import AuthToken
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.exceptions import AuthenticationFailed, Throttled
@@ -12,8 +11,10 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from common.errors import NotFound
 from common.fields import StrictTypesMixin
 from tenants import login_throttle, selectors, services
+from tenants.auth import TokenAuthentication
 from tenants.models import (
     DNS_LABEL_MESSAGE,
     DNS_LABEL_RE,
@@ -21,6 +22,7 @@ from tenants.models import (
     Membership,
     Role,
     Tenant,
+    TokenInfo,
 )
 from tenants.scoping import TenantScopedMixin
 
@@ -63,14 +65,76 @@ class TokenView(APIView):
         if user is None or not user.is_active:
             login_throttle.failed(request, username)
             raise AuthenticationFailed("Wrong username or password.")
-        instance, token = AuthToken.objects.create(user)
-        return Response({"token": token, "expiry": instance.expiry}, status=status.HTTP_201_CREATED)
+        info, token = services.token_create(user=user, name="password login")
+        return Response({"token": token, "expiry": info.token.expiry}, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses={204: None})
     def delete(self, request):
         if not request.user.is_authenticated or not isinstance(request.auth, AuthToken):
             raise AuthenticationFailed("Send the token to revoke in the Authorization header.")
         request.auth.delete()
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ApiTokenSerializer(serializers.ModelSerializer):
+    user = serializers.CharField(source="token.user.username", read_only=True)
+    created = serializers.DateTimeField(source="token.created", read_only=True)
+    expiry = serializers.DateTimeField(source="token.expiry", read_only=True, allow_null=True)
+    current = serializers.SerializerMethodField(help_text="Whether this is the token the request came with.")
+
+    class Meta:
+        model = TokenInfo
+        fields = ["id", "name", "user", "created", "expiry", "last_used_at", "current"]
+
+    def get_current(self, info: TokenInfo) -> bool:
+        auth = self.context["request"].auth
+        return isinstance(auth, AuthToken) and auth.pk == info.token_id
+
+
+class ApiTokenCreateSerializer(StrictTypesMixin, serializers.Serializer):
+    name = serializers.CharField(max_length=services.TOKEN_NAME_MAX)
+    expires_in_days = serializers.IntegerField(
+        min_value=1, max_value=services.TOKEN_MAX_DAYS, required=False,
+        help_text="Without it the token lives API_TOKEN_TTL_HOURS.",
+    )
+
+
+class ApiTokenCreatedSerializer(ApiTokenSerializer):
+    token = serializers.CharField(help_text="The secret: shown this once, never again.")
+
+    class Meta(ApiTokenSerializer.Meta):
+        fields = [*ApiTokenSerializer.Meta.fields, "token"]
+
+
+class ApiTokenViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """Your API tokens: list (never the secrets), create (the secret shown once), revoke.
+    Staff list another user's with `?user=` and may revoke anyone's; anyone else's token is a 404."""
+
+    serializer_class = ApiTokenSerializer
+    queryset = TokenInfo.objects.none()  # the schema's model; get_queryset scopes it
+
+    def get_queryset(self):
+        owner = self.request.query_params.get("user")
+        return selectors.token_list(user=self.request.user, owner=owner)
+
+    @extend_schema(request=ApiTokenCreateSerializer, responses={201: ApiTokenCreatedSerializer})
+    def create(self, request):
+        unknown = sorted(set(request.data) - set(ApiTokenCreateSerializer().fields)) if isinstance(request.data, dict) else []
+        if unknown:
+            raise serializers.ValidationError({unknown[0]: ["Unknown field; the fields are name and expires_in_days."]})
+        data = ApiTokenCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        info, secret = services.token_create(user=request.user, **data.validated_data)
+        body = ApiTokenSerializer(info, context={"request": request}).data
+        return Response({**body, "token": secret}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={204: None})
+    def destroy(self, request, pk):
+        try:
+            token_id = int(pk)
+        except ValueError:
+            raise NotFound("No such token.") from None
+        services.token_revoke(actor=request.user, token_id=token_id)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

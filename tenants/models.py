@@ -70,3 +70,18 @@ class Membership(models.Model):
 
     def has_role(self, at_least: str) -> bool:
         return role_at_least(self.role, at_least)
+
+
+class TokenInfo(models.Model):
+    """What the portal keeps beside an API token (django-rest-knox stores only its hash and expiry):
+    the name its owner gave it and when it was last used. Deleted with the token."""
+
+    token = models.OneToOneField("knox.AuthToken", on_delete=models.CASCADE, related_name="info")
+    name = models.CharField(max_length=100)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-token__created"]
+
+    def __str__(self) -> str:
+        return self.name

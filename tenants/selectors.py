@@ -4,7 +4,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
 
 from common.errors import NotFound
-from tenants.models import Membership, Tenant, role_at_least
+from tenants.models import Membership, Tenant, TokenInfo, role_at_least
 
 
 def tenant_list(*, user: AbstractBaseUser) -> QuerySet[Tenant]:
@@ -46,3 +46,22 @@ def member_list(*, user: AbstractBaseUser, tenant: Tenant) -> QuerySet[Membershi
 def user_has_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> bool:
     """Whether the user holds at least this role in the tenant (staff hold every role)."""
     return role_at_least(user_role(user=user, tenant=tenant), at_least)
+
+
+def token_list(*, user: AbstractBaseUser, owner: str | None = None) -> QuerySet[TokenInfo]:
+    """The user's own API tokens, newest first; staff may ask for another user's (`owner`)."""
+    tokens = TokenInfo.objects.select_related("token", "token__user")
+    if owner is not None and user.is_staff:
+        return tokens.filter(token__user__username=owner)
+    return tokens.filter(token__user=user)
+
+
+def token_get(*, user: AbstractBaseUser, token_id: int) -> TokenInfo:
+    """One of the user's tokens (staff: anyone's); any other is NotFound."""
+    tokens = TokenInfo.objects.select_related("token", "token__user")
+    if not user.is_staff:
+        tokens = tokens.filter(token__user=user)
+    info = tokens.filter(id=token_id).first()
+    if info is None:
+        raise NotFound("No such token.")
+    return info

@@ -5,14 +5,16 @@ keep copies of the member list (runners' environments) subscribe to it.
 """
 
 import logging
+from datetime import timedelta
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
+from knox.models import AuthToken
 
 from common.errors import Invalid, NotAllowed, NotFound
-from tenants.models import Membership, Role, Tenant, role_at_least
-from tenants.selectors import user_has_role, user_role
+from tenants.models import Membership, Role, Tenant, TokenInfo, role_at_least
+from tenants.selectors import token_get, user_has_role, user_role
 from tenants.signals import members_changed
 
 logger = logging.getLogger(__name__)
@@ -82,3 +84,35 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
     members_changed.send(sender=Tenant, tenant=tenant)
 
 
+
+
+# --- API tokens ----------------------------------------------------------------------------------
+
+TOKEN_NAME_MAX = 100
+TOKEN_MAX_DAYS = 365
+
+
+def token_create(*, user: AbstractBaseUser, name: str, expires_in_days: int | None = None):
+    """A new API token for `user`: (its TokenInfo, the secret). The secret is shown once: only its
+    hash is kept. Without `expires_in_days` it lives API_TOKEN_TTL_HOURS."""
+    name = name.strip() if isinstance(name, str) else ""
+    if not name:
+        raise Invalid("name", "Give the token a name, so you can tell it from your others.")
+    if len(name) > TOKEN_NAME_MAX:
+        raise Invalid("name", f"At most {TOKEN_NAME_MAX} characters.")
+    if expires_in_days is not None and (
+        isinstance(expires_in_days, bool) or not isinstance(expires_in_days, int)
+        or not 1 <= expires_in_days <= TOKEN_MAX_DAYS
+    ):
+        raise Invalid("expires_in_days", f"A whole number of days from 1 to {TOKEN_MAX_DAYS}.")
+    ttl = None if expires_in_days is None else timedelta(days=expires_in_days)
+    with transaction.atomic():
+        instance, secret = AuthToken.objects.create(user, expiry=ttl) if ttl else AuthToken.objects.create(user)
+        info = TokenInfo.objects.create(token=instance, name=name)
+    return info, secret
+
+
+def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> None:
+    """Revoke one of the actor's tokens (staff: anyone's); another user's is a 404, as if it did not exist."""
+    info = token_get(user=actor, token_id=token_id)
+    info.token.delete()  # the TokenInfo goes with it

@@ -181,10 +181,10 @@ def client_for():
     """An API client authenticated with a real token for the given user."""
 
     def make(user) -> APIClient:
-        from knox.models import AuthToken
+        from tenants.services import token_create
 
         client = APIClient()
-        _, token = AuthToken.objects.create(user)
+        _, token = token_create(user=user, name="test client")
         client.credentials(HTTP_AUTHORIZATION=f"Token {token}")
         return client
 
