@@ -28,6 +28,7 @@ minimum of one step, like 0.01) "not zero"; or a number with its range.
 import sys
 from decimal import Decimal
 
+from drf_spectacular.contrib.knox_auth_token import KnoxTokenScheme
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import ResolvedComponent, force_instance
 from rest_framework import serializers
@@ -124,6 +125,13 @@ def request_decimal(field: serializers.DecimalField, schema: dict) -> dict:
         number["maximum"] = 10**whole
         number["exclusiveMaximum"] = True
     return {"anyOf": [text, number], **outer}
+
+
+class PortalTokenScheme(KnoxTokenScheme):
+    """The portal's token authentication is knox's (it also notes when a token was last used):
+    documented as the same `Authorization: Token ...` scheme."""
+
+    target_class = "tenants.auth.TokenAuthentication"
 
 
 class PortalAutoSchema(AutoSchema):
