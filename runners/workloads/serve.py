@@ -90,7 +90,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from http import HTTPStatus
 from pathlib import Path
 
@@ -141,15 +141,15 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
     parser.add_argument("--checkpoint", type=Path, default=env("CHECKPOINT", None), required=env("CHECKPOINT", None) is None)
     parser.add_argument("--host", default=env("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=_at_least(0), default=env("PORT", "8000"))
-    parser.add_argument("--queue-limit", type=_at_least(1), default=env("QUEUE_LIMIT", "64"))
-    parser.add_argument("--batch-token-budget", type=_at_least(2), default=env("BATCH_TOKEN_BUDGET", "16384"))
-    parser.add_argument("--max-batch-wait-ms", type=_at_least(0, float), default=env("MAX_BATCH_WAIT_MS", "5"))
-    parser.add_argument("--default-deadline-ms", type=_at_least(1, float), default=env("DEFAULT_DEADLINE_MS", "10000"))
-    parser.add_argument("--max-deadline-ms", type=_at_least(1, float), default=env("MAX_DEADLINE_MS", "120000"))
-    parser.add_argument("--max-prompt-bytes", type=_at_least(1), default=env("MAX_PROMPT_BYTES", "2048"))
-    parser.add_argument("--max-tokens", type=_at_least(1), default=env("MAX_TOKENS", "256"))
-    parser.add_argument("--prefix-cache-mib", type=_at_least(0, float), default=env("PREFIX_CACHE_MIB", "32"))
-    parser.add_argument("--prefix-block", type=_at_least(1), default=env("PREFIX_BLOCK", "16"))
+    # One flag per Settings field, named after it, its default the field's (one source of truth).
+    minimum = {"queue_limit": 1, "batch_token_budget": 2, "max_batch_wait_ms": 0, "default_deadline_ms": 1,
+               "max_deadline_ms": 1, "max_prompt_bytes": 1, "max_tokens": 1, "prefix_cache_mib": 0, "prefix_block": 1}
+    for spec in fields(Settings):
+        parser.add_argument(
+            "--" + spec.name.replace("_", "-"), dest=spec.name,
+            type=_at_least(minimum[spec.name], float if spec.type == "float" else int),
+            default=env(spec.name.upper(), str(spec.default)),
+        )
     parser.add_argument("--device", default=env("DEVICE", "auto"))
     args = parser.parse_args(argv)
     # argparse applies `type` to string defaults, so variables are checked like flags.
@@ -159,12 +159,7 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return Settings(
-        queue_limit=args.queue_limit, batch_token_budget=args.batch_token_budget,
-        max_batch_wait_ms=args.max_batch_wait_ms, default_deadline_ms=args.default_deadline_ms,
-        max_deadline_ms=args.max_deadline_ms, max_prompt_bytes=args.max_prompt_bytes, max_tokens=args.max_tokens,
-        prefix_cache_mib=args.prefix_cache_mib, prefix_block=args.prefix_block,
-    )
+    return Settings(**{spec.name: getattr(args, spec.name) for spec in fields(Settings)})
 
 
 # --- the model -----------------------------------------------------------------------------------

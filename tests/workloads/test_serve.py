@@ -411,3 +411,16 @@ def test_the_engine_process_killed_mid_load_answers_every_waiting_caller_and_the
     assert len(results) == 20 and set(results) <= {200, 503}, results
     assert 503 in results
     assert "the engine's process stopped" in server.proc.stdout.read()
+
+
+def test_settings_come_from_flags_over_variables_over_defaults_and_bad_ones_exit_2():
+    from runners.workloads.serve import parse_args, settings_from
+
+    args = parse_args(["--checkpoint", "x", "--queue-limit", "7"], {"SERVE_QUEUE_LIMIT": "9", "SERVE_PREFIX_BLOCK": "32"})
+    assert settings_from(args) == Settings(queue_limit=7, prefix_block=32)
+    for bad in (["--queue-limit", "0"], ["--max-batch-wait-ms", "-1"], ["--default-deadline-ms", "999999999"]):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--checkpoint", "x", *bad], {})
+        assert exit_.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args([], {})  # no checkpoint
