@@ -17,7 +17,7 @@ API::
         429 {"detail"} + Retry-After   the queue is full, or the deadline can't be met behind the work ahead
         503 {"detail"} + Retry-After   draining (SIGTERM received): nothing new is admitted
         504 {"detail"}                 the deadline passed before the answer was ready
-    GET /healthz   200 while the process serves
+    GET /healthz   200 while the process serves; 503 once the engine's process has stopped
     GET /readyz    200 once the model is loaded and warm, 503 before and while draining
     GET /metrics   Prometheus text: requests received and refused by the front (invalid, draining),
                    queue depth, running sequences, batch tokens, time to first token, latency,
@@ -72,7 +72,8 @@ which wins over the default.
     --device                SERVE_DEVICE               auto    cuda when available, else cpu
 
 Once it listens, the server prints `PORTAL_SERVE_LISTENING {"host": ..., "port": ...}`.
-Exit codes: 0 after a drain, 1 on an error (the checkpoint does not load), 2 bad arguments.
+Exit codes: 0 after a drain; 1 on an error (the checkpoint does not load, or the engine's
+process stopped: every caller still waiting is answered 503 first); 2 bad arguments.
 """
 
 from __future__ import annotations

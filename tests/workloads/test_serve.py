@@ -424,3 +424,13 @@ def test_settings_come_from_flags_over_variables_over_defaults_and_bad_ones_exit
         assert exit_.value.code == 2
     with pytest.raises(SystemExit):
         parse_args([], {})  # no checkpoint
+
+
+def test_a_checkpoint_that_does_not_load_exits_1_saying_why(tmp_path):
+    (tmp_path / "not-a-checkpoint.pt").write_bytes(b"hello")
+    done = subprocess.run(
+        [sys.executable, "-m", "runners.workloads.serve", "--checkpoint", str(tmp_path / "not-a-checkpoint.pt"),
+         "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1
+    assert "the engine did not start" in done.stderr and LISTENING_TAG not in done.stdout
