@@ -10,6 +10,7 @@ It runs before the session middleware, which would look a cookie up.
 import re
 
 from django.http import Http404, HttpResponse, JsonResponse
+from django.shortcuts import render
 
 from common import dispatch
 from common.errors import Conflict, NotFound, TooMany
@@ -92,14 +93,51 @@ class DegradedSendMiddleware:
         return response
 
 
+FRIENDLY_PAGES = {
+    403: ("You can't open this page", "Your role does not allow it. An owner or admin of the tenant can change that."),
+    404: ("Page not found", "It does not exist, or it belongs to a tenant you are not a member of."),
+    "csrf": ("The form had expired", "Reload the page and send it again (the form is only good in the page that made it)."),
+}
+
+
+def csrf_failure(request, reason=""):
+    """CSRF_FAILURE_VIEW: the friendly page, saying what happened, not "your role does not allow it"."""
+    title, text = FRIENDLY_PAGES["csrf"]
+    response = render(request, "frontend/error.html", {"status": 403, "title": title, "text": text}, status=403)
+    response.portal_friendly = True
+    return response
+
+
 class PortalErrorMiddleware:
-    """Answer the portal's own exceptions (common.errors) raised under a page view."""
+    """Answer the portal's own exceptions (common.errors) raised under a page view, and give every
+    page a person can reach a friendly 403, 404 or 500, in every mode: never Django's debug pages
+    (the URL list, a traceback), which `make run` would otherwise show. The API keeps its JSON
+    answers; a 500's traceback still goes to the log."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
-        return self.get_response(request)
+        response = self.get_response(request)
+        if (
+            response.status_code in (403, 404, 500)
+            and not getattr(response, "portal_friendly", False)
+            and not request.path.startswith(("/api/", "/static/"))
+            and response.get("Content-Type", "").startswith("text/html")
+        ):
+            return self.friendly(request, response.status_code)
+        return response
+
+    @staticmethod
+    def friendly(request, status: int) -> HttpResponse:
+        if status == 500:
+            # Standalone: no query, no session, nothing that may be what failed.
+            return render(request, "frontend/500.html", status=500)
+        title, text = FRIENDLY_PAGES[status]
+        try:
+            return render(request, "frontend/error.html", {"status": status, "title": title, "text": text}, status=status)
+        except Exception:  # the page itself failed (the database is down, say): the plain one
+            return render(request, "frontend/500.html", status=status)
 
     def process_exception(self, request, exception):
         if isinstance(exception, NotFound):

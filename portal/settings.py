@@ -54,6 +54,8 @@ INSTALLED_APPS = [
     "frontend",
 ]
 
+CSRF_FAILURE_VIEW = "portal.middleware.csrf_failure"
+
 MIDDLEWARE = [
     # First: refuse control characters in headers, path and query before anything looks them up.
     "portal.middleware.RequestHygieneMiddleware",

@@ -1,0 +1,98 @@
+"""Every link a person can click, followed as each role with DEBUG on (as `make run` has it):
+no 500, no traceback, no URL list; a missing or forbidden page is the portal's own friendly page."""
+
+import re
+from collections import deque
+from urllib.parse import urljoin, urlparse
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+from django.test import Client
+
+from runners.jobs import services as jobs
+from runners.scheduling import services as scheduling
+from tenants.models import Tenant
+from tests.support.jobs import job_data, ready_environment
+
+pytestmark = pytest.mark.django_db
+
+DEBUG_MARKS = ("Traceback", "Using the URLconf", "Request Method:", "Exception Value:", "You're seeing this error")
+HREF = re.compile(r'href="([^"#]*)"')
+MAX_PAGES = 400
+
+
+@pytest.fixture
+def world(settings):
+    settings.DEBUG = True
+    call_command("demo", stdout=open("/dev/null", "w"))
+    users = get_user_model().objects
+    alice, carol = users.get(username="alice"), users.get(username="carol")
+    research = ready_environment(actor=alice, tenant=Tenant.objects.get(slug="ml-research"))
+    ready_environment(actor=carol, tenant=Tenant.objects.get(slug="vision"), name="vision-train")
+    jobs.job_submit(actor=alice, data=job_data(research, name="placed", replicas=1, topology={"level": "none"}))
+    jobs.job_submit(actor=alice, data=job_data(research, name="waiting", replicas=2, gpus_per_replica=8, topology={"level": "none"}))
+    scheduling.cycle_run()  # one admitted and placed, one waiting with its reason
+    return users
+
+
+def crawl(client: Client, start: str) -> tuple[dict[str, int], list[str]]:
+    seen: dict[str, int] = {}
+    problems: list[str] = []
+    queue = deque([start])
+    while queue and len(seen) < MAX_PAGES:
+        path = queue.popleft()
+        if path in seen:
+            continue
+        response = client.get(path)
+        seen[path] = response.status_code
+        if response.status_code in (301, 302):
+            queue.append(urljoin(path, response["Location"]))
+            continue
+        if response.status_code >= 500:
+            problems.append(f"{path}: {response.status_code}")
+        if not response.get("Content-Type", "").startswith("text/html"):
+            continue
+        text = response.content.decode(errors="replace")
+        problems += [f"{path}: shows {mark!r}" for mark in DEBUG_MARKS if mark in text]
+        if response.status_code == 404 and "Page not found" not in text:
+            problems.append(f"{path}: a 404 that is not the portal's page")
+        for href in HREF.findall(text):
+            link = urlparse(urljoin(path, href.replace("&amp;", "&")))
+            if link.netloc or not link.path.startswith("/") or link.path.startswith(("/static/", "/logout/")):
+                continue
+            queue.append(link.path + (f"?{link.query}" if link.query else ""))
+    return seen, problems
+
+
+@pytest.mark.parametrize("username", [None, "bob", "alice", "carol", "admin"])
+def test_every_link_as_each_role_answers_without_a_server_error_or_a_debug_page(world, username):
+    client = Client()
+    if username:
+        client.force_login(world.get(username=username))
+    seen, problems = crawl(client, "/" if username else "/login/")
+    assert problems == [], "\n".join(problems)
+    assert len(seen) >= (3 if username is None else 8), seen
+    if username == "admin":
+        assert any(path.startswith("/admin/") for path in seen) and any(path.startswith("/jobs/") for path in seen)
+
+
+def test_a_missing_page_and_another_tenants_object_are_the_friendly_404(world):
+    client = Client()
+    client.force_login(world.get(username="alice"))
+    vision_environment = Tenant.objects.get(slug="vision").environments.get().id
+    for path in ("/no/such/page/", f"/environments/{vision_environment}/", "/jobs/999999/", "/tenants/vision/"):
+        response = client.get(path)
+        text = response.content.decode()
+        assert response.status_code == 404, path
+        assert "Page not found" in text and "URLconf" not in text and "Back to the dashboard" in text, path
+    # The API keeps its JSON answers.
+    assert client.get("/api/v1/no-such-thing/").status_code == 404
+
+
+def test_a_stale_form_is_a_friendly_403_that_says_so(world):
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(world.get(username="alice"))
+    response = client.post("/tokens/new/", {"name": "x", "expires_in_days": 3})
+    assert response.status_code == 403
+    assert "The form had expired" in response.content.decode()
