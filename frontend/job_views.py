@@ -117,7 +117,8 @@ def _job_context(request, job_id) -> dict:
     context.update(
         chart=chart,
         final=job.state in JOB_FINAL_STATES,
-        can_cancel=job.state not in JOB_FINAL_STATES
+        # Nothing to offer once it is being cancelled, or once it is over.
+        can_cancel=job.state not in (*JOB_FINAL_STATES, JobState.CANCELLING)
         and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),
     )
     return context

@@ -15,6 +15,7 @@ from runners.clusters.models import Gpu
 from runners.clusters.registry import get_backend
 from runners.environments.models import Environment
 from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobAttempt, JobMetric
+from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -48,7 +49,9 @@ def tenant_flavor_usage(*, tenant: Tenant) -> dict[int, int]:
 def job_page(job: Job) -> dict:
     """What the job page draws: placement by node, events, checkpoints, the loss series and a log tail."""
     attempts = list(job.attempts.order_by("number"))
-    current = attempts[-1] if attempts else None
+    # Only an attempt that still holds its GPUs is drawn: once it ended (requeued, cancelled, done)
+    # the GPUs it had may be another job's.
+    current = attempts[-1] if attempts and attempts[-1].ended_at is None else None
     nodes: dict[str, dict] = {}
     if current is not None:
         gpu_counts = dict(Gpu.objects.filter(node__name__in={r["node"] for r in current.placement}).values_list(
@@ -67,15 +70,31 @@ def job_page(job: Job) -> dict:
     log, log_error = "", ""
     if started is not None:
         try:
-            log = job_log_tail(job, started.number, 0, tail=40)
+            lines = without_progress_lines(job_log_tail(job, started.number, 0, tail=LOG_TAIL_READ))
+            log = "\n".join(lines[-LOG_TAIL_SHOWN:])
         except BackendUnavailable as exc:
             log_error = str(exc)
+    checkpoints = list(job.checkpoints.newest_first()[:20])
     return {
         "job": job, "attempts": attempts, "current": current, "nodes": list(nodes.values()),
-        "events": list(job.events.all()), "checkpoints": list(job.checkpoints.newest_first()[:20]),
+        "events": list(job.events.all()), "checkpoints": checkpoints[:CHECKPOINTS_SHOWN],
+        "older_checkpoints": checkpoints[CHECKPOINTS_SHOWN:],
         "series": metrics["series"], "steps_recorded": metrics["steps_recorded"], "log": log, "log_error": log_error,
     }
 
+
+
+# The job page's log: the last lines a person reads, without the trainer's tagged progress lines
+# (the chart and the checkpoint table show those), from a tail long enough to leave that many.
+LOG_TAIL_SHOWN = 40
+LOG_TAIL_READ = 200
+CHECKPOINTS_SHOWN = 5
+PROGRESS_PREFIXES = (f"{METRIC_TAG} ", f"{CHECKPOINT_TAG} ")
+
+
+def without_progress_lines(text: str) -> list[str]:
+    """The log's lines as a person reads them: those a trainer writes for the portal to parse left out."""
+    return [line for line in text.splitlines() if not line.startswith(PROGRESS_PREFIXES)]
 
 
 # The loss chart and the metrics API never need more points than this: a read costs the same at

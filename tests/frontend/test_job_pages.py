@@ -79,3 +79,58 @@ def test_another_tenants_jobs_are_404(client, owner, outsider, environment):
     for path in (f"/jobs/{job.id}/", f"/jobs/{job.id}/live/"):
         assert client.get(path).status_code == 404
     assert client.post(f"/jobs/{job.id}/cancel/").status_code == 404
+
+
+@pytest.fixture
+def admitted(owner, environment):
+    from runners.jobs import services as jobs
+    from runners.scheduling import services as scheduling
+
+    job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=1))
+    scheduling.cycle_run()
+    job.refresh_from_db()
+    assert job.state == "admitted"
+    return job
+
+
+def test_placement_is_drawn_only_while_the_attempt_holds_its_gpus(client, owner, admitted):
+    from django.utils import timezone
+
+    client.force_login(owner)
+    html = client.get(f"/jobs/{admitted.id}/live/").content.decode()
+    assert "gpu-slot taken" in html and "attempt 1" in html
+
+    # Preempted and requeued: the attempt ended, and its GPUs may be another job's now.
+    admitted.attempts.update(ended_at=timezone.now(), outcome="preempted")
+    Job.objects.filter(id=admitted.id).update(state="queued")
+    html = client.get(f"/jobs/{admitted.id}/live/").content.decode()
+    assert "gpu-slot taken" not in html and "attempt 1" not in html.split("<h2>Loss</h2>")[0]
+    assert 'data-testid="not-placed">Holds no GPUs now.' in html
+
+
+def test_cancel_is_not_offered_once_cancelling(client, owner, admitted):
+    client.force_login(owner)
+    assert 'data-testid="cancel-job"' in client.get(f"/jobs/{admitted.id}/").content.decode()
+    Job.objects.filter(id=admitted.id).update(state="cancelling")
+    assert 'data-testid="cancel-job"' not in client.get(f"/jobs/{admitted.id}/").content.decode()
+
+
+def test_the_newest_checkpoints_are_shown_and_the_rest_behind_a_toggle(client, owner, admitted):
+    from django.utils import timezone
+
+    from runners.jobs.models import Checkpoint
+
+    for step in range(10, 90, 10):
+        Checkpoint.objects.create(job=admitted, step=step, uri=f"step-{step}.pt", bytes=1000, created_at=timezone.now())
+    client.force_login(owner)
+    html = client.get(f"/jobs/{admitted.id}/live/").content.decode()
+    table, older = html.split('data-testid="checkpoints"', 1)[1].split('data-testid="older-checkpoints"', 1)
+    assert [f"<td>{s}</td>" in table for s in (80, 70, 60, 50, 40)] == [True] * 5 and "<td>30</td>" not in table
+    assert "3 older" in older and all(f"<td>{s}</td>" in older for s in (30, 20, 10))
+
+
+def test_the_log_leaves_out_the_trainers_progress_lines():
+    from runners.jobs.selectors import without_progress_lines
+
+    text = 'step 1 loss 2.0\nPORTAL_METRIC {"step": 1}\nPORTAL_CHECKPOINT {"step": 1}\nsaved checkpoint step-1.pt\n'
+    assert without_progress_lines(text) == ["step 1 loss 2.0", "saved checkpoint step-1.pt"]
