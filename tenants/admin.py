@@ -1,12 +1,21 @@
+"""Tenants, members and API tokens in the Django admin. Members and tokens are shown, not changed:
+the tenant page and the API change them through services that tell the environments
+(members_changed) and keep a token's secret out of sight."""
+
 from django.contrib import admin
 
-from tenants.models import Membership, Tenant
+from common.admin import ReadOnlyAdmin
+from tenants.models import Membership, Tenant, TokenInfo
 
 
 class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 0
-    autocomplete_fields = ["user"]
+    can_delete = False
+    fields = readonly_fields = ["user", "role", "created_at"]
+
+    def has_add_permission(self, request, obj=None):
+        return False
 
 
 @admin.register(Tenant)
@@ -14,3 +23,29 @@ class TenantAdmin(admin.ModelAdmin):
     list_display = ["slug", "name", "created_at"]
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
+    actions = None  # a tenant's environments and jobs go with it: delete one at a time, knowingly
+
+
+@admin.register(Membership)
+class MembershipAdmin(ReadOnlyAdmin):
+    list_display = ["user", "tenant", "role", "created_at"]
+    list_filter = ["role", "tenant"]
+    search_fields = ["user__username", "tenant__slug"]
+
+
+@admin.register(TokenInfo)
+class TokenInfoAdmin(ReadOnlyAdmin):
+    list_display = ["name", "user", "created", "expiry", "last_used_at"]
+    search_fields = ["name", "token__user__username"]
+
+    @admin.display(ordering="token__user__username")
+    def user(self, info):
+        return info.token.user
+
+    @admin.display(ordering="token__created")
+    def created(self, info):
+        return info.token.created
+
+    @admin.display(ordering="token__expiry")
+    def expiry(self, info):
+        return info.token.expiry

@@ -1,8 +1,10 @@
-"""The Django admin's view of jobs, read-only."""
+"""The Django admin's view of jobs and their rows, read-only: a job changes only through runners.jobs
+(submit, cancel, the cycle), and deleting one here would leave its processes or pods unseen."""
 
 from django.contrib import admin
 
-from runners.jobs.models import Job, JobAttempt, JobEvent
+from common.admin import ReadOnlyAdmin
+from runners.jobs.models import Checkpoint, IdempotencyKey, Job, JobAttempt, JobEvent, JobMetric, ReconcileLease
 
 
 class JobAttemptInline(admin.TabularInline):
@@ -22,16 +24,46 @@ class JobEventInline(admin.TabularInline):
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
-    """Read-only: a job's state changes only through runners.jobs (submit, cancel, the cycle)."""
-
+class JobAdmin(ReadOnlyAdmin):
     list_display = ["id", "name", "tenant", "state", "flavor", "replicas", "gpus_per_replica", "priority", "submitted_at"]
     list_filter = ["state", "tenant", "flavor"]
     search_fields = ["name"]
     inlines = [JobAttemptInline, JobEventInline]
 
-    def has_add_permission(self, request):
-        return False
 
-    def has_change_permission(self, request, obj=None):
-        return False
+@admin.register(JobAttempt)
+class JobAttemptAdmin(ReadOnlyAdmin):
+    list_display = ["job", "number", "admitted_at", "started_at", "ended_at", "outcome", "exit_code"]
+    list_filter = ["outcome"]
+    search_fields = ["job__name"]
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(ReadOnlyAdmin):
+    list_display = ["job", "step", "bytes", "created_at", "uri"]
+    search_fields = ["job__name"]
+
+
+@admin.register(JobMetric)
+class JobMetricAdmin(ReadOnlyAdmin):
+    list_display = ["job", "attempt", "step", "loss", "samples_per_s"]
+    search_fields = ["job__name"]
+    show_full_result_count = False  # a long run records millions of steps
+
+
+@admin.register(JobEvent)
+class JobEventAdmin(ReadOnlyAdmin):
+    list_display = ["job", "at", "from_state", "to_state", "reason"]
+    list_filter = ["to_state"]
+    search_fields = ["job__name"]
+
+
+@admin.register(IdempotencyKey)
+class IdempotencyKeyAdmin(ReadOnlyAdmin):
+    list_display = ["key", "user", "job", "created_at"]
+    search_fields = ["key"]
+
+
+@admin.register(ReconcileLease)
+class ReconcileLeaseAdmin(ReadOnlyAdmin):
+    list_display = ["id", "until"]
