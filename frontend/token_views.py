@@ -42,7 +42,6 @@ def token_create(request):
 @login_required
 @require_POST
 def token_revoke(request, token_id):
-    info = selectors.token_get(user=request.user, token_id=token_id)
-    services.token_revoke(actor=request.user, token_id=info.id)
+    info = services.token_revoke(actor=request.user, token_id=token_id)
     messages.success(request, f"Revoked the token {info.name!r}: it no longer works.")
     return redirect("tokens")

@@ -11,7 +11,6 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from common.errors import NotFound
 from common.fields import StrictTypesMixin
 from tenants import login_throttle, selectors, services
 from tenants.auth import TokenAuthentication
@@ -112,6 +111,7 @@ class ApiTokenViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
     serializer_class = ApiTokenSerializer
     queryset = TokenInfo.objects.none()  # the schema's model; get_queryset scopes it
+    lookup_value_regex = r"\d{1,18}"  # anything else (a word, a number past bigint) is no route: a 404
 
     def get_queryset(self):
         owner = self.request.query_params.get("user")
@@ -130,11 +130,7 @@ class ApiTokenViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
 
     @extend_schema(responses={204: None})
     def destroy(self, request, pk):
-        try:
-            token_id = int(pk)
-        except ValueError:
-            raise NotFound("No such token.") from None
-        services.token_revoke(actor=request.user, token_id=token_id)
+        services.token_revoke(actor=request.user, token_id=int(pk))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

@@ -59,9 +59,7 @@ def token_list(*, user: AbstractBaseUser, owner: str | None = None) -> QuerySet[
 def token_get(*, user: AbstractBaseUser, token_id: int) -> TokenInfo:
     """One of the user's tokens (staff: anyone's); any other is NotFound."""
     tokens = TokenInfo.objects.select_related("token", "token__user")
-    if not user.is_staff:
-        tokens = tokens.filter(token__user=user)
-    info = tokens.filter(id=token_id).first()
+    info = (tokens if user.is_staff else tokens.filter(token__user=user)).filter(id=token_id).first()
     if info is None:
         raise NotFound("No such token.")
     return info

@@ -11,6 +11,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from knox.models import AuthToken
+from knox.settings import knox_settings
 
 from common.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, TokenInfo, role_at_least
@@ -105,14 +106,16 @@ def token_create(*, user: AbstractBaseUser, name: str, expires_in_days: int | No
         or not 1 <= expires_in_days <= TOKEN_MAX_DAYS
     ):
         raise Invalid("expires_in_days", f"A whole number of days from 1 to {TOKEN_MAX_DAYS}.")
-    ttl = None if expires_in_days is None else timedelta(days=expires_in_days)
+    ttl = knox_settings.TOKEN_TTL if expires_in_days is None else timedelta(days=expires_in_days)
     with transaction.atomic():
-        instance, secret = AuthToken.objects.create(user, expiry=ttl) if ttl else AuthToken.objects.create(user)
+        instance, secret = AuthToken.objects.create(user, expiry=ttl)
         info = TokenInfo.objects.create(token=instance, name=name)
     return info, secret
 
 
-def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> None:
-    """Revoke one of the actor's tokens (staff: anyone's); another user's is a 404, as if it did not exist."""
+def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> TokenInfo:
+    """Revoke one of the actor's tokens (staff: anyone's) and return what it was; another user's is a
+    404, as if it did not exist."""
     info = token_get(user=actor, token_id=token_id)
     info.token.delete()  # the TokenInfo goes with it
+    return info

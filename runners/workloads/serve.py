@@ -375,7 +375,6 @@ class Engine:
         self.last_join = 0.0
         self.order = itertools.count()
         self.draining = False
-        self.ready = False
         self.answered = 0
         self.peak_batch_tokens = 0
         # Running estimates, for refusing at once what can't be served in time.
@@ -383,11 +382,7 @@ class Engine:
         self.prefill_s_per_byte = 0.00002
         self.thread = threading.Thread(target=self._loop, name="serve-engine", daemon=True)
 
-    # -- requests, from the HTTP threads --
-
-    def check(self, body) -> tuple[bytes, int, float]:
-        """(prompt bytes, max_tokens, deadline_ms) of a request body, or ValueError({field: why})."""
-        return check_request(body, self.settings, self.allowed)
+    # -- requests, from the thread that takes them --
 
     def submit(
         self, prompt: bytes, max_tokens: int, deadline_ms: float, *, arrived: float | None = None, on_done=None
@@ -423,31 +418,26 @@ class Engine:
         return len(seq.prompt) * self.prefill_s_per_byte + seq.max_tokens * self.step_s
 
     def _wait_estimate(self, seq: Sequence) -> float:
-        """Seconds until `seq` could join the batch: the budget-steps of the work ahead, over the budget."""
-        budget = self.settings.batch_token_budget
+        """Seconds until `seq` could join the batch, behind the running batch and what the queue puts ahead of it."""
         ahead = [s for _, _, s in self.queue if s.deadline <= seq.deadline]
-        if self.running_cost + sum(s.cost for s in ahead) + seq.cost <= budget:
+        if self.running_cost + sum(s.cost for s in ahead) + seq.cost <= self.settings.batch_token_budget:
             return 0.0
-        held = sum(s.cost * self._left(s) for s in self.active)
-        held += sum(s.cost * s.max_tokens for s in ahead)
-        return held / budget * self.step_s
-
-    def _left(self, seq: Sequence) -> int:
-        return max(0, seq.max_tokens - (self.step_no - seq.joined_step))
+        return self._backlog_s(ahead)
 
     def _drain_estimate(self) -> float:
-        held = sum(s.cost * self._left(s) for s in self.active)
-        held += sum(s.cost * s.max_tokens for _, _, s in self.queue)
+        return self._backlog_s([s for _, _, s in self.queue])
+
+    def _backlog_s(self, queued: list[Sequence]) -> float:
+        """Seconds for the running batch and `queued` to go through: each holds its cost of the budget for
+        as many steps as it has tokens left."""
+        held = sum(s.cost * max(0, s.max_tokens - (self.step_no - s.joined_step)) for s in self.active)
+        held += sum(s.cost * s.max_tokens for s in queued)
         return held / self.settings.batch_token_budget * self.step_s
 
     def drain(self) -> None:
         with self.lock:
             self.draining = True
             self.lock.notify_all()
-
-    def idle(self) -> bool:
-        with self.lock:
-            return not self.queue and not self.active
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -463,7 +453,6 @@ class Engine:
 
     def start(self) -> None:
         self._warm_up()
-        self.ready = True
         self.thread.start()
 
     @torch.inference_mode()
@@ -512,8 +501,6 @@ class Engine:
                     # the step, the lock and the interpreter shared with the HTTP front), idle waits left out.
                     busy = time.monotonic() - started - self.waited
                     self.step_s = 0.95 * self.step_s + 0.05 * busy
-                with self.lock:
-                    self.lock.notify_all()  # wait_idle
 
     def _next_joiners(self) -> list[Sequence]:
         s = self.settings
@@ -521,7 +508,7 @@ class Engine:
             entered = time.monotonic()
             while not self.queue and not self.active:
                 self.metrics.running.set(0)
-                self.lock.notify_all()
+                self.lock.notify_all()  # wait_idle
                 self.lock.wait()
             if not self.active and self.queue and s.max_batch_wait_ms > 0:
                 # An idle engine lets a batch form for a moment, unless it is full already.
@@ -585,15 +572,14 @@ class Engine:
         if not joiners:
             return []
         started = time.monotonic()
+        lookups, hits = self.cache.lookups, self.cache.hits
         starts, states = [], []
         for seq in joiners:
             start, state = self.cache.longest(seq.prompt)
-            if len(seq.prompt) > self.cache.block and self.cache.limit > 0:
-                self.metrics.prefix_lookups.inc()
-                if start:
-                    self.metrics.prefix_hits.inc()
             starts.append(start)
             states.append(self.zero_state if state is None else state)
+        self.metrics.prefix_lookups.inc(self.cache.lookups - lookups)
+        self.metrics.prefix_hits.inc(self.cache.hits - hits)
         suffixes = [torch.tensor(list(seq.prompt[start:]), device=self.device) for seq, start in zip(joiners, starts)]
         packed = pack_sequence([self.model.embed(t) for t in suffixes], enforce_sorted=False)
         out, hidden = self.model.rnn(packed, torch.stack(states).unsqueeze(0))
@@ -649,11 +635,11 @@ class Engine:
         late = [i for i, seq in enumerate(self.rows) if seq.deadline <= now] if now >= self.first_deadline else []
         if not done and not late:
             return
-        gone = set(done) | set(late)
         finished = [self.rows[i] for i in done]
         for i in done:
             self.rows[i].out = self.gen[i, : self.rows[i].max_tokens].tolist()
-        expired = [self.rows[i] for i in late if i not in set(done)]
+        expired = [self.rows[i] for i in set(late) - set(done)]
+        gone = set(done) | set(late)
         keep = [i for i in range(batch) if i not in gone]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
@@ -680,8 +666,8 @@ def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
     """The engine in a process of its own: it takes requests over `conn` and sends their answers back.
 
     Messages in: ("submit", id, prompt, max_tokens, deadline_ms, arrived), ("drain",), ("metrics", id),
-    ("exit",). Out: ("ready", alphabet, device), ("done", id, status, detail, answer or None, ttft_ms),
-    ("idle",) once drained, ("metrics", id, text), ("bye", answered).
+    ("exit",). Out: ("ready", alphabet, device), ("done", id, status, body, headers), ("idle",) once
+    drained, ("metrics", id, text), ("bye", answered).
     """
     # The front decides when this process stops: a signal to the process group must not cut a drain short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -698,9 +684,9 @@ def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
     def answered(rid: int, seq: Sequence) -> None:
         if seq.status == 200:
             ttft_ms = (seq.first_token - seq.arrived) * 1000
-            send(("done", rid, 200, "", seq.answer(), ttft_ms))
+            send(("done", rid, 200, seq.answer(), {"X-Time-To-First-Token-Ms": f"{ttft_ms:.3f}"}))
         else:
-            send(("done", rid, seq.status, seq.detail, None, None))
+            send(("done", rid, seq.status, {"detail": seq.detail}, {}))
 
     send(("ready", alphabet, str(engine.device)))
     while True:
@@ -716,7 +702,7 @@ def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
                     prompt, max_tokens, deadline_ms, arrived=arrived, on_done=lambda seq, rid=rid: answered(rid, seq)
                 )
             except Refused as refused:
-                send(("done", rid, refused.status, refused.detail, None, refused.retry_after))
+                send(("done", rid, refused.status, {"detail": refused.detail}, {"Retry-After": str(refused.retry_after)}))
         elif kind == "drain":
             engine.drain()
             threading.Thread(target=lambda: (engine.wait_idle(), send(("idle",))), daemon=True).start()
@@ -751,7 +737,6 @@ class EngineClient:
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.waiting: dict[int, asyncio.Future] = {}
-        self.ready = True
         self.draining = False
         self.dead = False
         self.answered_in_all = 0
@@ -789,10 +774,10 @@ class EngineClient:
             on_idle()
 
     def _dead(self, on_dead) -> None:
-        self.dead, self.ready = True, False
+        self.dead = True
         for rid, future in list(self.waiting.items()):
             if not future.done():
-                future.set_result(("done", rid, 503, "the engine stopped", None, 1))
+                future.set_result(("done", rid, 503, {"detail": "the engine stopped"}, {"Retry-After": "1"}))
         self.waiting.clear()
         on_dead()
 
@@ -910,7 +895,7 @@ class Front:
         if method == "GET" and path == "/healthz":
             return (503 if engine.dead else 200), {"status": "engine stopped" if engine.dead else "ok"}, {}
         if method == "GET" and path == "/readyz":
-            ready = engine.ready and not engine.draining
+            ready = not engine.dead and not engine.draining
             return (200 if ready else 503), {"ready": ready, "draining": engine.draining}, {}
         if method == "GET" and path == "/metrics":
             text = generate_latest(self.metrics.registry)
@@ -937,16 +922,12 @@ class Front:
             return 503, {"detail": "draining: this replica is stopping; try another or retry"}, {"Retry-After": "1"}
         try:
             # The engine answers every admitted request by its deadline; the margin covers a stalled engine.
-            _, _, status, detail, answer, extra = await engine.ask(
+            _, _, status, answer, extra = await engine.ask(
                 "submit", prompt, max_tokens, deadline_ms, arrived, timeout=deadline_ms / 1000 + 5
             )
         except TimeoutError:
             return 504, {"detail": "no answer by the deadline"}, {}
-        if status == 200:
-            return 200, answer, {"X-Time-To-First-Token-Ms": f"{extra:.3f}"}
-        if status in (429, 503):
-            return status, {"detail": detail}, {"Retry-After": str(extra)}
-        return status, {"detail": detail}, {}
+        return status, answer, extra
 
     async def close_idle(self) -> None:
         """Close the connections waiting for a next request; those answering one finish first."""

@@ -6,14 +6,10 @@ from collections import deque
 from urllib.parse import urljoin, urlparse
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.core.management import call_command
 from django.test import Client
 
-from runners.jobs import services as jobs
-from runners.scheduling import services as scheduling
 from tenants.models import Tenant
-from tests.support.jobs import job_data, ready_environment
+from tests.support.jobs import demo_with_jobs
 
 pytestmark = pytest.mark.django_db
 
@@ -24,16 +20,8 @@ MAX_PAGES = 400
 
 @pytest.fixture
 def world(settings):
-    settings.DEBUG = True
-    call_command("demo", stdout=open("/dev/null", "w"))
-    users = get_user_model().objects
-    alice, carol = users.get(username="alice"), users.get(username="carol")
-    research = ready_environment(actor=alice, tenant=Tenant.objects.get(slug="ml-research"))
-    ready_environment(actor=carol, tenant=Tenant.objects.get(slug="vision"), name="vision-train")
-    jobs.job_submit(actor=alice, data=job_data(research, name="placed", replicas=1, topology={"level": "none"}))
-    jobs.job_submit(actor=alice, data=job_data(research, name="waiting", replicas=2, gpus_per_replica=8, topology={"level": "none"}))
-    scheduling.cycle_run()  # one admitted and placed, one waiting with its reason
-    return users
+    settings.DEBUG = True  # as `make run` has it
+    return demo_with_jobs()
 
 
 def crawl(client: Client, start: str) -> tuple[dict[str, int], list[str]]:

@@ -6,7 +6,7 @@ from django.apps import apps
 from django.contrib import admin
 from django.test import Client
 
-from tests.frontend.test_crawl import world  # noqa: F401  (the demo, a placed job and a waiting one)
+from tests.support.jobs import demo_with_jobs
 
 pytestmark = pytest.mark.django_db
 
@@ -33,9 +33,10 @@ def test_no_bulk_delete_and_no_hand_edits_of_rows_services_own(rf, django_user_m
             assert not model_admin.has_change_permission(request), model._meta.label
 
 
-def test_every_changelist_and_object_page_opens_for_staff(world):  # noqa: F811
+def test_every_changelist_and_object_page_opens_for_staff():
+    users = demo_with_jobs()
     client = Client()
-    client.force_login(world.get(username="admin"))
+    client.force_login(users.get(username="admin"))
     for model, _ in admin.site._registry.items():
         if model._meta.app_label not in PORTAL_APPS:
             continue

@@ -1,5 +1,6 @@
 """Helpers for job tests: a ready environment, a quota, and a valid submission to change one field of."""
 
+import os
 import time
 
 from quotas.models import Quota, ResourceFlavor
@@ -62,3 +63,25 @@ def reconcile_until(job, states, *, timeout_s: float = 60, pause_s: float = 0.3)
                 attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number)
         time.sleep(pause_s)
     raise AssertionError(f"job {job.id} is {job.state}: {job.reason}")
+
+
+def demo_with_jobs():
+    """`manage.py demo`'s world, with a ready environment in each tenant, one job placed and one
+    waiting with its reason (launches are not sent: no commit callbacks run in such a test)."""
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+
+    from runners.jobs import services as jobs
+    from tenants.models import Tenant
+
+    call_command("demo", stdout=open(os.devnull, "w"))
+    users = get_user_model().objects
+    alice, carol = users.get(username="alice"), users.get(username="carol")
+    research = ready_environment(actor=alice, tenant=Tenant.objects.get(slug="ml-research"))
+    ready_environment(actor=carol, tenant=Tenant.objects.get(slug="vision"), name="vision-train")
+    jobs.job_submit(actor=alice, data=job_data(research, name="placed", replicas=1, topology={"level": "none"}))
+    jobs.job_submit(
+        actor=alice, data=job_data(research, name="waiting", replicas=2, gpus_per_replica=8, topology={"level": "none"})
+    )
+    scheduling.cycle_run()
+    return users

@@ -64,6 +64,7 @@ def test_revoked_tokens_stop_working_and_another_users_token_is_a_404(owner, tea
     assert token_client(mine["token"]).get("/api/v1/tenants/").status_code == 401
     assert client_for(owner).delete(f"/api/v1/tokens/{mine['id']}/").status_code == 404
     assert client_for(owner).delete("/api/v1/tokens/nope/").status_code == 404
+    assert client_for(owner).delete(f"/api/v1/tokens/{10**20}/").status_code == 404
     assert not TokenInfo.objects.filter(id=mine["id"]).exists()
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from runners.workloads.progress import read_checkpoints
-from runners.workloads.serve import LISTENING_TAG, Engine, PrefixCache, Refused, Settings, load_model
+from runners.workloads.serve import LISTENING_TAG, Engine, PrefixCache, Refused, Settings, check_request, load_model
 from runners.workloads.train import DEFAULT_CORPUS, CharModel, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,7 +165,11 @@ def test_draining_refuses_new_work_with_503_and_answers_what_was_admitted():
 
 
 def test_the_checks_name_the_field():
-    e = engine(Settings(max_prompt_bytes=32, max_tokens=64, batch_token_budget=80, max_deadline_ms=60_000), start=False)
+    settings = Settings(max_prompt_bytes=32, max_tokens=64, batch_token_budget=80, max_deadline_ms=60_000)
+
+    def check(body):
+        return check_request(body, settings, frozenset(PRINTABLE))
+
     good = {"prompt": "hi", "max_tokens": 4}
     cases = [
         ([1], "non_field_errors"),
@@ -191,11 +195,11 @@ def test_the_checks_name_the_field():
     ]
     for body, name in cases:
         with pytest.raises(ValueError) as error:
-            e.check(body)
+            check(body)
         assert list(error.value.args[0]) == [name], body
-    assert e.check(good) == (b"hi", 4, Settings().default_deadline_ms)
+    assert check(good) == (b"hi", 4, Settings().default_deadline_ms)
     with pytest.raises(ValueError) as error:
-        e.check({**good, "prompt": "na\u00efve caf\u00e9"})
+        check({**good, "prompt": "na\u00efve caf\u00e9"})
     assert "\u00e9" in error.value.args[0]["prompt"] and "\u00ef" in error.value.args[0]["prompt"]
 
 
