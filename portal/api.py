@@ -10,6 +10,7 @@ from common import errors
 from quotas.api import FlavorViewSet, QuotaViewSet
 from runners.clusters.api import NodePoolViewSet, NodeViewSet, PartitionChangeViewSet, PartitionProfileViewSet
 from runners.environments.api import EnvironmentViewSet
+from runners.inference.api import EndpointViewSet
 from runners.jobs.api import JobViewSet
 from tenants.api import ApiTokenViewSet, MemberViewSet, TenantViewSet
 
@@ -25,6 +26,7 @@ router.register("node-pools", NodePoolViewSet, basename="node-pool")
 router.register("nodes", NodeViewSet, basename="node")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
 router.register("jobs", JobViewSet, basename="job")
+router.register("endpoints", EndpointViewSet, basename="endpoint")
 
 
 class DatabaseUnavailable(exceptions.APIException):

@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "runners.environments",
     "runners.jobs",
     "runners.scheduling",
+    "runners.inference",
     "frontend",
 ]
 
@@ -266,6 +267,13 @@ JOB_QUEUED_MAX_PER_TENANT = env_int("JOB_QUEUED_MAX_PER_TENANT", 200, minimum=1)
 IDEMPOTENCY_KEY_TTL_S = env_int("IDEMPOTENCY_KEY_TTL_S", 86400, minimum=60)
 # Registries a custom job's image may come from (comma-separated prefixes; Kubernetes backend only).
 ALLOWED_IMAGE_REGISTRIES = [r.strip() for r in env_str("ALLOWED_IMAGE_REGISTRIES", "nvcr.io/nvidia").split(",") if r.strip()]
+# Inference endpoints: the reconcile reads every replica this often; the autoscaler's target of
+# requests in flight per replica; how long the load must stay low before a scale-in; and how long
+# without a request before an endpoint with min_replicas 0 scales to zero.
+ENDPOINT_RECONCILE_INTERVAL_S = env_float("ENDPOINT_RECONCILE_INTERVAL_S", 2.0, minimum=0.1)
+ENDPOINT_TARGET_INFLIGHT = env_float("ENDPOINT_TARGET_INFLIGHT", 8.0, minimum=0.1)
+ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum=0.0)
+ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
@@ -276,6 +284,8 @@ CELERY_BEAT_SCHEDULE = {
                         "options": {"expire_seconds": max(1, round(SCHEDULER_CYCLE_INTERVAL_S))}},
     "jobs-reconcile": {"task": "runners.tasks.jobs_reconcile", "schedule": float(JOB_RECONCILE_INTERVAL_S),
                        "options": {"expire_seconds": max(1, round(JOB_RECONCILE_INTERVAL_S))}},
+    "endpoints-reconcile": {"task": "runners.tasks.endpoints_reconcile", "schedule": float(ENDPOINT_RECONCILE_INTERVAL_S),
+                            "options": {"expire_seconds": max(1, round(ENDPOINT_RECONCILE_INTERVAL_S))}},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.

@@ -7,6 +7,7 @@ from frontend.forms import AdminLoginForm
 from frontend.views import throttled_login
 from portal import health
 from portal.api import router
+from runners.inference.router import GenerateView
 from tenants.api import TokenView
 
 # The admin's login shares the throttle of the login page and the token endpoint.
@@ -28,6 +29,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/auth/token/", TokenView.as_view(), name="api-token"),
     path("api/v1/", include(router.urls)),
+    path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", include("frontend.urls")),

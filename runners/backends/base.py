@@ -170,6 +170,34 @@ class TrainerSettings:
 
 
 @dataclass(frozen=True)
+class ServingSettings:
+    """What an inference replica runs: the shipped server (runners.workloads.serve) over one checkpoint.
+
+    ``checkpoint`` is where the checkpoint lies for the backend (a file on this host locally; a path on
+    the source job's volume on Kubernetes, ``source_job_id`` naming that job). Every other field is a
+    flag of the server, from the endpoint's validated spec.
+    """
+
+    endpoint_id: int
+    checkpoint: str
+    source_job_id: int | None = None
+    queue_limit: int = 64
+    batch_token_budget: int = 16384
+    max_batch_wait_ms: float = 5.0
+    default_deadline_ms: float = 10_000.0
+    max_deadline_ms: float = 25_000.0
+    image: str | None = None  # a custom image (Kubernetes only); None runs the shipped server
+
+    def flags(self) -> list[str]:
+        return [
+            "--queue-limit", str(self.queue_limit), "--batch-token-budget", str(self.batch_token_budget),
+            "--max-batch-wait-ms", repr(float(self.max_batch_wait_ms)),
+            "--default-deadline-ms", repr(float(self.default_deadline_ms)),
+            "--max-deadline-ms", repr(float(self.max_deadline_ms)),
+        ]
+
+
+@dataclass(frozen=True)
 class JobLaunch:
     """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
 
@@ -196,6 +224,8 @@ class JobLaunch:
     # checkpoint files itself (Kubernetes: they are on a volume in the cluster) says it resumes.
     resume_from_step: int | None = None
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    # Set for an inference replica (a job of kind "serving"): it runs the server instead of the trainer.
+    serving: ServingSettings | None = None
 
     @property
     def workload(self) -> str:
@@ -305,6 +335,9 @@ class ClusterBackend(Protocol):
 
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         """The last `tail` lines one replica wrote."""
+
+    def serving_address(self, job_id: int, attempt: int) -> str | None:
+        """The base URL an inference replica's server answers on (``http://host:port``), None until it is known."""
 
     def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
         """Metric and checkpoint records the attempt wrote since `cursor` ({} for the first read).

@@ -245,6 +245,9 @@ class LocalBackend:
     def forget_job(self, job_id: int, attempt: int) -> None:
         self.jobs.forget(job_id, attempt)
 
+    def serving_address(self, job_id: int, attempt: int) -> str | None:
+        return self.jobs.serving_address(job_id, attempt)
+
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return self.jobs.logs(job_id, attempt, rank, tail=tail)
 

@@ -43,6 +43,10 @@ from runners.workloads import env_policy, progress, supervise
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SUPERVISOR_MODULE = "runners.workloads.supervise"
 TRAINER_MODULE = "runners.workloads.train"
+SERVER_MODULE = "runners.workloads.serve"
+# An inference replica's own copy of the checkpoint it serves, in its job folder: the source job's
+# trainer keeps only its newest few checkpoints, and the endpoint must not lose its model to that.
+SERVED_MODEL_FILE = "served-model.pt"
 # How long a launch waits for the detached supervisor to say it is up.
 SUPERVISOR_START_TIMEOUT_S = 20.0
 # Variables of the portal host a replica inherits; everything else it gets is set below.
@@ -98,7 +102,7 @@ def _attempt_processes(pgid: int, job_id: int, attempt: int, job_dir: Path, atte
                 args = stream.read().split(b"\0")
             if SUPERVISOR_MODULE.encode() in args and str(attempt_dir).encode() in args:
                 return True
-            if TRAINER_MODULE.encode() in args and str(job_dir).encode() in args:
+            if (TRAINER_MODULE.encode() in args or SERVER_MODULE.encode() in args) and str(job_dir).encode() in args:
                 with open(f"/proc/{entry.name}/environ", "rb") as stream:
                     environ = b"\0" + stream.read()
                 if all(b"\0" + mark in environ for mark in marks):
@@ -139,7 +143,9 @@ class LocalJobs:
     # --- launch ----------------------------------------------------------------
 
     def launch(self, launch: JobLaunch) -> int | None:
-        if launch.template != "pytorch-ddp":
+        if launch.serving is not None and launch.serving.image is not None:
+            raise PermanentBackendError("Custom serving images run on the Kubernetes backend only.")
+        if launch.serving is None and launch.template != "pytorch-ddp":
             raise PermanentBackendError(
                 f"Template {launch.template!r} runs on the Kubernetes backend only; locally only pytorch-ddp runs."
             )
@@ -168,11 +174,26 @@ class LocalJobs:
         # This host's cores shared out between the replicas running on it, and no more than each declared.
         per_host = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
         threads = max(1, min(per_host, math.ceil(launch.cpu_milli_per_replica / 1000)))
-        argv = [
-            sys.executable, "-m", TRAINER_MODULE, "--job-dir", str(job_dir), "--steps", str(launch.steps),
-            "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
-            *launch.trainer.flags(),
-        ]
+        serving_port = None
+        if launch.serving is None:
+            argv = [
+                sys.executable, "-m", TRAINER_MODULE, "--job-dir", str(job_dir), "--steps", str(launch.steps),
+                "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
+                *launch.trainer.flags(),
+            ]
+        else:
+            model = job_dir / SERVED_MODEL_FILE
+            if not model.exists():
+                try:
+                    shutil.copyfile(launch.serving.checkpoint, job_dir / f".{SERVED_MODEL_FILE}.tmp")
+                except OSError as exc:
+                    raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
+                os.replace(job_dir / f".{SERVED_MODEL_FILE}.tmp", model)
+            serving_port = free_port()
+            argv = [
+                sys.executable, "-m", SERVER_MODULE, "--checkpoint", str(model), "--host", "127.0.0.1",
+                "--port", str(serving_port), *launch.serving.flags(),
+            ]
         replicas = []
         for replica in launch.replicas:
             env = {
@@ -200,7 +221,7 @@ class LocalJobs:
         record = {
             "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(REPO_ROOT), "replicas": replicas,
             "nodes": sorted({replica.node for replica in launch.replicas}), "resumed_from_step": resumed,
-            "workload": launch.workload,
+            "workload": launch.workload, "serving_port": serving_port,
         }
         temp = attempt_dir / f".{supervise.LAUNCH_FILE}.tmp"
         temp.write_text(json.dumps(record, indent=2))
@@ -223,6 +244,14 @@ class LocalJobs:
                 raise TransientBackendError(f"The supervisor of job {launch.job_id} did not start.")
             time.sleep(0.05)
         return resumed
+
+    def serving_address(self, job_id: int, attempt: int) -> str | None:
+        try:
+            record = json.loads((self.attempt_dir(job_id, attempt) / supervise.LAUNCH_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        port = record.get("serving_port")
+        return f"http://127.0.0.1:{port}" if port else None
 
     # --- status ----------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from runners.backends.base import (
     NodeLostError,
     PermanentBackendError,
     ReplicaPlacement,
+    ServingSettings,
     TrainerSettings,
 )
 from runners.clusters.registry import get_backend
@@ -135,6 +136,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S,
         resume_from_step=newest_checkpoint_step(job),
         trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **hyper),
+        serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
     )
 
 
@@ -367,6 +369,10 @@ def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | Non
         return AttemptOutcome.NODE_LOST, status.reason, None
     if job.state == JobState.CANCELLING:
         return AttemptOutcome.CANCELLED, job.reason, first_failing[1] if first_failing else max(codes.values(), default=None)
+    if job.kind == Job.Kind.SERVING and job.state == JobState.PREEMPTED and not failing:
+        # A server exits 0 once it has drained on SIGTERM: for a preempted replica that is the stop
+        # it was asked for, never the end of its work.
+        return AttemptOutcome.PREEMPTED, job.reason, max(codes.values(), default=None)
     if status.phase == "exited" and codes and not failing and all(code == EXIT_OK for code in codes.values()):
         return AttemptOutcome.SUCCEEDED, "Every replica finished.", EXIT_OK
     if job.state == JobState.PREEMPTED:

@@ -43,6 +43,9 @@ class Job(models.Model):
 
     class Kind(models.TextChoices):
         TRAINING = "training"
+        # One replica of an inference endpoint (runners.inference): the server instead of the trainer,
+        # scheduled, placed, preempted and reconciled like any other job.
+        SERVING = "serving"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs")
     environment = models.ForeignKey(Environment, on_delete=models.PROTECT, related_name="jobs")

@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class InferenceConfig(AppConfig):
+    name = "runners.inference"
+    label = "inference"
+    verbose_name = "Inference endpoints"

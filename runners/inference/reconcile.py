@@ -1,0 +1,348 @@
+"""The endpoints' reconcile: read every replica, record a sample, autoscale, roll out, drain, and say where each stands.
+
+One pass per endpoint: first, outside any transaction, each running replica's address (a backend
+read) and its server's /readyz and /metrics (HTTP, with a short timeout); then, under the
+endpoint's row lock, what follows from them: the replicas' readiness, a sample for the page,
+the autoscaler's decision (recorded with its reason when it changes anything), the replicas to
+start or retire, and the endpoint's state. A replica is retired by cancelling its job with the
+grace period: its server gets SIGTERM and answers everything it admitted before it exits.
+
+Rollouts and scale-in keep the ready count at the wanted number: a replica of the old generation
+is retired only once a new one is ready in its place, one at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from quotas.models import Quota
+from runners.backends.base import BackendError
+from runners.clusters.registry import get_backend
+from runners.environments.models import EnvironmentState
+from runners.inference import autoscale
+from runners.inference.models import (
+    EndpointSample,
+    EndpointState,
+    InferenceEndpoint,
+    Replica,
+    ScaleEvent,
+)
+from runners.inference.services import replica_retire, replica_start, set_state
+from runners.jobs.attempts import open_attempts
+from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobState
+
+logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 1.0
+# Samples older than this are deleted as the reconcile goes (the page shows the last hour).
+SAMPLE_KEEP_S = 24 * 3600
+
+
+@dataclass
+class Probe:
+    """What one replica's server said: ready or not, and its counters."""
+
+    ready: bool = False
+    queue: int = 0
+    running: int = 0
+    counts: dict = field(default_factory=dict)  # outcome -> total
+    buckets: list = field(default_factory=list)  # [(le as text, cumulative count)] of serve_request_seconds
+
+
+def probe(address: str) -> Probe | None:
+    """/readyz and /metrics of one server; None when it does not answer."""
+    found = Probe()
+    try:
+        with urllib.request.urlopen(f"{address}/readyz", timeout=PROBE_TIMEOUT_S) as answer:
+            found.ready = answer.status == 200
+    except urllib.error.HTTPError:
+        found.ready = False
+    except (OSError, ValueError):
+        return None
+    try:
+        with urllib.request.urlopen(f"{address}/metrics", timeout=PROBE_TIMEOUT_S) as answer:
+            text = answer.read().decode()
+    except (OSError, ValueError):
+        return found
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "serve_queue_depth":
+                found.queue = int(sample.value)
+            elif sample.name == "serve_running_sequences":
+                found.running = int(sample.value)
+            elif sample.name == "serve_requests_total":
+                found.counts[sample.labels["outcome"]] = sample.value
+            elif sample.name == "serve_front_refused_total":
+                found.counts[f"front_{sample.labels['reason']}"] = sample.value
+            elif sample.name == "serve_request_seconds_bucket":
+                found.buckets.append((sample.labels["le"], sample.value))  # "+Inf" stays a string: JSON has no inf
+    return found
+
+
+def _quantile_ms(buckets: list[tuple[str, float]], q: float) -> float | None:
+    """The q-quantile of a histogram's cumulative buckets (le, count), in ms: the bucket's upper bound."""
+    buckets = sorted((float(upper), count) for upper, count in buckets)
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    for upper, count in buckets:
+        if count >= q * total:
+            return None if math.isinf(upper) else upper * 1000.0
+    return None
+
+
+def _read_replicas(endpoint: InferenceEndpoint, backend) -> dict[int, tuple[str, Probe | None]]:
+    """{replica id: (address, probe)} of the endpoint's running replicas; outside any transaction."""
+    replicas = list(endpoint.replicas.filter(retiring=False, job__state=JobState.RUNNING).select_related("job"))
+    attempts = open_attempts([replica.job for replica in replicas])
+    read = {}
+    for replica in replicas:
+        attempt = attempts.get(replica.job_id)
+        if attempt is None:
+            continue
+        try:
+            address = backend.serving_address(replica.job_id, attempt.number)
+        except BackendError as exc:
+            logger.warning("Could not read where replica %s of %s answers: %s", replica.id, endpoint, exc)
+            continue
+        read[replica.id] = (address or "", probe(address) if address else None)
+    return read
+
+
+def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -> EndpointSample:
+    """The endpoint's sample from this pass's probes; counters become rates against the last pass's totals."""
+    memory = endpoint.autoscale_state
+    previous = memory.get("totals", {})
+    previous_at = memory.get("totals_at")
+    totals, answered, refused = {}, 0.0, 0.0
+    bucket_delta: dict[str, float] = {}
+    queue = running = 0
+    for replica_id, (_, found) in read.items():
+        if found is None:
+            continue
+        if replica_id in ready_ids:
+            queue += found.queue
+            running += found.running
+        before = previous.get(str(replica_id), {})
+        counts = found.counts
+        totals[str(replica_id)] = {"counts": counts, "buckets": found.buckets}
+        if not before:
+            continue  # a replica first seen: its counts so far are not this interval's
+        delta = {key: max(0.0, value - before["counts"].get(key, 0.0)) for key, value in counts.items()}
+        answered += delta.get("answered", 0.0)
+        refused += delta.get("shed", 0.0) + delta.get("expired", 0.0)
+        earlier = dict((upper, count) for upper, count in before.get("buckets", []))
+        for upper, count in found.buckets:
+            bucket_delta[upper] = bucket_delta.get(upper, 0.0) + max(0.0, count - earlier.get(upper, 0.0))
+    elapsed = max(1e-3, now.timestamp() - previous_at) if previous_at else None
+    memory["totals"] = totals
+    memory["totals_at"] = now.timestamp()
+    buckets = sorted(bucket_delta.items())
+    shed = sum(
+        max(0.0, found.counts.get("shed", 0.0) - previous.get(str(replica_id), {}).get("counts", {}).get("shed", 0.0))
+        for replica_id, (_, found) in read.items() if found is not None and str(replica_id) in previous
+    )
+    expired = refused - shed
+    return EndpointSample(
+        endpoint=endpoint, at=now, ready_replicas=len(ready_ids), queue_depth=queue, running=running,
+        requests_per_s=(answered + refused) / elapsed if elapsed else 0.0,
+        shed_per_s=shed / elapsed if elapsed else 0.0, expired_per_s=expired / elapsed if elapsed else 0.0,
+        p50_ms=_quantile_ms(buckets, 0.5), p99_ms=_quantile_ms(buckets, 0.99),
+    )
+
+
+def policy() -> autoscale.Policy:
+    return autoscale.Policy(
+        target_inflight=settings.ENDPOINT_TARGET_INFLIGHT, scale_in_after_s=settings.ENDPOINT_SCALE_IN_AFTER_S,
+        idle_after_s=settings.ENDPOINT_IDLE_AFTER_S,
+    )
+
+
+def _autoscale(endpoint: InferenceEndpoint, sample: EndpointSample, now) -> None:
+    memory = endpoint.autoscale_state
+    since_request = (now - endpoint.last_request_at).total_seconds() if endpoint.last_request_at else math.inf
+    load = autoscale.Load(
+        at_s=now.timestamp(), inflight=sample.queue_depth + sample.running,
+        shed_per_s=sample.shed_per_s + sample.expired_per_s, since_last_request_s=since_request,
+    )
+    bounds = autoscale.Bounds(endpoint.min_replicas, endpoint.max_replicas, endpoint.warm_replicas)
+    wanted, why, memory["history"] = autoscale.decide(
+        memory.get("history", []), load, bounds, policy(), current=endpoint.desired_replicas,
+        last_change_s=memory.get("last_change_at"),
+    )
+    if wanted != endpoint.desired_replicas:
+        ScaleEvent.objects.create(endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=wanted,
+                                  reason=why)
+        endpoint.desired_replicas = wanted
+        memory["last_change_at"] = now.timestamp()
+
+
+def _non_preemptible_units(endpoint: InferenceEndpoint) -> int:
+    held = Job.objects.filter(
+        tenant=endpoint.tenant, flavor=endpoint.flavor, preemptible=False, state__in=JOB_HOLDING_STATES + [JobState.QUEUED]
+    )
+    return sum(job.replicas * job.gpus_per_replica for job in held)
+
+
+def _set_preemptible(replica: Replica, value: bool) -> None:
+    job = replica.job
+    job.preemptible = value
+    job.spec["preemptible"] = value
+    Job.objects.filter(id=job.id).update(preemptible=value, spec=job.spec)
+
+
+def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
+    """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them."""
+    replicas = list(endpoint.replicas.select_related("job").order_by("slot", "id"))
+    live = [r for r in replicas if not r.retiring and r.job.state not in JOB_FINAL_STATES]
+    current = [r for r in live if r.generation == endpoint.generation]
+    stale = [r for r in live if r.generation != endpoint.generation]
+    desired = 0 if stopping else endpoint.desired_replicas
+    failed = [r for r in replicas if r.generation == endpoint.generation and r.job.state == JobState.FAILED]
+    ready = [r for r in live if r.ready]
+    # A failing generation starts nothing more until a rollout or a scale asks again.
+    blocked = bool(failed) and not any(r.ready for r in current) and len(failed) >= endpoint.max_replicas
+
+    # Preemptibility follows the slot: below min_replicas a replica is never preempted. A replica
+    # started beside its slot's old one (a rollout) borrows until that one is gone, then is promoted
+    # if the tenant's guarantee holds it.
+    guaranteed = None
+    for replica in current:
+        want = replica.slot >= endpoint.min_replicas
+        if replica.job.preemptible and not want and not any(r.slot == replica.slot for r in stale):
+            if guaranteed is None:
+                quota = Quota.objects.filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
+                guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
+            if guaranteed >= replica.job.units:
+                _set_preemptible(replica, False)
+                guaranteed -= replica.job.units
+        elif not replica.job.preemptible and want:
+            _set_preemptible(replica, True)
+
+    # Start what is missing; during a rollout only one new replica is starting at a time.
+    while len(current) < desired and not blocked:
+        if stale and any(not r.ready for r in current):
+            break
+        used = {r.slot for r in current}
+        slot = next(n for n in range(endpoint.max_replicas + len(current) + 1) if n not in used)
+        stale_here = any(r.slot == slot for r in stale)
+        replica = replica_start(endpoint, slot, "the endpoint wants " + (
+            f"{desired} replicas." if not stale else f"generation {endpoint.generation} (rollout)."))
+        if stale_here and not replica.job.preemptible:
+            _set_preemptible(replica, True)  # borrows until the old one of its slot is gone
+        current.append(replica)
+
+    # Retire: stale replicas as soon as they are not serving, or once enough new ones are ready;
+    # current ones beyond the wanted number, those not serving first, the highest slot first.
+    for replica in stale:
+        if not replica.ready or stopping:
+            replica_retire(replica, f"Replaced by generation {endpoint.generation}." if not stopping else endpoint.reason)
+            ready = [r for r in ready if r.id != replica.id]
+    for replica in [r for r in stale if not r.retiring]:
+        if len(ready) - 1 >= min(desired, len(ready)) and any(r.ready for r in current):
+            replica_retire(replica, f"Replaced by generation {endpoint.generation}: draining.")
+            ready = [r for r in ready if r.id != replica.id]
+            break  # one at a time: the next once another new replica is ready
+    extra = len(current) - desired
+    if extra > 0:
+        order = sorted(current, key=lambda r: (r.ready, -r.slot))
+        for replica in order[:extra]:
+            if replica.ready and len(ready) - 1 < desired:
+                continue
+            reason = "Stopping: draining." if stopping else f"Scale in to {desired}: draining."
+            replica_retire(replica, reason)
+            ready = [r for r in ready if r.id != replica.id]
+
+
+def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
+    replicas = list(endpoint.replicas.select_related("job"))
+    holding = [r for r in replicas if r.job.state not in JOB_FINAL_STATES]
+    if stopping:
+        if holding:
+            set_state(endpoint, EndpointState.DRAINING, f"Draining {len(holding)} replica(s): each answers what it "
+                                                        f"admitted, then ends.")
+        else:
+            set_state(endpoint, EndpointState.STOPPED, endpoint.reason if endpoint.state == EndpointState.STOPPED
+                      else "Stopped: every replica drained.")
+        return
+    current = [r for r in holding if r.generation == endpoint.generation and not r.retiring]
+    ready = [r for r in current if r.ready]
+    failed = [r for r in replicas if r.generation == endpoint.generation and r.job.state == JobState.FAILED]
+    desired = endpoint.desired_replicas
+    if failed and not ready and len(failed) >= endpoint.max_replicas:
+        newest = max(failed, key=lambda r: r.id)
+        set_state(endpoint, EndpointState.FAILED, f"Its replicas fail to start: {newest.job.reason}")
+    elif not endpoint.replicas.filter(ready_since__isnull=False).exists() and desired > 0:
+        waiting = next((r.job.reason for r in current if r.job.state == JobState.QUEUED), "")
+        set_state(endpoint, EndpointState.DEPLOYING,
+                  f"Starting {desired} replica(s)." + (f" {waiting}" if waiting else ""))
+    elif len(ready) == desired and len(holding) == len(current):
+        set_state(endpoint, EndpointState.READY, f"{len(ready)} replica(s) ready." if desired else
+                  "Scaled to zero: the next request starts a replica.")
+    else:
+        rolling = any(r.generation != endpoint.generation for r in holding)
+        what = f"rolling out generation {endpoint.generation}" if rolling else f"scaling to {desired}"
+        set_state(endpoint, EndpointState.SCALING, f"{len(ready)} of {desired} replica(s) ready, {what}.")
+
+
+def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
+    backend = backend or get_backend()
+    endpoint = InferenceEndpoint.objects.select_related("tenant", "environment").get(id=endpoint_id)
+    if endpoint.state == EndpointState.STOPPED:
+        return "stopped"
+    read = _read_replicas(endpoint, backend)
+    now = now or timezone.now()
+    with transaction.atomic():
+        endpoint = InferenceEndpoint.objects.select_for_update(of=("self",), skip_locked=True).filter(
+            id=endpoint_id).select_related("tenant", "environment", "flavor").first()
+        if endpoint is None:
+            return "busy"
+        if endpoint.stop_requested_at is None and endpoint.environment.state != EnvironmentState.READY:
+            endpoint.stop_requested_at = now
+            endpoint.reason = f"Environment {endpoint.environment.name} is {endpoint.environment.state}."
+            ScaleEvent.objects.create(endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=0,
+                                      reason=endpoint.reason)
+            endpoint.desired_replicas = 0
+        stopping = endpoint.stop_requested_at is not None
+        ready_ids = set()
+        for replica in endpoint.replicas.filter(retiring=False):
+            address, found = read.get(replica.id, ("", None))
+            ready = bool(found and found.ready)
+            changed = {"ready": ready, "address": address or replica.address}
+            if ready and replica.ready_since is None:
+                changed["ready_since"] = now
+            Replica.objects.filter(id=replica.id).update(**changed)
+            if ready:
+                ready_ids.add(replica.id)
+        sample = _sample(endpoint, read, ready_ids, now)
+        sample.save()
+        EndpointSample.objects.filter(endpoint=endpoint, at__lt=now - timezone.timedelta(seconds=SAMPLE_KEEP_S)).delete()
+        if not stopping:
+            _autoscale(endpoint, sample, now)
+        endpoint.save(update_fields=["autoscale_state", "desired_replicas", "stop_requested_at", "reason"])
+        _replicas(endpoint, stopping)
+        _state(endpoint, stopping)
+        return endpoint.state
+
+
+def endpoints_reconcile_run() -> dict[str, int]:
+    """One pass over every endpoint not stopped; one failing never blocks the rest."""
+    backend = get_backend()
+    outcomes: dict[str, int] = {}
+    for endpoint_id in InferenceEndpoint.objects.exclude(state=EndpointState.STOPPED).values_list("id", flat=True):
+        try:
+            outcome = endpoint_reconcile(endpoint_id, backend)
+        except Exception:  # noqa: BLE001 - one endpoint's failure is logged, the others go on
+            logger.exception("Reconciling endpoint %s failed", endpoint_id)
+            outcome = "error"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return outcomes

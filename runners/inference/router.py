@@ -1,0 +1,186 @@
+"""The router: ``POST /serve/<tenant>/<endpoint>/v1/generate`` in the portal's own processes.
+
+It checks the caller (a member of the endpoint's tenant, by API token or session; anyone else
+gets 404, as for every tenant-owned object), picks the ready replica with the fewest outstanding
+tokens (prompt bytes plus max_tokens of the requests it has sent there and not yet had answered),
+and passes the request and the server's answer through unchanged: the server checks the body and
+names the bad field, sheds with 429 / 503 and ``Retry-After``, and answers within the deadline.
+
+An endpoint scaled to zero is woken by its first request: the request waits for a replica to be
+ready within its own deadline, or gets a 503 with ``Retry-After``. A replica that refuses the
+connection (it is draining and has closed its port) is skipped for the next one.
+
+The outstanding counts are per portal process: with several gunicorn workers each spreads its
+own requests, which evens out over many requests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from urllib.parse import urlsplit
+
+from django.http import HttpResponse, JsonResponse
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.parsers import BaseParser
+from rest_framework.views import APIView
+
+from runners.inference.models import EndpointState, InferenceEndpoint, Replica
+from runners.inference.services import kick_reconcile
+from runners.jobs.models import JobState
+from tenants.selectors import tenant_list
+
+# How often the router notes a request on the endpoint's row (the autoscaler's idle clock).
+NOTE_REQUEST_EVERY_S = 2.0
+# How often a request waiting for a cold start looks for a ready replica.
+COLD_START_POLL_S = 0.25
+# Headers of the server's answer passed through to the caller.
+PASSED_HEADERS = ("Retry-After", "X-Time-To-First-Token-Ms")
+MAX_BODY_BYTES = 64 * 1024
+
+_outstanding: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+class RawBody(BaseParser):
+    """Takes any body as bytes: the server behind checks it (and its content type) itself."""
+
+    media_type = "*/*"
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        return stream.read(MAX_BODY_BYTES + 1) if stream is not None else b""
+
+
+def _cost(body: bytes) -> tuple[int, float | None]:
+    """(tokens the request may cost, its deadline in ms if it gave one), read leniently: the server judges the body."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return 1, None
+    if not isinstance(data, dict):
+        return 1, None
+    prompt = data.get("prompt")
+    tokens = data.get("max_tokens")
+    deadline = data.get("deadline_ms")
+    cost = (len(prompt.encode()) if isinstance(prompt, str) else 0) + (tokens if isinstance(tokens, int) else 16)
+    return max(1, cost), float(deadline) if isinstance(deadline, (int, float)) and deadline > 0 else None
+
+
+def _ready_replicas(endpoint: InferenceEndpoint) -> list[tuple[int, str]]:
+    return list(
+        Replica.objects.filter(endpoint=endpoint, ready=True, retiring=False, job__state=JobState.RUNNING)
+        .exclude(address="").values_list("id", "address")
+    )
+
+
+def _note_request(endpoint: InferenceEndpoint) -> None:
+    now = timezone.now()
+    if endpoint.last_request_at is None or (now - endpoint.last_request_at).total_seconds() >= NOTE_REQUEST_EVERY_S:
+        InferenceEndpoint.objects.filter(id=endpoint.id).update(last_request_at=now)
+        if endpoint.desired_replicas == 0:
+            kick_reconcile()
+
+
+def _forward(address: str, body: bytes, content_type: str, timeout_s: float):
+    """(status, headers, body) from one replica; raises OSError when it cannot be reached."""
+    parts = urlsplit(address)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    try:
+        connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": content_type})
+        answer = connection.getresponse()
+        return answer.status, {name: answer.getheader(name) for name in PASSED_HEADERS}, answer.read()
+    finally:
+        connection.close()
+
+
+def _unavailable(detail: str, retry_after: int = 2) -> JsonResponse:
+    response = JsonResponse({"detail": detail}, status=503)
+    response["Retry-After"] = str(retry_after)
+    return response
+
+
+class GenerateView(APIView):
+    """Generate tokens from an endpoint: the body goes to one of its ready replicas as it is."""
+
+    parser_classes = [RawBody]
+    throttle_classes = []
+
+    @extend_schema(
+        operation_id="endpoint_generate",
+        request={"application/json": {"type": "object", "properties": {
+            "prompt": {"type": "string"}, "max_tokens": {"type": "integer"}, "deadline_ms": {"type": "number"}},
+            "required": ["prompt"]}},
+        responses={
+            200: OpenApiResponse(description='{"text", "tokens", "queue_ms", "compute_ms"}'),
+            400: OpenApiResponse(description="A bad field, named."),
+            404: OpenApiResponse(description="No such endpoint for this caller."),
+            429: OpenApiResponse(description="Over the queue limit, or the deadline cannot be met: Retry-After."),
+            503: OpenApiResponse(description="No replica ready (cold start past the deadline) or draining: Retry-After."),
+            504: OpenApiResponse(description="The deadline passed before the answer."),
+        },
+    )
+    def post(self, request, tenant: str, name: str):
+        endpoint = InferenceEndpoint.objects.filter(
+            tenant__in=tenant_list(user=request.user), tenant__slug=tenant, name=name,
+        ).exclude(state=EndpointState.STOPPED).first()
+        if endpoint is None:
+            return JsonResponse({"detail": "No such endpoint."}, status=404)
+        if endpoint.stop_requested_at is not None:
+            return _unavailable(f"Endpoint {endpoint.name} is stopping.", retry_after=30)
+        body = request.body
+        if len(body) > MAX_BODY_BYTES:
+            return JsonResponse({"prompt": [f"The body is over {MAX_BODY_BYTES} bytes."]}, status=413)
+        _note_request(endpoint)
+        cost, deadline_ms = _cost(body)
+        deadline_ms = deadline_ms or float(endpoint.spec["default_deadline_ms"])
+        give_up_at = time.monotonic() + deadline_ms / 1000.0
+        content_type = request.META.get("CONTENT_TYPE", "")
+        tried: set[int] = set()
+        while True:
+            choices = [(rid, address) for rid, address in _ready_replicas(endpoint) if rid not in tried]
+            if not choices:
+                if tried:
+                    return _unavailable("Every ready replica is draining or refused the connection; try again.")
+                if time.monotonic() + COLD_START_POLL_S >= give_up_at:
+                    starting = endpoint.desired_replicas == 0 or endpoint.state != EndpointState.READY
+                    return _unavailable(
+                        "No replica is ready yet (starting); try again." if starting else "No replica is ready.",
+                        retry_after=5,
+                    )
+                if endpoint.desired_replicas == 0:
+                    InferenceEndpoint.objects.filter(id=endpoint.id).update(last_request_at=timezone.now())
+                    kick_reconcile()
+                time.sleep(COLD_START_POLL_S)
+                endpoint.refresh_from_db(fields=["desired_replicas", "state"])
+                continue
+            with _lock:
+                replica_id, address = min(choices, key=lambda choice: (_outstanding.get(choice[0], 0), choice[0]))
+                _outstanding[replica_id] = _outstanding.get(replica_id, 0) + cost
+            try:
+                left_s = max(0.1, give_up_at - time.monotonic())
+                status, headers, answer = _forward(address, body, content_type, timeout_s=left_s + 5.0)
+            except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
+                tried.add(replica_id)
+                continue
+            except OSError as exc:
+                return JsonResponse({"detail": f"The replica did not answer in time: {exc}."}, status=504)
+            finally:
+                with _lock:
+                    left = _outstanding.get(replica_id, 0) - cost
+                    if left > 0:
+                        _outstanding[replica_id] = left
+                    else:
+                        _outstanding.pop(replica_id, None)
+            if status == 503 and len(choices) > 1:
+                tried.add(replica_id)  # draining (told to stop since it was chosen): the next one answers
+                continue
+            response = HttpResponse(answer, status=status, content_type="application/json")
+            for header, value in headers.items():
+                if value is not None:
+                    response[header] = value
+            response["X-Portal-Replica"] = str(replica_id)
+            return response
+

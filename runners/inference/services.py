@@ -1,0 +1,363 @@
+"""Inference endpoints: the spec check, deploy, scale, rollout and stop.
+
+An endpoint's replicas are jobs of kind "serving" (one replica each), so the scheduler cycle admits,
+places, preempts and counts them exactly as it does training gangs: a replica in a slot below
+``min_replicas`` is not preemptible and is admitted only within the tenant's guarantee; the rest
+borrow and can be reclaimed, which stops them with SIGTERM, and the server drains on SIGTERM.
+Nothing here calls the cluster: the reconcile (``runners.inference.reconcile``) reads the replicas,
+and the jobs' own launch, stop and reconcile do the rest.
+"""
+
+from __future__ import annotations
+
+import re
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from common.errors import Conflict, Invalid
+from quotas.models import PartitionKind, Quota, ResourceFlavor
+from runners.environments.models import Environment, EnvironmentState
+from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
+from runners.jobs import services as jobs
+from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobEvent, JobState
+from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
+from tenants.models import Role, Tenant
+from tenants.selectors import tenant_list
+from tenants.services import require_role
+
+NAME_MAX = 30  # replica jobs are named <endpoint>-g<generation>-r<slot>, within the jobs' 40
+NAME_PATTERN = rf"[a-z0-9]([-a-z0-9]{{0,{NAME_MAX - 2}}}[a-z0-9])?"
+# Whole-number fields: (low, high, default). The API's schema is generated from this table.
+BOUNDS = {
+    "gpus_per_replica": (1, 64, 1),
+    "min_replicas": (0, 16, 1),
+    "max_replicas": (1, 16, 1),
+    "warm_replicas": (0, 16, 0),
+    "queue_limit": (1, 4096, 64),
+    "batch_token_budget": (64, 262_144, 16_384),
+    "max_batch_wait_ms": (0, 1000, 5),
+    "default_deadline_ms": (100, 120_000, 10_000),
+}
+REQUIRED = ("tenant", "environment", "name", "source", "flavor")
+FIELDS = (*REQUIRED, *BOUNDS)
+SOURCE_FIELDS = ("job", "step", "image")
+# What every replica asks for besides its GPUs: the portal's choice (the server needs no more).
+REPLICA_CPU_MILLI = 1000
+REPLICA_MEMORY_MIB = max(TRAINER_MIN_MEMORY_MIB, 2048)
+# A replica job's retries before the endpoint counts it as failed.
+REPLICA_MAX_RETRIES = 3
+
+
+def max_deadline_ms() -> int:
+    """The longest deadline a request may carry: a drain (at most the grace period) must be able to answer it."""
+    return int(min(120_000, max(1000, (settings.PREEMPTION_GRACE_PERIOD_S - 2) * 1000)))
+
+
+def _whole(data: dict, field: str, low: int, high: int) -> int:
+    value = data[field]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(field, f"Must be a whole number, got {value!r}.")
+    if not low <= value <= high:
+        raise Invalid(field, f"Must be between {low} and {high}, got {value}.")
+    return value
+
+
+def _source(value, tenant: Tenant) -> dict:
+    """{"job": id[, "step": n]}: a checkpoint of one of the tenant's training jobs; or {"image": ...} (Kubernetes)."""
+    if not isinstance(value, dict) or not value:
+        raise Invalid("source", 'Give {"job": <id>} (optionally with "step") or {"image": "<reference>"}.')
+    unknown = sorted(set(value) - set(SOURCE_FIELDS))
+    if unknown:
+        raise Invalid(f"source.{unknown[0]}", "Unknown field.")
+    if "image" in value:
+        if len(value) > 1:
+            raise Invalid("source", "An image source takes no job or step.")
+        if settings.CLUSTER_BACKEND != "kubernetes":
+            raise Invalid("source.image", "Custom images run on the Kubernetes backend only; serve a job's checkpoint.")
+        image, _ = jobs._image(value["image"], ["serve"])
+        return {"image": image}
+    job_id = value.get("job")
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or not 0 < job_id < 2**31:
+        raise Invalid("source.job", "A training job's id.")
+    job = Job.objects.filter(id=job_id, tenant=tenant, kind=Job.Kind.TRAINING).first()
+    if job is None:
+        raise Invalid("source.job", f"Tenant {tenant.slug} has no training job {job_id}.")
+    if job.spec.get("template") != "pytorch-ddp":
+        raise Invalid("source.job", "Only checkpoints of the shipped trainer (template pytorch-ddp) can be served.")
+    checkpoints = Checkpoint.objects.filter(job=job).newest_first()
+    if "step" in value:
+        step = value["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise Invalid("source.step", "A checkpoint's step.")
+        checkpoints = checkpoints.filter(step=step)
+    checkpoint = checkpoints.first()
+    if checkpoint is None:
+        where = f" at step {value['step']}" if "step" in value else ""
+        raise Invalid("source.job" if "step" not in value else "source.step",
+                      f"Job {job.name} has no checkpoint{where} yet; serve it once it has written one.")
+    return {"job": job.id, "step": checkpoint.step, "uri": checkpoint.uri}
+
+
+def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
+    """The endpoint as asked for, checked field by field; Invalid names the first bad field.
+
+    Exactly the documented shape: any other field is refused by name, never ignored.
+    """
+    if not isinstance(data, dict):
+        raise Invalid("non_field_errors", "An endpoint is a JSON object.")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise Invalid(unknown[0], "Unknown field.")
+    for field in REQUIRED:
+        if data.get(field) in (None, ""):
+            raise Invalid(field, "This field is required.")
+    spec = {**{field: default for field, (_, _, default) in BOUNDS.items()}, **data}
+    tenant = None
+    if isinstance(spec["tenant"], str):
+        tenant = tenant_list(user=actor).filter(slug=spec["tenant"]).first()
+    if tenant is None:
+        raise Invalid("tenant", "No such tenant.")
+    require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
+    if isinstance(spec["environment"], bool) or not isinstance(spec["environment"], int) or not (
+        0 < spec["environment"] < 2**31
+    ):
+        raise Invalid("environment", "An environment id.")
+    environment = Environment.objects.filter(id=spec["environment"], tenant=tenant).first()
+    if environment is None:
+        raise Invalid("environment", f"Tenant {tenant.slug} has no environment {spec['environment']}.")
+    if environment.state != EnvironmentState.READY:
+        raise Invalid("environment", f"Environment {environment.name} is {environment.state}, not ready.")
+    if not isinstance(spec["name"], str) or not re.fullmatch(NAME_PATTERN, spec["name"]):
+        raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
+    spec["source"] = _source(spec["source"], tenant)
+    flavor = ResourceFlavor.objects.filter(name=spec["flavor"]).first() if isinstance(spec["flavor"], str) else None
+    quota = Quota.objects.filter(tenant=tenant, flavor=flavor).first() if flavor else None
+    if quota is None:
+        raise Invalid("flavor", f"Tenant {tenant.slug} has no quota for flavor {spec['flavor']!r}.")
+    sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
+    for field, (low, high, _) in BOUNDS.items():
+        if field == "gpus_per_replica" and sliced:
+            high = 1
+        if field == "default_deadline_ms":
+            high = min(high, max_deadline_ms())
+        _whole(spec, field, low, high)
+    if spec["max_replicas"] < max(1, spec["min_replicas"]):
+        raise Invalid("max_replicas", f"At least min_replicas ({spec['min_replicas']}) and at least 1.")
+    if spec["warm_replicas"] > spec["max_replicas"]:
+        raise Invalid("warm_replicas", f"At most max_replicas ({spec['max_replicas']}).")
+    units = spec["gpus_per_replica"]
+    if spec["min_replicas"] * units > quota.guaranteed:
+        raise Invalid(
+            "min_replicas",
+            f"Replicas up to min_replicas are never preempted, so they must fit the guarantee: {spec['min_replicas']} x "
+            f"{units} units of {flavor.name} is past tenant {tenant.slug}'s guarantee of {quota.guaranteed}.",
+        )
+    if spec["max_replicas"] * units > quota.max:
+        raise Invalid(
+            "max_replicas",
+            f"{spec['max_replicas']} x {units} units of {flavor.name} is past tenant {tenant.slug}'s max of {quota.max}.",
+        )
+    jobs._fits_the_cluster(
+        {"replicas": 1, "gpus_per_replica": units, "topology": {"level": "none", "mode": "preferred"}}, flavor
+    )
+    return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor}
+
+
+def _checkpoint_fields(source: dict) -> dict:
+    if "job" in source:
+        return {"source_job_id": source["job"], "checkpoint_uri": source["uri"], "checkpoint_step": source["step"]}
+    return {"source_job_id": None, "checkpoint_uri": "", "checkpoint_step": None}
+
+
+def endpoint_deploy(*, actor: AbstractBaseUser, data) -> InferenceEndpoint:
+    """Check and record an endpoint; the reconcile starts its replicas (kicked after commit)."""
+    checked = endpoint_spec_check(actor=actor, data=data)
+    spec = checked["spec"]
+    try:
+        with transaction.atomic():
+            environment = Environment.objects.select_for_update(of=("self",)).filter(
+                id=checked["environment"].id).order_by("id").first()
+            if environment is None or environment.state != EnvironmentState.READY:
+                raise Invalid("environment", f"Environment {checked['environment'].name} is no longer ready.")
+            desired = max(spec["min_replicas"], min(spec["max_replicas"], 1 + spec["warm_replicas"]))
+            endpoint = InferenceEndpoint.objects.create(
+                tenant=checked["tenant"], environment=environment, name=spec["name"], spec=spec,
+                flavor=checked["flavor"], gpus_per_replica=spec["gpus_per_replica"],
+                min_replicas=spec["min_replicas"], max_replicas=spec["max_replicas"],
+                warm_replicas=spec["warm_replicas"], desired_replicas=desired, created_by=actor,
+                reason="Starting its replicas.", last_request_at=timezone.now(), **_checkpoint_fields(spec["source"]),
+            )
+            ScaleEvent.objects.create(endpoint=endpoint, from_replicas=0, to_replicas=desired,
+                                      reason=f"Deployed by {actor.get_username()}.")
+            transaction.on_commit(kick_reconcile)
+    except IntegrityError:
+        raise Invalid("name", f"Tenant {checked['tenant'].slug} already has a live endpoint {spec['name']}.") from None
+    return endpoint
+
+
+def _locked(endpoint: InferenceEndpoint) -> InferenceEndpoint:
+    return InferenceEndpoint.objects.select_for_update(of=("self",)).get(id=endpoint.id)
+
+
+def endpoint_scale(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data) -> InferenceEndpoint:
+    """Change min, max and warm replicas (any of them); the autoscaler moves within the new bounds."""
+    require_role(user=actor, tenant=endpoint.tenant, at_least=Role.MEMBER)
+    if not isinstance(data, dict):
+        raise Invalid("non_field_errors", "A JSON object with any of min_replicas, max_replicas, warm_replicas.")
+    allowed = ("min_replicas", "max_replicas", "warm_replicas")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise Invalid(unknown[0], "Unknown field; scale takes min_replicas, max_replicas and warm_replicas.")
+    if not data:
+        raise Invalid("non_field_errors", "Give at least one of min_replicas, max_replicas, warm_replicas.")
+    with transaction.atomic():
+        endpoint = _locked(endpoint)
+        if endpoint.stop_requested_at is not None:
+            raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
+        values = {field: data.get(field, getattr(endpoint, field)) for field in allowed}
+        for field in allowed:
+            low, high, _ = BOUNDS[field]
+            _whole(values, field, low, high)
+        if values["max_replicas"] < max(1, values["min_replicas"]):
+            raise Invalid("max_replicas", f"At least min_replicas ({values['min_replicas']}) and at least 1.")
+        if values["warm_replicas"] > values["max_replicas"]:
+            raise Invalid("warm_replicas", f"At most max_replicas ({values['max_replicas']}).")
+        quota = Quota.objects.get(tenant=endpoint.tenant, flavor=endpoint.flavor)
+        if values["min_replicas"] * endpoint.gpus_per_replica > quota.guaranteed:
+            raise Invalid("min_replicas", f"Past tenant {endpoint.tenant.slug}'s guarantee of {quota.guaranteed} units "
+                                          f"of {endpoint.flavor.name}.")
+        if values["max_replicas"] * endpoint.gpus_per_replica > quota.max:
+            raise Invalid("max_replicas", f"Past tenant {endpoint.tenant.slug}'s max of {quota.max} units "
+                                          f"of {endpoint.flavor.name}.")
+        before = endpoint.desired_replicas
+        for field, value in values.items():
+            setattr(endpoint, field, value)
+            endpoint.spec[field] = value
+        endpoint.desired_replicas = max(endpoint.min_replicas, min(endpoint.max_replicas, before))
+        endpoint.save(update_fields=[*allowed, "spec", "desired_replicas"])
+        ScaleEvent.objects.create(
+            endpoint=endpoint, from_replicas=before, to_replicas=endpoint.desired_replicas,
+            reason=f"{actor.get_username()} set min {values['min_replicas']}, max {values['max_replicas']}, "
+                   f"warm {values['warm_replicas']}.",
+        )
+        # A replica's preemptibility follows its slot: the reconcile replaces replicas whose slot changed side.
+        transaction.on_commit(kick_reconcile)
+    return endpoint
+
+
+def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data) -> InferenceEndpoint:
+    """Serve another checkpoint: a new generation, replacing the replicas one at a time, none dropped."""
+    require_role(user=actor, tenant=endpoint.tenant, at_least=Role.MEMBER)
+    if not isinstance(data, dict) or "source" not in data:
+        raise Invalid("source", 'Give the checkpoint to roll out to: {"source": {"job": <id>, "step": <n>}}.')
+    unknown = sorted(set(data) - {"source"})
+    if unknown:
+        raise Invalid(unknown[0], "Unknown field; rollout takes source only.")
+    source = _source(data["source"], endpoint.tenant)
+    with transaction.atomic():
+        endpoint = _locked(endpoint)
+        if endpoint.stop_requested_at is not None:
+            raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
+        endpoint.spec["source"] = source
+        for field, value in _checkpoint_fields(source).items():
+            setattr(endpoint, field, value)
+        endpoint.generation += 1
+        endpoint.save(update_fields=["spec", "source_job", "checkpoint_uri", "checkpoint_step", "generation"])
+        what = f"job {source['job']} step {source['step']}" if "job" in source else source["image"]
+        ScaleEvent.objects.create(
+            endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=endpoint.desired_replicas,
+            reason=f"Rollout to {what} (generation {endpoint.generation}) by {actor.get_username()}: "
+                   f"replicas are replaced one at a time.",
+        )
+        transaction.on_commit(kick_reconcile)
+    return endpoint
+
+
+def endpoint_stop(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint) -> InferenceEndpoint:
+    """Stop serving: every replica drains (answers what it admitted) and ends; the endpoint then reads stopped."""
+    require_role(user=actor, tenant=endpoint.tenant, at_least=Role.MEMBER)
+    with transaction.atomic():
+        endpoint = _locked(endpoint)
+        if endpoint.stop_requested_at is None:
+            endpoint.stop_requested_at = timezone.now()
+            ScaleEvent.objects.create(endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=0,
+                                      reason=f"Stopped by {actor.get_username()}.")
+            endpoint.desired_replicas = 0
+            set_state(endpoint, EndpointState.DRAINING, f"Stopped by {actor.get_username()}: draining its replicas.")
+            endpoint.save(update_fields=["stop_requested_at", "desired_replicas"])
+            transaction.on_commit(kick_reconcile)
+    return endpoint
+
+
+def set_state(endpoint: InferenceEndpoint, state: str, reason: str) -> None:
+    """Write the endpoint's state and reason (the caller holds its row)."""
+    if endpoint.state == state and endpoint.reason == reason:
+        return
+    fields = {"state": state, "reason": reason[:1000]}
+    if endpoint.state != state:
+        fields["state_changed_at"] = timezone.now()
+    InferenceEndpoint.objects.filter(id=endpoint.id).update(**fields)
+    for name, value in fields.items():
+        setattr(endpoint, name, value)
+
+
+def kick_reconcile() -> None:
+    """Ask for an endpoint reconcile soon; the beat runs one anyway."""
+    from common.dispatch import send_task_at_most_every
+
+    send_task_at_most_every(1, "runners.tasks.endpoints_reconcile", timezone.now().timestamp())
+
+
+# --- Replicas: one serving job each -----------------------------------------------------
+
+
+def replica_job_spec(endpoint: InferenceEndpoint, slot: int) -> dict:
+    """The spec of one replica's job, built here from the endpoint's validated spec only."""
+    spec = endpoint.spec
+    source = spec["source"]
+    return {
+        "tenant": endpoint.tenant.slug, "environment": endpoint.environment_id,
+        "name": f"{endpoint.name}-g{endpoint.generation}-r{slot}", "template": "serve", "replicas": 1,
+        "flavor": endpoint.flavor.name, "gpus_per_replica": endpoint.gpus_per_replica,
+        "cpu_milli_per_replica": REPLICA_CPU_MILLI, "memory_mib_per_replica": REPLICA_MEMORY_MIB,
+        "topology": {"level": "none", "mode": "preferred"}, "priority": 0,
+        "preemptible": slot >= endpoint.min_replicas, "steps": 1, "checkpoint_every_steps": 0,
+        "max_runtime_s": jobs.MAX_RUNTIME_S, "max_retries": REPLICA_MAX_RETRIES, "env": {}, "hyperparameters": {},
+        "image": source.get("image"), "command": None,
+        "serving": {
+            "endpoint_id": endpoint.id, "checkpoint": endpoint.checkpoint_uri, "source_job_id": source.get("job"),
+            "queue_limit": spec["queue_limit"], "batch_token_budget": spec["batch_token_budget"],
+            "max_batch_wait_ms": spec["max_batch_wait_ms"], "default_deadline_ms": spec["default_deadline_ms"],
+            "max_deadline_ms": max_deadline_ms(), "image": source.get("image"),
+        },
+    }
+
+
+def replica_start(endpoint: InferenceEndpoint, slot: int, reason: str) -> Replica:
+    """Queue one replica's job (the caller holds the endpoint's row); the cycle is kicked after commit."""
+    spec = replica_job_spec(endpoint, slot)
+    job = Job.objects.create(
+        tenant=endpoint.tenant, environment=endpoint.environment, name=spec["name"], kind=Job.Kind.SERVING,
+        spec=spec, flavor=endpoint.flavor, replicas=1, gpus_per_replica=endpoint.gpus_per_replica, priority=0,
+        preemptible=spec["preemptible"], submitted_by=endpoint.created_by, reason="Waiting for the scheduler.",
+    )
+    JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Replica of endpoint {endpoint.name}: {reason}")
+    transaction.on_commit(jobs.kick_cycle)
+    return Replica.objects.create(endpoint=endpoint, job=job, slot=slot, generation=endpoint.generation)
+
+
+def replica_retire(replica: Replica, reason: str) -> None:
+    """Drain and stop one replica (the caller holds the endpoint's row): its job is cancelled with the grace period,
+    and the server answers everything it admitted before it exits."""
+    job = Job.objects.select_for_update(of=("self",)).get(id=replica.job_id)
+    Replica.objects.filter(id=replica.id).update(retiring=True, ready=False)
+    replica.retiring, replica.ready = True, False
+    if job.state in JOB_FINAL_STATES:
+        return
+    jobs.job_cancel_locked(job, reason, final_is_conflict=False)
+    if job.state == JobState.CANCELLING:
+        transaction.on_commit(lambda: jobs.send_job_stop(job.id))
+    transaction.on_commit(jobs.kick_cycle)

@@ -1,0 +1,108 @@
+"""Inference endpoints end to end on the local backend: a tenant's checkpoint deployed, its replicas
+scheduled as serving jobs and run as real server processes, requests through the router."""
+
+import json
+import threading
+
+import pytest
+
+from runners.inference.models import EndpointState, InferenceEndpoint, ScaleEvent
+from runners.jobs.models import Job
+from tests.support.endpoints import drive, ready_count, trained_job
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def world(settings, tenant, other_tenant, owner, outsider, tmp_path):
+    settings.PREEMPTION_GRACE_PERIOD_S = 20
+    settings.ENDPOINT_SCALE_IN_AFTER_S = 2
+    flavors = demo_cluster_with_flavors()
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=2, max=4)
+    give_quota(other_tenant, flavors["h100-80gb"], guaranteed=2, max=4)
+    environment = ready_environment(actor=owner, tenant=tenant)
+    job = trained_job(actor=owner, environment=environment, tmp_path=tmp_path)
+    return {"environment": environment, "job": job, "other": ready_environment(actor=outsider, tenant=other_tenant)}
+
+
+def endpoint_data(world, **overrides) -> dict:
+    data = {"tenant": world["environment"].tenant.slug, "environment": world["environment"].id, "name": "chat",
+            "source": {"job": world["job"].id}, "flavor": "h100-80gb", "gpus_per_replica": 1, "min_replicas": 1,
+            "max_replicas": 2, "warm_replicas": 0, "queue_limit": 64, "batch_token_budget": 4096,
+            "max_batch_wait_ms": 5, "default_deadline_ms": 10000}
+    data.update(overrides)
+    return data
+
+
+def generate(client, endpoint, body, **extra):
+    answer = client.post(f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate", data=json.dumps(body),
+                         content_type="application/json", **extra)
+    return answer.status_code, answer.json() if answer.content else None
+
+
+def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_drain(world, client_for, owner, outsider):
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(world), format="json")
+    assert created.status_code == 201, created.json()
+    assert created.json()["url"].endswith("/serve/acme/chat")
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY)
+    replica = endpoint.replicas.get()
+    assert replica.job.kind == Job.Kind.SERVING and replica.job.preemptible is False  # slot 0 < min_replicas
+
+    status, answer = generate(client, endpoint, {"prompt": "hello", "max_tokens": 8})
+    assert status == 200, answer
+    assert answer["tokens"] == 8 and len(answer["text"]) >= 1 and answer["queue_ms"] >= 0
+
+    # The server's own checks come through the router, naming the field; another tenant gets 404.
+    status, answer = generate(client, endpoint, {"prompt": "", "max_tokens": 8})
+    assert status == 400 and "prompt" in answer
+    status, answer = generate(client, endpoint, {"prompt": "hi", "max_tokens": 8, "deadline_ms": -5})
+    assert status == 400 and "deadline_ms" in answer
+    assert generate(client_for(outsider), endpoint, {"prompt": "hello", "max_tokens": 8})[0] == 404
+    assert client_for(outsider).get(f"/api/v1/endpoints/{endpoint.id}/").status_code == 404
+    detail = client.get(f"/api/v1/endpoints/{endpoint.id}/").json()
+    assert detail["state"] == "ready" and detail["replicas"][0]["ready"] and detail["replicas"][0]["node"]
+
+    assert client.post(f"/api/v1/endpoints/{endpoint.id}/stop/").status_code == 202
+    endpoint = drive(endpoint, lambda e: e.state == EndpointState.STOPPED)
+    assert endpoint.replicas.get().job.state == "cancelled"
+    assert ScaleEvent.objects.filter(endpoint=endpoint, to_replicas=0).exists()
+
+
+def _load(client, endpoint, stop: threading.Event, results: list):
+    while not stop.is_set():
+        results.append(generate(client, endpoint, {"prompt": "the same system prompt, then a question",
+                                                   "max_tokens": 24, "deadline_ms": 15000}))
+
+
+def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_for, owner, tmp_path):
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=1, max_replicas=2), format="json")
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    assert client.post(f"/api/v1/endpoints/{endpoint.id}/scale/", {"min_replicas": 2}, format="json").status_code == 202
+    endpoint = drive(endpoint, lambda e: ready_count(e) == 2 and e.state == EndpointState.READY)
+
+    stop, results = threading.Event(), []
+    loaders = [threading.Thread(target=_load, args=(client_for(owner), endpoint, stop, results)) for _ in range(3)]
+    for thread in loaders:
+        thread.start()
+    try:
+        newer = trained_job(actor=owner, environment=world["environment"], tmp_path=tmp_path, name="newer", seed=1)
+        answer = client.post(f"/api/v1/endpoints/{endpoint.id}/rollout/", {"source": {"job": newer.id}}, format="json")
+        assert answer.status_code == 202, answer.json()
+        endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY and e.generation == 2
+                         and all(r.generation == 2 for r in e.replicas.filter(retiring=False)), timeout_s=150)
+        # Never fewer than the wanted number ready during the rollout: each old one went only once a new one was up.
+        assert endpoint.replicas.filter(generation=1, job__state="cancelled").count() == 2
+        assert client.post(f"/api/v1/endpoints/{endpoint.id}/scale/", {"min_replicas": 1, "max_replicas": 1},
+                           format="json").status_code == 202
+        endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY and ready_count(e) == 1, timeout_s=90)
+    finally:
+        stop.set()
+        for thread in loaders:
+            thread.join(60)
+    statuses = [status for status, _ in results]
+    assert len(statuses) > 20
+    assert set(statuses) == {200}, [r for r in results if r[0] != 200][:5]
