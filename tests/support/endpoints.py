@@ -17,7 +17,7 @@ from tests.support.jobs import job_data
 
 def trained_job(*, actor, environment, tmp_path, name="trained", seed=0, step=10) -> Job:
     """A training job of the tenant with one checkpoint recorded: the shipped model's, written by the
-    trainer's own save (weights from a seed, so two seeds serve different text)."""
+    trainer's own save (weights from a seed, so two seeds serve different text); the job itself is over."""
     job = jobs.job_submit(actor=actor, data=job_data(
         environment, name=name, replicas=1, topology={"level": "none"}, steps=step, checkpoint_every_steps=step))
     torch.manual_seed(seed)
@@ -26,6 +26,9 @@ def trained_job(*, actor, environment, tmp_path, name="trained", seed=0, step=10
                            world_size=1, attempt=0,
                            alphabet=bytes(range(32, 127)) + b"\n")
     Checkpoint.objects.create(job=job, step=step, uri=str(path), bytes=path.stat().st_size, created_at=timezone.now())
+    # Done training (cancelled before it ever ran): its checkpoint stays servable and it holds no GPU.
+    jobs.job_cancel(actor=actor, job=job)
+    job.refresh_from_db()
     return job
 
 
