@@ -69,6 +69,21 @@ def _cost(body: bytes) -> tuple[int, float | None]:
     return max(1, cost), float(deadline) if isinstance(deadline, (int, float)) and deadline > 0 else None
 
 
+def _with_deadline(body: bytes, left_ms: float) -> bytes | None:
+    """The body with deadline_ms set to what is left of the caller's deadline after waiting for a cold start
+    (the server counts a deadline from when the request reaches it); None when nothing is left."""
+    if left_ms < 1:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body  # the server names what is wrong with it
+    if not isinstance(data, dict):
+        return body
+    data["deadline_ms"] = round(left_ms, 1)
+    return json.dumps(data).encode()
+
+
 def _ready_replicas(endpoint: InferenceEndpoint) -> list[tuple[int, str]]:
     return list(
         Replica.objects.filter(endpoint=endpoint, ready=True, retiring=False, job__state=JobState.RUNNING)
@@ -139,6 +154,7 @@ class GenerateView(APIView):
         give_up_at = time.monotonic() + deadline_ms / 1000.0
         content_type = request.META.get("CONTENT_TYPE", "")
         tried: set[int] = set()
+        waited = False
         while True:
             choices = [(rid, address) for rid, address in _ready_replicas(endpoint) if rid not in tried]
             if not choices:
@@ -154,8 +170,14 @@ class GenerateView(APIView):
                     InferenceEndpoint.objects.filter(id=endpoint.id).update(last_request_at=timezone.now())
                     kick_reconcile()
                 time.sleep(COLD_START_POLL_S)
+                waited = True
                 endpoint.refresh_from_db(fields=["desired_replicas", "state"])
                 continue
+            if waited:
+                body = _with_deadline(body, (give_up_at - time.monotonic()) * 1000.0)
+                waited = False
+                if body is None:
+                    return _unavailable("The cold start took the whole deadline; try again.", retry_after=1)
             with _lock:
                 replica_id, address = min(choices, key=lambda choice: (_outstanding.get(choice[0], 0), choice[0]))
                 _outstanding[replica_id] = _outstanding.get(replica_id, 0) + cost

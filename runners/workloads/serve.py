@@ -951,6 +951,11 @@ async def serve_async(args: argparse.Namespace, engine: EngineClient) -> int:
             engine.draining = True  # readiness false and nothing new admitted, at once
             engine.send(("drain",))
             stop.set()
+        # Asked again (a stop is repeated until the replica is gone) it must not die mid-drain or mid-exit:
+        # from now on the signals are ignored, also once the loop closes (which would restore the default).
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal)

@@ -5,11 +5,12 @@ import json
 import threading
 
 import pytest
+from django.db import connection
 
 from runners.inference.models import EndpointState, InferenceEndpoint, ScaleEvent
 from runners.jobs.models import Job
 from tests.support.endpoints import drive, ready_count, trained_job
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -72,9 +73,12 @@ def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_d
 
 
 def _load(client, endpoint, stop: threading.Event, results: list):
-    while not stop.is_set():
-        results.append(generate(client, endpoint, {"prompt": "the same system prompt, then a question",
-                                                   "max_tokens": 24, "deadline_ms": 15000}))
+    try:
+        while not stop.is_set():
+            results.append(generate(client, endpoint, {"prompt": "the same system prompt, then a question",
+                                                       "max_tokens": 24, "deadline_ms": 15000}))
+    finally:
+        connection.close()  # this thread's own database connection
 
 
 def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_for, owner, tmp_path):
@@ -106,3 +110,72 @@ def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_
     statuses = [status for status, _ in results]
     assert len(statuses) > 20
     assert set(statuses) == {200}, [r for r in results if r[0] != 200][:5]
+
+
+def test_scaled_to_zero_the_first_request_waits_for_a_cold_start_within_its_deadline(world, client_for, owner, settings):
+    settings.ENDPOINT_IDLE_AFTER_S = 1
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=0, max_replicas=1), format="json")
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY and ready_count(e) == 1)
+    endpoint = drive(endpoint, lambda e: e.desired_replicas == 0 and e.state == EndpointState.READY
+                     and not e.replicas.exclude(job__state__in=["cancelled", "succeeded", "failed"]).exists())
+    assert "Scale in: no request" in endpoint.scale_events.first().reason
+
+    # Too short a deadline for a cold start: a 503 with Retry-After at once, never a hang.
+    answer = client.post("/serve/acme/chat/v1/generate", data=json.dumps({"prompt": "hi", "max_tokens": 4,
+                         "deadline_ms": 300}), content_type="application/json")
+    assert answer.status_code == 503 and int(answer["Retry-After"]) > 0
+
+    results = []
+    def first_request():
+        try:
+            results.append(generate(client_for(owner), endpoint, {"prompt": "hello", "max_tokens": 4,
+                                                                  "deadline_ms": 15000}))
+        finally:
+            connection.close()
+
+    waiting = threading.Thread(target=first_request)
+    waiting.start()
+    drive(endpoint, lambda e: not waiting.is_alive(), timeout_s=70)
+    assert results[0][0] == 200, results
+    assert "a request arrived while scaled to zero" in endpoint.scale_events.filter(to_replicas=1).first().reason
+
+
+def test_a_borrowed_replica_reclaimed_for_another_tenants_guarantee_drains_before_it_stops(
+        world, client_for, owner, outsider, other_tenant, tenant):
+    flavor = "a100-40gb-mig-3g.20gb"  # 4 slices in the demo cluster
+    from quotas.models import ResourceFlavor
+
+    a100 = ResourceFlavor.objects.get(name=flavor)
+    give_quota(tenant, a100, guaranteed=0, max=4)
+    give_quota(other_tenant, a100, guaranteed=4, max=4)
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(
+        world, flavor=flavor, min_replicas=0, max_replicas=3, warm_replicas=2), 
+        format="json")
+    assert created.status_code == 201, created.json()
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    endpoint = drive(endpoint, lambda e: ready_count(e) == 3, timeout_s=150)  # every one borrowed: no guarantee
+
+    stop, results = threading.Event(), []
+    loaders = [threading.Thread(target=_load, args=(client_for(owner), endpoint, stop, results)) for _ in range(3)]
+    for thread in loaders:
+        thread.start()
+    try:
+        from runners.jobs import services as jobs
+
+        theirs = jobs.job_submit(actor=outsider, data=job_data(
+            world["other"], name="claim", replicas=2, flavor=flavor, topology={"level": "none"}, steps=5, checkpoint_every_steps=5))
+        drive(endpoint, lambda e: Job.objects.get(id=theirs.id).state != "queued"
+              and e.replicas.filter(job__attempts__outcome="preempted").exists(), timeout_s=90)
+    finally:
+        stop.set()
+        for thread in loaders:
+            thread.join(60)
+    victim = endpoint.replicas.filter(job__attempts__outcome="preempted").first()
+    attempt = victim.job.attempts.get(outcome="preempted")
+    assert attempt.exit_code == 0, (attempt.reason, attempt.exit_code)  # drained and exited, not killed
+    assert victim.job.preemptible and victim.job.state == "queued"  # it waits for room again
+    statuses = [status for status, _ in results]
+    assert len(statuses) > 10 and set(statuses) == {200}, [r for r in results if r[0] != 200][:5]

@@ -336,6 +336,8 @@ def test_sigterm_under_load_answers_every_admitted_request_then_exits_0(tmp_path
         assert ready[0] == 503 and json.loads(ready[2])["draining"] is True
         status, headers, answer = server.generate({"prompt": "late", "max_tokens": 4})
         assert status == 503 and int(headers["Retry-After"]) >= 1
+        # The portal repeats a stop until the replica is gone: a second SIGTERM must not cut the drain short.
+        server.proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
         assert server.proc.wait(60) == 0
