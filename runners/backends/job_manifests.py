@@ -54,7 +54,8 @@ def job_name(launch: JobLaunch) -> str:
     return f"job-{launch.job_id}-{launch.attempt}"
 
 
-def _labels(launch: JobLaunch) -> dict[str, str]:
+def attempt_labels(launch: JobLaunch) -> dict[str, str]:
+    """What every object of an attempt is labelled with: the portal's, the tenant's, the job's and the attempt's."""
     return {
         MANAGED_BY_LABEL: MANAGED_BY,
         TENANT_LABEL: launch.tenant_slug,
@@ -88,7 +89,7 @@ def rendezvous_service_manifest(launch: JobLaunch) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": launch.namespace, "labels": _labels(launch)},
+        "metadata": {"name": name, "namespace": launch.namespace, "labels": attempt_labels(launch)},
         "spec": {
             "clusterIP": "None",
             # Pods resolve before they are ready: rank 0 must be reachable while the others start.
@@ -138,18 +139,45 @@ def _env(launch: JobLaunch) -> list[dict]:
     return [{"name": key, "value": value} for key, value in launch.env] + fixed
 
 
+def replica_resources(launch: JobLaunch) -> dict[str, str]:
+    """One replica's CPU, memory and GPU units: requests equal limits, since the portal placed it on exactly these."""
+    return {
+        "cpu": f"{launch.cpu_milli_per_replica}m",
+        "memory": f"{launch.memory_mib_per_replica}Mi",
+        launch.gpu_resource: str(launch.gpus_per_replica),
+    }
+
+
+# Every workload container of the portal's: what the namespace's "restricted" Pod Security level asks, and no more.
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": False,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def placement_annotation(launch: JobLaunch) -> dict[str, str]:
+    """Rank -> node, as the binder reads it from each pod (every pod carries the whole placement)."""
+    placement = {str(replica.rank): replica.node for replica in launch.replicas}
+    return {PLACEMENT_ANNOTATION: json.dumps(placement, sort_keys=True)}
+
+
 def training_job_manifest(
     launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400
 ) -> dict:
     """The indexed Job of one attempt, with every pod spec field set by the portal."""
     name = job_name(launch)
     replicas = len(launch.replicas)
-    placement = {str(replica.rank): replica.node for replica in launch.replicas}
-    resources = {
-        "cpu": f"{launch.cpu_milli_per_replica}m",
-        "memory": f"{launch.memory_mib_per_replica}Mi",
-        launch.gpu_resource: str(launch.gpus_per_replica),
-    }
+    resources = replica_resources(launch)
     custom = launch.template == "custom"
     container = {
         "name": "trainer",
@@ -165,21 +193,15 @@ def training_job_manifest(
             {"name": CHECKPOINT_CLAIM, "mountPath": CHECKPOINT_MOUNT},
             {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
         ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-            "readOnlyRootFilesystem": False,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
     }
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": name, "namespace": launch.namespace, "labels": _labels(launch),
+            "name": name, "namespace": launch.namespace, "labels": attempt_labels(launch),
             # Which node each completion index goes to: what the binder reads.
-            "annotations": {PLACEMENT_ANNOTATION: json.dumps(placement, sort_keys=True)},
+            "annotations": placement_annotation(launch),
         },
         "spec": {
             "completionMode": "Indexed",
@@ -191,7 +213,7 @@ def training_job_manifest(
             "ttlSecondsAfterFinished": finished_ttl_s,
             "template": {
                 # Every pod carries the whole placement; the binder picks its own index's node.
-                "metadata": {"labels": _labels(launch), "annotations": {PLACEMENT_ANNOTATION: json.dumps(placement, sort_keys=True)}},
+                "metadata": {"labels": attempt_labels(launch), "annotations": placement_annotation(launch)},
                 "spec": {
                     "schedulerName": scheduler_name,
                     "restartPolicy": "Never",
@@ -199,13 +221,7 @@ def training_job_manifest(
                     "automountServiceAccountToken": False,
                     "subdomain": name,
                     "terminationGracePeriodSeconds": grace_period_s,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 1000,
-                        "runAsGroup": 1000,
-                        "fsGroup": 1000,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    "securityContext": dict(POD_SECURITY_CONTEXT),
                     "containers": [container],
                     "volumes": [
                         {"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},

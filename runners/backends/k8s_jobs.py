@@ -1,4 +1,8 @@
-"""How training attempts stand on Kubernetes, read from their pods: pure functions and a watch cache.
+"""How attempts stand on Kubernetes, read from their pods: pure functions and a watch cache.
+
+Training replicas are the pods of an indexed Job (rank: the completion index); an inference
+replica is the one pod of a Deployment (rank 0, written on its template). Both carry the job
+and attempt labels and the placement, so everything below reads them alike.
 
 No HTTP here: the backend hands `WatchedList` two callables (one list, one watch
 from a resourceVersion) and asks the functions below what the pods it keeps
@@ -34,6 +38,7 @@ from runners.backends.job_manifests import (
     JOB_LABEL,
     PLACEMENT_ANNOTATION,
 )
+from runners.backends.serve_manifests import RANK_ANNOTATION, SERVER_CONTAINER
 from runners.workloads import progress
 
 
@@ -118,25 +123,50 @@ def attempt_of(pod: dict) -> tuple[int, int] | None:
 
 
 def pod_rank(pod: dict) -> int | None:
+    """The replica's rank: a training pod's completion index, or a serving pod's rank annotation."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
     try:
-        return int(((pod.get("metadata") or {}).get("annotations") or {})[COMPLETION_INDEX_ANNOTATION])
+        return int(annotations.get(COMPLETION_INDEX_ANNOTATION) or annotations[RANK_ANNOTATION])
     except (KeyError, ValueError):
         return None
 
 
 TRAINER_CONTAINER = "trainer"
+# The container whose exit and log are the replica's, whichever kind it is (an injected sidecar never is).
+WORKLOAD_CONTAINERS = (TRAINER_CONTAINER, SERVER_CONTAINER)
+
+
+def workload_container(pod: dict) -> str:
+    """The name of the pod's workload container (the trainer's, unless the pod runs the server)."""
+    names = [container.get("name") for container in (pod.get("spec") or {}).get("containers") or []]
+    return next((name for name in names if name in WORKLOAD_CONTAINERS), TRAINER_CONTAINER)
 
 
 def pod_exit_code(pod: dict) -> int | None:
-    """The trainer container's exit code once it terminated, else None (an injected sidecar does not count)."""
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        if status.get("name") != TRAINER_CONTAINER:
-            continue
-        terminated = (status.get("state") or {}).get("terminated")
-        if terminated is not None:
-            return int(terminated.get("exitCode", 1))
+    """The workload container's exit code once it terminated, else None (an injected sidecar does not count).
+
+    A serving pod restarts its container in place (restartPolicy Always, or its liveness probe
+    failed): the exit the kubelet restarted it from (`lastState`) ends the replica's attempt all
+    the same, since retries are the portal's, with a new attempt. A training pod never restarts.
+    """
+    status = _workload_status(pod)
+    terminated = (status.get("state") or {}).get("terminated") or (status.get("lastState") or {}).get("terminated")
+    if terminated is not None:
+        return int(terminated.get("exitCode", 1))
     phase = (pod.get("status") or {}).get("phase")
     return {"Succeeded": 0, "Failed": 1}.get(phase)
+
+
+def pod_finished(pod: dict) -> bool:
+    """Whether the workload container has stopped for good (a serving container restarted from a crash runs again)."""
+    if (_workload_status(pod).get("state") or {}).get("terminated") is not None:
+        return True
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def _workload_status(pod: dict) -> dict:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((status for status in statuses if status.get("name") in WORKLOAD_CONTAINERS), {})
 
 
 def _placement(pod: dict) -> dict[str, str]:
@@ -267,7 +297,9 @@ def attempt_status(
     """How one attempt stands, from its pods now, what its pods said before, its Job, and lost nodes.
 
     `job` matters when some replica has neither a live pod nor a known exit code (this
-    process never saw it end, or it never got a pod): then the Job's own verdict decides.
+    process never saw it end, or it never got a pod): then the Job's own verdict decides. For an
+    inference replica `job` is its Deployment, which has no verdict: it only says the attempt
+    still exists while its pod does not (yet).
     """
     for pod in pods:
         node = (pod.get("spec") or {}).get("nodeName")
@@ -292,7 +324,7 @@ def attempt_status(
         return AttemptStatus("lost", exit_codes=dict(exits), reason=f"The Job failed: {condition.get('reason')}: "
                                                                      f"{condition.get('message', '')}".strip())
     if not pods and not exits and job is None:
-        return AttemptStatus("lost", reason="Its Job and pods are gone from the cluster.")
+        return AttemptStatus("lost", reason="Its Job (or Deployment) and pods are gone from the cluster.")
     return AttemptStatus("running", exit_codes=dict(exits))
 
 

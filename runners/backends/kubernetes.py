@@ -18,6 +18,14 @@ since): a leftover pod of an ended attempt is never started on GPUs already give
 to someone else. How attempts stand is read from a pod watch
 (`runners.backends.k8s_jobs`); progress from rank 0's log, incrementally, from a
 cursor the portal keeps (`job_progress`).
+
+An inference replica (a launch with `serving`) is a one-pod Deployment instead,
+bound the same way, with its endpoint's Service and PodDisruptionBudget
+(`runners.backends.serve_manifests`); `serving_address` is its pod's IP. Stopping
+one deletes the Deployment and then its ReplicaSet, both orphaning what they made,
+so nothing makes a new pod while the server drains; the pod itself is deleted with
+the grace period. A replacement pod (the ReplicaSet's, should the pod have vanished)
+is never bound: the attempt is over, and the portal relaunches with a new one.
 """
 
 from __future__ import annotations
@@ -57,9 +65,11 @@ from runners.backends.manifests import (
     ENVIRONMENT_LABEL,
     MANAGED_BY,
     MANAGED_BY_LABEL,
+    TENANT_LABEL,
     environment_manifests,
     ownership_selector,
 )
+from runners.backends.serve_manifests import ENDPOINT_LABEL, SERVER_PORT, endpoint_manifests, serve_manifests
 from runners.nvidia import names
 
 logger = logging.getLogger(__name__)
@@ -85,6 +95,9 @@ KINDS = {
     "Service": "v1",
     "PersistentVolumeClaim": "v1",
     "Job": "batch/v1",
+    "Deployment": "apps/v1",
+    "ReplicaSet": "apps/v1",
+    "PodDisruptionBudget": "policy/v1",
 }
 # The label selector of everything the portal made.
 OWN = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -493,14 +506,13 @@ class KubernetesBackend:
         as open in this process until the portal's next jobs_open; the pods the Job controller
         creates later are bound by the next sync (the reconcile's status reads).
         """
+        if launch.serving is not None:
+            return self._launch_serving(launch)
         if launch.template == "custom" and not (launch.image and launch.command):
             raise PermanentBackendError("A custom job needs an image and a command.")
         # Open from now on in this process, so its pods are bound at once (and by every later sync here).
         self._launched_since.add((launch.job_id, launch.attempt))
-        self._apply(checkpoint_pvc_manifest(
-            namespace=launch.namespace, tenant_slug=launch.tenant_slug,
-            storage_class=self.checkpoint_storage_class, size=self.checkpoint_volume_size,
-        ))
+        self._apply(self._checkpoint_pvc(launch))
         for manifest in job_manifests(
             launch, trainer_image=self.trainer_image, scheduler_name=self.scheduler_name,
             grace_period_s=launch.grace_period_s, finished_ttl_s=self.finished_job_ttl_s,
@@ -509,6 +521,26 @@ class KubernetesBackend:
         self._sync(force=True)
         # The trainer resumes from the newest checkpoint on the volume, which the portal recorded.
         return launch.resume_from_step
+
+    def _checkpoint_pvc(self, launch: JobLaunch) -> dict:
+        return checkpoint_pvc_manifest(
+            namespace=launch.namespace, tenant_slug=launch.tenant_slug,
+            storage_class=self.checkpoint_storage_class, size=self.checkpoint_volume_size,
+        )
+
+    def _launch_serving(self, launch: JobLaunch) -> None:
+        """Apply the replica's Deployment, then its endpoint's Service and PodDisruptionBudget; bind its pod.
+
+        The shipped server runs the trainer's image (as pytorch-ddp jobs do). The checkpoint
+        volume is applied too when the replica serves a job's checkpoint: it is where that is.
+        """
+        manifests = serve_manifests(launch, server_image=self.trainer_image, scheduler_name=self.scheduler_name)
+        self._launched_since.add((launch.job_id, launch.attempt))
+        if launch.serving.source_job_id is not None:
+            self._apply(self._checkpoint_pvc(launch))
+        for manifest in manifests:
+            self._apply(manifest)
+        self._sync(force=True)
 
     # Pods of every attempt, kept current by a watch. Several worker processes each keep their
     # own; binding is idempotent (409 once bound), so they never disagree about a pod.
@@ -571,6 +603,13 @@ class KubernetesBackend:
                 if not k8s_jobs.needs_binding(pod, self.scheduler_name):
                     continue
                 attempt = k8s_jobs.attempt_of(pod)
+                if self.tracker.vanished.get(attempt):
+                    # A replacement (a Deployment's) for a pod that vanished: that attempt is over.
+                    if metadata.get("uid", "") not in self._unbound_noted:
+                        self._unbound_noted.add(metadata.get("uid", ""))
+                        logger.warning("Leaving pod %s/%s unbound: attempt %s lost a replica.",
+                                       metadata["namespace"], metadata["name"], attempt)
+                    continue
                 if not self._is_open(attempt):
                     # A leftover of an attempt that ended (or never was): starting it would put it
                     # on GPUs the portal has given to someone else.
@@ -636,21 +675,31 @@ class KubernetesBackend:
         live_ranks = {k8s_jobs.pod_rank(pod) for pod in pods}
         if not replicas or any(rank not in exits and rank not in live_ranks for rank in range(replicas)):
             # A replica this process knows nothing of: the Job's own status says how it went.
-            job = self._read_job(pods, job_id, attempt)
-            replicas = replicas or ((job or {}).get("spec") or {}).get("completions", 0)
+            job = self._read_controller(pods, job_id, attempt)
+            spec = (job or {}).get("spec") or {}
+            replicas = replicas or spec.get("completions", spec.get("replicas", 0))
         return k8s_jobs.attempt_status(
             replicas=replicas, pods=pods, exits=self.tracker.exits.get(key, {}),
             vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost, vanished_nodes=vanished_nodes,
         )
 
-    def _read_job(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:
-        namespace = pods[0]["metadata"]["namespace"] if pods else None
-        if namespace is None:
-            listing = self._checked("Job", "list", label_selector=self._attempt_selector(job_id, attempt))[1]
-            items = listing.get("items") or []
-            return items[0] if items else None
-        status, job = self._checked("Job", "read", f"job-{job_id}-{attempt}", namespace, accept=(200, 404))
-        return job if status == 200 else None
+    def _read_controller(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:
+        """The attempt's Job, or its Deployment for an inference replica (its pods say which); None once gone."""
+        if not pods:
+            for kind in ("Job", "Deployment"):
+                listing = self._checked(kind, "list", label_selector=self._attempt_selector(job_id, attempt))[1]
+                if items := listing.get("items") or []:
+                    return items[0]
+            return None
+        metadata = pods[0]["metadata"]
+        kind = "Deployment" if ENDPOINT_LABEL in (metadata.get("labels") or {}) else "Job"
+        status, found = self._checked(kind, "read", f"job-{job_id}-{attempt}", metadata["namespace"], accept=(200, 404))
+        return found if status == 200 else None
+
+    def _controllers(self, kind: str, selector: str, propagation: str) -> None:
+        """Delete every object of `kind` the selector finds (a Job or ReplicaSet), with this propagation."""
+        for item in self._checked(kind, "list", label_selector=selector)[1].get("items") or []:
+            self._delete(kind, item["metadata"]["name"], item["metadata"]["namespace"], propagation_policy=propagation)
 
     def _attempt_pods(self, job_id: int, attempt: int | None = None) -> list[dict]:
         """The pods of an attempt (or of every attempt of the job), read now rather than from the cache."""
@@ -664,10 +713,13 @@ class KubernetesBackend:
         pods deleted by the garbage collector would get their own default instead.
         """
         # The Job first: once it is deleted its controller makes no more pods, so the list below has them all.
-        for job in self._checked("Job", "list", label_selector=self._attempt_selector(job_id, attempt))[1].get("items") or []:
-            self._delete("Job", job["metadata"]["name"], job["metadata"]["namespace"], propagation_policy="Orphan")
+        # An inference replica's Deployment, then its ReplicaSet, likewise (each deleted alone, the
+        # ReplicaSet would be remade by the Deployment, or go on making pods).
+        selector = self._attempt_selector(job_id, attempt)
+        self._controllers("Job", selector, "Orphan")
+        self._delete_deployments(selector, "Orphan")
         for pod in self._attempt_pods(job_id, attempt):
-            if k8s_jobs.pod_exit_code(pod) is None:
+            if not k8s_jobs.pod_finished(pod):
                 metadata = pod["metadata"]
                 self._delete("Pod", metadata["name"], metadata["namespace"], grace_period_seconds=grace_period_s)
 
@@ -677,7 +729,7 @@ class KubernetesBackend:
         self.stop_job(job_id, attempt, grace_period_s=1)
 
     def forget_job(self, job_id: int, attempt: int) -> None:
-        """The attempt is over and its outcome recorded: its Job, every pod of it and its Service go.
+        """The attempt is over and its outcome recorded: its Job (or Deployment), every pod of it and its Service go.
 
         Idempotent (what is already gone counts as deleted). The Job goes first, with
         propagationPolicy Background: its controller makes no more pods, and should a pod
@@ -686,10 +738,11 @@ class KubernetesBackend:
         with one second (the server takes the shorter of that and what the collector asked;
         finished and unbound pods go at once), so nothing of an ended attempt holds its GPUs
         or is bound later. Logs go with the pods: the portal has recorded the progress.
+        An inference replica's Deployment and ReplicaSet go the same way (see _delete_deployments).
         """
         selector = self._attempt_selector(job_id, attempt)
-        for job in self._checked("Job", "list", label_selector=selector)[1].get("items") or []:
-            self._delete("Job", job["metadata"]["name"], job["metadata"]["namespace"], propagation_policy="Background")
+        self._controllers("Job", selector, "Background")
+        self._delete_deployments(selector, "Background")
         for pod in self._attempt_pods(job_id, attempt):
             metadata = pod["metadata"]
             self._delete("Pod", metadata["name"], metadata["namespace"], grace_period_seconds=1)
@@ -701,13 +754,66 @@ class KubernetesBackend:
             self._open_attempts.discard(key)
             self._launched_since.discard(key)
 
+    def _delete_deployments(self, selector: str, propagation: str) -> None:
+        """Delete an inference replica's Deployment, then its ReplicaSet, with this propagation.
+
+        The Deployment first (else it would remake the ReplicaSet), the ReplicaSet always (a
+        retry after a failure in between finds it alone): once both are gone or being deleted,
+        nothing makes a pod for the attempt. The endpoint's shared objects go first if this
+        was its last replica: the replica takes no new requests from here on.
+        """
+        deployments = self._checked("Deployment", "list", label_selector=selector)[1].get("items") or []
+        for deployment in deployments:
+            self._release_endpoint(deployment)
+            metadata = deployment["metadata"]
+            self._delete("Deployment", metadata["name"], metadata["namespace"], propagation_policy=propagation)
+        self._controllers("ReplicaSet", selector, propagation)
+
+    def _release_endpoint(self, deployment: dict) -> None:
+        """Delete the endpoint's Service and PodDisruptionBudget if this Deployment is the endpoint's last.
+
+        A replica launched meanwhile applies its Deployment before those two: if the second
+        look finds one, they are applied again here, so an endpoint with a replica never stays
+        without them (one applied after that look recreates them itself).
+        """
+        metadata = deployment["metadata"]
+        labels = metadata.get("labels") or {}
+        namespace, endpoint = metadata["namespace"], labels.get(ENDPOINT_LABEL)
+        if endpoint is None:
+            return
+        selector = f"{OWN},{ENDPOINT_LABEL}={endpoint}"
+
+        def others() -> bool:
+            items = self._checked("Deployment", "list", namespace=namespace, label_selector=selector)[1].get("items") or []
+            return any(item["metadata"]["name"] != metadata["name"] and not item["metadata"].get("deletionTimestamp")
+                       for item in items)
+
+        if others():
+            return
+        shared = endpoint_manifests(namespace=namespace, tenant_slug=labels.get(TENANT_LABEL, ""), endpoint_id=int(endpoint))
+        for manifest in shared:
+            self._delete(manifest["kind"], manifest["metadata"]["name"], namespace)
+        if others():
+            for manifest in shared:
+                self._apply(manifest)
+
+    def serving_address(self, job_id: int, attempt: int) -> str | None:
+        """`http://<pod IP>:SERVER_PORT` of the replica's pod (the newest with an IP), from the watch cache."""
+        self._sync()
+        pods = [pod for pod in self._cached_pods((job_id, attempt)) if (pod.get("status") or {}).get("podIP")]
+        if not pods:
+            return None
+        pod = max(pods, key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"]))
+        address = pod["status"]["podIP"]
+        return f"http://[{address}]:{SERVER_PORT}" if ":" in address else f"http://{address}:{SERVER_PORT}"
+
     def _read_log(self, pod: dict, query: list[tuple[str, object]]) -> bytes | None:
-        """One read of a pod's trainer log; None when there is none (the pod is gone, or its container has not started)."""
+        """One read of a pod's workload log; None when there is none (the pod is gone, or its container has not started)."""
         metadata = pod["metadata"]
         try:
             _status, response = self._call(
                 "Pod", "read", metadata["name"], metadata["namespace"], subresource="log",
-                query_params=[("container", k8s_jobs.TRAINER_CONTAINER), *query], stream=True, accept=(200,),
+                query_params=[("container", k8s_jobs.workload_container(pod)), *query], stream=True, accept=(200,),
             )
         except ApiStatusError as exc:
             if exc.status in (400, 404):  # gone, or its container has not started yet

@@ -184,8 +184,12 @@ class LocalJobs:
         else:
             model = job_dir / SERVED_MODEL_FILE
             if not model.exists():
+                # The trainer records a checkpoint's path within its job folder (checkpoints/step-N.pt).
+                source = Path(launch.serving.checkpoint)
+                if not source.is_absolute() and launch.serving.source_job_id is not None:
+                    source = self.job_dir(launch.serving.source_job_id) / source
                 try:
-                    shutil.copyfile(launch.serving.checkpoint, job_dir / f".{SERVED_MODEL_FILE}.tmp")
+                    shutil.copyfile(source, job_dir / f".{SERVED_MODEL_FILE}.tmp")
                 except OSError as exc:
                     raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
                 os.replace(job_dir / f".{SERVED_MODEL_FILE}.tmp", model)

@@ -36,12 +36,22 @@ kubelet serves the current file); 400 while the container has not started. Bytes
 and reads served are counted per pod (`log_bytes_served`, `log_reads`). It is not
 a validator, a scheduler, or a full apply merge: an apply replaces what its
 manager sent and keeps labels other managers set.
+
+For inference replicas it serves apps/v1 Deployments and ReplicaSets and policy/v1
+PodDisruptionBudgets (stored, not enforced on eviction), and plays the Deployment
+controller (one ReplicaSet per Deployment, named and labelled with a pod-template-hash)
+and the ReplicaSet controller (pods until `replicas` are active: neither terminating
+nor finished). Deleting either cascades as the API server's default for apps/v1 does
+(Background: the garbage collector deletes the dependents `gc_delay_s` later) unless
+propagationPolicy is Orphan, which leaves the dependents without their owner. The
+kubelet restarts a crashed container of such a pod in place (`crash_container`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import re
 import threading
@@ -88,6 +98,9 @@ RESOURCE_TYPES = {
         ResourceType("services", "Service", "v1", namespaced=True),
         ResourceType("persistentvolumeclaims", "PersistentVolumeClaim", "v1", namespaced=True),
         ResourceType("jobs", "Job", "batch/v1", namespaced=True),
+        ResourceType("deployments", "Deployment", "apps/v1", namespaced=True),
+        ResourceType("replicasets", "ReplicaSet", "apps/v1", namespaced=True),
+        ResourceType("poddisruptionbudgets", "PodDisruptionBudget", "policy/v1", namespaced=True),
     )
 }
 # Subresources served, by resource: (name, kind, verbs), as discovery lists them.
@@ -171,11 +184,11 @@ class KubernetesStandIn:
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05,
     ):
-        # The garbage collector: how long after a Job deleted with propagationPolicy Background
-        # (or Foreground) it deletes the Job's pods (with their own grace period), as it works
-        # asynchronously on a real cluster.
+        # The garbage collector: how long after an owner (a Job, Deployment or ReplicaSet) deleted
+        # with propagationPolicy Background (or Foreground) it deletes the dependents (pods with
+        # their own grace period), as it works asynchronously on a real cluster.
         self.gc_delay_s = gc_delay_s
-        self._collect_at: dict[tuple[str, str], float] = {}
+        self._collect_at: dict[tuple[str, str, str], float] = {}  # (plural, namespace, name)
         # How long the simulated GPU Operator takes to re-partition a node after its label changes.
         self.operator_delay_s = operator_delay_s
         self._reconfigure_at: dict[str, float] = {}
@@ -546,15 +559,25 @@ class KubernetesStandIn:
         if resource.kind == "Job":
             # batch/v1 Jobs deleted through the API orphan their pods unless told otherwise; the
             # garbage collector deletes them a moment later otherwise.
-            for pod_key, pod in list(self._owned_pods(namespace, obj)):
+            for pod_key, pod in list(self._owned("pods", namespace, obj)):
                 if propagation in ("Background", "Foreground"):
-                    self._collect_at[pod_key[1:]] = time.monotonic() + self.gc_delay_s
+                    self._collect_at[pod_key] = time.monotonic() + self.gc_delay_s
                 else:
                     pod["metadata"].pop("ownerReferences", None)
                     pod["metadata"]["resourceVersion"] = self._bump()
                     self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
             self._job_indexes.pop((namespace, name), None)
             self._job_done.pop((namespace, name), None)
+        if resource.kind in ("Deployment", "ReplicaSet"):
+            # apps/v1 cascades in the background by default; Orphan leaves the dependents ownerless.
+            dependents = "replicasets" if resource.kind == "Deployment" else "pods"
+            for dependent_key, dependent in list(self._owned(dependents, namespace, obj)):
+                if propagation == "Orphan":
+                    dependent["metadata"].pop("ownerReferences", None)
+                    dependent["metadata"]["resourceVersion"] = self._bump()
+                    self._record_event("MODIFIED", RESOURCE_TYPES[dependents], dependent)
+                else:
+                    self._collect_at[dependent_key] = time.monotonic() + self.gc_delay_s
         if resource.kind == "Namespace":
             if obj["status"].get("phase") != "Terminating":
                 obj["status"]["phase"] = "Terminating"
@@ -753,10 +776,11 @@ class KubernetesStandIn:
             pod["metadata"]["resourceVersion"] = self._bump()
             self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
 
-    def _owned_pods(self, namespace: str, job: dict):
-        uid = job["metadata"]["uid"]
-        for key, obj in self._state.objects.items():
-            if key[0] == "pods" and key[1] == namespace and any(
+    def _owned(self, plural: str, namespace: str, owner: dict):
+        """(key, object) of each `plural` object in the namespace that the owner owns."""
+        uid = owner["metadata"]["uid"]
+        for key, obj in list(self._state.objects.items()):
+            if key[0] == plural and key[1] == namespace and any(
                 ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences", [])
             ):
                 yield key, obj
@@ -771,7 +795,7 @@ class KubernetesStandIn:
             if any(c["type"] in ("Complete", "Failed") for c in status.get("conditions", [])):
                 continue
             pods = {int(pod["metadata"]["annotations"][COMPLETION_INDEX]): (pod_key, pod)
-                    for pod_key, pod in self._owned_pods(namespace, job)}
+                    for pod_key, pod in self._owned("pods", namespace, job)}
             made = self._job_indexes.setdefault((namespace, name), set())
             # What each index's pod ended as, kept once seen (the real controller tracks it with finalizers).
             done = self._job_done.setdefault((namespace, name), {})
@@ -804,6 +828,55 @@ class KubernetesStandIn:
             if status != before:
                 job["metadata"]["resourceVersion"] = self._bump()
                 self._record_event("MODIFIED", RESOURCE_TYPES["jobs"], job)
+
+    def _run_deployments(self) -> None:
+        """The Deployment controller, for what the portal's Deployments use: one ReplicaSet, never a rollout."""
+        for key, deployment in list(self._state.objects.items()):
+            if key[0] != "deployments" or any(self._owned("replicasets", key[1], deployment)):
+                continue
+            template = copy.deepcopy(deployment["spec"]["template"])
+            template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+            labels = {**(template.get("metadata") or {}).get("labels", {}), "pod-template-hash": template_hash}
+            template.setdefault("metadata", {})["labels"] = labels
+            name = deployment["metadata"]["name"]
+            replica_set = {
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": f"{name}-{template_hash}", "namespace": key[1], "labels": labels,
+                             "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": name,
+                                                  "uid": deployment["metadata"]["uid"], "controller": True}]},
+                "spec": {
+                    "replicas": deployment["spec"].get("replicas", 1),
+                    "selector": {"matchLabels": {**deployment["spec"]["selector"]["matchLabels"],
+                                                 "pod-template-hash": template_hash}},
+                    "template": template,
+                },
+            }
+            try:
+                self._create(RESOURCE_TYPES["replicasets"], key[1], replica_set, manager="deployment-controller")
+            except ApiError:
+                continue  # the namespace is going away: its Deployments go with it
+
+    def _run_replica_sets(self) -> None:
+        """The ReplicaSet controller: a new pod for each one missing from `replicas` active ones."""
+        for key, replica_set in list(self._state.objects.items()):
+            if key[0] != "replicasets":
+                continue
+            active = [pod for _key, pod in self._owned("pods", key[1], replica_set)
+                      if not pod["metadata"].get("deletionTimestamp")
+                      and pod["status"].get("phase") not in ("Succeeded", "Failed")]
+            for _missing in range(replica_set["spec"].get("replicas", 1) - len(active)):
+                template = replica_set["spec"]["template"]
+                name = replica_set["metadata"]["name"]
+                metadata = copy.deepcopy(template.get("metadata") or {})
+                metadata["name"] = f"{name}-{uuid.uuid4().hex[:5]}"
+                metadata["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": name,
+                                                "uid": replica_set["metadata"]["uid"], "controller": True}]
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata,
+                       "spec": copy.deepcopy(template["spec"]), "status": {"phase": "Pending"}}
+                try:
+                    self._create(RESOURCE_TYPES["pods"], key[1], pod, manager="replicaset-controller")
+                except ApiError:
+                    break
 
     def _make_pod(self, namespace: str, job: dict, index: int) -> None:
         template = job["spec"]["template"]
@@ -838,6 +911,17 @@ class KubernetesStandIn:
                 self.write_log(namespace, name, log)
             self._terminate(pod, exit_code, "Completed" if exit_code == 0 else "Error")
             self._reap()
+
+    def crash_container(self, namespace: str, name: str, exit_code: int) -> None:
+        """The pod's container exits with this code and its kubelet restarts it in place (restartPolicy Always)."""
+        with self._lock:
+            pod = self._state.objects[("pods", namespace, name)]
+            for container in pod["status"].get("containerStatuses", []):
+                container["lastState"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "finishedAt": _now()}}
+                container["restartCount"] = container.get("restartCount", 0) + 1
+                container["state"] = {"running": {"startedAt": _now()}}
+            pod["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
 
     def write_log(self, namespace: str, name: str, text: str, *, at: datetime | int | None = None) -> None:
         """The pod's container writes these lines, all at `at` (a datetime, or Unix nanoseconds), or now.
@@ -934,13 +1018,17 @@ class KubernetesStandIn:
     def _collect_garbage(self) -> None:
         """The garbage collector's part: pods of Jobs deleted with Background propagation go, with their own grace."""
         now = time.monotonic()
-        for (namespace, name), due in list(self._collect_at.items()):
+        for key, due in list(self._collect_at.items()):
             if due > now:
                 continue
-            del self._collect_at[(namespace, name)]
-            pod = self._state.objects.get(("pods", namespace, name))
-            if pod is not None and not pod["metadata"].get("deletionTimestamp"):
-                self._delete_pod(("pods", namespace, name), pod, None)
+            del self._collect_at[key]
+            obj = self._state.objects.get(key)
+            if obj is None or obj["metadata"].get("deletionTimestamp"):
+                continue
+            if key[0] == "pods":
+                self._delete_pod(key, obj, None)
+            else:
+                self._delete(RESOURCE_TYPES[key[0]], key[1], key[2], propagation="Background")
 
     def _reap(self) -> None:
         """Finish deleting namespaces whose termination delay has passed, with everything in them."""
@@ -948,6 +1036,8 @@ class KubernetesStandIn:
         self._collect_garbage()
         self._stop_pods()
         self._run_jobs()
+        self._run_deployments()
+        self._run_replica_sets()
         now = time.monotonic()
         for namespace, gone_at in list(self._state.namespace_gone_at.items()):
             if gone_at > now:

@@ -1,0 +1,238 @@
+"""The Kubernetes objects one inference replica is made of, as pure functions of its JobLaunch.
+
+The Kubernetes backend applies them (server-side apply); the tests check every one with
+kubernetes-validate, strictly, for 1.30 and the newest schema.
+
+- a Deployment per attempt, one pod (`serving_deployment_manifest`). Like a training pod, the
+  pod names the portal's scheduler and carries its placement (rank 0 -> node), so the backend
+  binds it to the node the portal chose through pods/binding, with the same resources
+  (requests equal limits, the GPU units of its flavor) and security context. The Deployment
+  recreates its pod should it vanish, but the backend never binds a replacement: a replica that
+  lost its pod ends its attempt, and the portal relaunches it with a new one (as for training).
+  `Recreate`: an update must never start a second pod on the GPUs the portal gave to one.
+- a Service per endpoint (`endpoint_service_manifest`), over the endpoint's ready pods, for
+  clients inside the cluster (the portal's router talks to each replica's pod IP itself);
+- a PodDisruptionBudget per endpoint (`endpoint_pdb_manifest`): `maxUnavailable: 1`, since a
+  launch knows one replica, not how many the endpoint keeps (a minAvailable would have to be
+  that count, and would block every drain of a one-replica endpoint). A node drain then takes
+  the endpoint's replicas one at a time, whatever their number; `unhealthyPodEvictionPolicy:
+  AlwaysAllow` lets a replica that is not ready (still loading, or broken) go at once, so it
+  never holds a drain up.
+
+What the pod runs is the portal's choice alone: the shipped server (the trainer's image, as
+pytorch-ddp jobs run) with its flags from the endpoint's validated settings, over the source
+job's checkpoint folder, mounted read-only; or the endpoint's image from the allow-list, with
+the same settings as the server's SERVE_* variables and no command of the tenant's. Nothing else
+of the launch (variables, command) reaches the pod spec. The pod is ready while `/readyz`
+answers 200 (false while the server loads and once it drains); it is restarted if `/healthz`
+stops answering; a deleted pod first sleeps in preStop, so Services and proxies stop sending it
+requests before the server gets SIGTERM, then drains within terminationGracePeriodSeconds (the
+launch's grace period, preStop included).
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+from runners.backends.base import JobLaunch, PermanentBackendError, ServingSettings
+from runners.backends.job_manifests import (
+    CHECKPOINT_CLAIM,
+    CONTAINER_SECURITY_CONTEXT,
+    POD_SECURITY_CONTEXT,
+    SCRATCH_MOUNT,
+    SCRATCH_VARIABLES,
+    SCRATCH_VOLUME,
+    attempt_labels,
+    job_name,
+    placement_annotation,
+    replica_resources,
+)
+from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL, WORKLOAD_SERVICE_ACCOUNT
+
+ENDPOINT_LABEL = "portal.gpu/endpoint-id"
+# A serving pod's rank, where a training pod has its completion index (a Deployment gives none).
+RANK_ANNOTATION = "portal.gpu/rank"
+SERVER_CONTAINER = "server"
+SERVER_PORT = 8000
+SERVER_COMMAND = ["python", "-m", "runners.workloads.serve"]
+# The source job's folder of the checkpoint volume, read-only: the replica sees no other job's files.
+MODEL_VOLUME = "model"
+MODEL_MOUNT = "/model"
+# How long a deleted pod waits before SIGTERM, so endpoints and proxies stop routing to it first.
+PRESTOP_SLEEP_S = 5
+
+
+def endpoint_name(endpoint_id: int) -> str:
+    return f"endpoint-{endpoint_id}"
+
+
+def endpoint_labels(*, tenant_slug: str, endpoint_id: int) -> dict[str, str]:
+    return {MANAGED_BY_LABEL: MANAGED_BY, TENANT_LABEL: tenant_slug, ENDPOINT_LABEL: str(endpoint_id)}
+
+
+def model_path(serving: ServingSettings) -> str:
+    """Where the checkpoint is in the container: its path in the source job's folder, under MODEL_MOUNT.
+
+    The portal hands the path a checkpoint record gave (`checkpoints/step-N.pt`, relative to
+    the job's folder); empty means the folder itself (the server takes its newest checkpoint).
+    Anything that would leave the folder is refused.
+    """
+    path = PurePosixPath(serving.checkpoint)
+    if path.is_absolute() or ".." in path.parts:
+        raise PermanentBackendError(f"The checkpoint {serving.checkpoint!r} is not a path inside the source job's folder.")
+    return str(PurePosixPath(MODEL_MOUNT) / path)
+
+
+def _settings_variables(serving: ServingSettings) -> list[dict]:
+    """The server's flags as the SERVE_* variables it reads too (`--queue-limit` is SERVE_QUEUE_LIMIT)."""
+    flags = serving.flags()
+    return [
+        {"name": "SERVE_" + flag.removeprefix("--").replace("-", "_").upper(), "value": value}
+        for flag, value in zip(flags[::2], flags[1::2])
+    ]
+
+
+def _probe(path: str, *, period_s: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "failureThreshold": failures,
+            "timeoutSeconds": 2}
+
+
+def server_container(launch: JobLaunch, *, server_image: str) -> dict:
+    """The replica's one container: the shipped server over the model folder, or the endpoint's image."""
+    serving = launch.serving
+    fixed = [
+        {"name": "PORTAL_ATTEMPT", "value": str(launch.attempt)},
+        {"name": "PORTAL_JOB", "value": str(launch.job_id)},
+        *({"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()),
+    ]
+    mounts = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}]
+    if serving.source_job_id is not None:
+        mounts.insert(0, {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True,
+                          "subPath": f"job-{serving.source_job_id}"})
+    if serving.image is None:
+        if serving.source_job_id is None:
+            raise PermanentBackendError("The shipped server serves a job's checkpoint: the replica names no source job.")
+        run = {
+            "image": server_image,
+            "command": list(SERVER_COMMAND),
+            "args": ["--checkpoint", model_path(serving), "--host", "0.0.0.0", "--port", str(SERVER_PORT),
+                     *serving.flags()],
+            "env": fixed,
+        }
+    else:
+        # The image's own entrypoint, told what the shipped server would be by its variables.
+        run = {
+            "image": serving.image,
+            "env": [{"name": "SERVE_HOST", "value": "0.0.0.0"}, {"name": "SERVE_PORT", "value": str(SERVER_PORT)},
+                    *_settings_variables(serving), *fixed],
+        }
+    resources = replica_resources(launch)
+    return {
+        "name": SERVER_CONTAINER,
+        **run,
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": mounts,
+        # Loading the model may take a while: liveness counts only once the server answers at all.
+        "startupProbe": _probe("/healthz", period_s=2, failures=90),
+        "livenessProbe": _probe("/healthz", period_s=10, failures=3),
+        "readinessProbe": _probe("/readyz", period_s=2, failures=1),
+        "lifecycle": {"preStop": {"sleep": {"seconds": prestop_sleep_s(launch.grace_period_s)}}},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def prestop_sleep_s(grace_period_s: int) -> int:
+    """PRESTOP_SLEEP_S, but at most a third of the grace period: the drain needs the rest."""
+    return max(1, min(PRESTOP_SLEEP_S, grace_period_s // 3))
+
+
+def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, scheduler_name: str) -> dict:
+    """The Deployment of one replica's attempt: one pod, bound where the portal placed it."""
+    if launch.serving is None:
+        raise PermanentBackendError(f"Job {launch.job_id} is not an inference replica.")
+    if len(launch.replicas) != 1 or launch.replicas[0].rank != 0:
+        raise PermanentBackendError(f"An inference replica is one pod; job {launch.job_id} was placed as "
+                                    f"{len(launch.replicas)}.")
+    name = job_name(launch)
+    labels = attempt_labels(launch)
+    pod_labels = {**labels, ENDPOINT_LABEL: str(launch.serving.endpoint_id)}
+    volumes = [{"name": SCRATCH_VOLUME, "emptyDir": {}}]
+    if launch.serving.source_job_id is not None:
+        volumes.insert(0, {
+            "name": MODEL_VOLUME,
+            "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM, "readOnly": True},
+        })
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": launch.namespace, "labels": pod_labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "strategy": {"type": "Recreate"},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {**placement_annotation(launch), RANK_ANNOTATION: "0"}},
+                "spec": {
+                    "schedulerName": scheduler_name,
+                    "restartPolicy": "Always",
+                    "serviceAccountName": WORKLOAD_SERVICE_ACCOUNT,
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": launch.grace_period_s,
+                    "securityContext": dict(POD_SECURITY_CONTEXT),
+                    "containers": [server_container(launch, server_image=server_image)],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def endpoint_service_manifest(*, namespace: str, tenant_slug: str, endpoint_id: int) -> dict:
+    """The endpoint's Service: its ready replicas (every attempt's pod carries the endpoint's label)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": endpoint_name(endpoint_id), "namespace": namespace,
+                     "labels": endpoint_labels(tenant_slug=tenant_slug, endpoint_id=endpoint_id)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {MANAGED_BY_LABEL: MANAGED_BY, ENDPOINT_LABEL: str(endpoint_id)},
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint_pdb_manifest(*, namespace: str, tenant_slug: str, endpoint_id: int) -> dict:
+    """The endpoint's PodDisruptionBudget: voluntary disruptions take one replica at a time (see the module)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": endpoint_name(endpoint_id), "namespace": namespace,
+                     "labels": endpoint_labels(tenant_slug=tenant_slug, endpoint_id=endpoint_id)},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": {MANAGED_BY_LABEL: MANAGED_BY, ENDPOINT_LABEL: str(endpoint_id)}},
+        },
+    }
+
+
+def endpoint_manifests(*, namespace: str, tenant_slug: str, endpoint_id: int) -> list[dict]:
+    """What every replica of the endpoint shares: its Service and its PodDisruptionBudget."""
+    where = dict(namespace=namespace, tenant_slug=tenant_slug, endpoint_id=endpoint_id)
+    return [endpoint_service_manifest(**where), endpoint_pdb_manifest(**where)]
+
+
+def serve_manifests(launch: JobLaunch, *, server_image: str, scheduler_name: str) -> list[dict]:
+    """The replica's Deployment, then its endpoint's Service and PodDisruptionBudget, in the order they are applied.
+
+    The Deployment first: the backend removes the endpoint's shared objects only when it finds
+    no Deployment of the endpoint, so one applied after its Deployment is never removed for good.
+    """
+    return [
+        serving_deployment_manifest(launch, server_image=server_image, scheduler_name=scheduler_name),
+        *endpoint_manifests(namespace=launch.namespace, tenant_slug=launch.tenant_slug,
+                            endpoint_id=launch.serving.endpoint_id),
+    ]
