@@ -179,3 +179,31 @@ def test_a_borrowed_replica_reclaimed_for_another_tenants_guarantee_drains_befor
     assert victim.job.preemptible and victim.job.state == "queued"  # it waits for room again
     statuses = [status for status, _ in results]
     assert len(statuses) > 10 and set(statuses) == {200}, [r for r in results if r[0] != 200][:5]
+
+
+def test_load_scales_out_and_after_it_ends_back_in_once_each_way(world, client_for, owner, settings):
+    """Short form of bench/endpoint_autoscale.py: the figures are there; here, the direction and no flapping."""
+    settings.ENDPOINT_TARGET_INFLIGHT = 1
+    settings.ENDPOINT_SCALE_IN_AFTER_S = 3
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=1, max_replicas=2), format="json")
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY)
+    first_event = endpoint.scale_events.first().id
+
+    stop, results = threading.Event(), []
+    loaders = [threading.Thread(target=_load, args=(client_for(owner), endpoint, stop, results)) for _ in range(6)]
+    for thread in loaders:
+        thread.start()
+    try:
+        endpoint = drive(endpoint, lambda e: e.desired_replicas == 2 and ready_count(e) == 2, timeout_s=90)
+    finally:
+        stop.set()
+        for thread in loaders:
+            thread.join(60)
+    endpoint = drive(endpoint, lambda e: e.desired_replicas == 1 and e.state == EndpointState.READY, timeout_s=60)
+    changes = list(endpoint.scale_events.filter(id__gt=first_event).order_by("id").values_list("to_replicas", "reason"))
+    assert [count for count, _ in changes] == [2, 1], changes
+    assert changes[0][1].startswith("Scale out:") and changes[1][1].startswith("Scale in:")
+    assert {status for status, _ in results} == {200}
+    assert endpoint.samples.filter(requests_per_s__gt=0, p50_ms__isnull=False).exists()

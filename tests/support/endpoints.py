@@ -5,6 +5,7 @@ import time
 import torch
 from django.utils import timezone
 
+from runners.clusters.registry import get_backend
 from runners.inference import reconcile as endpoint_reconcile
 from runners.inference.models import InferenceEndpoint
 from runners.jobs import attempts, reconcile
@@ -15,17 +16,19 @@ from runners.workloads.train import CharModel, save_checkpoint
 from tests.support.jobs import job_data
 
 
-def trained_job(*, actor, environment, tmp_path, name="trained", seed=0, step=10) -> Job:
+def trained_job(*, actor, environment, tmp_path=None, name="trained", seed=0, step=10) -> Job:
     """A training job of the tenant with one checkpoint recorded: the shipped model's, written by the
     trainer's own save (weights from a seed, so two seeds serve different text); the job itself is over."""
     job = jobs.job_submit(actor=actor, data=job_data(
         environment, name=name, replicas=1, topology={"level": "none"}, steps=step, checkpoint_every_steps=step))
     torch.manual_seed(seed)
     model = CharModel()
-    path = save_checkpoint(tmp_path / f"ckpt-{name}-{seed}", step, model, torch.optim.Adam(model.parameters()), keep=3,
-                           world_size=1, attempt=0,
+    # Where the local backend's trainer writes, recorded as the trainer records it: relative to its job folder.
+    job_dir = get_backend().jobs.job_dir(job.id)
+    path = save_checkpoint(job_dir, step, model, torch.optim.Adam(model.parameters()), keep=3, world_size=1, attempt=0,
                            alphabet=bytes(range(32, 127)) + b"\n")
-    Checkpoint.objects.create(job=job, step=step, uri=str(path), bytes=path.stat().st_size, created_at=timezone.now())
+    Checkpoint.objects.create(job=job, step=step, uri=str(path.relative_to(job_dir)), bytes=path.stat().st_size,
+                              created_at=timezone.now())
     # Done training (cancelled before it ever ran): its checkpoint stays servable and it holds no GPU.
     jobs.job_cancel(actor=actor, job=job)
     job.refresh_from_db()
