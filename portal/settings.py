@@ -318,6 +318,9 @@ KUBERNETES_USERNAME_TEMPLATE = env_str("KUBERNETES_USERNAME_TEMPLATE", "{usernam
 if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
     raise ImproperlyConfigured("KUBERNETES_USERNAME_TEMPLATE must contain {username}, e.g. 'oidc:{username}'.")
 # Kept under CELERY_VISIBILITY_TIMEOUT_S, so a teardown still waiting is never handed to a second worker.
+# The namespace the portal itself runs in: its router reaches inference replicas from there (each
+# environment's NetworkPolicies let that namespace, and no other, reach the servers' port). Empty: none.
+KUBERNETES_PORTAL_NAMESPACE = env_str("KUBERNETES_PORTAL_NAMESPACE", "gpu-portal")
 KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 120, minimum=1)
 KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, minimum=1)
 # Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at

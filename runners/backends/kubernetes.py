@@ -155,6 +155,7 @@ class KubernetesBackend:
         # portal/settings.py (runners.clusters.registry.kubernetes_backend_options reads them).
         field_manager: str,
         username_template: str,
+        portal_namespace: str,
         request_timeout_s: float,
         gpu_operator_namespace: str,
         mig_parted_config_map: str,
@@ -171,6 +172,7 @@ class KubernetesBackend:
         self.api_client = api_client
         self.field_manager = field_manager
         self.username_template = username_template
+        self.portal_namespace = portal_namespace
         self.request_timeout_s = request_timeout_s
         self.gpu_operator_namespace = gpu_operator_namespace
         self.mig_parted_config_map = mig_parted_config_map
@@ -316,7 +318,8 @@ class KubernetesBackend:
     def ensure_environment(self, spec: EnvironmentSpec) -> None:
         """Create or converge every object of the environment, then remove ones no longer wanted."""
         try:
-            manifests = environment_manifests(spec, username_template=self.username_template)
+            manifests = environment_manifests(spec, username_template=self.username_template,
+                                              portal_namespace=self.portal_namespace)
         except ValueError as exc:
             raise PermanentBackendError(f"Cannot build environment {spec.environment_id}: {exc}") from None
         self._ensure_namespace(spec, manifests[0])

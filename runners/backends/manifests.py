@@ -27,6 +27,10 @@ WORKLOAD_SERVICE_ACCOUNT = "workload"
 DEFAULT_DENY_POLICY = "default-deny"
 SAME_NAMESPACE_POLICY = "allow-same-namespace"
 DNS_POLICY = "allow-dns"
+ROUTER_POLICY = "allow-portal-router"
+# An inference replica's pods carry the endpoint's id; its server listens on this port.
+ENDPOINT_LABEL = "portal.gpu/endpoint-id"
+SERVER_PORT = 8000
 VIEWER_ROLE = "portal-viewer"
 EDITOR_ROLE = "portal-editor"
 
@@ -121,8 +125,9 @@ def limit_range_manifest(spec: EnvironmentSpec) -> dict:
     }
 
 
-def network_policy_manifests(spec: EnvironmentSpec) -> list[dict]:
-    """NetworkPolicies: deny all traffic, then allow the namespace to itself and DNS lookups."""
+def network_policy_manifests(spec: EnvironmentSpec, *, portal_namespace: str = "") -> list[dict]:
+    """NetworkPolicies: deny all traffic, then allow the namespace to itself and DNS lookups; and, with
+    ``portal_namespace``, the portal's router to reach inference replicas' servers (that port, those pods only)."""
     same_namespace_peer = [{"podSelector": {}}]  # A bare podSelector means "pods in this namespace".
     dns_peer = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
@@ -137,6 +142,22 @@ def network_policy_manifests(spec: EnvironmentSpec) -> list[dict]:
             "spec": {"podSelector": {}, **policy_spec},
         }
 
+    router = []
+    if portal_namespace:
+        router = [{
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(spec, ROUTER_POLICY),
+            "spec": {
+                "podSelector": {"matchExpressions": [{"key": ENDPOINT_LABEL, "operator": "Exists"}]},
+                "policyTypes": ["Ingress"],
+                "ingress": [{
+                    "from": [{"namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": portal_namespace}}}],
+                    "ports": [{"protocol": "TCP", "port": SERVER_PORT}],
+                }],
+            },
+        }]
     return [
         policy(DEFAULT_DENY_POLICY, {"policyTypes": ["Ingress", "Egress"]}),
         policy(
@@ -159,6 +180,7 @@ def network_policy_manifests(spec: EnvironmentSpec) -> list[dict]:
                 ],
             },
         ),
+        *router,
     ]
 
 
@@ -255,14 +277,15 @@ def service_account_manifest(spec: EnvironmentSpec) -> dict:
     }
 
 
-def environment_manifests(spec: EnvironmentSpec, *, username_template: str = "{username}") -> list[dict]:
+def environment_manifests(spec: EnvironmentSpec, *, username_template: str = "{username}",
+                          portal_namespace: str = "") -> list[dict]:
     """Every object of the environment, Namespace first, in the order they are applied."""
     return [
         namespace_manifest(spec),
         service_account_manifest(spec),
         resource_quota_manifest(spec),
         limit_range_manifest(spec),
-        *network_policy_manifests(spec),
+        *network_policy_manifests(spec, portal_namespace=portal_namespace),
         *role_manifests(spec),
         *role_binding_manifests(spec, username_template=username_template),
     ]

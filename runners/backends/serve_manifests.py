@@ -47,13 +47,18 @@ from runners.backends.job_manifests import (
     placement_annotation,
     replica_resources,
 )
-from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL, WORKLOAD_SERVICE_ACCOUNT
+from runners.backends.manifests import (
+    ENDPOINT_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    SERVER_PORT,
+    TENANT_LABEL,
+    WORKLOAD_SERVICE_ACCOUNT,
+)
 
-ENDPOINT_LABEL = "portal.gpu/endpoint-id"
 # A serving pod's rank, where a training pod has its completion index (a Deployment gives none).
 RANK_ANNOTATION = "portal.gpu/rank"
 SERVER_CONTAINER = "server"
-SERVER_PORT = 8000
 SERVER_COMMAND = ["python", "-m", "runners.workloads.serve"]
 # The source job's folder of the checkpoint volume, read-only: the replica sees no other job's files.
 MODEL_VOLUME = "model"

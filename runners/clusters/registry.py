@@ -19,6 +19,7 @@ def kubernetes_backend_options() -> dict:
     return dict(
         field_manager=settings.KUBERNETES_FIELD_MANAGER,
         username_template=settings.KUBERNETES_USERNAME_TEMPLATE,
+        portal_namespace=settings.KUBERNETES_PORTAL_NAMESPACE,
         request_timeout_s=settings.KUBERNETES_REQUEST_TIMEOUT_S,
         gpu_operator_namespace=settings.KUBERNETES_GPU_OPERATOR_NAMESPACE,
         mig_parted_config_map=settings.KUBERNETES_MIG_PARTED_CONFIG_MAP,

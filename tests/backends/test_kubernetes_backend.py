@@ -24,7 +24,7 @@ def _keys(spec) -> set[tuple[str, str, str]]:
     """Where the stand-in stores each object the spec should produce."""
     return {
         (PLURALS[m["kind"]], m["metadata"].get("namespace", ""), m["metadata"]["name"])
-        for m in environment_manifests(spec, username_template="oidc:{username}")
+        for m in environment_manifests(spec, username_template="oidc:{username}", portal_namespace="gpu-portal")
     }
 
 

@@ -34,7 +34,7 @@ SPECS = {
 
 def _all_manifests():
     for label, spec in SPECS.items():
-        for manifest in environment_manifests(spec, username_template="oidc:{username}"):
+        for manifest in environment_manifests(spec, username_template="oidc:{username}", portal_namespace="gpu-portal"):
             yield pytest.param(manifest, id=f"{label}-{manifest['kind']}-{manifest['metadata']['name']}")
 
 
@@ -108,6 +108,21 @@ def test_the_network_policies_deny_by_default_and_allow_the_namespace_and_dns():
         "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
     }]
     assert sorted((port["protocol"], port["port"]) for port in rule["ports"]) == [("TCP", 53), ("UDP", 53)]
+    assert ("NetworkPolicy", "allow-portal-router") not in objects  # no portal namespace named: nothing opened
+
+
+def test_the_portals_router_may_reach_inference_servers_and_nothing_else():
+    """Ingress from the portal's namespace to the server port of pods that belong to an endpoint; egress unchanged."""
+    objects = _by_kind_and_name(make_spec(), portal_namespace="gpu-portal")
+    router = objects[("NetworkPolicy", "allow-portal-router")]["spec"]
+    assert router == {
+        "podSelector": {"matchExpressions": [{"key": "portal.gpu/endpoint-id", "operator": "Exists"}]},
+        "policyTypes": ["Ingress"],
+        "ingress": [{
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gpu-portal"}}}],
+            "ports": [{"protocol": "TCP", "port": 8000}],
+        }],
+    }
 
 
 def _grants(role: dict) -> set[tuple[str, str, str]]:
