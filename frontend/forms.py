@@ -208,3 +208,101 @@ class JobForm(forms.Form):
         for field, messages in error.message_dict.items():
             field = renamed.get(field, field)
             self.add_error(field if field in self.fields else None, messages)
+
+
+# --- Inference endpoints --------------------------------------------------------------
+
+# Where the endpoint services name a field of the source, and which form field shows it.
+SOURCE_ERROR_FIELDS = {"source": "job", "source.job": "job", "source.step": "step", "source.image": "job"}
+
+
+def _add_endpoint_errors(form: forms.Form, error: ValidationError) -> None:
+    if not hasattr(error, "error_dict"):
+        form.add_error(None, error)
+        return
+    for field, messages in error.message_dict.items():
+        field = SOURCE_ERROR_FIELDS.get(field, field)
+        form.add_error(field if field in form.fields else None, messages)
+
+
+class _SourceFields(forms.Form):
+    """A checkpoint of one of the tenant's training jobs: the job, and a step (its newest unless given)."""
+
+    job = forms.TypedChoiceField(coerce=int, choices=(), label="Source job",
+                                 help_text="A training job of this tenant; its checkpoint is served.")
+    step = forms.IntegerField(required=False, min_value=0, label="Checkpoint step",
+                              help_text="Leave empty for the job's newest checkpoint.")
+
+    def __init__(self, *args, source_jobs, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["job"].choices = [(job["id"], job["label"]) for job in source_jobs]
+
+    def source(self) -> dict:
+        source = {"job": self.cleaned_data["job"]}
+        if self.cleaned_data.get("step") is not None:
+            source["step"] = self.cleaned_data["step"]
+        return source
+
+    add_endpoint_errors = _add_endpoint_errors
+
+
+ENDPOINT_NUMBERS = {
+    # field: (label, help text); the bounds and defaults are the service's own.
+    "gpus_per_replica": ("GPUs per replica", "Whole GPUs; 1 for a MIG slice or a time-slice share."),
+    "min_replicas": ("Min replicas", "Never preempted: min replicas x GPUs per replica must fit the guarantee."),
+    "max_replicas": ("Max replicas", "The autoscaler adds replicas up to this under load."),
+    "warm_replicas": ("Warm replicas", "Kept ready beyond what the load needs."),
+    "queue_limit": ("Queue limit", "Requests a replica admits beyond its running batch; past it, 429."),
+    "batch_token_budget": ("Batch token budget", "Prompt bytes plus max_tokens of a replica's running batch, at most."),
+    "max_batch_wait_ms": ("Max batch wait (ms)", "How long waiting requests are gathered to join the batch."),
+    "default_deadline_ms": ("Default deadline (ms)", "For requests that give no deadline_ms."),
+}
+
+
+def _number_field(field: str, bounds: dict, *, required: bool = True) -> forms.IntegerField:
+    label, help_text = ENDPOINT_NUMBERS[field]
+    low, high, default = bounds[field]
+    return forms.IntegerField(label=label, initial=default, required=required,
+                              help_text=f"{help_text} From {low} to {high}.",
+                              widget=forms.NumberInput(attrs={"inputmode": "numeric"}))
+
+
+class EndpointForm(_SourceFields):
+    """The deploy form: the API's fields; the service checks them and names the field it refuses."""
+
+    environment = forms.TypedChoiceField(coerce=int, choices=())
+    name = forms.CharField(help_text="Lowercase letters, digits and '-'; the URL ends with it.",
+                           widget=forms.TextInput(attrs={"autocomplete": "off"}))
+    flavor = forms.ChoiceField(choices=())
+
+    field_order = ["name", "environment", "job", "step", "flavor"]
+
+    def __init__(self, *args, environments, flavors, source_jobs, bounds, name_max, **kwargs):
+        super().__init__(*args, source_jobs=source_jobs, **kwargs)
+        self.fields["environment"].choices = [(e.id, e.name) for e in environments]
+        self.fields["flavor"].choices = [(row["name"], row["label"]) for row in flavors]
+        self.fields["name"].max_length = name_max
+        self.fields["name"].widget.attrs["maxlength"] = str(name_max)
+        for field in ENDPOINT_NUMBERS:
+            self.fields[field] = _number_field(field, bounds)
+
+    def endpoint_data(self, tenant_slug: str) -> dict:
+        data = {"tenant": tenant_slug, "environment": self.cleaned_data["environment"],
+                "name": self.cleaned_data["name"], "source": self.source(), "flavor": self.cleaned_data["flavor"]}
+        data.update({field: self.cleaned_data[field] for field in ENDPOINT_NUMBERS})
+        return data
+
+
+class EndpointScaleForm(forms.Form):
+    """Min, max and warm replicas: the autoscaler moves within them."""
+
+    def __init__(self, *args, bounds, **kwargs):
+        super().__init__(*args, **kwargs)
+        for field in ("min_replicas", "max_replicas", "warm_replicas"):
+            self.fields[field] = _number_field(field, bounds)
+
+    add_endpoint_errors = _add_endpoint_errors
+
+
+class EndpointRolloutForm(_SourceFields):
+    """Serve another checkpoint: a new generation replaces the replicas one at a time."""

@@ -14,7 +14,7 @@ from runners.environments import selectors as environment_selectors
 from runners.environments.models import EnvironmentState
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
-from runners.jobs.models import JOB_FINAL_STATES, JobState
+from runners.jobs.models import JOB_FINAL_STATES, Job, JobState
 from tenants import selectors
 from tenants.models import Role
 
@@ -119,6 +119,10 @@ def _job_context(request, job_id) -> dict:
         final=job.state in JOB_FINAL_STATES,
         # Nothing to offer once it is being cancelled, or once it is over.
         can_cancel=job.state not in (*JOB_FINAL_STATES, JobState.CANCELLING)
+        and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),
+        # A checkpoint of the shipped trainer can be served (frontend/endpoint_views.py's deploy form).
+        can_serve=bool(context["checkpoints"]) and job.kind == Job.Kind.TRAINING
+        and job.spec.get("template") == "pytorch-ddp"
         and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),
     )
     return context

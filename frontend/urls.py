@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import job_views, token_views, views
+from frontend import endpoint_views, job_views, token_views, views
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -30,6 +30,13 @@ urlpatterns = [
     path("jobs/<int:job_id>/", job_views.job_detail, name="job"),
     path("jobs/<int:job_id>/live/", job_views.job_live, name="job-live"),
     path("jobs/<int:job_id>/cancel/", job_views.job_cancel, name="job-cancel"),
+    path("tenants/<slug:slug>/endpoints/", endpoint_views.endpoint_list_page, name="endpoints"),
+    path("tenants/<slug:slug>/endpoints/new/", endpoint_views.endpoint_deploy, name="endpoint-deploy"),
+    path("endpoints/<int:endpoint_id>/", endpoint_views.endpoint_detail, name="endpoint"),
+    path("endpoints/<int:endpoint_id>/live/", endpoint_views.endpoint_live, name="endpoint-live"),
+    path("endpoints/<int:endpoint_id>/scale/", endpoint_views.endpoint_scale, name="endpoint-scale"),
+    path("endpoints/<int:endpoint_id>/rollout/", endpoint_views.endpoint_rollout, name="endpoint-rollout"),
+    path("endpoints/<int:endpoint_id>/stop/", endpoint_views.endpoint_stop, name="endpoint-stop"),
     path("tokens/", token_views.token_list, name="tokens"),
     path("tokens/new/", token_views.token_create, name="token-create"),
     path("tokens/<int:token_id>/revoke/", token_views.token_revoke, name="token-revoke"),

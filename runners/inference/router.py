@@ -145,7 +145,8 @@ class GenerateView(APIView):
             return JsonResponse({"detail": "No such endpoint."}, status=404)
         if endpoint.stop_requested_at is not None:
             return _unavailable(f"Endpoint {endpoint.name} is stopping.", retry_after=30)
-        body = request.body
+        # The body as RawBody read it: session authentication's CSRF check may have read the stream already.
+        body = request.data if isinstance(request.data, bytes) else b""
         if len(body) > MAX_BODY_BYTES:
             return JsonResponse({"prompt": [f"The body is over {MAX_BODY_BYTES} bytes."]}, status=413)
         _note_request(endpoint)

@@ -96,9 +96,16 @@ def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_
         newer = trained_job(actor=owner, environment=world["environment"], tmp_path=tmp_path, name="newer", seed=1)
         answer = client.post(f"/api/v1/endpoints/{endpoint.id}/rollout/", {"source": {"job": newer.id}}, format="json")
         assert answer.status_code == 202, answer.json()
-        endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY and e.generation == 2
-                         and all(r.generation == 2 for r in e.replicas.filter(retiring=False)), timeout_s=150)
+        ready_seen = []
+
+        def rolled_out(e):
+            ready_seen.append(ready_count(e))
+            return e.state == EndpointState.READY and e.generation == 2 and all(
+                r.generation == 2 for r in e.replicas.filter(retiring=False))
+
+        endpoint = drive(endpoint, rolled_out, timeout_s=150)
         # Never fewer than the wanted number ready during the rollout: each old one went only once a new one was up.
+        assert min(ready_seen) == 2, ready_seen
         assert endpoint.replicas.filter(generation=1, job__state="cancelled").count() == 2
         assert client.post(f"/api/v1/endpoints/{endpoint.id}/scale/", {"min_replicas": 1, "max_replicas": 1},
                            format="json").status_code == 202
