@@ -17,6 +17,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.environments.models import Environment, EnvironmentState
@@ -306,8 +307,6 @@ def set_state(endpoint: InferenceEndpoint, state: str, reason: str) -> None:
 
 def kick_reconcile() -> None:
     """Ask for an endpoint reconcile soon; the beat runs one anyway."""
-    from common.dispatch import send_task_at_most_every
-
     send_task_at_most_every(1, "runners.tasks.endpoints_reconcile", timezone.now().timestamp())
 
 
