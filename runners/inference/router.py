@@ -22,6 +22,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+from django.db import connection
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
@@ -182,6 +183,10 @@ class GenerateView(APIView):
             with _lock:
                 replica_id, address = min(choices, key=lambda choice: (_outstanding.get(choice[0], 0), choice[0]))
                 _outstanding[replica_id] = _outstanding.get(replica_id, 0) + cost
+            if not connection.in_atomic_block:
+                # Waiting on a replica needs no database: a request in flight must not hold a connection,
+                # or the connection budget, not the replicas, would bound how many are in flight.
+                connection.close()
             try:
                 left_s = max(0.1, give_up_at - time.monotonic())
                 status, headers, answer = _forward(address, body, content_type, timeout_s=left_s + 5.0)
