@@ -437,7 +437,7 @@ def setup_world() -> dict:
     Membership.objects.create(tenant=tenant, user=user, role="owner")
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
     environment = ready_environment(actor=user, tenant=tenant)
-    job = trained_job(actor=user, environment=environment, tmp_path=SCRATCH)
+    job = trained_job(actor=user, environment=environment)
     _, token = token_create(user=user, name="bench")
     return {"user": user, "environment": environment, "job": job, "token": token}
 

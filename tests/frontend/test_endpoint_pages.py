@@ -16,11 +16,11 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def world(tenant, owner, tmp_path):
+def world(tenant, owner):
     flavors = demo_cluster_with_flavors()
     give_quota(tenant, flavors["h100-80gb"], guaranteed=2, max=4)
     environment = ready_environment(actor=owner, tenant=tenant)
-    job = trained_job(actor=owner, environment=environment, tmp_path=tmp_path, name="tiny-lm", step=10)
+    job = trained_job(actor=owner, environment=environment, name="tiny-lm", step=10)
     return {"environment": environment, "job": job}
 
 

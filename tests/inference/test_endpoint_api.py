@@ -10,7 +10,7 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def world(settings, tenant, other_tenant, owner, outsider, tmp_path):
+def world(settings, tenant, other_tenant, owner, outsider):
     settings.PREEMPTION_GRACE_PERIOD_S = 30
     flavors = demo_cluster_with_flavors()
     give_quota(tenant, flavors["h100-80gb"], guaranteed=2, max=4)
@@ -18,8 +18,8 @@ def world(settings, tenant, other_tenant, owner, outsider, tmp_path):
     environment = ready_environment(actor=owner, tenant=tenant)
     other = ready_environment(actor=outsider, tenant=other_tenant)
     return {
-        "environment": environment, "job": trained_job(actor=owner, environment=environment, tmp_path=tmp_path),
-        "other_job": trained_job(actor=outsider, environment=other, tmp_path=tmp_path, name="theirs"),
+        "environment": environment, "job": trained_job(actor=owner, environment=environment),
+        "other_job": trained_job(actor=outsider, environment=other, name="theirs"),
     }
 
 
@@ -65,7 +65,7 @@ def test_bad_values_are_a_400_naming_the_field(world, client_for, owner, overrid
     assert status == 400 and field in body, body
 
 
-def test_the_source_must_be_a_checkpoint_of_the_tenants_own_training_job(world, client_for, owner, tenant, tmp_path):
+def test_the_source_must_be_a_checkpoint_of_the_tenants_own_training_job(world, client_for, owner):
     client = client_for(owner)
     status, body = post(client, data(world, source={"job": world["other_job"].id}))
     assert status == 400 and "source.job" in body

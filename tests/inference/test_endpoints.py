@@ -16,14 +16,14 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def world(settings, tenant, other_tenant, owner, outsider, tmp_path):
+def world(settings, tenant, other_tenant, owner, outsider):
     settings.PREEMPTION_GRACE_PERIOD_S = 20
     settings.ENDPOINT_SCALE_IN_AFTER_S = 2
     flavors = demo_cluster_with_flavors()
     give_quota(tenant, flavors["h100-80gb"], guaranteed=2, max=4)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=2, max=4)
     environment = ready_environment(actor=owner, tenant=tenant)
-    job = trained_job(actor=owner, environment=environment, tmp_path=tmp_path)
+    job = trained_job(actor=owner, environment=environment)
     return {"environment": environment, "job": job, "other": ready_environment(actor=outsider, tenant=other_tenant)}
 
 
@@ -81,7 +81,7 @@ def _load(client, endpoint, stop: threading.Event, results: list):
         connection.close()  # this thread's own database connection
 
 
-def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_for, owner, tmp_path):
+def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_for, owner):
     client = client_for(owner)
     created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=1, max_replicas=2), format="json")
     endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
@@ -93,7 +93,7 @@ def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_
     for thread in loaders:
         thread.start()
     try:
-        newer = trained_job(actor=owner, environment=world["environment"], tmp_path=tmp_path, name="newer", seed=1)
+        newer = trained_job(actor=owner, environment=world["environment"], name="newer", seed=1)
         answer = client.post(f"/api/v1/endpoints/{endpoint.id}/rollout/", {"source": {"job": newer.id}}, format="json")
         assert answer.status_code == 202, answer.json()
         ready_seen = []

@@ -16,7 +16,7 @@ from runners.workloads.train import CharModel, save_checkpoint
 from tests.support.jobs import job_data
 
 
-def trained_job(*, actor, environment, tmp_path=None, name="trained", seed=0, step=10) -> Job:
+def trained_job(*, actor, environment, name="trained", seed=0, step=10) -> Job:
     """A training job of the tenant with one checkpoint recorded: the shipped model's, written by the
     trainer's own save (weights from a seed, so two seeds serve different text); the job itself is over."""
     job = jobs.job_submit(actor=actor, data=job_data(
