@@ -19,14 +19,13 @@ from django.utils import timezone
 
 from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
-from quotas.models import PartitionKind, Quota, ResourceFlavor
+from quotas.models import PartitionKind, Quota
 from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs import services as jobs
 from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobEvent, JobState
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
-from tenants.selectors import tenant_list
 from tenants.services import require_role
 
 NAME_MAX = 30  # replica jobs are named <endpoint>-g<generation>-r<slot>, within the jobs' 40
@@ -107,37 +106,13 @@ def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
 
     Exactly the documented shape: any other field is refused by name, never ignored.
     """
-    if not isinstance(data, dict):
-        raise Invalid("non_field_errors", "An endpoint is a JSON object.")
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise Invalid(unknown[0], "Unknown field.")
-    for field in REQUIRED:
-        if data.get(field) in (None, ""):
-            raise Invalid(field, "This field is required.")
+    jobs.spec_shape_check(data, fields=FIELDS, required=REQUIRED, what="An endpoint")
     spec = {**{field: default for field, (_, _, default) in BOUNDS.items()}, **data}
-    tenant = None
-    if isinstance(spec["tenant"], str):
-        tenant = tenant_list(user=actor).filter(slug=spec["tenant"]).first()
-    if tenant is None:
-        raise Invalid("tenant", "No such tenant.")
-    require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
-    if isinstance(spec["environment"], bool) or not isinstance(spec["environment"], int) or not (
-        0 < spec["environment"] < 2**31
-    ):
-        raise Invalid("environment", "An environment id.")
-    environment = Environment.objects.filter(id=spec["environment"], tenant=tenant).first()
-    if environment is None:
-        raise Invalid("environment", f"Tenant {tenant.slug} has no environment {spec['environment']}.")
-    if environment.state != EnvironmentState.READY:
-        raise Invalid("environment", f"Environment {environment.name} is {environment.state}, not ready.")
+    tenant, environment = jobs.member_tenant_and_ready_environment(actor, spec["tenant"], spec["environment"])
     if not isinstance(spec["name"], str) or not re.fullmatch(NAME_PATTERN, spec["name"]):
         raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
     spec["source"] = _source(spec["source"], tenant)
-    flavor = ResourceFlavor.objects.filter(name=spec["flavor"]).first() if isinstance(spec["flavor"], str) else None
-    quota = Quota.objects.filter(tenant=tenant, flavor=flavor).first() if flavor else None
-    if quota is None:
-        raise Invalid("flavor", f"Tenant {tenant.slug} has no quota for flavor {spec['flavor']!r}.")
+    flavor, quota = jobs.flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
     for field, (low, high, _) in BOUNDS.items():
         if field == "gpus_per_replica" and sliced:

@@ -166,6 +166,45 @@ def _image(image, command) -> tuple[str, list[str]]:
     return image, command
 
 
+def spec_shape_check(data, *, fields, required, what: str) -> None:
+    """A spec is a JSON object of exactly these fields, the required ones given: an unknown field is refused by
+    name, never ignored (pod specs are the server's to build); Invalid names the first that is wrong."""
+    if not isinstance(data, dict):
+        raise Invalid("non_field_errors", f"{what} is a JSON object.")
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise Invalid(unknown[0], "Unknown field.")
+    for field in required:
+        if data.get(field) in (None, ""):
+            raise Invalid(field, "This field is required.")
+
+
+def member_tenant_and_ready_environment(actor: AbstractBaseUser, tenant_slug, environment_id) -> tuple:
+    """(tenant, environment) of a spec: a tenant the actor is a member of (or above), one of its ready
+    environments; Invalid names ``tenant`` or ``environment`` otherwise. Shared by every kind of work."""
+    tenant = tenant_list(user=actor).filter(slug=tenant_slug).first() if isinstance(tenant_slug, str) else None
+    if tenant is None:
+        raise Invalid("tenant", "No such tenant.")
+    require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
+    if isinstance(environment_id, bool) or not isinstance(environment_id, int) or not 0 < environment_id < 2**31:
+        raise Invalid("environment", "An environment id.")
+    environment = Environment.objects.filter(id=environment_id, tenant=tenant).first()
+    if environment is None:
+        raise Invalid("environment", f"Tenant {tenant.slug} has no environment {environment_id}.")
+    if environment.state != EnvironmentState.READY:
+        raise Invalid("environment", f"Environment {environment.name} is {environment.state}, not ready.")
+    return tenant, environment
+
+
+def flavor_and_quota(tenant: Tenant, flavor_name) -> tuple[ResourceFlavor, Quota]:
+    """The flavor a spec names and the tenant's quota for it; Invalid names ``flavor`` when there is none."""
+    flavor = ResourceFlavor.objects.filter(name=flavor_name).first() if isinstance(flavor_name, str) else None
+    quota = Quota.objects.filter(tenant=tenant, flavor=flavor).first() if flavor else None
+    if quota is None:
+        raise Invalid("flavor", f"Tenant {tenant.slug} has no quota for flavor {flavor_name!r}.")
+    return flavor, quota
+
+
 def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     """The submitted spec, checked and completed with defaults; Invalid names the first bad field.
 
@@ -173,32 +212,10 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     ``schedulerName``, ...) is refused rather than ignored, because pod specs are the
     server's to build.
     """
-    if not isinstance(data, dict):
-        raise Invalid("non_field_errors", "A job is a JSON object.")
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise Invalid(unknown[0], "Unknown field.")
-    for field in REQUIRED:
-        if data.get(field) in (None, ""):
-            raise Invalid(field, "This field is required.")
+    spec_shape_check(data, fields=FIELDS, required=REQUIRED, what="A job")
     spec = {**DEFAULTS, **{key: value for key, value in data.items() if value is not None or key in ("image", "command")}}
     spec = {key: (dict(value) if isinstance(value, dict) else value) for key, value in spec.items()}
-    try:
-        tenant = tenant_list(user=actor).get(slug=spec["tenant"]) if isinstance(spec["tenant"], str) else None
-    except Tenant.DoesNotExist:
-        tenant = None
-    if tenant is None:
-        raise Invalid("tenant", "No such tenant.")
-    require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
-    if isinstance(spec["environment"], bool) or not isinstance(spec["environment"], int) or not (
-        0 < spec["environment"] < 2**31
-    ):
-        raise Invalid("environment", "An environment id.")
-    environment = Environment.objects.filter(id=spec["environment"], tenant=tenant).first()
-    if environment is None:
-        raise Invalid("environment", f"Tenant {tenant.slug} has no environment {spec['environment']}.")
-    if environment.state != EnvironmentState.READY:
-        raise Invalid("environment", f"Environment {environment.name} is {environment.state}, not ready.")
+    tenant, environment = member_tenant_and_ready_environment(actor, spec["tenant"], spec["environment"])
     name = spec["name"]
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
@@ -211,10 +228,7 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     elif spec["image"] is not None or spec["command"] is not None:
         raise Invalid("image" if spec["image"] is not None else "command", "Only custom jobs take an image and command.")
     _integer(spec, "replicas")
-    flavor = ResourceFlavor.objects.filter(name=spec["flavor"]).first() if isinstance(spec["flavor"], str) else None
-    quota = Quota.objects.filter(tenant=tenant, flavor=flavor).first() if flavor else None
-    if quota is None:
-        raise Invalid("flavor", f"Tenant {tenant.slug} has no quota for flavor {spec['flavor']!r}.")
+    flavor, quota = flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
     _integer(spec, "gpus_per_replica", high=1 if sliced else None)
     units = spec["replicas"] * spec["gpus_per_replica"]

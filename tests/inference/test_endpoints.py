@@ -216,3 +216,19 @@ def test_load_scales_out_and_after_it_ends_back_in_once_each_way(world, client_f
     samples = client.get(f"/api/v1/endpoints/{endpoint.id}/samples/").json()["samples"]
     assert any(sample["requests_per_s"] > 0 and sample["p50_ms"] for sample in samples)
     assert max(sample["ready_replicas"] for sample in samples) == 2
+
+
+def test_a_checkpoint_that_does_not_load_fails_the_endpoint_saying_why(world, client_for, owner, settings):
+    from runners.clusters.registry import get_backend
+
+    settings.PREEMPTION_GRACE_PERIOD_S = 20
+    checkpoint = world["job"].checkpoints.get()
+    (get_backend().jobs.job_dir(world["job"].id) / checkpoint.uri).write_bytes(b"not a checkpoint")
+    client = client_for(owner)
+    created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=1, max_replicas=1), format="json")
+    endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
+    endpoint = drive(endpoint, lambda e: e.state == EndpointState.FAILED, timeout_s=120)
+    assert "fail to start" in endpoint.reason and "exited with 1" in endpoint.reason
+    replica = endpoint.replicas.get()  # retried within its job (max_retries), never a new replica after each failure
+    assert replica.job.state == "failed" and replica.job.attempts.count() == 4
+    assert generate(client, endpoint, {"prompt": "hello", "max_tokens": 4, "deadline_ms": 500})[0] == 503
