@@ -14,13 +14,14 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from common.errors import Conflict, NotFound
+from common.errors import Conflict
 from frontend.forms import EndpointForm, EndpointRolloutForm, EndpointScaleForm
 from frontend.job_views import _flavor_rows
 from runners.environments import selectors as environment_selectors
 from runners.environments.models import EnvironmentState
 from runners.inference import services as endpoints
-from runners.inference.models import EndpointState, InferenceEndpoint
+from runners.inference.models import EndpointState
+from runners.inference.selectors import endpoint_get, endpoint_list
 from runners.jobs import selectors as job_selectors
 from runners.jobs.attempts import open_attempts
 from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job
@@ -39,22 +40,6 @@ CHARTS = [
     ("chart-shed", "Shed rate", "requests/s", [("shed_per_s", "shed (429)", "#b42318"),
                                                ("expired_per_s", "expired (504)", "#7c3aed")]),
 ]
-
-
-# --- Reads, scoped to the caller's tenants (as the job pages' selectors are) -----------------
-
-
-def endpoint_list(*, user, tenant):
-    return InferenceEndpoint.objects.filter(tenant__in=selectors.tenant_list(user=user), tenant=tenant).select_related(
-        "tenant", "flavor", "source_job")
-
-
-def endpoint_get(*, user, endpoint_id) -> InferenceEndpoint:
-    try:
-        return InferenceEndpoint.objects.select_related("tenant", "flavor", "environment", "source_job").get(
-            tenant__in=selectors.tenant_list(user=user), id=endpoint_id)
-    except (InferenceEndpoint.DoesNotExist, ValueError, TypeError):
-        raise NotFound("No such endpoint.") from None
 
 
 def _source_jobs(user, tenant) -> list[dict]:

@@ -30,9 +30,9 @@ from rest_framework.parsers import BaseParser
 from rest_framework.views import APIView
 
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica
+from runners.inference.selectors import endpoint_serving
 from runners.inference.services import kick_reconcile
 from runners.jobs.models import JobState
-from tenants.selectors import tenant_list
 
 # How often the router notes a request on the endpoint's row (the autoscaler's idle clock).
 NOTE_REQUEST_EVERY_S = 2.0
@@ -139,9 +139,7 @@ class GenerateView(APIView):
         },
     )
     def post(self, request, tenant: str, name: str):
-        endpoint = InferenceEndpoint.objects.filter(
-            tenant__in=tenant_list(user=request.user), tenant__slug=tenant, name=name,
-        ).exclude(state=EndpointState.STOPPED).first()
+        endpoint = endpoint_serving(user=request.user, tenant_slug=tenant, name=name)
         if endpoint is None:
             return JsonResponse({"detail": "No such endpoint."}, status=404)
         if endpoint.stop_requested_at is not None:
