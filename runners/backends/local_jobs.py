@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
@@ -47,6 +47,8 @@ SERVER_MODULE = "runners.workloads.serve"
 # An inference replica's own copy of the checkpoint it serves, in its job folder: the source job's
 # trainer keeps only its newest few checkpoints, and the endpoint must not lose its model to that.
 SERVED_MODEL_FILE = "served-model.pt"
+# Where each endpoint's pinned checkpoints are kept: <jobs_dir>/endpoints/<endpoint id>/.
+ENDPOINTS_DIR = "endpoints"
 # How long a launch waits for the detached supervisor to say it is up.
 SUPERVISOR_START_TIMEOUT_S = 20.0
 # Variables of the portal host a replica inherits; everything else it gets is set below.
@@ -102,7 +104,10 @@ def _attempt_processes(pgid: int, job_id: int, attempt: int, job_dir: Path, atte
                 args = stream.read().split(b"\0")
             if SUPERVISOR_MODULE.encode() in args and str(attempt_dir).encode() in args:
                 return True
-            if (TRAINER_MODULE.encode() in args or SERVER_MODULE.encode() in args) and str(job_dir).encode() in args:
+            inside = str(job_dir).encode()
+            if (TRAINER_MODULE.encode() in args or SERVER_MODULE.encode() in args) and any(
+                arg == inside or arg.startswith(inside + b"/") for arg in args
+            ):
                 with open(f"/proc/{entry.name}/environ", "rb") as stream:
                     environ = b"\0" + stream.read()
                 if all(b"\0" + mark in environ for mark in marks):
@@ -184,15 +189,7 @@ class LocalJobs:
         else:
             model = job_dir / SERVED_MODEL_FILE
             if not model.exists():
-                # The trainer records a checkpoint's path within its job folder (checkpoints/step-N.pt).
-                source = Path(launch.serving.checkpoint)
-                if not source.is_absolute() and launch.serving.source_job_id is not None:
-                    source = self.job_dir(launch.serving.source_job_id) / source
-                try:
-                    shutil.copyfile(source, job_dir / f".{SERVED_MODEL_FILE}.tmp")
-                except OSError as exc:
-                    raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
-                os.replace(job_dir / f".{SERVED_MODEL_FILE}.tmp", model)
+                self._copy_atomically(self._pinned_checkpoint(launch.serving), model)
             serving_port = free_port()
             argv = [
                 sys.executable, "-m", SERVER_MODULE, "--checkpoint", str(model), "--host", "127.0.0.1",
@@ -248,6 +245,29 @@ class LocalJobs:
                 raise TransientBackendError(f"The supervisor of job {launch.job_id} did not start.")
             time.sleep(0.05)
         return resumed
+
+    def _pinned_checkpoint(self, serving) -> Path:
+        """The endpoint's own copy of the checkpoint it serves, made by its first replica's launch: the source
+        job's trainer keeps only its newest few files, and later replicas must still find this one."""
+        relative = PurePosixPath(serving.checkpoint)
+        if serving.source_job_id is None or relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise PermanentBackendError(f"Not a checkpoint within its job's folder: {serving.checkpoint!r}.")
+        pinned = self.jobs_dir / ENDPOINTS_DIR / str(serving.endpoint_id) / (
+            f"job-{serving.source_job_id}-" + "-".join(relative.parts))
+        if not pinned.exists():
+            pinned.parent.mkdir(parents=True, exist_ok=True)
+            self._copy_atomically(self.job_dir(serving.source_job_id) / Path(*relative.parts), pinned)
+        return pinned
+
+    @staticmethod
+    def _copy_atomically(source: Path, target: Path) -> None:
+        temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            shutil.copyfile(source, temp)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
+        os.replace(temp, target)
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         try:

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from quotas.models import Quota
 from runners.backends.base import BackendError
 from runners.clusters.registry import get_backend
-from runners.environments.models import EnvironmentState
+from runners.environments.models import Environment, EnvironmentState
 from runners.inference import autoscale
 from runners.inference.models import (
     EndpointSample,
@@ -43,6 +43,8 @@ from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobSt
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+# How long a rollout's new replica may wait for capacity before an old replica makes way for it.
+ROLLOUT_SURGE_WAIT_S = 60.0
 # Samples older than this are deleted as the reconcile goes (the page shows the last hour).
 SAMPLE_KEEP_S = 24 * 3600
 
@@ -113,8 +115,10 @@ def _read_replicas(endpoint: InferenceEndpoint, backend) -> dict[int, tuple[str,
             address = backend.serving_address(replica.job_id, attempt.number)
         except BackendError as exc:
             logger.warning("Could not read where replica %s of %s answers: %s", replica.id, endpoint, exc)
+            read[replica.id] = ("", None)
             continue
-        read[replica.id] = (address or "", probe(address) if address else None)
+        found = probe(address) if address else Probe(ready=False)
+        read[replica.id] = (address or "", found)
     return read
 
 
@@ -200,6 +204,13 @@ def _set_preemptible(replica: Replica, value: bool) -> None:
     Job.objects.filter(id=job.id).update(preemptible=value, spec=job.spec)
 
 
+def _failed_to_start(endpoint: InferenceEndpoint, replicas: list[Replica]) -> list[Replica]:
+    """Replicas of the current generation whose jobs failed (past their retries) without ever being ready: a
+    replica that served and later failed is replaced, never counted against the endpoint."""
+    return [r for r in replicas if r.generation == endpoint.generation and r.job.state == JobState.FAILED
+            and r.ready_since is None]
+
+
 def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
     """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them."""
     replicas = list(endpoint.replicas.select_related("job").order_by("slot", "id"))
@@ -207,9 +218,9 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
     current = [r for r in live if r.generation == endpoint.generation]
     stale = [r for r in live if r.generation != endpoint.generation]
     desired = 0 if stopping else endpoint.desired_replicas
-    failed = [r for r in replicas if r.generation == endpoint.generation and r.job.state == JobState.FAILED]
+    failed = _failed_to_start(endpoint, replicas)
     ready = [r for r in live if r.ready]
-    # A failing generation starts nothing more until a rollout or a scale asks again.
+    # A generation whose replicas fail to start starts nothing more until a rollout asks for another.
     blocked = bool(failed) and not any(r.ready for r in current) and len(failed) >= endpoint.max_replicas
 
     # Preemptibility follows the slot: below min_replicas a replica is never preempted. A replica
@@ -220,7 +231,8 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
         want = replica.slot >= endpoint.min_replicas
         if replica.job.preemptible and not want and not any(r.slot == replica.slot for r in stale):
             if guaranteed is None:
-                quota = Quota.objects.filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
+                # The quota's row, locked: two endpoints of one tenant reconciled at once never both promote.
+                quota = Quota.objects.select_for_update().filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
                 guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
             if guaranteed >= replica.job.units:
                 _set_preemptible(replica, False)
@@ -228,7 +240,11 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
         elif not replica.job.preemptible and want:
             _set_preemptible(replica, True)
 
-    # Start what is missing; during a rollout only one new replica is starting at a time.
+    # Start what is missing; during a rollout only one new replica is starting at a time. The environment's
+    # row is locked and read again first (as a submit does), so no replica slips into one being deleted.
+    if len(current) < desired and not blocked:
+        environment = Environment.objects.select_for_update(of=("self",)).get(id=endpoint.environment_id)
+        blocked = environment.state != EnvironmentState.READY
     while len(current) < desired and not blocked:
         if stale and any(not r.ready for r in current):
             break
@@ -247,14 +263,26 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
         if not replica.ready or stopping:
             replica_retire(replica, f"Replaced by generation {endpoint.generation}." if not stopping else endpoint.reason)
             ready = [r for r in ready if r.id != replica.id]
+    # How long a new replica has waited for the cycle to admit it (starting up once admitted is not waiting).
+    waited_s = max([(timezone.now() - r.created_at).total_seconds() for r in current
+                    if r.job.state == JobState.QUEUED], default=0.0)
     for replica in [r for r in stale if not r.retiring]:
         if len(ready) - 1 >= min(desired, len(ready)) and any(r.ready for r in current):
             replica_retire(replica, f"Replaced by generation {endpoint.generation}: draining.")
             ready = [r for r in ready if r.id != replica.id]
             break  # one at a time: the next once another new replica is ready
+        if waited_s > ROLLOUT_SURGE_WAIT_S:
+            # No room for one more (the tenant at its max, nothing idle to borrow): one old replica makes way,
+            # draining first, so the rollout goes on one unavailable at a time instead of waiting forever.
+            replica_retire(replica, f"Making room for generation {endpoint.generation}: its new replica waited "
+                                    f"{waited_s:.0f} s for capacity. Draining.")
+            ready = [r for r in ready if r.id != replica.id]
+            break
     extra = len(current) - desired
     if extra > 0:
-        order = sorted(current, key=lambda r: (r.ready, -r.slot))
+        # Slots from min_replicas up go first, so the replicas that stay are the non-preemptible ones; then those
+        # not serving; then the highest slot.
+        order = sorted(current, key=lambda r: (r.slot < endpoint.min_replicas, r.ready, -r.slot))
         for replica in order[:extra]:
             if replica.ready and len(ready) - 1 < desired:
                 continue
@@ -276,7 +304,7 @@ def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
         return
     current = [r for r in holding if r.generation == endpoint.generation and not r.retiring]
     ready = [r for r in current if r.ready]
-    failed = [r for r in replicas if r.generation == endpoint.generation and r.job.state == JobState.FAILED]
+    failed = _failed_to_start(endpoint, replicas)
     desired = endpoint.desired_replicas
     if failed and not ready and len(failed) >= endpoint.max_replicas:
         newest = max(failed, key=lambda r: r.id)
@@ -299,13 +327,15 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
     endpoint = InferenceEndpoint.objects.select_related("tenant", "environment").get(id=endpoint_id)
     if endpoint.state == EndpointState.STOPPED:
         return "stopped"
+    now = now or timezone.now()  # when this pass's read started: its sample's time
     read = _read_replicas(endpoint, backend)
-    now = now or timezone.now()
     with transaction.atomic():
         endpoint = InferenceEndpoint.objects.select_for_update(of=("self",), skip_locked=True).filter(
             id=endpoint_id).select_related("tenant", "environment", "flavor").first()
         if endpoint is None:
             return "busy"
+        if endpoint.autoscale_state.get("totals_at", 0) >= now.timestamp():
+            return "busy"  # a pass that read after this one has already written: this one's reads are older
         if endpoint.stop_requested_at is None and endpoint.environment.state != EnvironmentState.READY:
             endpoint.stop_requested_at = now
             endpoint.reason = f"Environment {endpoint.environment.name} is {endpoint.environment.state}."
@@ -315,8 +345,13 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
         stopping = endpoint.stop_requested_at is not None
         ready_ids = set()
         for replica in endpoint.replicas.filter(retiring=False):
-            address, found = read.get(replica.id, ("", None))
-            ready = bool(found and found.ready)
+            if replica.id in read:
+                address, found = read[replica.id]
+                # Not answering this once (a timeout, the API unreachable) is not "not ready": only the server's
+                # own /readyz answer, or its job no longer running, changes that.
+                ready = found.ready if found is not None else replica.ready
+            else:
+                address, ready = "", False  # its job is not running
             changed = {"ready": ready, "address": address or replica.address}
             if ready and replica.ready_since is None:
                 changed["ready_since"] = now

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import time
 from urllib.parse import urlsplit
@@ -31,8 +32,10 @@ from rest_framework.views import APIView
 
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica
 from runners.inference.selectors import endpoint_serving
-from runners.inference.services import kick_reconcile
+from runners.inference.services import kick_reconcile, max_deadline_ms
 from runners.jobs.models import JobState
+from tenants.models import Role
+from tenants.selectors import user_has_role
 
 # How often the router notes a request on the endpoint's row (the autoscaler's idle clock).
 NOTE_REQUEST_EVERY_S = 2.0
@@ -67,7 +70,13 @@ def _cost(body: bytes) -> tuple[int, float | None]:
     tokens = data.get("max_tokens")
     deadline = data.get("deadline_ms")
     cost = (len(prompt.encode()) if isinstance(prompt, str) else 0) + (tokens if isinstance(tokens, int) else 16)
-    return max(1, cost), float(deadline) if isinstance(deadline, (int, float)) and deadline > 0 else None
+    try:
+        deadline = float(deadline) if isinstance(deadline, (int, float)) and not isinstance(deadline, bool) else None
+    except OverflowError:
+        deadline = None
+    if deadline is None or not math.isfinite(deadline) or deadline <= 0:
+        deadline = None  # the server answers a bad one with a 400 naming it; the router waits no longer than its cap
+    return max(1, min(cost, 1 << 30)), deadline
 
 
 def _with_deadline(body: bytes, left_ms: float) -> bytes | None:
@@ -142,6 +151,9 @@ class GenerateView(APIView):
         endpoint = endpoint_serving(user=request.user, tenant_slug=tenant, name=name)
         if endpoint is None:
             return JsonResponse({"detail": "No such endpoint."}, status=404)
+        if not user_has_role(user=request.user, tenant=endpoint.tenant, at_least=Role.MEMBER):
+            return JsonResponse({"detail": "Viewers read endpoints; generating takes a member of the tenant."},
+                                status=403)
         if endpoint.stop_requested_at is not None:
             return _unavailable(f"Endpoint {endpoint.name} is stopping.", retry_after=30)
         # The body as RawBody read it: session authentication's CSRF check may have read the stream already.
@@ -150,7 +162,8 @@ class GenerateView(APIView):
             return JsonResponse({"prompt": [f"The body is over {MAX_BODY_BYTES} bytes."]}, status=413)
         _note_request(endpoint)
         cost, deadline_ms = _cost(body)
-        deadline_ms = deadline_ms or float(endpoint.spec["default_deadline_ms"])
+        # Never wait longer than any request may ask (a drain must be able to answer it): the server refuses more.
+        deadline_ms = min(deadline_ms or float(endpoint.spec["default_deadline_ms"]), float(max_deadline_ms()))
         give_up_at = time.monotonic() + deadline_ms / 1000.0
         content_type = request.META.get("CONTENT_TYPE", "")
         tried: set[int] = set()

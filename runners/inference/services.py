@@ -201,7 +201,9 @@ def endpoint_scale(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data
             raise Invalid("max_replicas", f"At least min_replicas ({values['min_replicas']}) and at least 1.")
         if values["warm_replicas"] > values["max_replicas"]:
             raise Invalid("warm_replicas", f"At most max_replicas ({values['max_replicas']}).")
-        quota = Quota.objects.get(tenant=endpoint.tenant, flavor=endpoint.flavor)
+        quota = Quota.objects.filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
+        if quota is None:
+            raise Invalid("flavor", f"Tenant {endpoint.tenant.slug} no longer has a quota for {endpoint.flavor.name}.")
         if values["min_replicas"] * endpoint.gpus_per_replica > quota.guaranteed:
             raise Invalid("min_replicas", f"Past tenant {endpoint.tenant.slug}'s guarantee of {quota.guaranteed} units "
                                           f"of {endpoint.flavor.name}.")

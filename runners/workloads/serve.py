@@ -190,6 +190,14 @@ def load_model(path: Path, device: torch.device) -> tuple[CharModel, bytes]:
     return model, alphabet
 
 
+def _finite(number: int | float) -> bool:
+    """Whether a JSON number is a finite float: an integer of 400 digits is neither, and must not raise."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 def check_request(body, s: Settings, allowed: frozenset) -> tuple[bytes, int, float]:
     """(prompt bytes, max_tokens, deadline_ms) of a request body, or ValueError({field: why})."""
     if not isinstance(body, dict):
@@ -220,7 +228,7 @@ def check_request(body, s: Settings, allowed: frozenset) -> tuple[bytes, int, fl
     if len(data) + max_tokens > s.batch_token_budget:
         raise ValueError({"max_tokens": f"prompt bytes + max_tokens must fit the batch budget of {s.batch_token_budget}"})
     deadline_ms = body.get("deadline_ms", s.default_deadline_ms)
-    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not math.isfinite(deadline_ms):
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, (int, float)) or not _finite(deadline_ms):
         raise ValueError({"deadline_ms": "a number of milliseconds"})
     if deadline_ms <= 0:
         raise ValueError({"deadline_ms": "must be positive: the deadline is that long after the request arrives"})

@@ -7,6 +7,7 @@ import threading
 import pytest
 from django.db import connection
 
+from runners.clusters.registry import get_backend
 from runners.inference.models import EndpointState, InferenceEndpoint, ScaleEvent
 from runners.jobs.models import Job
 from tests.support.endpoints import drive, ready_count, trained_job
@@ -42,7 +43,8 @@ def generate(client, endpoint, body, **extra):
     return answer.status_code, answer.json() if answer.content else None
 
 
-def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_drain(world, client_for, owner, outsider):
+def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_drain(
+        world, client_for, owner, outsider, viewer):
     client = client_for(owner)
     created = client.post("/api/v1/endpoints/", endpoint_data(world), format="json")
     assert created.status_code == 201, created.json()
@@ -62,13 +64,24 @@ def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_d
     status, answer = generate(client, endpoint, {"prompt": "hi", "max_tokens": 8, "deadline_ms": -5})
     assert status == 400 and "deadline_ms" in answer
     assert generate(client_for(outsider), endpoint, {"prompt": "hello", "max_tokens": 8})[0] == 404
+    assert generate(client_for(viewer), endpoint, {"prompt": "hello", "max_tokens": 8})[0] == 403
+    answer = client.post("/serve/acme/chat/v1/generate", data=b'{"prompt": "hi", "max_tokens": 4, "deadline_ms": 1' + b"0" * 400 + b"}",
+                         content_type="application/json")
+    assert answer.status_code == 400 and "deadline_ms" in answer.json()  # the server names it; the router never 500s
+
+    # The trainer prunes old checkpoints; a replica started later still finds the endpoint's pinned copy.
+    checkpoint = world["job"].checkpoints.get()
+    (get_backend().jobs.job_dir(world["job"].id) / checkpoint.uri).unlink()
+    assert client.post(f"/api/v1/endpoints/{endpoint.id}/scale/", {"min_replicas": 2, "max_replicas": 2},
+                       format="json").status_code == 202
+    endpoint = drive(endpoint, lambda e: ready_count(e) == 2 and e.state == EndpointState.READY)
     assert client_for(outsider).get(f"/api/v1/endpoints/{endpoint.id}/").status_code == 404
     detail = client.get(f"/api/v1/endpoints/{endpoint.id}/").json()
     assert detail["state"] == "ready" and detail["replicas"][0]["ready"] and detail["replicas"][0]["node"]
 
     assert client.post(f"/api/v1/endpoints/{endpoint.id}/stop/").status_code == 202
     endpoint = drive(endpoint, lambda e: e.state == EndpointState.STOPPED)
-    assert endpoint.replicas.get().job.state == "cancelled"
+    assert {replica.job.state for replica in endpoint.replicas.all()} == {"cancelled"}
     assert ScaleEvent.objects.filter(endpoint=endpoint, to_replicas=0).exists()
 
 
