@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from runners.inference import services as endpoints
 from runners.inference.models import EndpointSample, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs.attempts import open_attempts
+from runners.jobs.models import JOB_FINAL_STATES
 from tenants.scoping import TenantScopedMixin
 
 
@@ -105,7 +106,7 @@ class EndpointSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(ReplicaSerializer(many=True))
     def get_replicas(self, endpoint) -> list:
-        live = [r for r in endpoint.replicas.all() if r.job.state not in ("succeeded", "failed", "cancelled")]
+        live = [r for r in endpoint.replicas.all() if r.job.state not in JOB_FINAL_STATES]
         attempts = open_attempts([r.job for r in live])
         return ReplicaSerializer(live, many=True, context={"attempts": attempts}).data
 

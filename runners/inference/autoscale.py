@@ -69,7 +69,7 @@ def decide(history: list[dict], load: Load, bounds: Bounds, policy: Policy, *, c
         return max(bounds.min_replicas, min(bounds.max_replicas, count))
 
     def with_warm(count: int) -> int:
-        return clamp(count + bounds.warm_replicas) if count > 0 or bounds.warm_replicas else clamp(0)
+        return clamp(count + bounds.warm_replicas)
 
     target_now = with_warm(wants)
     if target_now > current:

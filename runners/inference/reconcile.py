@@ -127,7 +127,7 @@ def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -
     memory = endpoint.autoscale_state
     previous = memory.get("totals", {})
     previous_at = memory.get("totals_at")
-    totals, answered, refused = {}, 0.0, 0.0
+    totals, answered, shed, expired = {}, 0.0, 0.0, 0.0
     bucket_delta: dict[str, float] = {}
     queue = running = 0
     for replica_id, (_, found) in read.items():
@@ -143,22 +143,18 @@ def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -
             continue  # a replica first seen: its counts so far are not this interval's
         delta = {key: max(0.0, value - before["counts"].get(key, 0.0)) for key, value in counts.items()}
         answered += delta.get("answered", 0.0)
-        refused += delta.get("shed", 0.0) + delta.get("expired", 0.0)
-        earlier = dict((upper, count) for upper, count in before.get("buckets", []))
+        shed += delta.get("shed", 0.0)
+        expired += delta.get("expired", 0.0)
+        earlier = dict(before.get("buckets", []))
         for upper, count in found.buckets:
             bucket_delta[upper] = bucket_delta.get(upper, 0.0) + max(0.0, count - earlier.get(upper, 0.0))
     elapsed = max(1e-3, now.timestamp() - previous_at) if previous_at else None
     memory["totals"] = totals
     memory["totals_at"] = now.timestamp()
     buckets = sorted(bucket_delta.items())
-    shed = sum(
-        max(0.0, found.counts.get("shed", 0.0) - previous.get(str(replica_id), {}).get("counts", {}).get("shed", 0.0))
-        for replica_id, (_, found) in read.items() if found is not None and str(replica_id) in previous
-    )
-    expired = refused - shed
     return EndpointSample(
         endpoint=endpoint, at=now, ready_replicas=len(ready_ids), queue_depth=queue, running=running,
-        requests_per_s=(answered + refused) / elapsed if elapsed else 0.0,
+        requests_per_s=(answered + shed + expired) / elapsed if elapsed else 0.0,
         shed_per_s=shed / elapsed if elapsed else 0.0, expired_per_s=expired / elapsed if elapsed else 0.0,
         p50_ms=_quantile_ms(buckets, 0.5), p99_ms=_quantile_ms(buckets, 0.99),
     )

@@ -102,10 +102,15 @@ def _ready_replicas(endpoint: InferenceEndpoint) -> list[tuple[int, str]]:
 
 
 def _note_request(endpoint: InferenceEndpoint) -> None:
+    """Note the request for the autoscaler's idle clock: at most every few seconds, and every time while the
+    endpoint is scaled to zero, when the note (and a kicked reconcile) is what wakes it."""
     now = timezone.now()
-    if endpoint.last_request_at is None or (now - endpoint.last_request_at).total_seconds() >= NOTE_REQUEST_EVERY_S:
+    waking = endpoint.desired_replicas == 0
+    if waking or endpoint.last_request_at is None or (
+            now - endpoint.last_request_at).total_seconds() >= NOTE_REQUEST_EVERY_S:
         InferenceEndpoint.objects.filter(id=endpoint.id).update(last_request_at=now)
-        if endpoint.desired_replicas == 0:
+        endpoint.last_request_at = now
+        if waking:
             kick_reconcile()
 
 
@@ -179,9 +184,7 @@ class GenerateView(APIView):
                         "No replica is ready yet (starting); try again." if starting else "No replica is ready.",
                         retry_after=5,
                     )
-                if endpoint.desired_replicas == 0:
-                    InferenceEndpoint.objects.filter(id=endpoint.id).update(last_request_at=timezone.now())
-                    kick_reconcile()
+                _note_request(endpoint)
                 time.sleep(COLD_START_POLL_S)
                 waited = True
                 endpoint.refresh_from_db(fields=["desired_replicas", "state"])
