@@ -133,11 +133,11 @@ def test_a_rollout_and_a_scale_in_under_load_answer_every_request(world, client_
 
 
 def test_scaled_to_zero_the_first_request_waits_for_a_cold_start_within_its_deadline(world, client_for, owner, settings):
-    settings.ENDPOINT_IDLE_AFTER_S = 1
     client = client_for(owner)
     created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=0, max_replicas=1), format="json")
     endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
     endpoint = drive(endpoint, lambda e: e.state == EndpointState.READY and ready_count(e) == 1)
+    settings.ENDPOINT_IDLE_AFTER_S = 1  # only once it is up: on a slow machine it would idle out while starting
     endpoint = drive(endpoint, lambda e: e.desired_replicas == 0 and e.state == EndpointState.READY
                      and not e.replicas.exclude(job__state__in=["cancelled", "succeeded", "failed"]).exists())
     assert "Scale in: no request" in endpoint.scale_events.first().reason
