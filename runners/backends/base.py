@@ -265,6 +265,29 @@ class ProgressRead:
     bytes_read: int = 0
 
 
+# Where a GPU reading came from: NVML on this host, the DCGM exporter read through Prometheus, or the
+# workload's own measured activity on a simulated GPU (shown as simulated wherever it is shown).
+READING_SOURCES = ("nvml", "dcgm", "simulated")
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One device's utilization as one replica of an attempt saw it at one moment.
+
+    ``device`` names what was read: a GPU's UUID (or index), a MIG instance (``<gpu uuid>/<gi id>``
+    or the MIG device's own UUID) or a time-slice share of a GPU. A figure the source does not
+    report is None (NVML gives no utilization for a MIG instance; a simulated GPU has no power).
+    """
+
+    rank: int
+    device: str
+    at: float  # seconds since the epoch
+    source: str  # one of READING_SOURCES
+    gpu_util_pct: float | None = None
+    memory_used_mib: float | None = None
+    power_w: float | None = None
+
+
 @runtime_checkable
 class ClusterBackend(Protocol):
     """What the portal asks of a cluster: environments, inventory and partitions, and jobs."""
@@ -344,4 +367,11 @@ class ClusterBackend(Protocol):
 
         At most PROGRESS_READ_MAX_BYTES a call, and only whole records: the rest comes on the
         next call. Records keep the shapes of runners.workloads.progress.
+        """
+
+    def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
+        """The newest utilization readings of the given (job id, attempt) pairs' devices, one per device.
+
+        One call for every open attempt, so a backend that reads a metrics store asks it once per
+        metric, not once per attempt. Attempts with nothing to read are left out.
         """
