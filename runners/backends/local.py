@@ -26,6 +26,7 @@ from runners.backends.base import (
     AttemptStatus,
     EnvironmentSpec,
     GpuInfo,
+    GpuReading,
     JobLaunch,
     NodeInfo,
     PartitionSpec,
@@ -258,6 +259,9 @@ class LocalBackend:
 
     def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
         return self.jobs.progress(job_id, attempt, cursor)
+
+    def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
+        return self.jobs.gpu_readings(attempts)
 
     def set_node_down(self, node_name: str, down: bool = True) -> None:
         """Simulate losing a node (or getting it back): it leaves the inventory and its jobs' processes die."""

@@ -1,12 +1,16 @@
 """Jobs on the local backend: each attempt's replicas are real processes on this host.
 
-One attempt lives in ``<jobs_dir>/<job id>/attempts/<n>/``: ``launch.json`` (what to run),
-``supervisor.pid``, ``rank-<r>.log``, ``rank-<r>.exit`` and ``scratch/`` (the replicas' $HOME,
-$TMPDIR and caches). The job folder itself is the trainer's (``metrics.jsonl``,
+One attempt lives in ``<jobs_dir>/<job id>/attempts/<n>/``: ``launch.json`` (what to run, and where
+each rank was placed), ``supervisor.pid``, ``rank-<r>.log``, ``rank-<r>.exit``, ``rank-<r>.activity.json``
+(how busy the rank keeps its simulated GPU: `runners.workloads.activity`) and ``scratch/`` (the
+replicas' $HOME, $TMPDIR and caches). The job folder itself is the trainer's (``metrics.jsonl``,
 ``checkpoints/``), shared by every attempt, so a relaunch resumes from the newest checkpoint.
 `runners.workloads.supervise` starts the replicas in a process group of their own and records
 their exit codes; nothing here waits for a process, so a worker restart loses nothing and the
 status is read from the outside.
+
+GPU readings: a rank on one of this host's own GPUs (``real_gpu_nodes``) is read through NVML
+(`nvml_readings`); a rank on a simulated node reports the activity it measured itself.
 
 Only the shipped trainer runs here, and only the job's spec steers it: a tenant never gets to
 run a command on the portal host; the trainer's settings are flags built from the spec; the
@@ -18,7 +22,9 @@ and caches are folders of the attempt; and its memory is bounded by memory_mib_p
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -27,18 +33,25 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path, PurePosixPath
+from types import ModuleType
 
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
+    GpuReading,
     JobLaunch,
     NodeLostError,
     PermanentBackendError,
     ProgressRead,
+    ReplicaPlacement,
     TransientBackendError,
 )
-from runners.workloads import env_policy, progress, supervise
+from runners.nvidia import names
+from runners.workloads import activity, env_policy, progress, supervise
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SUPERVISOR_MODULE = "runners.workloads.supervise"
@@ -136,7 +149,7 @@ class LocalJobs:
         return self.jobs_dir / str(job_id)
 
     def attempt_dir(self, job_id: int, attempt: int) -> Path:
-        return self.job_dir(job_id) / "attempts" / str(attempt)
+        return self.job_dir(job_id) / activity.ATTEMPTS_DIR / str(attempt)
 
     def _supervisor(self, job_id: int, attempt: int) -> tuple[int, int] | None:
         try:
@@ -197,6 +210,9 @@ class LocalJobs:
             ]
         replicas = []
         for replica in launch.replicas:
+            # The trainer finds its activity file in this folder by itself (its command line is the spec's).
+            replica_argv = argv if launch.serving is None else [
+                *argv, "--activity-file", str(activity.activity_file(attempt_dir, replica.rank))]
             env = {
                 **host,
                 **dict(launch.env),
@@ -216,13 +232,13 @@ class LocalJobs:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in replica.gpus)
                 env["LOCAL_RANK"] = "0"  # each rank sees only its own GPUs
             replicas.append({
-                "rank": replica.rank, "argv": argv, "env": env,
-                "memory_limit_bytes": launch.memory_mib_per_replica * 1024 * 1024,
+                "rank": replica.rank, "argv": replica_argv, "env": env,
+                "memory_limit_bytes": launch.memory_mib_per_replica * 1024 * 1024, "placement": asdict(replica),
             })
         record = {
             "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(REPO_ROOT), "replicas": replicas,
             "nodes": sorted({replica.node for replica in launch.replicas}), "resumed_from_step": resumed,
-            "workload": launch.workload, "serving_port": serving_port,
+            "workload": launch.workload, "serving_port": serving_port, "gpu_resource": launch.gpu_resource,
         }
         temp = attempt_dir / f".{supervise.LAUNCH_FILE}.tmp"
         temp.write_text(json.dumps(record, indent=2))
@@ -389,3 +405,140 @@ class LocalJobs:
             metrics=found["metrics"], checkpoints=found["checkpoints"], cursor=new_cursor,
             bytes_read=PROGRESS_READ_MAX_BYTES - left,
         )
+
+    # --- GPU readings ---------------------------------------------------------------
+
+    def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
+        """One reading per device each rank of the attempts was placed on: NVML's for this host's own GPUs,
+        the rank's measured activity for a simulated one (none once its file is stale: a hung or ended rank)."""
+        real_nodes: set[str] | None = None  # asked of NVML once per call, and only when a rank is on a GPU
+        found: dict[tuple[int, int], list[GpuReading]] = {}
+        for job_id, attempt in sorted(attempts):
+            attempt_dir = self.attempt_dir(job_id, attempt)
+            try:
+                record = json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+            timeslice = record.get("gpu_resource") == names.TIMESLICE_RESOURCE
+            readings: list[GpuReading] = []
+            for replica in record["replicas"]:
+                if not replica.get("placement", {}).get("gpus"):
+                    continue  # launched before placements were recorded, or placed on no GPU
+                placement = _placement(replica["placement"])
+                if real_nodes is None:
+                    real_nodes = self._real_gpu_nodes()
+                if placement.node in real_nodes:
+                    readings += _nvml_readings_logged(placement)
+                else:
+                    readings += _simulated_readings(attempt_dir, placement, timeslice=timeslice)
+            if readings:
+                found[(job_id, attempt)] = readings
+        return found
+
+
+def _placement(data: dict) -> ReplicaPlacement:
+    return ReplicaPlacement(
+        rank=data["rank"], node=data["node"], gpus=tuple(data["gpus"]), mig_profile=data.get("mig_profile"),
+        mig_start=data.get("mig_start"),
+    )
+
+
+def simulated_device(placement: ReplicaPlacement, index: int, *, timeslice: bool) -> str:
+    """A simulated GPU's name: ``<node>/gpu<index>``, then ``/mig-<profile>@<start>`` for a MIG instance or
+    ``/ts`` for a time-slice share of the GPU."""
+    name = f"{placement.node}/gpu{index}"
+    if placement.mig_profile is not None:
+        return f"{name}/mig-{placement.mig_profile}@{placement.mig_start}"
+    return f"{name}/ts" if timeslice else name
+
+
+def _simulated_readings(attempt_dir: Path, placement: ReplicaPlacement, *, timeslice: bool) -> list[GpuReading]:
+    """The rank's own measured activity, on each device it was placed on.
+
+    Its memory is shared out evenly over those devices, so that their sum is the rank's (a simulated GPU
+    holds nothing of its own to count).
+    """
+    found = activity.read_activity(activity.activity_file(attempt_dir, placement.rank), now=time.time())
+    if found is None:
+        return []
+    memory = found["memory_used_mib"]
+    return [
+        GpuReading(
+            rank=placement.rank, device=simulated_device(placement, index, timeslice=timeslice), at=found["at"],
+            source="simulated", gpu_util_pct=round(found["busy_fraction"] * 100, 1),
+            memory_used_mib=None if memory is None else round(memory / len(placement.gpus), 1),
+        )
+        for index in placement.gpus
+    ]
+
+
+@functools.cache
+def _nvml() -> ModuleType:
+    """pynvml, initialised once for this process and left so (NVML counts its inits: the inventory's own
+    init and shutdown pairs do not undo this one). Raises where there is no library or driver; a failure
+    is not cached, so the next call tries again."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def _nvml_readings_logged(placement: ReplicaPlacement) -> list[GpuReading]:
+    try:
+        return nvml_readings(_nvml(), placement)
+    except Exception as exc:  # no driver or library (pynvml raises NVMLError, or ImportError without the package)
+        logger.warning("No NVML readings for rank %s on %s: %s", placement.rank, placement.node, exc)
+        return []
+
+
+def nvml_readings(nvml: ModuleType, placement: ReplicaPlacement) -> list[GpuReading]:
+    """NVML's readings of each GPU (or the MIG instance) the rank was placed on; `nvml` is the pynvml module.
+
+    A whole or time-sliced GPU: utilization, memory and power, named by the GPU's UUID. A MIG instance: its
+    memory only (NVML reports no utilization for one), named by the MIG device's UUID; it is found by its
+    GPU instance's placement start, which NVML lets privileged users read (nvmlDeviceGetGpuInstanceById).
+    A device NVML fails on gives no reading (logged); a GPU that reports no power gets None.
+    """
+    readings = []
+    for index in placement.gpus:
+        try:
+            gpu = nvml.nvmlDeviceGetHandleByIndex(index)
+            if placement.mig_start is not None:
+                device = _mig_device(nvml, gpu, placement.mig_start)
+                if device is None:
+                    logger.warning("No MIG instance at start %s on GPU %s", placement.mig_start, index)
+                    continue
+                readings.append(GpuReading(
+                    rank=placement.rank, device=_text(nvml.nvmlDeviceGetUUID(device)), at=time.time(), source="nvml",
+                    memory_used_mib=nvml.nvmlDeviceGetMemoryInfo(device).used / 2**20,
+                ))
+                continue
+            try:
+                power_w = nvml.nvmlDeviceGetPowerUsage(gpu) / 1000
+            except nvml.NVMLError:
+                power_w = None
+            readings.append(GpuReading(
+                rank=placement.rank, device=_text(nvml.nvmlDeviceGetUUID(gpu)), at=time.time(), source="nvml",
+                gpu_util_pct=float(nvml.nvmlDeviceGetUtilizationRates(gpu).gpu),
+                memory_used_mib=nvml.nvmlDeviceGetMemoryInfo(gpu).used / 2**20, power_w=power_w,
+            ))
+        except nvml.NVMLError as exc:
+            logger.warning("NVML could not read GPU %s for rank %s: %s", index, placement.rank, exc)
+    return readings
+
+
+def _mig_device(nvml: ModuleType, gpu, start: int):
+    """The MIG device of `gpu` whose GPU instance begins at memory slice `start`, or None."""
+    for slot in range(nvml.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+        try:
+            device = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, slot)
+        except nvml.NVMLError_NotFound:
+            continue  # an empty slot
+        instance = nvml.nvmlDeviceGetGpuInstanceById(gpu, nvml.nvmlDeviceGetGpuInstanceId(device))
+        if nvml.nvmlGpuInstanceGetInfo(instance).placement.start == start:
+            return device
+    return None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -70,6 +70,11 @@ which wins over the default.
     --prefix-cache-mib      SERVE_PREFIX_CACHE_MIB     32      0: no prefix cache
     --prefix-block          SERVE_PREFIX_BLOCK         16      bytes between cached prefix states
     --device                SERVE_DEVICE               auto    cuda when available, else cpu
+    --activity-file         SERVE_ACTIVITY_FILE        (none)  where the engine writes how busy it is
+
+With --activity-file, the engine's process writes every ~2 s (and as it exits) the share of wall
+time it spent running the model (prompts and decode steps; waiting for requests is idle) and its
+resident memory: see `runners.workloads.activity`.
 
 Once it listens, the server prints `PORTAL_SERVE_LISTENING {"host": ..., "port": ...}`.
 Exit codes: 0 after a drain; 1 on an error (the checkpoint does not load, or the engine's
@@ -99,6 +104,7 @@ import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 
+from runners.workloads.activity import ActivityMeter
 from runners.workloads.progress import checkpoint_files, tagged_line
 from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
 
@@ -152,6 +158,7 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ar
             default=env(spec.name.upper(), str(spec.default)),
         )
     parser.add_argument("--device", default=env("DEVICE", "auto"))
+    parser.add_argument("--activity-file", type=Path, default=env("ACTIVITY_FILE", None))
     args = parser.parse_args(argv)
     # argparse applies `type` to string defaults, so variables are checked like flags.
     if args.default_deadline_ms > args.max_deadline_ms:
@@ -362,6 +369,7 @@ class Engine:
         self.mask[list(self.allowed)] = 0.0
         self.cache = PrefixCache(int(settings.prefix_cache_mib * 1024 * 1024), settings.prefix_block)
         self.metrics = Metrics()
+        self.activity = ActivityMeter()  # the engine thread's time in the model, for the simulated GPU's reading
         self.lock = threading.Condition()
         self.queue: list[tuple[float, int, Sequence]] = []  # a heap by deadline: earliest first
         self.queued_cost = 0
@@ -502,13 +510,14 @@ class Engine:
             while True:
                 started = time.monotonic()
                 joiners = self._next_joiners()
-                self._join(self._prefill(joiners))
-                if self.rows:
-                    self._step()
-                    # What the estimates use: the wall time of a whole iteration (the joiners' prompts,
-                    # the step, the lock and the interpreter shared with the HTTP front), idle waits left out.
-                    busy = time.monotonic() - started - self.waited
-                    self.step_s = 0.95 * self.step_s + 0.05 * busy
+                with self.activity.busy():
+                    self._join(self._prefill(joiners))
+                    if self.rows:
+                        self._step()
+                        # What the estimates use: the wall time of a whole iteration (the joiners' prompts,
+                        # the step, the lock and the interpreter shared with the HTTP front), idle waits left out.
+                        busy = time.monotonic() - started - self.waited
+                        self.step_s = 0.95 * self.step_s + 0.05 * busy
 
     def _next_joiners(self) -> list[Sequence]:
         s = self.settings
@@ -670,7 +679,14 @@ class Engine:
 # --- the engine's process -------------------------------------------------------------------------
 
 
-def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
+def _write_activity(meter: ActivityMeter, path: Path) -> None:
+    """The engine's activity, a record a window, for as long as the process lives (a daemon thread)."""
+    while True:
+        time.sleep(meter.window_s)
+        meter.write(path)
+
+
+def engine_main(conn, checkpoint: str, device: str, settings: Settings, activity_file: Path | None) -> None:
     """The engine in a process of its own: it takes requests over `conn` and sends their answers back.
 
     Messages in: ("submit", id, prompt, max_tokens, deadline_ms, arrived), ("drain",), ("metrics", id),
@@ -683,6 +699,10 @@ def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
     model, alphabet = load_model(Path(checkpoint), torch.device(device))
     engine = Engine(model, alphabet, settings, device)
     engine.start()
+    if activity_file is not None:
+        threading.Thread(
+            target=_write_activity, args=(engine.activity, activity_file), name="serve-activity", daemon=True
+        ).start()
     lock = threading.Lock()
 
     def send(message) -> None:
@@ -697,28 +717,32 @@ def engine_main(conn, checkpoint: str, device: str, settings: Settings) -> None:
             send(("done", rid, seq.status, {"detail": seq.detail}, {}))
 
     send(("ready", alphabet, str(engine.device)))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return  # the front is gone
-        kind = message[0]
-        if kind == "submit":
-            _, rid, prompt, max_tokens, deadline_ms, arrived = message
+    try:
+        while True:
             try:
-                engine.submit(
-                    prompt, max_tokens, deadline_ms, arrived=arrived, on_done=lambda seq, rid=rid: answered(rid, seq)
-                )
-            except Refused as refused:
-                send(("done", rid, refused.status, {"detail": refused.detail}, {"Retry-After": str(refused.retry_after)}))
-        elif kind == "drain":
-            engine.drain()
-            threading.Thread(target=lambda: (engine.wait_idle(), send(("idle",))), daemon=True).start()
-        elif kind == "metrics":
-            send(("metrics", message[1], generate_latest(engine.metrics.registry)))
-        elif kind == "exit":
-            send(("bye", engine.answered))
-            return
+                message = conn.recv()
+            except (EOFError, OSError):
+                return  # the front is gone
+            kind = message[0]
+            if kind == "submit":
+                _, rid, prompt, max_tokens, deadline_ms, arrived = message
+                try:
+                    engine.submit(
+                        prompt, max_tokens, deadline_ms, arrived=arrived, on_done=lambda seq, rid=rid: answered(rid, seq)
+                    )
+                except Refused as refused:
+                    send(("done", rid, refused.status, {"detail": refused.detail}, {"Retry-After": str(refused.retry_after)}))
+            elif kind == "drain":
+                engine.drain()
+                threading.Thread(target=lambda: (engine.wait_idle(), send(("idle",))), daemon=True).start()
+            elif kind == "metrics":
+                send(("metrics", message[1], generate_latest(engine.metrics.registry)))
+            elif kind == "exit":
+                send(("bye", engine.answered))
+                return
+    finally:
+        if activity_file is not None:
+            engine.activity.write(activity_file)  # the last window, as the engine stops
 
 
 class EngineClient:
@@ -731,7 +755,8 @@ class EngineClient:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=engine_main, args=(child, str(args.checkpoint), device, settings), name="serve-engine", daemon=True
+            target=engine_main, args=(child, str(args.checkpoint), device, settings, args.activity_file),
+            name="serve-engine", daemon=True,
         )
         self.process.start()
         child.close()

@@ -52,7 +52,10 @@ the first second, while torch is still importing, kills the default way
 (nothing has been trained by then).
 
 Files written by rank 0, and how to read them without torch: see
-`runners.workloads.progress`. Every rank logs human lines to stdout.
+`runners.workloads.progress`. Every rank logs human lines to stdout. Under the local
+backend every rank also writes how busy it keeps its device (the share of wall time in
+forward, backward and optimizer step) to its attempt's folder every ~2 s: see
+`runners.workloads.activity`.
 
 Batches are drawn from a generator seeded by (seed, rank, step), so ranks see
 different data, and a resumed run sees exactly what an uninterrupted one would
@@ -83,6 +86,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from runners.workloads.activity import ActivityMeter, trainer_activity_file
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from runners.workloads.progress import (
     CHECKPOINT_DIR,
@@ -387,6 +391,10 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
     def log(message: str) -> None:
         print(f"{now_iso()} [rank {rank}/{world}] {message}", flush=True)
 
+    meter = ActivityMeter()  # from here on: the rendezvous and the loading count as idle, as on a GPU
+    activity_path = trainer_activity_file(args.job_dir, args.attempt, rank)
+    if activity_path is not None:
+        stack.callback(meter.write, activity_path)  # the last window, however the run ends
     placement = start_process_group(args)
     device = placement.device
     data = load_corpus(args.corpus, args.seq_len)
@@ -446,11 +454,12 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
             data, seed=args.seed, rank=rank, step=step + 1, batch_size=args.batch_size, seq_len=args.seq_len
         )
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        logits = ddp(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        with meter.busy():
+            logits = ddp(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
         step += 1
 
         reason = None
@@ -490,6 +499,8 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
                     attempt=args.attempt, alphabet=alphabet,
                 )
                 log(f"saved checkpoint {path.name}")
+        if activity_path is not None:
+            meter.maybe_write(activity_path)
         if stopping:
             log(f"stopping after step {step}: {reason or 'another rank asked to stop'}")
             break
