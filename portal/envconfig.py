@@ -6,6 +6,7 @@ inside Django.
 """
 
 import os
+from decimal import Decimal, InvalidOperation
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -57,6 +58,21 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
 
 def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
     return _number(name, default, float, "a number", minimum)
+
+
+def env_decimal(name: str, default: str, *, minimum: str | None = None) -> Decimal:
+    """A money figure: exact, never a float."""
+
+    def parse(text: str) -> Decimal:
+        try:
+            number = Decimal(text)
+        except InvalidOperation:
+            raise ValueError(text) from None
+        if not number.is_finite():
+            raise ValueError(text)
+        return number
+
+    return _number(name, Decimal(default), parse, "a decimal number", Decimal(minimum) if minimum is not None else None)
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.envconfig import env_bool, env_choice, env_float, env_int, env_list, env_str, env_url
+from portal.envconfig import env_bool, env_choice, env_decimal, env_float, env_int, env_list, env_str, env_url
 from runners.scheduler.admission.cycle import DEFAULT_GRACE_PERIOD_S
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "runners.jobs",
     "runners.scheduling",
     "runners.inference",
+    "runners.usage",
     "frontend",
 ]
 
@@ -194,6 +195,8 @@ REST_KNOX = {
     "AUTH_HEADER_PREFIX": "Token",
     "AUTO_REFRESH": False,
 }
+# A bearer token Prometheus may scrape /metrics with (besides a staff user's API token); empty: none.
+METRICS_SCRAPE_TOKEN = env_str("METRICS_SCRAPE_TOKEN", "")
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "GPU portal API",
@@ -274,6 +277,24 @@ ENDPOINT_RECONCILE_INTERVAL_S = env_float("ENDPOINT_RECONCILE_INTERVAL_S", 2.0, 
 ENDPOINT_TARGET_INFLIGHT = env_float("ENDPOINT_TARGET_INFLIGHT", 8.0, minimum=0.1)
 ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum=0.0)
 ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
+# Utilization and cost: readings of every open attempt's devices this often; raw samples kept this
+# many days (then averaged per 5 minutes), 5-minute ones this many (then per hour), hourly ones this
+# many; an allocation under the idle threshold for the whole window is flagged idle; the currency of
+# storage and unpriced GPU time, and what one GB kept for 30 days costs.
+# Mail (budget alerts): Django's backend by its dotted path; the console one prints mails to the log.
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "gpu-portal@localhost")
+USAGE_SAMPLE_INTERVAL_S = env_float("USAGE_SAMPLE_INTERVAL_S", 30.0, minimum=1.0)
+USAGE_SETTLE_INTERVAL_S = env_float("USAGE_SETTLE_INTERVAL_S", 300.0, minimum=1.0)
+USAGE_RAW_RETENTION_DAYS = env_int("USAGE_RAW_RETENTION_DAYS", 1, minimum=1)
+USAGE_5M_RETENTION_DAYS = env_int("USAGE_5M_RETENTION_DAYS", 30, minimum=1)
+USAGE_RETENTION_DAYS = env_int("USAGE_RETENTION_DAYS", 400, minimum=1)
+USAGE_IDLE_THRESHOLD_PCT = env_float("USAGE_IDLE_THRESHOLD_PCT", 10.0, minimum=0.0)
+USAGE_IDLE_WINDOW_S = env_float("USAGE_IDLE_WINDOW_S", 1800.0, minimum=1.0)
+USAGE_CURRENCY = env_str("USAGE_CURRENCY", "USD")
+USAGE_STORAGE_PRICE_PER_GB_MONTH = env_decimal("USAGE_STORAGE_PRICE_PER_GB_MONTH", "0.10", minimum="0")
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
@@ -286,6 +307,9 @@ CELERY_BEAT_SCHEDULE = {
                        "options": {"expire_seconds": max(1, round(JOB_RECONCILE_INTERVAL_S))}},
     "endpoints-reconcile": {"task": "runners.tasks.endpoints_reconcile", "schedule": float(ENDPOINT_RECONCILE_INTERVAL_S),
                             "options": {"expire_seconds": max(1, round(ENDPOINT_RECONCILE_INTERVAL_S))}},
+    "usage-sample": {"task": "runners.tasks.usage_sample", "schedule": float(USAGE_SAMPLE_INTERVAL_S),
+                     "options": {"expire_seconds": max(1, round(USAGE_SAMPLE_INTERVAL_S))}},
+    "usage-settle": {"task": "runners.tasks.usage_settle", "schedule": float(USAGE_SETTLE_INTERVAL_S)},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
@@ -343,6 +367,10 @@ KUBERNETES_CHECKPOINT_VOLUME_SIZE = env_str("KUBERNETES_CHECKPOINT_VOLUME_SIZE",
 KUBERNETES_FINISHED_JOB_TTL_S = env_int("KUBERNETES_FINISHED_JOB_TTL_S", 86400, minimum=0)
 KUBERNETES_WATCH_TIMEOUT_S = env_int("KUBERNETES_WATCH_TIMEOUT_S", 1, minimum=1)
 KUBERNETES_NODE_LOST_TIMEOUT_S = env_float("KUBERNETES_NODE_LOST_TIMEOUT_S", 60.0, minimum=0)
+# The Prometheus that scrapes NVIDIA's DCGM exporter, where the Kubernetes backend reads GPU utilization. Empty: none.
+PROMETHEUS_URL = env_str("PROMETHEUS_URL", "")
+if PROMETHEUS_URL and not PROMETHEUS_URL.startswith(("http://", "https://")):
+    raise ImproperlyConfigured(f"PROMETHEUS_URL={PROMETHEUS_URL!r} must be http://... or https://... (or empty: none).")
 
 LOGGING = {
     "version": 1,

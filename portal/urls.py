@@ -5,9 +5,17 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from frontend.forms import AdminLoginForm
 from frontend.views import throttled_login
-from portal import health
+from portal import health, metrics
 from portal.api import router
 from runners.inference.router import GenerateView
+from runners.usage.api import (
+    BudgetAlertView,
+    BudgetView,
+    CloudPriceView,
+    IdleView,
+    UsageView,
+    UtilizationView,
+)
 from tenants.api import TokenView
 
 # The admin's login shares the throttle of the login page and the token endpoint.
@@ -20,6 +28,7 @@ MOVED_ADMIN = {"job": "jobs", "environment": "environments"}
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", metrics.MetricsView.as_view(), name="metrics"),
     path("admin/login/", throttled_login(admin.site.login), name="admin-login"),
     *[
         re_path(rf"^admin/runners/{model}/(?P<rest>.*)$",
@@ -28,6 +37,12 @@ urlpatterns = [
     ],
     path("admin/", admin.site.urls),
     path("api/v1/auth/token/", TokenView.as_view(), name="api-token"),
+    path("api/v1/usage/", UsageView.as_view(), name="usage"),
+    path("api/v1/usage/idle/", IdleView.as_view(), name="usage-idle"),
+    path("api/v1/utilization/", UtilizationView.as_view(), name="utilization"),
+    path("api/v1/budget-alerts/", BudgetAlertView.as_view(), name="budget-alerts"),
+    path("api/v1/budgets/<slug:slug>/", BudgetView.as_view(), name="budget"),
+    path("api/v1/cloud-prices/", CloudPriceView.as_view(), name="cloud-prices"),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -4,7 +4,7 @@ through services that check them and tell the environments (quota_changed)."""
 from django.contrib import admin
 
 from common.admin import ReadOnlyAdmin
-from quotas.models import GuaranteeReduction, PriceCard, Quota, ResourceFlavor
+from quotas.models import BorrowingPause, GuaranteeReduction, PriceCard, Quota, ResourceFlavor
 
 
 @admin.register(ResourceFlavor)
@@ -30,3 +30,8 @@ class QuotaAdmin(ReadOnlyAdmin):
 class GuaranteeReductionAdmin(ReadOnlyAdmin):
     list_display = ["tenant", "flavor", "guaranteed_before", "guaranteed_after", "created_by", "created_at", "reason"]
     list_filter = ["tenant", "flavor"]
+
+
+@admin.register(BorrowingPause)
+class BorrowingPauseAdmin(ReadOnlyAdmin):
+    list_display = ["tenant", "since", "reason"]

@@ -91,3 +91,15 @@ class GuaranteeReduction(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+
+
+class BorrowingPause(models.Model):
+    """A tenant whose borrowed (beyond-guarantee) work is not admitted for now, and why.
+
+    Written by whatever decides it (a budget spent, by the usage app above); the scheduling cycle
+    then treats each of the tenant's quotas as its guarantee. Work already running is left alone.
+    """
+
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="borrowing_pause")
+    reason = models.CharField(max_length=500)
+    since = models.DateTimeField(auto_now_add=True)

@@ -416,12 +416,16 @@ def flavor_capacity_refresh() -> int:
     """Write every flavor's capacity (units the schedulable inventory holds now); returns how many changed."""
     units = _units_of(Gpu.objects.filter(node__schedulable=True))
     now = timezone.now()
-    changed = 0
+    changed: dict[int, int] = {}
     for flavor in ResourceFlavor.objects.only("id", "kind", "gpu_model", "mig_profile", "capacity"):
         capacity = units.get((flavor.kind, flavor.gpu_model, flavor.mig_profile), 0)
-        if capacity != flavor.capacity:
-            changed += ResourceFlavor.objects.filter(id=flavor.id).update(capacity=capacity, capacity_updated_at=now)
-    return changed
+        if capacity != flavor.capacity and ResourceFlavor.objects.filter(id=flavor.id).update(
+            capacity=capacity, capacity_updated_at=now
+        ):
+            changed[flavor.id] = capacity
+    if changed:
+        signals.capacity_changed.send(sender=None, capacities=changed, at=now)
+    return len(changed)
 
 
 def _discovered_flavor_name(shape: Shape) -> str:

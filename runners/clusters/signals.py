@@ -6,12 +6,15 @@
 - ``nodes_draining`` (``nodes``, ``reason``): nodes are drained for a partition change; each
   receiver checkpoints and stops its own work there through its own path and answers the workload
   names (``job-<id>``) it stopped. The backend evicts whatever nobody claimed.
+- ``capacity_changed`` (``capacities``: {flavor id: units}, ``at``): flavors' schedulable capacity
+  changed, sent inside the transaction that wrote it (a metering app keeps the history).
 """
 
 from django.dispatch import Signal
 
 placed_on_nodes = Signal()
 nodes_draining = Signal()
+capacity_changed = Signal()
 
 
 def placed(nodes: list[str]) -> dict[str, list[str]]:

@@ -54,6 +54,7 @@ from runners.jobs.models import (
     JobMetric,
     JobState,
 )
+from runners.jobs import signals
 from runners.jobs.services import TRAINER_KEEP_CHECKPOINTS, kick_cycle, send_job_stop, transition
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
 
@@ -272,9 +273,10 @@ def job_preempt_locked(job: Job, reason: str, *, now=None) -> str | None:
     now = now or timezone.now()
     if job.state == JobState.ADMITTED:
         # No launch is in flight: a claim moves the job to launching under this same row lock.
-        JobAttempt.objects.open().filter(job=job).update(
+        if JobAttempt.objects.open().filter(job=job).update(
             ended_at=now, outcome=AttemptOutcome.PREEMPTED, reason=reason[:1000], launch_lease_until=None
-        )
+        ):
+            signals.ended(job.id)
         return "requeued" if transition(job, JobState.QUEUED, reason) else None
     if job.state in (JobState.LAUNCHING, JobState.RUNNING):
         deadline = now + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
@@ -316,6 +318,14 @@ def _parse_time(text):
     return moment
 
 
+def _checkpoints_pruned(job: Job) -> None:
+    """The shipped trainer deletes a checkpoint when it writes the one TRAINER_KEEP_CHECKPOINTS newer: record when."""
+    rows = list(Checkpoint.objects.filter(job=job).order_by("step").values_list("id", "created_at", "deleted_at"))
+    for (checkpoint_id, _created, deleted), (_newer, newer_created, _) in zip(rows, rows[TRAINER_KEEP_CHECKPOINTS:]):
+        if deleted is None:
+            Checkpoint.objects.filter(id=checkpoint_id, deleted_at__isnull=True).update(deleted_at=newer_created)
+
+
 def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = False) -> int:
     """Read what the attempt wrote since the job's cursor, record metrics and checkpoints; returns bytes read."""
     total = 0
@@ -343,6 +353,8 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
             for record in read.checkpoints if isinstance(record.get("step"), int) and record["step"] >= 0
         ]
         Checkpoint.objects.bulk_create(checkpoints, ignore_conflicts=True)
+        if checkpoints and job.spec.get("template") == "pytorch-ddp":
+            _checkpoints_pruned(job)
         if attempt.first_step_at is None:
             mine = [m for m in metrics if m.attempt == attempt.number]
             if mine:
@@ -417,6 +429,7 @@ def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, rea
                                 launch_lease_until=None):
             return False
         attempt.ended_at = now
+        signals.ended(job.id)
         newest = newest_checkpoint_step(job)
         resume = f" It resumes from step {newest}." if newest else ""
         spent = runtime_used_s(job, now=now) >= job.spec["max_runtime_s"] - 1

@@ -151,6 +151,9 @@ class Checkpoint(models.Model):
     uri = models.CharField(max_length=1000)
     bytes = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField()
+    # When its file went: the shipped trainer keeps its newest few and deletes the rest as it writes
+    # new ones (recorded by the progress reader); None while it is kept. Storage is metered until then.
+    deleted_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "runners_checkpoint"  # the table kept its name when the model moved here

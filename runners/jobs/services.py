@@ -23,6 +23,7 @@ from common.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.clusters.services import flavor_units_per_node
 from runners.environments.models import Environment, EnvironmentState
+from runners.jobs import signals
 from runners.jobs.models import JOB_FINAL_STATES, IdempotencyKey, Job, JobEvent, JobState
 from runners.workloads import env_policy
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
@@ -487,9 +488,10 @@ def job_cancel_locked(job: Job, reason: str, *, final_is_conflict: bool = True) 
         return
     if job.state in (JobState.QUEUED, JobState.ADMITTED):
         # Admitted means no launch is in flight (a launch claims under this row lock): end the attempt here.
-        job.attempts.open().update(
+        if job.attempts.open().update(
             outcome="cancelled", ended_at=timezone.now(), reason=reason[:1000], launch_lease_until=None
-        )
+        ):
+            signals.ended(job.id)
         transition(job, JobState.CANCELLED, reason)
     else:
         deadline = timezone.now() + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -25,8 +25,9 @@ from django.db import connection, transaction
 from django.db.models import F, Max
 from django.utils import timezone
 
+from common import metrics
 from common.dispatch import send_task
-from quotas.models import PartitionKind, Quota, ResourceFlavor
+from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
 from runners.clusters.models import Gpu, Node
 from runners.jobs.attempts import job_preempt_locked, open_attempts
 from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
@@ -246,11 +247,14 @@ def cycle_run() -> dict:
         now = timezone.now()
         flavors = {flavor.id: flavor for flavor in ResourceFlavor.objects.all()}
         tenants: dict[str, dict] = defaultdict(lambda: {"quotas": {}, "weight": 0.0, "max_priority": 0})
+        paused = set(BorrowingPause.objects.values_list("tenant_id", flat=True))
         for quota in Quota.objects.select_related("tenant", "flavor"):
             entry = tenants[quota.tenant.slug]
-            # Weight and priority cap are per flavor, as the quota and the submit check hold them.
+            # Weight and priority cap are per flavor, as the quota and the submit check hold them. A
+            # tenant whose borrowing is paused (a budget spent) is held to its guarantee.
+            ceiling = quota.guaranteed if quota.tenant_id in paused else quota.max
             entry["quotas"][quota.flavor.name] = FlavorQuota(
-                quota.guaranteed, quota.max, weight=float(quota.fair_share_weight) or None, max_priority=quota.max_priority
+                quota.guaranteed, ceiling, weight=float(quota.fair_share_weight) or None, max_priority=quota.max_priority
             )
             entry["weight"] = max(entry["weight"], float(quota.fair_share_weight))
             entry["max_priority"] = max(entry["max_priority"], quota.max_priority)
@@ -289,7 +293,7 @@ def cycle_run() -> dict:
         decisions = decide(snapshot, now.timestamp(), grace_period_s=float(settings.PREEMPTION_GRACE_PERIOD_S))
         by_id = {str(job.id): job for job in [*holding, *queued]}
 
-        stops = []
+        stops, preempted = [], Counter()
         victims = {
             job.id: job for job in Job.objects.select_for_update(of=("self",)).filter(
                 id__in=[int(preemption.workload_id) for preemption in decisions.preemptions]
@@ -302,7 +306,10 @@ def cycle_run() -> dict:
             if victim is None:
                 continue
             reason = f"Preempted for job {preemption.for_gang_id}: {preemption.reason}"
-            if job_preempt_locked(victim, reason, now=now) == "stopping":
+            outcome = job_preempt_locked(victim, reason, now=now)
+            if outcome is not None:
+                preempted[by_id[preemption.workload_id].tenant.slug] += 1
+            if outcome == "stopping":
                 stops.append(victim.id)
 
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
@@ -335,6 +342,12 @@ def cycle_run() -> dict:
             transaction.on_commit(lambda job_id=job_id, number=number: send_task("runners.tasks.job_launch", job_id, number))
         for job_id in stops:
             transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
+    # Counted after the cycle's transaction (committed: the task runs it in autocommit), so a cycle
+    # that raised and rolled back counts nothing.
+    metrics.cycle_recorded(
+        duration_s=elapsed_ms / 1000, preempted=preempted,
+        admitted=Counter(by_id[str(job_id)].tenant.slug for job_id, _ in launches),
+    )
     return {
         "admitted": [job_id for job_id, _ in launches],
         "preempted": stops,

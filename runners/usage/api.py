@@ -1,0 +1,257 @@
+"""REST API of utilization and cost: usage rows (JSON or CSV), utilization series, idle allocations, budgets."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import timedelta
+
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from common.errors import NotFound
+from quotas.models import ResourceFlavor
+from runners.inference.selectors import endpoint_get
+from runners.jobs.selectors import job_get
+from runners.usage import ledger, sampling
+from runners.usage.models import Budget, CloudPrice
+from runners.usage.selectors import GROUPS, budget_alerts, usage_rows, visible_tenants
+from tenants.selectors import tenant_get
+
+USAGE_COLUMNS = ["tenant", "flavor", "job", "endpoint", "day", "kind", "gpu_hours", "storage_gb_months", "cost",
+                 "cloud_cost", "currency"]
+MAX_RANGE_DAYS = 400
+
+
+class CSVRenderer(BaseRenderer):
+    """Usage rows as CSV, the columns in the JSON's order; an error answer as one "field,message" row each."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None) -> bytes:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        if isinstance(data, list):
+            writer.writerow(USAGE_COLUMNS)
+            for row in data:
+                writer.writerow(["" if row.get(column) is None else row[column] for column in USAGE_COLUMNS])
+        else:
+            writer.writerow(["field", "message"])
+            for field, messages in (data or {}).items():
+                for message in messages if isinstance(messages, list) else [messages]:
+                    writer.writerow([field, message])
+        return out.getvalue().encode(self.charset)
+
+
+class UsageQuery(serializers.Serializer):
+    start = serializers.DateField(required=False, help_text="First UTC day, included (default: the month's first).")
+    end = serializers.DateField(required=False, help_text="Last UTC day, included (default: today).")
+    group_by = serializers.CharField(
+        required=False, default="tenant",
+        help_text=f"Comma-separated, any of: {', '.join(GROUPS)}. The keys not grouped by are null.",
+    )
+    tenant = serializers.SlugField(required=False, help_text="One tenant's slug (staff may name any).")
+    idle = serializers.BooleanField(required=False, default=True,
+                                    help_text="Staff, no tenant named: add the cluster's idle capacity line.")
+
+    def validate_group_by(self, value: str) -> tuple[str, ...]:
+        groups = tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
+        unknown = [group for group in groups if group not in GROUPS]
+        if unknown or not groups:
+            raise serializers.ValidationError(f"Group by any of {', '.join(GROUPS)}; not {', '.join(unknown) or value!r}.")
+        return groups
+
+    def validate(self, data: dict) -> dict:
+        today = ledger.utc_day(timezone.now())
+        data.setdefault("end", today)
+        data.setdefault("start", data["end"].replace(day=1))
+        if data["start"] > data["end"]:
+            raise serializers.ValidationError({"start": "start is after end."})
+        if (data["end"] - data["start"]).days >= MAX_RANGE_DAYS:
+            raise serializers.ValidationError({"end": f"A range is at most {MAX_RANGE_DAYS} days."})
+        return data
+
+
+UsageRow = inline_serializer("UsageRow", many=True, fields={
+    "tenant": serializers.CharField(allow_null=True), "flavor": serializers.CharField(allow_null=True),
+    "job": serializers.IntegerField(allow_null=True),
+    "endpoint": serializers.IntegerField(allow_null=True, help_text="An endpoint's replicas count as the endpoint."),
+    "day": serializers.DateField(allow_null=True),
+    "kind": serializers.ChoiceField(["gpu", "storage", "idle"], allow_null=True),
+    "gpu_hours": serializers.DecimalField(max_digits=20, decimal_places=4),
+    "storage_gb_months": serializers.DecimalField(max_digits=20, decimal_places=4),
+    "cost": serializers.DecimalField(max_digits=20, decimal_places=2),
+    "cloud_cost": serializers.DecimalField(max_digits=20, decimal_places=2, allow_null=True,
+                                           help_text="The same GPU-hours at the flavors' cloud reference prices."),
+    "currency": serializers.CharField(),
+})
+
+
+class UsageView(APIView):
+    """GPU-hours and cost, grouped; tenants see their own, staff everyone's and the cluster's idle line."""
+
+    renderer_classes = [JSONRenderer, CSVRenderer]
+
+    @extend_schema(parameters=[UsageQuery], responses={200: UsageRow})
+    def get(self, request, *args, **kwargs):
+        query = UsageQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        params = query.validated_data
+        tenants = visible_tenants(request.user, params.get("tenant"))
+        rows = usage_rows(start=params["start"], end=params["end"], group_by=params["group_by"], tenants=tenants,
+                          include_idle=params["idle"] and request.user.is_staff)
+        response = Response(rows)
+        if getattr(request, "accepted_renderer", None) and request.accepted_renderer.format == "csv":
+            name = f"usage-{params['start']}-{params['end']}.csv"
+            response["Content-Disposition"] = f'attachment; filename="{name}"'
+        return response
+
+
+class UtilizationQuery(serializers.Serializer):
+    job = serializers.IntegerField(required=False, min_value=1, help_text="A job (or one replica of an endpoint).")
+    endpoint = serializers.IntegerField(required=False, min_value=1, help_text="Every replica of an endpoint.")
+    start = serializers.DateTimeField(required=False, help_text="Default: 24 hours before end.")
+    end = serializers.DateTimeField(required=False, help_text="Default: now.")
+
+    def validate(self, data: dict) -> dict:
+        if ("job" in data) == ("endpoint" in data):
+            raise serializers.ValidationError({"job": "Name a job or an endpoint (one of them)."})
+        data.setdefault("end", timezone.now())
+        data.setdefault("start", data["end"] - timedelta(days=1))
+        if data["start"] >= data["end"]:
+            raise serializers.ValidationError({"start": "start is not before end."})
+        if data["end"] - data["start"] > timedelta(days=MAX_RANGE_DAYS):
+            raise serializers.ValidationError({"end": f"A range is at most {MAX_RANGE_DAYS} days."})
+        return data
+
+
+class UtilizationView(APIView):
+    """Utilization, memory and power per replica and device over time (simulated GPUs say so)."""
+
+    @extend_schema(parameters=[UtilizationQuery], responses={200: OpenApiTypes.OBJECT})
+    def get(self, request, *args, **kwargs):
+        query = UtilizationQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        params = query.validated_data
+        if "job" in params:
+            job_ids = [job_get(user=request.user, job_id=params["job"]).id]
+        else:
+            endpoint = endpoint_get(user=request.user, endpoint_id=params["endpoint"])
+            job_ids = list(endpoint.replicas.values_list("job_id", flat=True))
+        return Response({"start": params["start"].isoformat(), "end": params["end"].isoformat(),
+                         "series": sampling.series(job_ids, params["start"], params["end"])})
+
+
+class IdleQuery(serializers.Serializer):
+    tenant = serializers.SlugField(required=False)
+    threshold_pct = serializers.FloatField(required=False, min_value=0, max_value=100)
+    window_s = serializers.FloatField(required=False, min_value=1, max_value=7 * 86400)
+
+
+class IdleView(APIView):
+    """Allocations whose every device stayed under the threshold for the whole window."""
+
+    @extend_schema(parameters=[IdleQuery], responses={200: OpenApiTypes.OBJECT})
+    def get(self, request, *args, **kwargs):
+        query = IdleQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        params = query.validated_data
+        tenants = visible_tenants(request.user, params.get("tenant"))
+        idle = sampling.idle_allocations(
+            tenant_ids=None if tenants is None else {tenant.id for tenant in tenants},
+            threshold_pct=params.get("threshold_pct"), window_s=params.get("window_s"),
+        )
+        return Response([{
+            "tenant": item.job.tenant.slug, "job": item.job.id, "name": item.job.name, "endpoint": item.endpoint_id,
+            "attempt": item.attempt, "flavor": item.job.flavor.name, "units": item.units,
+            "average_util_pct": round(item.average_util_pct, 2), "peak_util_pct": round(item.peak_util_pct, 2),
+            "samples": item.samples, "simulated": item.simulated,
+        } for item in idle])
+
+
+class BudgetAlertView(APIView):
+    """Budget events: a tenant's month crossing 80% or 100% of its budget."""
+
+    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: OpenApiTypes.OBJECT})
+    def get(self, request, *args, **kwargs):
+        tenants = visible_tenants(request.user, request.query_params.get("tenant"))
+        return Response([{
+            "tenant": alert.tenant.slug, "month": alert.month.isoformat()[:7], "threshold_pct": alert.threshold,
+            "spent": str(alert.spent), "budget": str(alert.budget), "currency": alert.currency,
+            "at": alert.at.isoformat(), "mailed_to": len(alert.mailed_to),
+        } for alert in budget_alerts(tenants)[:200]])
+
+
+class BudgetSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.slug", read_only=True)
+
+    class Meta:
+        model = Budget
+        fields = ["tenant", "monthly_amount", "currency", "stop_borrowing", "updated_at"]
+        read_only_fields = ["updated_at"]
+
+
+class BudgetView(APIView):
+    """A tenant's monthly budget: its members read it, staff set it (PUT) or remove it (DELETE)."""
+
+    def _tenant(self, request, slug):
+        return tenant_get(user=request.user, slug=slug)
+
+    @extend_schema(responses={200: BudgetSerializer})
+    def get(self, request, slug: str):
+        budget = Budget.objects.filter(tenant=self._tenant(request, slug)).first()
+        if budget is None:
+            raise NotFound(f"Tenant {slug} has no budget.")
+        return Response(BudgetSerializer(budget).data)
+
+    @extend_schema(request=BudgetSerializer, responses={200: BudgetSerializer})
+    def put(self, request, slug: str):
+        tenant = self._tenant(request, slug)
+        if not request.user.is_staff:
+            raise PermissionDenied("Only staff set budgets.")
+        budget = Budget.objects.filter(tenant=tenant).first()
+        serializer = BudgetSerializer(budget, data=request.data)
+        serializer.is_valid(raise_exception=True)
+        serializer.save(tenant=tenant)
+        return Response(serializer.data)
+
+
+class CloudPriceSerializer(serializers.ModelSerializer):
+    flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
+    currency = serializers.RegexField(r"^[A-Z]{3}$", default="USD",
+                                      error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
+    effective_from = serializers.DateTimeField(required=False)
+
+    class Meta:
+        model = CloudPrice
+        fields = ["id", "flavor", "price_per_hour", "currency", "provider", "effective_from"]
+        validators = []  # the one-per-start rule is answered as a 400 naming effective_from, below
+
+
+class CloudPriceView(APIView):
+    """Cloud reference prices per flavor: what a flavor's unit-hour would cost elsewhere. Anyone reads; staff add."""
+
+    @extend_schema(responses={200: CloudPriceSerializer(many=True)})
+    def get(self, request):
+        return Response(CloudPriceSerializer(CloudPrice.objects.select_related("flavor")[:500], many=True).data)
+
+    @extend_schema(request=CloudPriceSerializer, responses={201: CloudPriceSerializer})
+    def post(self, request):
+        if not request.user.is_staff:
+            raise PermissionDenied("Only staff set cloud reference prices.")
+        serializer = CloudPriceSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        data.setdefault("effective_from", timezone.now())
+        if CloudPrice.objects.filter(flavor=data["flavor"], effective_from=data["effective_from"]).exists():
+            raise serializers.ValidationError({"effective_from": "This flavor already has a reference price starting then."})
+        price = CloudPrice.objects.create(**data)
+        return Response(CloudPriceSerializer(price).data, status=201)

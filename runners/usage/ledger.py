@@ -1,0 +1,464 @@
+"""The usage ledger: attempts' allocations and checkpoints' keeping, cut per day and per price, priced.
+
+An attempt holds its GPU units from its admission (the cycle reserved them) until it ended, or
+until now while it runs; its start is clipped to the end of the job's previous attempt, so a
+preemption and its resume never count the same second twice. A piece is one day (UTC) and one
+price card of one attempt: units x seconds, priced at the card in force, and at the flavor's
+cloud reference price beside it. A checkpoint is charged per GB-month (30 days) from its writing to
+its deletion.
+
+The sweep (``settle_run``) writes what has ended, and every whole day of what still runs, as
+entries; an entry is never edited: when the truth of an item changes (an attempt found to have
+ended later, a checkpoint's deletion learnt late), the difference is a new correction entry. A
+query adds, for items the sweep has not reached, their truth up to now less what is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Exists, F, Max, OuterRef, Q, Subquery, Sum, Value
+from django.db.models.functions import Extract, Greatest
+from django.utils import timezone
+
+from quotas.models import PriceCard, ResourceFlavor
+from runners.inference.models import Replica
+from runners.jobs.models import Checkpoint, JobAttempt
+from runners.usage.models import CapacityChange, CloudPrice, EntryKind, Settlement, UsageEntry
+
+SECONDS_PER_HOUR = Decimal(3600)
+SECONDS_PER_MONTH = Decimal(30 * 86400)  # a GB-month is one GB kept for 30 days
+BYTES_PER_GB = Decimal(10**9)
+CENT = Decimal("0.01")
+SETTLE_BATCH = 500
+
+
+def _seconds(start: datetime, end: datetime) -> Decimal:
+    return Decimal((end - start) // timedelta(microseconds=1)) / Decimal(10**6)
+
+
+def _q(value: Decimal, places: str) -> Decimal:
+    return value.quantize(Decimal(places), rounding=ROUND_HALF_EVEN)
+
+
+def midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def utc_day(moment: datetime) -> date:
+    return moment.astimezone(UTC).date()
+
+
+def days_of(start: datetime, end: datetime) -> list[tuple[date, datetime, datetime]]:
+    """[start, end) cut at UTC midnights: (day, from, to) each."""
+    pieces = []
+    while start < end:
+        day = utc_day(start)
+        cut = min(end, midnight(day + timedelta(days=1)))
+        pieces.append((day, start, cut))
+        start = cut
+    return pieces
+
+
+@dataclass(frozen=True)
+class Card:
+    id: int | None
+    effective_from: datetime
+    price_per_hour: Decimal
+    currency: str
+
+
+class Prices:
+    """Every flavor's price cards and cloud reference prices, to cut an interval where a price changes."""
+
+    def __init__(self) -> None:
+        self.cards: dict[int, list[Card]] = defaultdict(list)
+        self.cloud: dict[int, list[Card]] = defaultdict(list)
+        for card in PriceCard.objects.order_by("flavor_id", "effective_from"):
+            self.cards[card.flavor_id].append(Card(card.id, card.effective_from, card.price_per_hour, card.currency))
+        for card in CloudPrice.objects.order_by("flavor_id", "effective_from"):
+            self.cloud[card.flavor_id].append(Card(card.id, card.effective_from, card.price_per_hour, card.currency))
+
+    @staticmethod
+    def _at(cards: list[Card], moment: datetime) -> Card | None:
+        index = bisect.bisect_right([card.effective_from for card in cards], moment) - 1
+        return cards[index] if index >= 0 else None
+
+    def card_at(self, flavor_id: int, moment: datetime) -> Card | None:
+        return self._at(self.cards.get(flavor_id, []), moment)
+
+    def cloud_at(self, flavor_id: int, moment: datetime) -> Card | None:
+        return self._at(self.cloud.get(flavor_id, []), moment)
+
+    def segments(self, flavor_id: int, start: datetime, end: datetime) -> list[tuple[datetime, datetime, Card | None]]:
+        """[start, end) cut per day and wherever a price card starts: (from, to, card in force) each."""
+        changes = [card.effective_from for card in self.cards.get(flavor_id, []) if start < card.effective_from < end]
+        out = []
+        for _day, day_start, day_end in days_of(start, end):
+            bounds = [day_start, *[moment for moment in changes if day_start < moment < day_end], day_end]
+            out += [(a, b, self.card_at(flavor_id, a)) for a, b in zip(bounds, bounds[1:])]
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one item cost in one day and at one price (the unit entries are written in)."""
+
+    item: str
+    piece: str
+    kind: str
+    tenant_id: int
+    flavor_id: int | None
+    job_id: int | None
+    endpoint_id: int | None
+    day: date
+    gpu_seconds: Decimal
+    gb_seconds: Decimal
+    price_card_id: int | None
+    cost: Decimal
+    cloud_cost: Decimal | None
+    currency: str
+
+
+def _currency() -> str:
+    return settings.USAGE_CURRENCY
+
+
+# --- What each item is, in truth ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    id: int
+    job_id: int
+    tenant_id: int
+    flavor_id: int
+    units: int
+    endpoint_id: int | None
+    start: datetime  # admitted, clipped to the previous attempt's end
+    end: datetime | None  # None while open; never before start
+    ended_at: datetime | None  # as the attempt records it
+
+
+def attempt_rows(attempts: list[JobAttempt]) -> list[AttemptRow]:
+    """The attempts as the ledger counts them (their job, flavor and endpoint read once)."""
+    job_ids = {attempt.job_id for attempt in attempts}
+    previous_end = {
+        (row["job_id"], row["number"]): row["ended_at"]
+        for row in JobAttempt.objects.filter(job_id__in=job_ids).values("job_id", "number", "ended_at")
+    }
+    endpoints = dict(Replica.objects.filter(job_id__in=job_ids).values_list("job_id", "endpoint_id"))
+    rows = []
+    for attempt in attempts:
+        job = attempt.job
+        start = attempt.admitted_at
+        ends_before = [previous_end.get((job.id, number)) for number in range(1, attempt.number)]
+        latest_before = max((end for end in ends_before if end is not None), default=None)
+        if latest_before is not None and latest_before > start:
+            start = latest_before
+        end = attempt.ended_at if attempt.ended_at is None or attempt.ended_at > start else start
+        rows.append(AttemptRow(attempt.id, job.id, job.tenant_id, job.flavor_id, job.units,
+                               endpoints.get(job.id), start, end, attempt.ended_at))
+    return rows
+
+
+def attempt_pieces(row: AttemptRow, upto: datetime, prices: Prices) -> list[Piece]:
+    end = min(row.end, upto) if row.end is not None else upto
+    pieces = []
+    for start, stop, card in prices.segments(row.flavor_id, row.start, end) if row.start < end else []:
+        gpu_seconds = _seconds(start, stop) * row.units
+        cloud = prices.cloud_at(row.flavor_id, start)
+        pieces.append(Piece(
+            item=f"attempt:{row.id}", piece=f"{utc_day(start).isoformat()}/{card.id if card else '-'}",
+            kind=EntryKind.GPU, tenant_id=row.tenant_id, flavor_id=row.flavor_id, job_id=row.job_id,
+            endpoint_id=row.endpoint_id, day=utc_day(start), gpu_seconds=gpu_seconds, gb_seconds=Decimal(0),
+            price_card_id=card.id if card else None,
+            cost=gpu_seconds * card.price_per_hour / SECONDS_PER_HOUR if card else Decimal(0),
+            cloud_cost=gpu_seconds * cloud.price_per_hour / SECONDS_PER_HOUR if cloud else None,
+            currency=card.currency if card else _currency(),
+        ))
+    return _merged(pieces)
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Pieces of the same day and price (an interval cut at a card that did not change the price) as one."""
+    by_key: dict[str, Piece] = {}
+    for piece in pieces:
+        seen = by_key.get(piece.piece)
+        if seen is None:
+            by_key[piece.piece] = piece
+        else:
+            by_key[piece.piece] = Piece(**{
+                **seen.__dict__, "gpu_seconds": seen.gpu_seconds + piece.gpu_seconds,
+                "gb_seconds": seen.gb_seconds + piece.gb_seconds, "cost": seen.cost + piece.cost,
+                "cloud_cost": None if seen.cloud_cost is None and piece.cloud_cost is None
+                else (seen.cloud_cost or 0) + (piece.cloud_cost or 0),
+            })
+    return list(by_key.values())
+
+
+def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
+    end = min(checkpoint.deleted_at, upto) if checkpoint.deleted_at else upto
+    begin = max(checkpoint.created_at, since) if since else checkpoint.created_at
+    price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
+    pieces = []
+    for day, start, stop in days_of(begin, end) if begin < end else []:
+        gb_seconds = Decimal(checkpoint.bytes) / BYTES_PER_GB * _seconds(start, stop)
+        pieces.append(Piece(
+            item=f"checkpoint:{checkpoint.id}", piece=day.isoformat(), kind=EntryKind.STORAGE,
+            tenant_id=checkpoint.job.tenant_id, flavor_id=None, job_id=checkpoint.job_id, endpoint_id=None,
+            day=day, gpu_seconds=Decimal(0), gb_seconds=gb_seconds, price_card_id=None,
+            cost=gb_seconds * price / SECONDS_PER_MONTH, cloud_cost=None, currency=_currency(),
+        ))
+    return pieces
+
+
+# --- Writing it -------------------------------------------------------------------------------
+
+
+def _written(items: list[str]) -> dict[tuple[str, str], dict]:
+    """What the ledger holds of these items, per piece."""
+    rows = (
+        UsageEntry.objects.filter(item__in=items).values("item", "piece")
+        .annotate(gpu=Sum("gpu_seconds"), gb=Sum("gb_seconds"), cost=Sum("cost"), cloud=Sum("cloud_cost"))
+    )
+    return {(row["item"], row["piece"]): row for row in rows}
+
+
+def differences(truth: list[Piece], written: dict[tuple[str, str], dict], items: list[str]) -> list[Piece]:
+    """The pieces that bring what is written to the truth (a negative one where too much was)."""
+    wanted = {(piece.item, piece.piece): piece for piece in truth}
+    out = []
+    for key, piece in wanted.items():
+        seen = written.get(key)
+        gpu = _q(piece.gpu_seconds, "0.001") - (seen["gpu"] if seen else 0)
+        gb = _q(piece.gb_seconds, "0.001") - (seen["gb"] if seen else 0)
+        cost = _q(piece.cost, "0.000001") - (seen["cost"] if seen else 0)
+        cloud = None if piece.cloud_cost is None else _q(piece.cloud_cost, "0.000001") - ((seen or {}).get("cloud") or 0)
+        if gpu or gb or cost or cloud:
+            out.append(Piece(**{**piece.__dict__, "gpu_seconds": gpu, "gb_seconds": gb, "cost": cost,
+                                "cloud_cost": cloud}))
+    for (item, piece_key), seen in written.items():
+        if item in items and (item, piece_key) not in wanted and (seen["gpu"] or seen["gb"] or seen["cost"]):
+            out.append(_reversal(item, piece_key, seen))
+    return out
+
+
+def _reversal(item: str, piece_key: str, seen: dict) -> Piece:
+    """A piece that no longer belongs to an item's truth (its interval shrank), taken back."""
+    entry = UsageEntry.objects.filter(item=item, piece=piece_key).first()
+    return Piece(
+        item=item, piece=piece_key, kind=entry.kind, tenant_id=entry.tenant_id, flavor_id=entry.flavor_id,
+        job_id=entry.job_id, endpoint_id=entry.endpoint_id, day=entry.day, gpu_seconds=-seen["gpu"],
+        gb_seconds=-seen["gb"], price_card_id=entry.price_card_id, cost=-seen["cost"],
+        cloud_cost=-seen["cloud"] if seen["cloud"] is not None else None, currency=entry.currency,
+    )
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One item to bring up to date: its truth to compare with what is written, or only its new days."""
+
+    item: str
+    pieces: list[Piece]
+    tail_only: bool  # pieces lie after everything written of the item (an open item's new days)
+    upto: datetime
+    closed: bool
+
+
+@dataclass(frozen=True)
+class _Seen:
+    upto: datetime
+    closed: bool
+
+
+def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices, *,
+          fresh: bool = True) -> list[_Work]:
+    """What to write for these items, counting open ones through `through`.
+
+    `fresh`: read the items' settlements now (a writer, under the items' locks); otherwise use what
+    the query that found them read alongside (a reader).
+    """
+    if fresh:
+        rows = Settlement.objects.filter(
+            Q(kind="attempt", object_id__in=[a.id for a in attempts])
+            | Q(kind="checkpoint", object_id__in=[c.id for c in checkpoints])
+        )
+        settled = {f"{row.kind}:{row.object_id}": _Seen(row.upto, row.closed) for row in rows}
+    else:
+        settled = {
+            f"{prefix}{obj.id}": _Seen(obj.settled_upto, obj.settled_closed)
+            for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints))
+            for obj in objs if obj.settled_upto is not None
+        }
+    work = []
+    for row in attempt_rows(attempts):
+        item, seen = f"attempt:{row.id}", settled.get(f"attempt:{row.id}")
+        if row.ended_at is None and seen is not None and not seen.closed:
+            tail = replace(row, start=max(row.start, seen.upto))
+            work.append(_Work(item, attempt_pieces(tail, through, prices), True, through, False))
+        else:
+            # An ended attempt is counted to its end (today included); an open one through `through`.
+            work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, row.ended_at or through,
+                              row.ended_at is not None))
+    for checkpoint in checkpoints:
+        item, seen = f"checkpoint:{checkpoint.id}", settled.get(f"checkpoint:{checkpoint.id}")
+        if checkpoint.deleted_at is None and seen is not None and not seen.closed:
+            pieces = checkpoint_pieces(checkpoint, through, since=seen.upto)
+            work.append(_Work(item, pieces, True, through, False))
+        else:
+            work.append(_Work(item, checkpoint_pieces(checkpoint, checkpoint.deleted_at or through), False,
+                              checkpoint.deleted_at or through, checkpoint.deleted_at is not None))
+    return work
+
+
+def _changes(work: list[_Work]) -> list[Piece]:
+    """The pieces to append so each item's entries sum to its truth."""
+    compared = [entry.item for entry in work if not entry.tail_only]
+    written = _written(compared) if compared else {}
+    truth = [piece for entry in work if not entry.tail_only for piece in entry.pieces]
+    tails = [piece for entry in work if entry.tail_only for piece in entry.pieces]
+    return tails + differences(truth, written, compared)
+
+
+def _write(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices) -> int:
+    """Settle a batch of items in one transaction, each item locked so two sweeps never add the same piece."""
+    items = sorted([f"attempt:{a.id}" for a in attempts] + [f"checkpoint:{c.id}" for c in checkpoints])
+    if not items:
+        return 0
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_xact_lock(hashtext('usage:' || item)) FROM (SELECT unnest(%s::text[]) AS item "
+                "ORDER BY 1) AS items", [items],
+            )
+        work = _plan(attempts, checkpoints, through, prices)
+        written_before = set(_written([entry.item for entry in work]))
+        changes = _changes(work)
+        UsageEntry.objects.bulk_create([
+            UsageEntry(
+                kind=piece.kind, item=piece.item, piece=piece.piece, tenant_id=piece.tenant_id,
+                flavor_id=piece.flavor_id, job_id=piece.job_id, endpoint_id=piece.endpoint_id, day=piece.day,
+                gpu_seconds=_q(piece.gpu_seconds, "0.001"), gb_seconds=_q(piece.gb_seconds, "0.001"),
+                price_card_id=piece.price_card_id, cost=_q(piece.cost, "0.000001"),
+                cloud_cost=_q(piece.cloud_cost, "0.000001") if piece.cloud_cost is not None else None,
+                currency=piece.currency, correction=(piece.item, piece.piece) in written_before or piece.cost < 0,
+            )
+            for piece in changes
+        ], batch_size=2000)
+        Settlement.objects.bulk_create(
+            [Settlement(kind=entry.item.split(":")[0], object_id=int(entry.item.split(":")[1]), upto=entry.upto,
+                        closed=entry.closed) for entry in work],
+            update_conflicts=True, unique_fields=["kind", "object_id"], update_fields=["upto", "closed", "settled_at"],
+        )
+    return len(changes)
+
+
+def _stale(model, item_prefix: str, end_field: str, start_field: str, through: datetime, tenant_ids=None,
+           counted_since: datetime | None = None):
+    """Rows whose ledger is behind: ended since last counted, or open with time before `through` uncounted.
+
+    `counted_since`: leave out open rows already counted from that moment on (the caller sums them itself).
+    """
+    fields = {JobAttempt: ["number", "admitted_at", "ended_at", "job__tenant_id", "job__flavor_id", "job__replicas",
+                           "job__gpus_per_replica"],
+              Checkpoint: ["bytes", "created_at", "deleted_at", "job__tenant_id"]}[model]
+    rows = model.objects.select_related("job").only("id", "job_id", *fields)
+    kind = item_prefix.rstrip(":")
+    settlement = Settlement.objects.filter(kind=kind, object_id=OuterRef("id"))
+    rows = rows.annotate(settled_upto=Subquery(settlement.values("upto")[:1]),
+                         settled_closed=Subquery(settlement.values("closed")[:1]))
+    if tenant_ids is not None:
+        rows = rows.filter(job__tenant_id__in=tenant_ids)
+    counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
+    counted_through = settlement.filter(closed=False, upto__gte=min(through, counted_since or through))
+    ended = rows.filter(**{f"{end_field}__isnull": False}).exclude(Exists(counted_to_end))
+    running = rows.filter(**{f"{end_field}__isnull": True, f"{start_field}__lt": through}).exclude(Exists(counted_through))
+    return [*ended.order_by("id"), *running.order_by("id")]
+
+
+def _stale_attempts(through: datetime, tenant_ids=None) -> list[JobAttempt]:
+    return _stale(JobAttempt, "attempt:", "ended_at", "admitted_at", through, tenant_ids)
+
+
+def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: datetime | None = None) -> list[Checkpoint]:
+    return _stale(Checkpoint, "checkpoint:", "deleted_at", "created_at", through, tenant_ids, counted_since)
+
+
+def _kept_checkpoints_today(now: datetime, tenant_ids=None) -> list[Piece]:
+    """Today's storage of the checkpoints still kept and counted through today's midnight, summed per job in SQL.
+
+    These are most checkpoints of a cluster (every job keeps its newest few for as long as it
+    exists), and their day so far is one interval each, so the database sums it.
+    """
+    today = midnight(utc_day(now))
+    rows = (
+        Checkpoint.objects.filter(deleted_at__isnull=True)
+        .filter(Exists(Settlement.objects.filter(kind="checkpoint", object_id=OuterRef("id"), closed=False,
+                                                 upto__gte=today)))
+        .values("job_id", "job__tenant_id")
+        .annotate(byte_seconds=Sum(F("bytes") * Extract(Value(now) - Greatest("created_at", Value(today)), "epoch")))
+        .order_by()
+    )
+    if tenant_ids is not None:
+        rows = rows.filter(job__tenant_id__in=tenant_ids)
+    price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
+    pieces = []
+    for row in rows:
+        gb_seconds = Decimal(row["byte_seconds"] or 0) / BYTES_PER_GB
+        pieces.append(Piece(
+            item=f"kept-checkpoints-of-job:{row['job_id']}", piece=today.date().isoformat(), kind=EntryKind.STORAGE,
+            tenant_id=row["job__tenant_id"], flavor_id=None, job_id=row["job_id"], endpoint_id=None, day=today.date(),
+            gpu_seconds=Decimal(0), gb_seconds=gb_seconds, price_card_id=None,
+            cost=gb_seconds * price / SECONDS_PER_MONTH, cloud_cost=None, currency=_currency(),
+        ))
+    return pieces
+
+
+def _capacity_history_started(now: datetime) -> None:
+    """A flavor with no capacity history yet starts one at its capacity now (the idle line counts from there)."""
+    known = set(CapacityChange.objects.values_list("flavor_id", flat=True).distinct())
+    CapacityChange.objects.bulk_create([
+        CapacityChange(flavor_id=flavor_id, capacity=capacity, at=now)
+        for flavor_id, capacity in ResourceFlavor.objects.values_list("id", "capacity") if flavor_id not in known
+    ])
+
+
+def settle_run(now: datetime | None = None) -> dict:
+    """Write what has ended and every whole day of what runs; returns how many items and entries."""
+    now = now or timezone.now()
+    through = midnight(utc_day(now))
+    _capacity_history_started(now)
+    prices = Prices()
+    attempts, checkpoints = _stale_attempts(through), _stale_checkpoints(through)
+    entries = 0
+    for i in range(0, len(attempts), SETTLE_BATCH):
+        entries += _write(attempts[i : i + SETTLE_BATCH], [], through, prices)
+    for i in range(0, len(checkpoints), SETTLE_BATCH):
+        entries += _write([], checkpoints[i : i + SETTLE_BATCH], through, prices)
+    return {"items": len(attempts) + len(checkpoints), "entries": entries}
+
+
+def settle_jobs(job_ids: list[int], now: datetime | None = None) -> int:
+    """Settle the ended attempts of these jobs now (an attempt just ended); returns entries written."""
+    through = midnight(utc_day(now or timezone.now()))
+    attempts = list(JobAttempt.objects.select_related("job").filter(job_id__in=job_ids, ended_at__isnull=False))
+    return _write(attempts, [], through, Prices())
+
+
+def unwritten(now: datetime, *, tenant_ids: set[int] | None = None) -> list[Piece]:
+    """What the ledger does not hold yet, up to now: open items since they were counted, and stale ones."""
+    after_today = midnight(utc_day(now)) + timedelta(days=1)  # everything up to now counts, today included
+    attempts = _stale_attempts(after_today, tenant_ids)
+    checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)))
+    return _changes(_plan(attempts, checkpoints, now, Prices(), fresh=False)) + _kept_checkpoints_today(now, tenant_ids)
+
+
+def latest_entry_day() -> date | None:
+    return UsageEntry.objects.aggregate(day=Max("day"))["day"]
