@@ -2,10 +2,13 @@
 
 from django.db import transaction
 from django.dispatch import receiver
+from prometheus_client.core import GaugeMetricFamily
 
 from common.dispatch import send_task
+from common.metrics import metrics_collect
 from runners.clusters.signals import capacity_changed
 from runners.jobs.signals import attempts_ended
+from runners.usage import sampling
 from runners.usage.models import CapacityChange
 
 
@@ -21,3 +24,19 @@ def _capacity_changed(sender, *, capacities, at, **kwargs) -> None:
     CapacityChange.objects.bulk_create(
         [CapacityChange(flavor_id=flavor_id, capacity=capacity, at=at) for flavor_id, capacity in capacities.items()]
     )
+
+
+@receiver(metrics_collect, dispatch_uid="usage-idle-gpus")
+def _idle_gpus(sender, **kwargs) -> list[GaugeMetricFamily]:
+    """GPU units held by allocations idle for the whole idle window (USAGE_IDLE_*), by tenant and flavor."""
+    family = GaugeMetricFamily(
+        "portal_gpu_units_idle", "GPU units held by allocations under the idle threshold for the whole idle window.",
+        labels=["tenant", "flavor"],
+    )
+    totals: dict[tuple[str, str], int] = {}
+    for item in sampling.idle_allocations():
+        key = (item.job.tenant.slug, item.job.flavor.name)
+        totals[key] = totals.get(key, 0) + item.units
+    for (tenant, flavor), units in sorted(totals.items()):
+        family.add_metric([tenant, flavor], units)
+    return [family]

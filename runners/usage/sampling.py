@@ -157,7 +157,7 @@ def idle_allocations(*, tenant_ids: set[int] | None = None, threshold_pct: float
     now = now or timezone.now()
     threshold = settings.USAGE_IDLE_THRESHOLD_PCT if threshold_pct is None else threshold_pct
     since = now - timedelta(seconds=settings.USAGE_IDLE_WINDOW_S if window_s is None else window_s)
-    attempts = JobAttempt.objects.open().filter(started_at__lte=since).select_related("job", "job__flavor")
+    attempts = JobAttempt.objects.open().filter(started_at__lte=since).select_related("job", "job__flavor", "job__tenant")
     if tenant_ids is not None:
         attempts = attempts.filter(job__tenant_id__in=tenant_ids)
     attempts = {(attempt.job_id, attempt.number): attempt for attempt in attempts}
