@@ -6,8 +6,8 @@ inside Django.
 """
 
 import os
-from decimal import Decimal, InvalidOperation
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from urllib.parse import urlparse
 
 from django.core.exceptions import ImproperlyConfigured

@@ -11,8 +11,9 @@ can give, each with the body it has:
   be one; on the token endpoint also a wrong username or password.
 - **403** where signing in is required: signed in, but not allowed.
 - **404** on every operation with a path parameter (the object does not exist
-  or is not visible to the caller) and on every paginated list (a page past the
-  last one).
+  or is not visible to the caller), on every paginated list (a page past the
+  last one), and where a view's query parameters name objects (its
+  ``not_found_when`` says when).
 - **415** on every operation that takes a body: only ``application/json`` is read.
 - **429** where attempts are rate-limited: DRF throttles, and the login throttle
   of the token endpoint (``tenants/login_throttle.py``).
@@ -170,8 +171,10 @@ class PortalAutoSchema(AutoSchema):
         }
         if signed_in_only:
             responses["403"] = self._error("403", "Signed in, but this account may not do this.")
-        if in_path or paginated:
-            reasons = []
+        # A view whose query parameters name objects says when it answers 404 (``not_found_when``).
+        named_in_query = getattr(self.view, "not_found_when", None)
+        if in_path or paginated or named_in_query:
+            reasons = [named_in_query] if named_in_query else []
             if in_path:
                 reasons.append("there is no such object, or it is not visible to this account")
             if paginated:

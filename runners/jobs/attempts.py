@@ -45,6 +45,7 @@ from runners.backends.base import (
     TrainerSettings,
 )
 from runners.clusters.registry import get_backend
+from runners.jobs import signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
     AttemptOutcome,
@@ -54,7 +55,6 @@ from runners.jobs.models import (
     JobMetric,
     JobState,
 )
-from runners.jobs import signals
 from runners.jobs.services import TRAINER_KEEP_CHECKPOINTS, kick_cycle, send_job_stop, transition
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
 

@@ -7,7 +7,6 @@ import io
 from datetime import timedelta
 
 from django.utils import timezone
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import PermissionDenied
@@ -30,7 +29,7 @@ MAX_RANGE_DAYS = 400
 
 
 class CSVRenderer(BaseRenderer):
-    """Usage rows as CSV, the columns in the JSON's order; an error answer as one "field,message" row each."""
+    """Usage rows as CSV, the columns in the JSON's order (errors stay JSON: see UsageView.finalize_response)."""
 
     media_type = "text/csv"
     format = "csv"
@@ -39,19 +38,25 @@ class CSVRenderer(BaseRenderer):
     def render(self, data, accepted_media_type=None, renderer_context=None) -> bytes:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        if isinstance(data, list):
-            writer.writerow(USAGE_COLUMNS)
-            for row in data:
-                writer.writerow(["" if row.get(column) is None else row[column] for column in USAGE_COLUMNS])
-        else:
-            writer.writerow(["field", "message"])
-            for field, messages in (data or {}).items():
-                for message in messages if isinstance(messages, list) else [messages]:
-                    writer.writerow([field, message])
+        writer.writerow(USAGE_COLUMNS)
+        for row in data:
+            writer.writerow(["" if row.get(column) is None else row[column] for column in USAGE_COLUMNS])
         return out.getvalue().encode(self.charset)
 
 
-class UsageQuery(serializers.Serializer):
+class _QueryParameters(serializers.Serializer):
+    """A parameter given empty (`?start=`) is refused, naming it: a query dict hands DRF an empty string as
+    if the parameter were absent, which would quietly apply its default."""
+
+    def validate(self, data: dict) -> dict:
+        empty = {name: "Give a value, or leave the parameter out." for name in self.fields
+                 if name in self.initial_data and self.initial_data.get(name) == ""}
+        if empty:
+            raise serializers.ValidationError(empty)
+        return super().validate(data)
+
+
+class UsageQuery(_QueryParameters):
     start = serializers.DateField(required=False, help_text="First UTC day, included (default: the month's first).")
     end = serializers.DateField(required=False, help_text="Last UTC day, included (default: today).")
     group_by = serializers.CharField(
@@ -70,6 +75,7 @@ class UsageQuery(serializers.Serializer):
         return groups
 
     def validate(self, data: dict) -> dict:
+        data = super().validate(data)
         today = ledger.utc_day(timezone.now())
         data.setdefault("end", today)
         data.setdefault("start", data["end"].replace(day=1))
@@ -98,10 +104,20 @@ UsageRow = inline_serializer("UsageRow", many=True, fields={
 class UsageView(APIView):
     """GPU-hours and cost, grouped; tenants see their own, staff everyone's and the cluster's idle line."""
 
+    not_found_when = "the tenant named is not one this account belongs to"
+
     renderer_classes = [JSONRenderer, CSVRenderer]
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        # Only rows are CSV: an error answer, or OPTIONS' description, is JSON whatever format was asked.
+        if not isinstance(getattr(response, "data", None), list):
+            request.accepted_renderer, request.accepted_media_type = JSONRenderer(), JSONRenderer.media_type
+        return super().finalize_response(request, response, *args, **kwargs)
 
     @extend_schema(parameters=[UsageQuery], responses={200: UsageRow})
     def get(self, request, *args, **kwargs):
+        if request.query_params.get("format") == "":
+            raise serializers.ValidationError({"format": "Give csv or json, or leave the parameter out."})
         query = UsageQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
         params = query.validated_data
@@ -109,19 +125,20 @@ class UsageView(APIView):
         rows = usage_rows(start=params["start"], end=params["end"], group_by=params["group_by"], tenants=tenants,
                           include_idle=params["idle"] and request.user.is_staff)
         response = Response(rows)
-        if getattr(request, "accepted_renderer", None) and request.accepted_renderer.format == "csv":
+        if request.accepted_renderer.format == "csv":
             name = f"usage-{params['start']}-{params['end']}.csv"
             response["Content-Disposition"] = f'attachment; filename="{name}"'
         return response
 
 
-class UtilizationQuery(serializers.Serializer):
+class UtilizationQuery(_QueryParameters):
     job = serializers.IntegerField(required=False, min_value=1, help_text="A job (or one replica of an endpoint).")
     endpoint = serializers.IntegerField(required=False, min_value=1, help_text="Every replica of an endpoint.")
     start = serializers.DateTimeField(required=False, help_text="Default: 24 hours before end.")
     end = serializers.DateTimeField(required=False, help_text="Default: now.")
 
     def validate(self, data: dict) -> dict:
+        data = super().validate(data)
         if ("job" in data) == ("endpoint" in data):
             raise serializers.ValidationError({"job": "Name a job or an endpoint (one of them)."})
         data.setdefault("end", timezone.now())
@@ -133,10 +150,27 @@ class UtilizationQuery(serializers.Serializer):
         return data
 
 
+UtilizationPoints = inline_serializer("UtilizationPoint", many=True, fields={
+    "at": serializers.DateTimeField(), "resolution": serializers.ChoiceField(["raw", "5m", "1h"]),
+    "gpu_util_pct": serializers.FloatField(allow_null=True), "memory_used_mib": serializers.FloatField(allow_null=True),
+    "power_w": serializers.FloatField(allow_null=True),
+})
+UtilizationAnswer = inline_serializer("Utilization", fields={
+    "start": serializers.DateTimeField(), "end": serializers.DateTimeField(),
+    "series": inline_serializer("UtilizationSeries", many=True, fields={
+        "job": serializers.IntegerField(), "attempt": serializers.IntegerField(), "rank": serializers.IntegerField(),
+        "device": serializers.CharField(), "source": serializers.ChoiceField(["nvml", "dcgm", "simulated"]),
+        "simulated": serializers.BooleanField(), "points": UtilizationPoints,
+    }),
+})
+
+
 class UtilizationView(APIView):
     """Utilization, memory and power per replica and device over time (simulated GPUs say so)."""
 
-    @extend_schema(parameters=[UtilizationQuery], responses={200: OpenApiTypes.OBJECT})
+    not_found_when = "the job or endpoint named does not exist or is not visible to this account"
+
+    @extend_schema(parameters=[UtilizationQuery], responses={200: UtilizationAnswer})
     def get(self, request, *args, **kwargs):
         query = UtilizationQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
@@ -150,16 +184,27 @@ class UtilizationView(APIView):
                          "series": sampling.series(job_ids, params["start"], params["end"])})
 
 
-class IdleQuery(serializers.Serializer):
+class IdleQuery(_QueryParameters):
     tenant = serializers.SlugField(required=False)
     threshold_pct = serializers.FloatField(required=False, min_value=0, max_value=100)
     window_s = serializers.FloatField(required=False, min_value=1, max_value=7 * 86400)
 
 
+IdleRow = inline_serializer("IdleAllocation", many=True, fields={
+    "tenant": serializers.CharField(), "job": serializers.IntegerField(), "name": serializers.CharField(),
+    "endpoint": serializers.IntegerField(allow_null=True), "attempt": serializers.IntegerField(),
+    "flavor": serializers.CharField(), "units": serializers.IntegerField(),
+    "average_util_pct": serializers.FloatField(), "peak_util_pct": serializers.FloatField(),
+    "samples": serializers.IntegerField(), "simulated": serializers.BooleanField(),
+})
+
+
 class IdleView(APIView):
     """Allocations whose every device stayed under the threshold for the whole window."""
 
-    @extend_schema(parameters=[IdleQuery], responses={200: OpenApiTypes.OBJECT})
+    not_found_when = "the tenant named is not one this account belongs to"
+
+    @extend_schema(parameters=[IdleQuery], responses={200: IdleRow})
     def get(self, request, *args, **kwargs):
         query = IdleQuery(data=request.query_params)
         query.is_valid(raise_exception=True)
@@ -177,10 +222,20 @@ class IdleView(APIView):
         } for item in idle])
 
 
+AlertRow = inline_serializer("BudgetAlert", many=True, fields={
+    "tenant": serializers.CharField(), "month": serializers.CharField(help_text="YYYY-MM"),
+    "threshold_pct": serializers.IntegerField(), "spent": serializers.DecimalField(max_digits=14, decimal_places=2),
+    "budget": serializers.DecimalField(max_digits=14, decimal_places=2), "currency": serializers.CharField(),
+    "at": serializers.DateTimeField(), "mailed_to": serializers.IntegerField(help_text="How many people were mailed."),
+})
+
+
 class BudgetAlertView(APIView):
     """Budget events: a tenant's month crossing 80% or 100% of its budget."""
 
-    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: OpenApiTypes.OBJECT})
+    not_found_when = "the tenant named is not one this account belongs to"
+
+    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: AlertRow})
     def get(self, request, *args, **kwargs):
         tenants = visible_tenants(request.user, request.query_params.get("tenant"))
         return Response([{
