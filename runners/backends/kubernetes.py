@@ -42,12 +42,13 @@ import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from runners.backends import k8s_inventory, k8s_jobs, k8s_partitions
+from runners.backends import dcgm, k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
     BackendError,
     EnvironmentSpec,
+    GpuReading,
     JobLaunch,
     NodeInfo,
     PartitionSpec,
@@ -168,6 +169,8 @@ class KubernetesBackend:
         finished_job_ttl_s: int,
         watch_timeout_s: int,
         node_lost_timeout_s: float,
+        # The Prometheus that scrapes the DCGM exporter (PROMETHEUS_URL); None: no GPU readings.
+        prometheus_url: str | None = None,
     ) -> None:
         self.api_client = api_client
         self.field_manager = field_manager
@@ -185,6 +188,7 @@ class KubernetesBackend:
         self.finished_job_ttl_s = finished_job_ttl_s
         self.watch_timeout_s = watch_timeout_s
         self.node_lost_timeout_s = node_lost_timeout_s
+        self.prometheus_url = prometheus_url
         # Discovery is read on the first call, not here: building the backend touches no network.
         self._dynamic: dynamic.DynamicClient | None = None
         self._resources: dict[tuple[str, str], object] = {}
@@ -877,6 +881,47 @@ class KubernetesBackend:
                            k8s_jobs.since_time(chunk.skipped_second), PROGRESS_READ_MAX_BYTES)
         return ProgressRead(metrics=chunk.metrics, checkpoints=chunk.checkpoints, cursor=chunk.cursor.as_dict(),
                             bytes_read=len(data))
+
+    def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
+        """The attempts' devices as the DCGM exporter last saw them, read from Prometheus in one query.
+
+        The exporter names the pod and the container that hold each device. A device counts only
+        when the watch cache has that pod as a replica of one of these attempts (by its labels,
+        never its name: a Deployment's pod is named with a random suffix) and the container is the
+        replica's workload container (an injected sidecar holding a GPU is not the replica).
+        Everything else the query returns (other workloads, other tenants, attempts not asked
+        for) is dropped. No PROMETHEUS_URL: nothing to read.
+        """
+        if self.prometheus_url is None or not attempts:
+            return {}
+        replicas = self._replica_pods(attempts)
+        if not replicas:
+            return {}
+        found: dict[tuple[int, int], list[GpuReading]] = {}
+        for device in dcgm.read_devices(self.prometheus_url):
+            replica = replicas.get((device.namespace, device.pod))
+            if replica is None or device.container != replica[2]:
+                continue
+            key, rank, _container = replica
+            found.setdefault(key, []).append(GpuReading(
+                rank=rank, device=device.device, at=device.at, source="dcgm", gpu_util_pct=device.gpu_util_pct,
+                memory_used_mib=device.memory_used_mib, power_w=device.power_w,
+            ))
+        for readings in found.values():
+            readings.sort(key=lambda reading: (reading.rank, reading.device))
+        return found
+
+    def _replica_pods(self, attempts: set[tuple[int, int]]) -> dict[tuple[str, str], tuple[tuple[int, int], int, str]]:
+        """(namespace, pod name) -> (attempt, rank, workload container) of the attempts' pods in the watch cache."""
+        self._sync()
+        replicas = {}
+        for key in {(int(job_id), int(attempt)) for job_id, attempt in attempts}:
+            for pod in self._cached_pods(key):
+                rank = k8s_jobs.pod_rank(pod)
+                if rank is not None:
+                    metadata = pod["metadata"]
+                    replicas[(metadata["namespace"], metadata["name"])] = (key, rank, k8s_jobs.workload_container(pod))
+        return replicas
 
 
 def _owner(namespace: dict) -> str | None:

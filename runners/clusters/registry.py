@@ -37,6 +37,7 @@ def kubernetes_backend_options() -> dict:
         finished_job_ttl_s=settings.KUBERNETES_FINISHED_JOB_TTL_S,
         watch_timeout_s=settings.KUBERNETES_WATCH_TIMEOUT_S,
         node_lost_timeout_s=settings.KUBERNETES_NODE_LOST_TIMEOUT_S,
+        prometheus_url=settings.PROMETHEUS_URL or None,
     )
 
 
