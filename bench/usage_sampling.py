@@ -18,8 +18,9 @@ one call every 30 s does, then makes one query. The CPU time of this process per
 (time.process_time: the stand-ins and Prometheus run in other processes) is reported, and as a
 share of one core at one call per `--interval-s`.
 
-The ingest (writing the readings to the database) goes after the read: `Sampling.one_pass` times
-each step; `Sampling.read_once` returns what the next step takes.
+Then the ingest: the readings written to a scratch PostgreSQL database (created here) by the usage
+app's own `store`, as the sampling task does; its CPU is this process's and the database backend
+process's (read from /proc), so the total is what a pass costs the machine, PostgreSQL included.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
 GPUS_PER_NODE = 8
+SCRATCH_DATABASE: list[str] = []  # the name to restore once the scratch database is dropped
 GPUS_PER_TENANT = 10
 
 
@@ -166,12 +168,22 @@ def play_cluster(conn, tenants: int) -> None:
 # --- The reading process ------------------------------------------------------------------------
 
 
+def backend_cpu_s(connection) -> float:
+    """CPU seconds the database's backend process serving this connection has used (PostgreSQL runs here too)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Sampling:
-    """One sampling pass of the portal: the read, then (once it exists) the ingest of what was read."""
+    """One sampling pass of the portal: the read, then the ingest of what was read (runners.usage.sampling.store)."""
 
     backend: object  # runners.backends.kubernetes.KubernetesBackend
     attempts: set[tuple[int, int]]
+    rows: dict | None = None  # (job id, attempt) -> JobAttempt, as the sampling task reads them
 
     def read_once(self) -> dict:
         """Every attempt's readings, as the sampling task asks the backend for them: one call for all."""
@@ -184,6 +196,15 @@ class Sampling:
         readings = self.read_once()
         cpu["read"] = time.process_time() - start
         assert len(readings) == len(self.attempts), f"{len(readings)} of {len(self.attempts)} attempts read"
+        if self.rows is not None:
+            from django.db import connection
+
+            from runners.usage.sampling import store
+
+            start, database = time.process_time(), backend_cpu_s(connection)
+            store(readings, self.rows)
+            cpu["ingest"] = time.process_time() - start
+            cpu["ingest, database process"] = backend_cpu_s(connection) - database
         return cpu
 
 
@@ -235,6 +256,7 @@ def main() -> int:
             backend.min_sync_interval_s = 0  # every call syncs the pod cache, as one every 30 s would
             sampling = Sampling(backend, {(job_id, 1) for job_id in cluster["attempts"]})
             wait_until_read(sampling, cluster["gpus"], timeout_s=60)
+            sampling.rows = portal_rows(cluster["attempts"], args.tenants)
             with urlopen(f"{prometheus.url}/api/v1/query?" + urlencode({"query": dcgm.QUERY})) as answer:
                 size = len(answer.read())
             print(f"one query: {size / 1e6:.2f} MB of JSON ({4 * cluster['gpus']} values and "
@@ -252,6 +274,10 @@ def main() -> int:
     finally:
         ours.send("stop")
         helper.join(timeout=30)
+        if SCRATCH_DATABASE:
+            from django.db import connection
+
+            connection.creation.destroy_test_db(SCRATCH_DATABASE[0], verbosity=0)
     print(f"{args.calls} calls of gpu_readings for all {len(sampling.attempts)} attempts:")
     for step in passes[0]:
         cpu = [one[step] for one in passes]
@@ -261,7 +287,37 @@ def main() -> int:
               f"{statistics.mean(cpu) / args.interval_s * 100:.2f} % of one core at one call per {args.interval_s:g} s")
     print(f"  of which the query alone (dcgm.read_devices): CPU mean {statistics.mean(query_only) * 1000:.1f} ms")
     print(f"  wall time per call: median {statistics.median(walls) * 1000:.1f} ms")
+    total = statistics.mean(sum(one.values()) for one in passes)
+    print(f"  read and ingest, the database's process included: {total * 1000:.1f} ms a pass = "
+          f"{total / args.interval_s * 100:.2f} % of one core at one pass per {args.interval_s:g} s")
     return 0
+
+
+def portal_rows(job_ids: list[int], tenants: int) -> dict:
+    """The attempts as the portal's database holds them (a scratch database): what the ingest attributes to."""
+    from django.db import connection
+
+    from runners.environments.models import Environment, EnvironmentState
+    from runners.jobs.models import Job, JobAttempt
+    from tenants.models import Tenant
+    from tests.support.jobs import demo_cluster_with_flavors
+
+    SCRATCH_DATABASE.append(connection.settings_dict["NAME"])
+    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    flavor = demo_cluster_with_flavors()["h100-80gb"]
+    environments = []
+    for number in range(tenants):
+        tenant = Tenant.objects.create(slug=f"team-{number:03d}", name=f"Team {number}")
+        environments.append(Environment.objects.create(tenant=tenant, name="work", namespace=f"team-{number:03d}--work",
+                                                       state=EnvironmentState.READY))
+    rows = {}
+    for index, job_id in enumerate(sorted(job_ids)):
+        environment = environments[index % tenants]
+        job = Job.objects.create(id=job_id, tenant=environment.tenant, environment=environment, name=f"job-{job_id}",
+                                 spec={}, flavor=flavor, replicas=1, gpus_per_replica=1, state="running")
+        attempt = JobAttempt.objects.create(job=job, number=1, placement=[])
+        rows[(job_id, 1)] = JobAttempt.objects.select_related("job").get(id=attempt.id)
+    return rows
 
 
 if __name__ == "__main__":
