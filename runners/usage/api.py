@@ -9,7 +9,6 @@ from datetime import timedelta
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers
-from rest_framework.exceptions import PermissionDenied
 from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -18,7 +17,7 @@ from common.errors import NotFound
 from quotas.models import ResourceFlavor
 from runners.inference.selectors import endpoint_get
 from runners.jobs.selectors import job_get
-from runners.usage import ledger, sampling
+from runners.usage import ledger, sampling, services
 from runners.usage.models import Budget, CloudPrice
 from runners.usage.selectors import GROUPS, budget_alerts, usage_rows, visible_tenants
 from tenants.selectors import tenant_get
@@ -247,6 +246,8 @@ class BudgetAlertView(APIView):
 
 class BudgetSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.slug", read_only=True)
+    currency = serializers.RegexField(r"^[A-Z]{3}$", default="USD",
+                                      error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
 
     class Meta:
         model = Budget
@@ -257,26 +258,26 @@ class BudgetSerializer(serializers.ModelSerializer):
 class BudgetView(APIView):
     """A tenant's monthly budget: its members read it, staff set it (PUT) or remove it (DELETE)."""
 
-    def _tenant(self, request, slug):
-        return tenant_get(user=request.user, slug=slug)
-
     @extend_schema(responses={200: BudgetSerializer})
     def get(self, request, slug: str):
-        budget = Budget.objects.filter(tenant=self._tenant(request, slug)).first()
+        budget = Budget.objects.filter(tenant=tenant_get(user=request.user, slug=slug)).first()
         if budget is None:
             raise NotFound(f"Tenant {slug} has no budget.")
         return Response(BudgetSerializer(budget).data)
 
     @extend_schema(request=BudgetSerializer, responses={200: BudgetSerializer})
     def put(self, request, slug: str):
-        tenant = self._tenant(request, slug)
-        if not request.user.is_staff:
-            raise PermissionDenied("Only staff set budgets.")
-        budget = Budget.objects.filter(tenant=tenant).first()
-        serializer = BudgetSerializer(budget, data=request.data)
+        tenant = tenant_get(user=request.user, slug=slug)
+        serializer = BudgetSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        serializer.save(tenant=tenant)
-        return Response(serializer.data)
+        budget = services.budget_set(actor=request.user, tenant=tenant, **serializer.validated_data)
+        return Response(BudgetSerializer(budget).data)
+
+    @extend_schema(responses={204: None})
+    def delete(self, request, slug: str):
+        if not services.budget_remove(actor=request.user, tenant=tenant_get(user=request.user, slug=slug)):
+            raise NotFound(f"Tenant {slug} has no budget.")
+        return Response(status=204)
 
 
 class CloudPriceSerializer(serializers.ModelSerializer):
@@ -288,7 +289,7 @@ class CloudPriceSerializer(serializers.ModelSerializer):
     class Meta:
         model = CloudPrice
         fields = ["id", "flavor", "price_per_hour", "currency", "provider", "effective_from"]
-        validators = []  # the one-per-start rule is answered as a 400 naming effective_from, below
+        validators = []  # the one-per-start rule is answered as a 400 naming effective_from (the service)
 
 
 class CloudPriceView(APIView):
@@ -300,13 +301,7 @@ class CloudPriceView(APIView):
 
     @extend_schema(request=CloudPriceSerializer, responses={201: CloudPriceSerializer})
     def post(self, request):
-        if not request.user.is_staff:
-            raise PermissionDenied("Only staff set cloud reference prices.")
         serializer = CloudPriceSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        data = serializer.validated_data
-        data.setdefault("effective_from", timezone.now())
-        if CloudPrice.objects.filter(flavor=data["flavor"], effective_from=data["effective_from"]).exists():
-            raise serializers.ValidationError({"effective_from": "This flavor already has a reference price starting then."})
-        price = CloudPrice.objects.create(**data)
+        price = services.cloud_price_add(actor=request.user, **serializer.validated_data)
         return Response(CloudPriceSerializer(price).data, status=201)

@@ -421,6 +421,16 @@ def _kept_checkpoints_today(now: datetime, tenant_ids=None) -> list[Piece]:
     return pieces
 
 
+def reprice_from(flavor_id: int, moment: datetime) -> int:
+    """A price or cloud reference of a flavor changed from `moment` on: have the sweep count its attempts since again.
+
+    Their settlements are forgotten, so the next sweep compares each one's whole truth with what is
+    written and appends the differences as corrections; returns how many.
+    """
+    touched = JobAttempt.objects.filter(job__flavor_id=flavor_id).exclude(ended_at__lte=moment).values("id")
+    return Settlement.objects.filter(kind="attempt", object_id__in=touched).delete()[0]
+
+
 def _capacity_history_started(now: datetime) -> None:
     """A flavor with no capacity history yet starts one at its capacity now (the idle line counts from there)."""
     known = set(CapacityChange.objects.values_list("flavor_id", flat=True).distinct())

@@ -1,14 +1,16 @@
 """The usage app's answers to the signals of the apps it meters (connected in UsageConfig.ready())."""
 
 from django.db import transaction
+from django.db.models.signals import post_save
 from django.dispatch import receiver
 from prometheus_client.core import GaugeMetricFamily
 
 from common.dispatch import send_task
 from common.metrics import metrics_collect
+from quotas.models import PriceCard
 from runners.clusters.signals import capacity_changed
 from runners.jobs.signals import attempts_ended
-from runners.usage import sampling
+from runners.usage import ledger, sampling
 from runners.usage.models import CapacityChange
 
 
@@ -17,6 +19,12 @@ def _attempts_ended(sender, *, job_ids, **kwargs) -> None:
     # Settled by a worker after the end commits; the settle sweep catches a message that was lost.
     job_ids = list(job_ids)
     transaction.on_commit(lambda: send_task("runners.tasks.usage_settle", job_ids))
+
+
+@receiver(post_save, sender=PriceCard, dispatch_uid="usage-reprices-on-a-new-price-card")
+def _price_card_saved(sender, *, instance, **kwargs) -> None:
+    # A card that starts in the past changes what was counted since: the sweep counts it again.
+    ledger.reprice_from(instance.flavor_id, instance.effective_from)
 
 
 @receiver(capacity_changed, dispatch_uid="usage-keeps-capacity-history")

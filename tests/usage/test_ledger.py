@@ -265,3 +265,47 @@ def test_a_kept_checkpoint_is_charged_up_to_now_whether_written_or_not(scenario,
     assert storage() == before
     total = usage_rows(start=date(2026, 11, 18), end=date(2026, 11, 20), group_by=("kind",), tenants=[tenant], now=now)
     assert next(row["cost"] for row in total if row["kind"] == "storage") == "0.20"
+
+
+def test_budgets_and_cloud_prices_through_the_api(scenario, tenant, staff, owner, outsider, client_for):
+    admin, member, stranger = client_for(staff), client_for(owner), client_for(outsider)
+    body = {"monthly_amount": "50.00", "currency": "USD", "stop_borrowing": True}
+    assert member.put("/api/v1/budgets/acme/", body, format="json").status_code == 403
+    assert admin.put("/api/v1/budgets/acme/", body, format="json").json()["monthly_amount"] == "50.00"
+    assert member.get("/api/v1/budgets/acme/").json()["stop_borrowing"] is True
+    assert stranger.get("/api/v1/budgets/acme/").status_code == 404
+    refused = admin.put("/api/v1/budgets/acme/", {**body, "monthly_amount": "-1"}, format="json")
+    assert refused.status_code == 400 and "monthly_amount" in refused.json()
+
+    ledger.settle_run(now=LATER)
+    budgets.budgets_check(now=datetime(2026, 11, 30, tzinfo=UTC))
+    alerts = member.get("/api/v1/budget-alerts/").json()
+    assert [(a["tenant"], a["threshold_pct"], a["spent"]) for a in alerts] == [("acme", 80, "41.10")]
+    assert stranger.get("/api/v1/budget-alerts/").json() == []
+    assert stranger.get("/api/v1/budget-alerts/?tenant=acme").status_code == 404
+    assert admin.delete("/api/v1/budgets/acme/").status_code == 204
+    assert member.get("/api/v1/budgets/acme/").status_code == 404
+
+    price = {"flavor": "t4-shared", "price_per_hour": "0.35", "provider": "list price",
+             "effective_from": "2026-10-01T00:00:00Z"}
+    assert member.post("/api/v1/cloud-prices/", price, format="json").status_code == 403
+    assert admin.post("/api/v1/cloud-prices/", price, format="json").status_code == 201
+    again = admin.post("/api/v1/cloud-prices/", price, format="json")
+    assert again.status_code == 400 and "effective_from" in again.json()
+    assert {row["flavor"] for row in member.get("/api/v1/cloud-prices/").json()} == {"h100-80gb", "t4-shared"}
+
+
+def test_a_price_card_added_for_the_past_reprices_with_corrections(scenario, staff, client_for):
+    ledger.settle_run(now=LATER)
+    tiles = scenario["tiles"]
+    # From 16:00 on the day, the T4 share costs 1.00: 13:00-16:00 at 0.25, 16:00-19:00 at 1.00 = 3.75.
+    PriceCard.objects.create(flavor=scenario["flavors"]["t4-shared"], price_per_hour=Decimal("1.00"),
+                             effective_from=at(16))
+    client_for(staff).post("/api/v1/cloud-prices/", {"flavor": "t4-shared", "price_per_hour": "2.00",
+                                                     "effective_from": "2026-10-01T00:00:00Z"}, format="json")
+    ledger.settle_run(now=LATER)
+    rows = usage_rows(**NOVEMBER, group_by=("tenant",), tenants=None, now=LATER)
+    globex = next(row for row in rows if row["tenant"] == "globex")
+    assert (globex["cost"], globex["cloud_cost"]) == ("3.75", "12.00")
+    assert UsageEntry.objects.filter(job=tiles, correction=True).exists()
+    assert ledger.settle_run(now=LATER)["entries"] == 0
