@@ -7,6 +7,7 @@ from django.db import transaction
 from quotas.models import PriceCard, Quota, ResourceFlavor
 from runners.clusters.models import PartitionProfile
 from runners.clusters.services import flavors_discover, inventory_sync
+from runners.usage.models import Budget, CloudPrice
 from tenants.models import Membership, Tenant
 
 DEMO_PASSWORD = "portal-demo"
@@ -26,6 +27,14 @@ DEMO_FLAVORS = [
     ("a100-40gb-1g.5gb", "mig", "A100-40GB", "1g.5gb", "0.4000"),
     ("t4-shared", "timeslice", "T4", "", "0.1500"),
 ]
+# flavor, cloud reference price per unit-hour (USD): an on-demand price of the same GPU (a MIG slice
+# or a time-slice share at its fraction of the GPU), for the "what the shared cluster saves" columns
+DEMO_CLOUD_PRICES = [
+    ("h100-80gb", "6.9800"), ("a100-40gb-3g.20gb", "1.5700"), ("a100-40gb-2g.10gb", "1.0500"),
+    ("a100-40gb-1g.5gb", "0.5200"), ("t4-shared", "0.1400"),
+]
+# tenant, monthly budget (USD), stop borrowing past it
+DEMO_BUDGETS = [("ml-research", "2000.00", False)]
 # name, model, kind, layout, replicas
 DEMO_PROFILES = [
     ("h100-whole", "H100-80GB", "whole", [], 1),
@@ -66,6 +75,11 @@ class Command(BaseCommand):
             if created:
                 PriceCard.objects.create(flavor=flavors[name], price_per_hour=price, effective_from="2026-01-01T00:00Z")
         flavors_discover()  # anything else the demo cluster offers gets a flavor, unpriced
+        for name, price in DEMO_CLOUD_PRICES:
+            CloudPrice.objects.get_or_create(flavor=flavors[name], effective_from="2026-01-01T00:00Z",
+                                             defaults={"price_per_hour": price, "provider": "on-demand list price"})
+        for slug, amount, stop in DEMO_BUDGETS:
+            Budget.objects.get_or_create(tenant=tenants[slug], defaults={"monthly_amount": amount, "stop_borrowing": stop})
         for name, model, kind, layout, replicas in DEMO_PROFILES:
             PartitionProfile.objects.get_or_create(
                 name=name, defaults={"gpu_model": model, "kind": kind, "layout": layout, "replicas": replicas}
