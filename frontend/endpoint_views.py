@@ -15,8 +15,9 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from common.errors import Conflict
+from frontend import charts
 from frontend.forms import EndpointForm, EndpointRolloutForm, EndpointScaleForm
-from frontend.job_views import _flavor_rows
+from frontend.job_views import _flavor_rows, redirect_next
 from runners.environments import selectors as environment_selectors
 from runners.environments.models import EnvironmentState
 from runners.inference import services as endpoints
@@ -25,6 +26,7 @@ from runners.inference.selectors import endpoint_get, endpoint_list
 from runners.jobs import selectors as job_selectors
 from runners.jobs.attempts import open_attempts
 from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job
+from runners.usage import pages as usage_pages
 from tenants import selectors
 from tenants.models import Role
 
@@ -129,9 +131,26 @@ def _replicas(endpoint) -> list[dict]:
     return rows
 
 
+def _usage(endpoint) -> dict:
+    """Its replicas' GPUs over the last hour (as its load charts), its cost so far and per 1,000 requests."""
+    now = timezone.now()
+    span = (now - SAMPLES_SHOWN, now)
+    replicas = {replica.job_id: replica for replica in endpoint.replicas.select_related("job")}
+    utilization = usage_pages.replica_utilization(list(replicas), *span)
+    # A replica is a job of one replica: its slot and job name say which (and the attempt, once preempted).
+    labels = {(r["job"], r["attempt"], r["rank"]): f"slot {replicas[r['job']].slot} · {replicas[r['job']].job.name}"
+              + (f" attempt {r['attempt']}" if r["attempt"] > 1 else "") for r in utilization["replicas"]}
+    return {
+        "readings": {**charts.replica_charts(utilization, labels, span), "bucket_label": utilization["bucket_label"]},
+        "costs": usage_pages.endpoint_cost(endpoint, now),
+        "requests": usage_pages.endpoint_requests(endpoint),
+    }
+
+
 def _live_context(request, endpoint) -> dict:
     replicas = _replicas(endpoint)
     return {
+        "usage": _usage(endpoint),
         "endpoint": endpoint,
         "replicas": replicas,
         "ready_count": sum(1 for row in replicas if row["replica"].ready and not row["replica"].retiring),
@@ -185,7 +204,7 @@ def _act(request, endpoint, action, success: str):
         messages.error(request, str(exc))
     else:
         messages.success(request, success)
-    return redirect("endpoint", endpoint_id=endpoint.id)
+    return redirect_next(request, "endpoint", endpoint_id=endpoint.id)
 
 
 @login_required

@@ -1,24 +1,33 @@
 """Job pages: a tenant's jobs with the submit form, and one job's page that follows it live."""
 
+from datetime import timedelta
+from decimal import Decimal
+
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_POST
 
 from common.errors import Conflict
+from frontend import charts
 from frontend.forms import JobForm
 from quotas import selectors as quota_selectors
 from runners.environments import selectors as environment_selectors
 from runners.environments.models import EnvironmentState
+from runners.inference.models import Replica
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.models import JOB_FINAL_STATES, Job, JobState
+from runners.usage import pages as usage_pages
 from tenants import selectors
 from tenants.models import Role
 
 CHART_WIDTH, CHART_HEIGHT, CHART_POINTS = 600, 180, 300
+PER_STEP = Decimal("0.0001")
 
 
 def _flavor_rows(tenant) -> list[dict]:
@@ -108,6 +117,27 @@ def loss_chart(series: list[dict]) -> dict | None:
     }
 
 
+def _usage_context(job, attempts, chart) -> dict:
+    """The job's GPUs per replica over its life, and what it has cost so far: in all, per step, and in the cloud."""
+    now = timezone.now()
+    costs = usage_pages.job_cost(job, now)
+    newest_step = chart["last_step"] if chart else None
+    for item in costs:
+        item["per_step"] = (item["spend"].cost / newest_step).quantize(PER_STEP) if newest_step else None
+    readings = None
+    if attempts:
+        # From the first admission to now, or to the end of the last attempt (its last reading included).
+        span = (attempts[0].admitted_at, attempts[-1].ended_at + timedelta(seconds=1) if attempts[-1].ended_at else now)
+        utilization = usage_pages.replica_utilization([job.id], *span)
+        several = len({replica["attempt"] for replica in utilization["replicas"]}) > 1
+        labels = {(r["job"], r["attempt"], r["rank"]): (f"attempt {r['attempt']} " if several else "")
+                  + f"replica {r['rank']}" for r in utilization["replicas"]}
+        readings = {**charts.replica_charts(utilization, labels, span), "bucket_label": utilization["bucket_label"]}
+    serving = Replica.objects.filter(job=job).select_related("endpoint").first() if job.kind == Job.Kind.SERVING else None
+    return {"costs": costs, "newest_step": newest_step, "readings": readings,
+            "serving_endpoint": serving.endpoint if serving else None}
+
+
 def _job_context(request, job_id) -> dict:
     job = job_selectors.job_get(user=request.user, job_id=job_id)
     context = job_selectors.job_page(job)
@@ -115,6 +145,7 @@ def _job_context(request, job_id) -> dict:
     if chart is not None:
         chart["count"] = context["steps_recorded"]  # the series is downsampled; say how many steps it covers
     context.update(
+        usage=_usage_context(job, context["attempts"], chart),
         chart=chart,
         final=job.state in JOB_FINAL_STATES,
         # Nothing to offer once it is being cancelled, or once it is over.
@@ -142,6 +173,15 @@ def job_live(request, job_id):
     return render(request, "frontend/fragments/job_live.html", _job_context(request, job_id))
 
 
+def redirect_next(request, to: str, **kwargs):
+    """Back to the page the form says it came from (the usage page's stop buttons), if it is this site's; else to `to`."""
+    target = request.POST.get("next", "")
+    if target.startswith("/") and url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
+                                                                  require_https=request.is_secure()):
+        return redirect(target)
+    return redirect(to, **kwargs)
+
+
 @login_required
 @require_POST
 def job_cancel(request, job_id):
@@ -154,4 +194,4 @@ def job_cancel(request, job_id):
         messages.error(request, str(exc))
     else:
         messages.success(request, f"Cancelling {job.name}.")
-    return redirect("job", job_id=job.id)
+    return redirect_next(request, "job", job_id=job.id)

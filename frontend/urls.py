@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import endpoint_views, job_views, token_views, views
+from frontend import endpoint_views, job_views, token_views, usage_views, views
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -25,6 +25,7 @@ urlpatterns = [
     path("environments/<int:environment_id>/row/", views.environment_row, name="environment-row"),
     path("environments/<int:environment_id>/delete/", views.environment_delete, name="environment-delete"),
     path("tenants/<slug:slug>/quota/", views.tenant_quota, name="tenant-quota"),
+    path("tenants/<slug:slug>/usage/", usage_views.tenant_usage, name="tenant-usage"),
     path("tenants/<slug:slug>/jobs/", job_views.job_list, name="jobs"),
     path("tenants/<slug:slug>/jobs/new/", job_views.job_submit, name="job-submit"),
     path("jobs/<int:job_id>/", job_views.job_detail, name="job"),
@@ -43,6 +44,7 @@ urlpatterns = [
     path("quotas/", views.quota_table, name="quotas"),
     path("quotas/set/", views.quota_set, name="quota-set"),
     path("quotas/<int:quota_id>/remove/", views.quota_remove, name="quota-remove"),
+    path("usage/cluster/", usage_views.cluster_usage, name="cluster-usage"),
     path("partitions/", views.partition_list, name="partitions"),
     path("partitions/new/", views.partition_create, name="partition-create"),
     path("partitions/preview/", views.partition_preview, name="partition-preview"),

@@ -8,6 +8,7 @@ from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
@@ -31,6 +32,8 @@ from runners.environments import selectors as environment_selectors
 from runners.environments import services as environments
 from runners.environments.models import EnvironmentState
 from runners.jobs import selectors as job_selectors
+from runners.usage import pages as usage_pages
+from runners.usage.selectors import current_alert
 from tenants import selectors, services
 from tenants.models import Role
 
@@ -79,6 +82,7 @@ def _render_tenant(request, tenant, *, environment_form=None, member_form=None, 
         "environments": environment_selectors.environment_list(user=request.user, tenant=tenant),
         "environment_form": environment_form or EnvironmentForm(),
         "member_form": member_form or MemberAddForm(),
+        "budget_alert": current_alert(tenant),
         **_abilities(request.user, tenant),
     }
     return render(request, "frontend/tenant.html", context, status=status)
@@ -449,10 +453,17 @@ def node_pool_apply(request, pool_id):
 @login_required
 @require_GET
 def tenant_quota(request, slug):
-    """What the tenant may use: any member, viewers included; a 404 for anyone else."""
+    """What the tenant may use, and what it uses: units held now and this month's GPU-hours and cost per flavor.
+
+    Any member, viewers included; a 404 for anyone else.
+    """
     tenant = selectors.tenant_get(user=request.user, slug=slug)
+    held = job_selectors.tenant_flavor_usage(tenant=tenant)
+    month = usage_pages.flavor_month(tenant, timezone.now())
     quotas = [
-        quota_selectors.tenant_quota_row(quota)
+        {**quota_selectors.tenant_quota_row(quota), "held": held.get(quota.flavor_id, 0),
+         "month": month.get(quota.flavor.name, [])}
         for quota in quota_selectors.quota_list(user=request.user, tenant=tenant).order_by("flavor__gpu_model", "flavor__name")
     ]
-    return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas})
+    return render(request, "frontend/tenant_quota.html", {"tenant": tenant, "quotas": quotas,
+                                                          "budget_alert": current_alert(tenant)})

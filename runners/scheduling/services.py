@@ -42,6 +42,7 @@ from runners.scheduler.admission import (
     decide,
 )
 from runners.scheduler.placement import place_gangs
+from runners.scheduler.policies import FragModel, typical_pods
 from runners.scheduling.models import SchedulerCycle
 
 logger = logging.getLogger(__name__)
@@ -354,3 +355,43 @@ def cycle_run() -> dict:
         "waiting": [int(gang_id) for gang_id in order],
         "duration_ms": elapsed_ms,
     }
+
+
+# --- The cluster's fragmentation, as placement measures it ---------------------------------
+
+
+def _one_unit(flavor: ResourceFlavor, share: int) -> placement_model.PodRequest:
+    """A pod of one unit of the flavor: the typical pod of a flavor nothing runs on or waits for."""
+    milli = placement_model.GPU_MILLI if flavor.kind == PartitionKind.WHOLE else share
+    return placement_model.PodRequest(f"one-{flavor.name}", 0, 0, num_gpu=1, gpu_milli=milli, gpu_models=frozenset({flavor.gpu_model}))
+
+
+def fragmentation_now() -> dict:
+    """The cluster's GPU fragmentation now, measured as the scheduler's placement measures it.
+
+    The scheduler places with fragmentation gradient descent (runners.scheduler.policies, the
+    "portal" policy): it picks the node where `FragModel`, the expected fragmentation for the
+    workload's typical pods, grows least. A node's free GPU capacity counts as fragmented for a
+    typical pod that cannot use it (too little left on a GPU, or the node's CPU or memory gone),
+    weighted by how often that pod shape appears. Here each whole or time-sliced flavor is measured
+    on the snapshot the cycle places it on (the flavor's GPUs on schedulable nodes, less what
+    holding attempts use: `_usage` and `_snapshot_for`, as the cycle takes it), with the pods of the work
+    holding or waiting for it as the typical pods, as the cycle takes its own gangs' pods (and
+    memory, as the portal policy does). The percentage is fragmented milli-GPUs over all of them,
+    as the bench's replay reports it. MIG instances are fixed slots, outside the measure.
+    """
+    nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
+    work = list(Job.objects.filter(state__in=[*JOB_HOLDING_STATES, JobState.QUEUED]).select_related("flavor"))
+    holding = [job for job in work if job.state != JobState.QUEUED]
+    used = _usage(holding, open_attempts(holding))
+    fragmented = total = 0.0
+    for flavor in ResourceFlavor.objects.exclude(kind=PartitionKind.MIG).order_by("name"):
+        snapshot, _, share = _snapshot_for(flavor, nodes, used)
+        state = placement_model.ClusterState(list(snapshot.nodes))
+        if not state.total_gpus:
+            continue
+        pods = [pod for job in work if job.flavor_id == flavor.id for pod in _gang(job, share).pods]
+        fragmented += FragModel(state, typical_pods(pods or [_one_unit(flavor, share)], with_memory=True)).total()
+        total += state.total_gpus * placement_model.GPU_MILLI
+    return {"pct": 100 * fragmented / total if total else None, "gpus": total / placement_model.GPU_MILLI,
+            "fragmented_gpus": fragmented / placement_model.GPU_MILLI}

@@ -361,7 +361,7 @@ def _write(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: d
 
 
 def _stale(model, item_prefix: str, end_field: str, start_field: str, through: datetime, tenant_ids=None,
-           counted_since: datetime | None = None):
+           counted_since: datetime | None = None, job_ids=None):
     """Rows whose ledger is behind: ended since last counted, or open with time before `through` uncounted.
 
     `counted_since`: leave out open rows already counted from that moment on (the caller sums them itself).
@@ -376,6 +376,8 @@ def _stale(model, item_prefix: str, end_field: str, start_field: str, through: d
                          settled_closed=Subquery(settlement.values("closed")[:1]))
     if tenant_ids is not None:
         rows = rows.filter(job__tenant_id__in=tenant_ids)
+    if job_ids is not None:
+        rows = rows.filter(job_id__in=job_ids)
     counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
     counted_through = settlement.filter(closed=False, upto__gte=min(through, counted_since or through))
     ended = rows.filter(**{f"{end_field}__isnull": False}).exclude(Exists(counted_to_end))
@@ -383,15 +385,16 @@ def _stale(model, item_prefix: str, end_field: str, start_field: str, through: d
     return [*ended.order_by("id"), *running.order_by("id")]
 
 
-def _stale_attempts(through: datetime, tenant_ids=None) -> list[JobAttempt]:
-    return _stale(JobAttempt, "attempt:", "ended_at", "admitted_at", through, tenant_ids)
+def _stale_attempts(through: datetime, tenant_ids=None, job_ids=None) -> list[JobAttempt]:
+    return _stale(JobAttempt, "attempt:", "ended_at", "admitted_at", through, tenant_ids, job_ids=job_ids)
 
 
-def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: datetime | None = None) -> list[Checkpoint]:
-    return _stale(Checkpoint, "checkpoint:", "deleted_at", "created_at", through, tenant_ids, counted_since)
+def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: datetime | None = None,
+                       job_ids=None) -> list[Checkpoint]:
+    return _stale(Checkpoint, "checkpoint:", "deleted_at", "created_at", through, tenant_ids, counted_since, job_ids)
 
 
-def _kept_checkpoints_today(now: datetime, tenant_ids=None) -> list[Piece]:
+def _kept_checkpoints_today(now: datetime, tenant_ids=None, job_ids=None) -> list[Piece]:
     """Today's storage of the checkpoints still kept and counted through today's midnight, summed per job in SQL.
 
     These are most checkpoints of a cluster (every job keeps its newest few for as long as it
@@ -408,6 +411,8 @@ def _kept_checkpoints_today(now: datetime, tenant_ids=None) -> list[Piece]:
     )
     if tenant_ids is not None:
         rows = rows.filter(job__tenant_id__in=tenant_ids)
+    if job_ids is not None:
+        rows = rows.filter(job_id__in=job_ids)
     price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
     pieces = []
     for row in rows:
@@ -462,12 +467,14 @@ def settle_jobs(job_ids: list[int], now: datetime | None = None) -> int:
     return _write(attempts, [], through, Prices())
 
 
-def unwritten(now: datetime, *, tenant_ids: set[int] | None = None) -> list[Piece]:
-    """What the ledger does not hold yet, up to now: open items since they were counted, and stale ones."""
+def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: list[int] | None = None) -> list[Piece]:
+    """What the ledger does not hold yet, up to now: open items since they were counted, and stale ones
+    (of these tenants or jobs only, when given)."""
     after_today = midnight(utc_day(now)) + timedelta(days=1)  # everything up to now counts, today included
-    attempts = _stale_attempts(after_today, tenant_ids)
-    checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)))
-    return _changes(_plan(attempts, checkpoints, now, Prices(), fresh=False)) + _kept_checkpoints_today(now, tenant_ids)
+    attempts = _stale_attempts(after_today, tenant_ids, job_ids)
+    checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)), job_ids=job_ids)
+    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False))
+            + _kept_checkpoints_today(now, tenant_ids, job_ids))
 
 
 def latest_entry_day() -> date | None:

@@ -20,14 +20,8 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import DateTimeField, ExpressionWrapper, F, FloatField, Func, QuerySet, Sum, Value
 
-from quotas.models import PartitionKind, ResourceFlavor
-from runners.clusters.models import Node
 from runners.inference.models import EndpointSample, InferenceEndpoint
-from runners.jobs.attempts import open_attempts
-from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
-from runners.scheduler.model import GPU_MILLI, ClusterState, PodRequest
-from runners.scheduler.policies import FragModel, typical_pods
-from runners.scheduling import services as cycle
+from runners.jobs.models import Job, JobAttempt, JobState
 from runners.usage import ledger, sampling
 from runners.usage.models import EntryKind, Source, UtilizationSample
 from runners.usage.selectors import IDLE, month_bounds, usage_rows
@@ -261,14 +255,15 @@ def job_cost(job: Job, now: datetime) -> list[dict]:
     An endpoint's replica is counted under its endpoint, so it has none of its own.
     """
     rows = usage_rows(start=ledger.utc_day(job.submitted_at), end=ledger.utc_day(now), group_by=("job", "kind"),
-                      tenants=[job.tenant], now=now)
+                      tenants=[job.tenant], now=now, job_ids=[job.id])
     return [item for item in items(rows) if item["kind"] == "job" and item["id"] == job.id]
 
 
 def endpoint_cost(endpoint: InferenceEndpoint, now: datetime) -> list[dict]:
     """What an endpoint's replicas have cost since it was deployed (one entry per currency)."""
     rows = usage_rows(start=ledger.utc_day(endpoint.created_at), end=ledger.utc_day(now), group_by=("job", "kind"),
-                      tenants=[endpoint.tenant], now=now)
+                      tenants=[endpoint.tenant], now=now,
+                      job_ids=list(endpoint.replicas.values_list("job_id", flat=True)))
     return [item for item in items(rows) if item["kind"] == "endpoint" and item["id"] == endpoint.id]
 
 
@@ -334,43 +329,6 @@ def tenant_idle(tenant: Tenant, *, threshold_pct: float, window_s: float) -> lis
 
 
 # --- The cluster ------------------------------------------------------------------------------
-
-
-def _one_unit(flavor: ResourceFlavor, share: int) -> PodRequest:
-    """A pod of one unit of the flavor: the typical pod of a flavor nothing runs on or waits for."""
-    milli = GPU_MILLI if flavor.kind == PartitionKind.WHOLE else share
-    return PodRequest(f"one-{flavor.name}", 0, 0, num_gpu=1, gpu_milli=milli, gpu_models=frozenset({flavor.gpu_model}))
-
-
-def fragmentation_now() -> dict:
-    """The cluster's GPU fragmentation now, measured as the scheduler's placement measures it.
-
-    The scheduler places with fragmentation gradient descent (runners.scheduler.policies, the
-    "portal" policy): it picks the node where `FragModel`, the expected fragmentation for the
-    workload's typical pods, grows least. A node's free GPU capacity counts as fragmented for a
-    typical pod that cannot use it (too little left on a GPU, or the node's CPU or memory gone),
-    weighted by how often that pod shape appears. Here each whole or time-sliced flavor is measured
-    on the snapshot the cycle places it on (the flavor's GPUs on schedulable nodes, less what
-    holding attempts use: the cycle's own `_usage` and `_snapshot_for`), with the pods of the work
-    holding or waiting for it as the typical pods, as the cycle takes its own gangs' pods (and
-    memory, as the portal policy does). The percentage is fragmented milli-GPUs over all of them,
-    as the bench's replay reports it. MIG instances are fixed slots, outside the measure.
-    """
-    nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
-    work = list(Job.objects.filter(state__in=[*JOB_HOLDING_STATES, JobState.QUEUED]).select_related("flavor"))
-    holding = [job for job in work if job.state != JobState.QUEUED]
-    used = cycle._usage(holding, open_attempts(holding))
-    fragmented = total = 0.0
-    for flavor in ResourceFlavor.objects.exclude(kind=PartitionKind.MIG).order_by("name"):
-        snapshot, _, share = cycle._snapshot_for(flavor, nodes, used)
-        state = ClusterState(list(snapshot.nodes))
-        if not state.total_gpus:
-            continue
-        pods = [pod for job in work if job.flavor_id == flavor.id for pod in cycle._gang(job, share).pods]
-        fragmented += FragModel(state, typical_pods(pods or [_one_unit(flavor, share)], with_memory=True)).total()
-        total += state.total_gpus * GPU_MILLI
-    return {"pct": 100 * fragmented / total if total else None, "gpus": total / GPU_MILLI,
-            "fragmented_gpus": fragmented / GPU_MILLI}
 
 
 def cluster_summary(start: date, end: date, now: datetime) -> dict:

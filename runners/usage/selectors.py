@@ -65,8 +65,11 @@ class _Total:
 
 
 def usage_rows(*, start: date, end: date, group_by: tuple[str, ...], tenants: list[Tenant] | None,
-               include_idle: bool = False, now: datetime | None = None) -> list[dict]:
-    """Usage from `start` to `end` (UTC days, both included), grouped; `tenants` None means all of them."""
+               include_idle: bool = False, now: datetime | None = None, job_ids: list[int] | None = None) -> list[dict]:
+    """Usage from `start` to `end` (UTC days, both included), grouped; `tenants` None means all of them.
+
+    `job_ids` narrows it to those jobs (a job's page, an endpoint's replicas): nothing else is read.
+    """
     now = now or timezone.now()
     tenant_ids = None if tenants is None else {tenant.id for tenant in tenants}
     slugs = dict(Tenant.objects.values_list("id", "slug"))
@@ -76,6 +79,8 @@ def usage_rows(*, start: date, end: date, group_by: tuple[str, ...], tenants: li
     entries = UsageEntry.objects.filter(day__gte=start, day__lte=end)
     if tenant_ids is not None:
         entries = entries.filter(tenant_id__in=tenant_ids)
+    if job_ids is not None:
+        entries = entries.filter(job_id__in=job_ids)
     fields = ["currency"]
     fields += ["tenant_id"] if "tenant" in group_by else []
     fields += ["flavor_id"] if "flavor" in group_by else []
@@ -91,14 +96,15 @@ def usage_rows(*, start: date, end: date, group_by: tuple[str, ...], tenants: li
                    job=job, endpoint=row.get("endpoint_id"), day=row.get("day"), kind=row.get("kind"))
         totals[(*key, row["currency"])].add(row["gpu"], row["gb"], row["cost"], row["cloud"])
 
-    pending = [piece for piece in ledger.unwritten(now, tenant_ids=tenant_ids) if start <= piece.day <= end]
+    pending = [piece for piece in ledger.unwritten(now, tenant_ids=tenant_ids, job_ids=job_ids)
+               if start <= piece.day <= end]
     for piece in pending:
         key = _key(group_by, tenant=slugs.get(piece.tenant_id), flavor=flavors.get(piece.flavor_id),
                    job=piece.job_id if piece.endpoint_id is None else None, endpoint=piece.endpoint_id,
                    day=piece.day, kind=piece.kind)
         totals[(*key, piece.currency)].add(piece.gpu_seconds, piece.gb_seconds, piece.cost, piece.cloud_cost)
 
-    if include_idle and tenants is None:
+    if include_idle and tenants is None and job_ids is None:
         for (flavor_id, day, currency), (idle_seconds, cost) in idle_capacity(start, end, pending, now).items():
             key = _key(group_by, tenant=None, flavor=flavors.get(flavor_id), job=None, endpoint=None, day=day, kind=IDLE)
             totals[(*key, currency)].add(idle_seconds, 0, cost, None)
