@@ -167,6 +167,29 @@ def kubernetes_cluster(settings, tmp_path):
 
 
 @pytest.fixture
+def flavors(db):
+    """The demo cluster synced, a flavor for each kind of its capacity, capacities written: by name."""
+    from tests.support.jobs import demo_cluster_with_flavors
+
+    return demo_cluster_with_flavors()
+
+
+@pytest.fixture
+def acme_env(flavors, tenant, owner):
+    """A ready environment of acme (no quota: each test gives the one it needs)."""
+    from tests.support.jobs import ready_environment
+
+    return ready_environment(actor=owner, tenant=tenant)
+
+
+@pytest.fixture
+def globex_env(flavors, other_tenant, outsider):
+    from tests.support.jobs import ready_environment
+
+    return ready_environment(actor=outsider, tenant=other_tenant, name="vision")
+
+
+@pytest.fixture
 def flavor_factory(db):
     def make(name="h100-80gb", kind="whole", gpu_model="H100-80GB", mig_profile=""):
         from quotas.models import ResourceFlavor

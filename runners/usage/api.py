@@ -244,10 +244,14 @@ class BudgetAlertView(APIView):
         } for alert in budget_alerts(tenants)[:200]])
 
 
+def _currency_field() -> serializers.RegexField:
+    return serializers.RegexField(r"^[A-Z]{3}$", default="USD",
+                                  error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
+
+
 class BudgetSerializer(serializers.ModelSerializer):
     tenant = serializers.CharField(source="tenant.slug", read_only=True)
-    currency = serializers.RegexField(r"^[A-Z]{3}$", default="USD",
-                                      error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
+    currency = _currency_field()
 
     class Meta:
         model = Budget
@@ -282,8 +286,7 @@ class BudgetView(APIView):
 
 class CloudPriceSerializer(serializers.ModelSerializer):
     flavor = serializers.SlugRelatedField(slug_field="name", queryset=ResourceFlavor.objects.all())
-    currency = serializers.RegexField(r"^[A-Z]{3}$", default="USD",
-                                      error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
+    currency = _currency_field()
     effective_from = serializers.DateTimeField(required=False)
 
     class Meta:

@@ -16,42 +16,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from runners.backends.base import JobLaunch, ReplicaPlacement, ServingSettings
+from runners.backends.base import ReplicaPlacement, ServingSettings
 from runners.backends.local import LocalBackend
 from runners.backends.local_jobs import LocalJobs, nvml_readings, simulated_device
 from runners.nvidia import names
 from runners.workloads import activity, progress, supervise
+from tests.backends.test_local_jobs import exited, make_launch, wait_until
 
 
 @pytest.fixture
 def backend(tmp_path) -> LocalBackend:
     return LocalBackend(workspace_dir=tmp_path / "workspaces", use_nvml=False, jobs_dir=tmp_path / "jobs")
-
-
-def make_launch(**overrides) -> JobLaunch:
-    values = dict(
-        job_id=5, attempt=1, tenant_slug="acme", namespace="acme--train", name="llm", template="pytorch-ddp",
-        replicas=(ReplicaPlacement(0, "sim-1", (0,)),), gpu_resource=names.GPU_RESOURCE, gpus_per_replica=1,
-        cpu_milli_per_replica=1000, memory_mib_per_replica=2048, steps=100000, checkpoint_every_steps=100000,
-        max_runtime_s=3600,
-    )
-    values.update(overrides)
-    return JobLaunch(**values)
-
-
-def wait_until(predicate, timeout=180.0, what="the condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    pytest.fail(f"{what} not reached in {timeout}s")
-
-
-def exited(backend, launch) -> dict | None:
-    status = backend.job_status(launch.job_id, launch.attempt)
-    return status.exit_codes if status.phase == "exited" else None
 
 
 def log_of(backend, launch, rank=0) -> str:

@@ -18,7 +18,7 @@ from portal.celery import app
 from runners.jobs import services as jobs
 from runners.jobs.models import JobState
 from runners.scheduling import services as scheduling
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import give_quota, job_data
 from tests.support.worker import wait_for
 
 UNREACHABLE = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there
@@ -45,19 +45,6 @@ def _submit(actor, environment, **overrides):
     return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
 
 
-@pytest.fixture
-def flavors(db):
-    return demo_cluster_with_flavors()
-
-
-@pytest.fixture
-def acme_env(flavors, tenant, owner):
-    return ready_environment(actor=owner, tenant=tenant)
-
-
-@pytest.fixture
-def globex_env(flavors, other_tenant, outsider):
-    return ready_environment(actor=outsider, tenant=other_tenant, name="vision")
 
 
 @pytest.mark.django_db

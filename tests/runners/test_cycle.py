@@ -10,22 +10,7 @@ from runners.jobs import services as jobs
 from runners.jobs.models import Job, JobState
 from runners.scheduling import services as scheduling
 from runners.scheduling.models import SchedulerCycle
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
-
-
-@pytest.fixture
-def flavors(db):
-    return demo_cluster_with_flavors()
-
-
-@pytest.fixture
-def acme_env(flavors, tenant, owner):
-    return ready_environment(actor=owner, tenant=tenant)
-
-
-@pytest.fixture
-def globex_env(flavors, other_tenant, outsider):
-    return ready_environment(actor=outsider, tenant=other_tenant, name="vision")
+from tests.support.jobs import give_quota, job_data
 
 
 def _submit(actor, environment, **overrides):

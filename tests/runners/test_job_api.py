@@ -3,14 +3,9 @@
 import pytest
 
 from runners.jobs.models import Job, JobEvent
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def flavors(db):
-    return demo_cluster_with_flavors()
 
 
 @pytest.fixture

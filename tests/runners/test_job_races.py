@@ -36,7 +36,7 @@ from runners.jobs.models import JOB_HOLDING_STATES, IdempotencyKey, Job, JobAtte
 from runners.scheduling import services as scheduling
 from tenants.models import Tenant
 from tests.support.backends import Faulty, Gate, Gated, use_backend
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import give_quota, job_data, ready_environment
 from tests.support.partitions import drive_partition_change
 
 ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
@@ -48,19 +48,9 @@ LONG = {"steps": 1_000_000, "checkpoint_every_steps": 0, "max_runtime_s": 3600}
 
 
 @pytest.fixture
-def flavors(db):
-    return demo_cluster_with_flavors()
-
-
-@pytest.fixture
 def acme_env(flavors, tenant, owner):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
     return ready_environment(actor=owner, tenant=tenant)
-
-
-@pytest.fixture
-def globex_env(flavors, other_tenant, outsider):
-    return ready_environment(actor=outsider, tenant=other_tenant, name="vision")
 
 
 @pytest.fixture

@@ -11,14 +11,9 @@ from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.models import Checkpoint, Job, JobAttempt, JobMetric
 from runners.scheduling import services as scheduling
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def flavors(db):
-    return demo_cluster_with_flavors()
 
 
 @pytest.fixture
