@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -28,22 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+from bench.timing import timed  # noqa: E402
+
 SCRATCH = Path(tempfile.mkdtemp(prefix="portal-usage-"))
 os.environ["LOCAL_WORKSPACE_DIR"] = str(SCRATCH / "workspaces")
 os.environ["LOCAL_JOBS_DIR"] = str(SCRATCH / "jobs")
 os.environ["LOCAL_USE_NVML"] = "false"
 os.environ["LOCAL_PROVISION_DELAY_S"] = "0"
-
-
-def timed(call, count: int) -> tuple[float, float]:
-    took = []
-    for _ in range(count):
-        start = time.perf_counter()
-        response = call()
-        took.append((time.perf_counter() - start) * 1000)
-        assert response.status_code == 200, (response.status_code, response.content[:300])
-    took.sort()
-    return statistics.median(took), took[min(len(took) - 1, round(0.99 * (len(took) - 1)))]
 
 
 def main() -> int:
