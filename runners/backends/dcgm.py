@@ -37,21 +37,22 @@ from urllib.parse import urlencode
 from urllib.request import urlopen
 
 from runners.backends.base import TransientBackendError
+from runners.nvidia import names
 
-# The exporter's fields (metric names), from its counters file (dcp-metrics-included.csv).
-GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"  # percent
-GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"  # ratio, 0..1
-FB_USED = "DCGM_FI_DEV_FB_USED"  # MiB
-POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"  # W
+# The exporter's fields (metric names) and the labels it puts on each series: NVIDIA's names, spelt
+# in runners.nvidia.names.
+GPU_UTIL = names.DCGM_GPU_UTIL
+GR_ENGINE_ACTIVE = names.DCGM_GR_ENGINE_ACTIVE
+FB_USED = names.DCGM_FB_USED
+POWER_USAGE = names.DCGM_POWER_USAGE
 FIELDS = (GPU_UTIL, GR_ENGINE_ACTIVE, FB_USED, POWER_USAGE)
-
-# The labels the exporter puts on each series.
-UUID_LABEL = "UUID"
-GPU_LABEL = "gpu"
-MODEL_LABEL = "modelName"
-HOSTNAME_LABEL = "Hostname"
-MIG_PROFILE_LABEL = "GPU_I_PROFILE"
-MIG_INSTANCE_LABEL = "GPU_I_ID"
+UUID_LABEL = names.DCGM_UUID_LABEL
+GPU_LABEL = names.DCGM_GPU_LABEL
+MODEL_LABEL = names.DCGM_MODEL_LABEL
+HOSTNAME_LABEL = names.DCGM_HOSTNAME_LABEL
+MIG_PROFILE_LABEL = names.DCGM_MIG_PROFILE_LABEL
+MIG_INSTANCE_LABEL = names.DCGM_MIG_INSTANCE_LABEL
+# Kubernetes' attribution labels (the exporter's pod mapping).
 NAMESPACE_LABEL = "namespace"
 POD_LABEL = "pod"
 CONTAINER_LABEL = "container"

@@ -60,6 +60,20 @@ GPU_OPERATOR_NAMESPACE: Final = "gpu-operator"
 DEFAULT_MIG_PARTED_CONFIG_MAP: Final = "default-mig-parted-config"
 MIG_PARTED_CONFIG_KEY: Final = "config.yaml"
 
+# --- The DCGM exporter: the fields the portal reads and the labels on each series -----
+# From dcgm-exporter's counters file (dcp-metrics-included.csv) and its Kubernetes pod attribution.
+
+DCGM_GPU_UTIL: Final = "DCGM_FI_DEV_GPU_UTIL"  # percent; not reported for a MIG instance
+DCGM_GR_ENGINE_ACTIVE: Final = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"  # ratio, 0..1
+DCGM_FB_USED: Final = "DCGM_FI_DEV_FB_USED"  # MiB
+DCGM_POWER_USAGE: Final = "DCGM_FI_DEV_POWER_USAGE"  # W
+DCGM_UUID_LABEL: Final = "UUID"
+DCGM_GPU_LABEL: Final = "gpu"
+DCGM_MODEL_LABEL: Final = "modelName"
+DCGM_HOSTNAME_LABEL: Final = "Hostname"
+DCGM_MIG_PROFILE_LABEL: Final = "GPU_I_PROFILE"
+DCGM_MIG_INSTANCE_LABEL: Final = "GPU_I_ID"
+
 # --- How a GPU is cut: the portal's one spelling of partition kinds ----------------
 
 PartitionKindName = Literal["whole", "mig", "timeslice"]

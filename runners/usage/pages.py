@@ -18,7 +18,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import DateTimeField, ExpressionWrapper, F, FloatField, Func, QuerySet, Sum, Value
+from django.db.models import Avg, DateTimeField, ExpressionWrapper, F, FloatField, Func, Max, QuerySet, Sum, Value
 
 from runners.inference.models import EndpointSample, InferenceEndpoint
 from runners.jobs.models import Job, JobAttempt, JobState
@@ -82,10 +82,6 @@ def bucket_label(bucket: timedelta) -> str:
     return unit if seconds == size else f"{seconds // size} {unit}s"
 
 
-def _bucket_start(moment: datetime, bucket: timedelta) -> datetime:
-    return EPOCH + (moment - EPOCH) // bucket * bucket
-
-
 def _weighted_utilization() -> dict:
     return {"weighted": Sum(ExpressionWrapper(F("gpu_util_pct") * F("readings"), output_field=FloatField())),
             "readings": Sum("readings")}
@@ -121,28 +117,28 @@ def tenant_utilization(tenant: Tenant, begin: datetime, end: datetime) -> dict:
 def replica_utilization(job_ids: list[int], begin: datetime, end: datetime) -> dict:
     """Per replica (job, attempt, rank): its GPUs' mean utilization (%) and summed memory (GiB) per bucket.
 
-    From `sampling.series`, a line per device: each device's readings are averaged per bucket
-    first, so a replica's devices count alike however often each was read.
+    Averaged per device and bucket in the database (at most MAX_BUCKETS buckets, however long the
+    job ran), then a replica's devices combined: they count alike however often each was read.
     """
     bucket = bucket_for(end - begin)
+    rows = (
+        UtilizationSample.objects.filter(job_id__in=job_ids, at__gte=begin, at__lt=end)
+        .annotate(bucket=DateBin(Value(bucket), "at", Value(EPOCH)))
+        .values("job_id", "attempt", "rank", "device", "bucket")
+        .annotate(utilization=Avg("gpu_util_pct"), memory=Avg("memory_used_mib"), simulated=Max("source"))
+        .order_by()
+    )
     replicas: dict[tuple[int, int, int], dict] = {}
     simulated = measured = False
-    for device in sampling.series(job_ids, begin, end):
-        simulated |= device["simulated"]
-        measured |= not device["simulated"]
-        utilization, memory = defaultdict(list), defaultdict(list)
-        for point in device["points"]:
-            slot = _bucket_start(datetime.fromisoformat(point["at"]), bucket)
-            if point["gpu_util_pct"] is not None:
-                utilization[slot].append(point["gpu_util_pct"])
-            if point["memory_used_mib"] is not None:
-                memory[slot].append(point["memory_used_mib"])
-        replica = replicas.setdefault((device["job"], device["attempt"], device["rank"]),
+    for row in rows:
+        simulated |= row["simulated"] == Source.SIMULATED
+        measured |= row["simulated"] != Source.SIMULATED
+        replica = replicas.setdefault((row["job_id"], row["attempt"], row["rank"]),
                                       {"utilization": defaultdict(list), "memory": defaultdict(float)})
-        for slot, values in utilization.items():
-            replica["utilization"][slot].append(sum(values) / len(values))
-        for slot, values in memory.items():
-            replica["memory"][slot] += sum(values) / len(values) / 1024
+        if row["utilization"] is not None:
+            replica["utilization"][row["bucket"]].append(row["utilization"])
+        if row["memory"] is not None:
+            replica["memory"][row["bucket"]] += row["memory"] / 1024
     middle = bucket / 2
     return {
         "replicas": [

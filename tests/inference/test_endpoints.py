@@ -204,7 +204,9 @@ def test_a_borrowed_replica_reclaimed_for_another_tenants_guarantee_drains_befor
 def test_load_scales_out_and_after_it_ends_back_in_once_each_way(world, client_for, owner, settings):
     """Short form of bench/endpoint_autoscale.py: the figures are there; here, the direction and no flapping."""
     settings.ENDPOINT_TARGET_INFLIGHT = 1
-    settings.ENDPOINT_SCALE_IN_AFTER_S = 3
+    # Long enough that the load generator's own stalls on a loaded 2-core machine (six client threads,
+    # the second replica loading its checkpoint) read as no lull: a scale-in then would be the test's.
+    settings.ENDPOINT_SCALE_IN_AFTER_S = 8
     client = client_for(owner)
     created = client.post("/api/v1/endpoints/", endpoint_data(world, min_replicas=1, max_replicas=2), format="json")
     endpoint = InferenceEndpoint.objects.get(id=created.json()["id"])
