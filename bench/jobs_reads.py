@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-from bench.timing import timed  # noqa: E402
+from bench.timing import scratch_database, timed  # noqa: E402
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="portal-reads-"))
 os.environ["LOCAL_WORKSPACE_DIR"] = str(SCRATCH / "workspaces")
@@ -46,17 +46,10 @@ def main() -> int:
     import django
 
     django.setup()
-    from django.conf import settings
     from django.contrib.auth import get_user_model
     from django.db import connection
 
-    if not settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
-        print("The bench needs PostgreSQL: set DATABASE_URL.", file=sys.stderr)
-        return 2
-    settings.ALLOWED_HOSTS = ["*"]
-    original = connection.settings_dict["NAME"]
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with scratch_database():
         from django.test import Client
         from rest_framework.test import APIClient
 
@@ -107,8 +100,6 @@ def main() -> int:
         print(f"resident memory of this process: {before:.0f} MiB before the requests, {after:.0f} MiB after "
               f"{3 * len(sizes) * args.requests} requests")
         return 0
-    finally:
-        connection.creation.destroy_test_db(original, verbosity=0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,26 @@
-"""Timing what the benches ask of the portal in their own process (Django's test client, as gunicorn would run it)."""
+"""What the benches that measure the portal in their own process share: a scratch database, and timing
+requests (Django's test client runs the same middleware and views gunicorn would)."""
 
+import contextlib
 import statistics
 import time
+
+
+@contextlib.contextmanager
+def scratch_database():
+    """A PostgreSQL database of the bench's own (DATABASE_URL's server), created here and dropped after."""
+    from django.conf import settings
+    from django.db import connection
+
+    if not settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        raise SystemExit("The bench needs PostgreSQL: set DATABASE_URL.")
+    settings.ALLOWED_HOSTS = ["*"]
+    original = connection.settings_dict["NAME"]
+    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    try:
+        yield
+    finally:
+        connection.creation.destroy_test_db(original, verbosity=0)
 
 
 def timed(call, count: int) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-from bench.timing import timed  # noqa: E402
+from bench.timing import scratch_database, timed  # noqa: E402
 
 SCRATCH = Path(tempfile.mkdtemp(prefix="portal-usage-"))
 os.environ["LOCAL_WORKSPACE_DIR"] = str(SCRATCH / "workspaces")
@@ -45,17 +45,10 @@ def main() -> int:
     import django
 
     django.setup()
-    from django.conf import settings
     from django.contrib.auth import get_user_model
     from django.db import connection
 
-    if not settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
-        print("The bench needs PostgreSQL: set DATABASE_URL.", file=sys.stderr)
-        return 2
-    settings.ALLOWED_HOSTS = ["*"]
-    original = connection.settings_dict["NAME"]
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with scratch_database():
         from django.utils import timezone
         from rest_framework.test import APIClient
 
@@ -133,8 +126,6 @@ def main() -> int:
             median, p99 = timed(lambda url=url, client=client: client.get(url), args.requests)
             print(f"{label:<36}{rows:>7}{median:>12.1f}{p99:>10.1f}")
         return 0
-    finally:
-        connection.creation.destroy_test_db(original, verbosity=0)
 
 
 if __name__ == "__main__":
