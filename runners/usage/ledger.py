@@ -23,7 +23,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, F, Max, OuterRef, Q, Subquery, Sum, Value
+from django.db.models import Exists, F, OuterRef, Q, Subquery, Sum, Value
 from django.db.models.functions import Extract, Greatest
 from django.utils import timezone
 
@@ -475,7 +475,3 @@ def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: lis
     checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)), job_ids=job_ids)
     return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False))
             + _kept_checkpoints_today(now, tenant_ids, job_ids))
-
-
-def latest_entry_day() -> date | None:
-    return UsageEntry.objects.aggregate(day=Max("day"))["day"]

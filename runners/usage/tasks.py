@@ -7,10 +7,8 @@ from runners.usage import budgets, ledger, sampling
 
 @shared_task(name="runners.tasks.usage_sample")
 def usage_sample(_kicked_at: float | None = None) -> dict:
-    """Read and store every open attempt's devices, then downsample what has aged."""
-    result = sampling.sample_run()
-    result["downsampled"] = sampling.downsample_run()
-    return result
+    """Read and store every open attempt's devices."""
+    return sampling.sample_run()
 
 
 @shared_task(name="runners.tasks.usage_settle", acks_late=True)
@@ -18,7 +16,10 @@ def usage_settle(job_ids: list[int] | None = None) -> dict:
     """Write the ledger: the ended attempts of these jobs (an attempt just ended), or the whole sweep.
 
     Idempotent (an item's entries are brought to its truth, never added twice), so a redelivered
-    message does no harm; the budgets are checked after every settle.
+    message does no harm. The periodic sweep also checks the budgets and downsamples what has aged;
+    an attempt's end does neither, so many ending together cost only their own settling.
     """
-    written = ledger.settle_jobs(job_ids) if job_ids else ledger.settle_run()["entries"]
-    return {"entries": written, "alerts": budgets.budgets_check()}
+    if job_ids:
+        return {"entries": ledger.settle_jobs(job_ids)}
+    written = ledger.settle_run()["entries"]
+    return {"entries": written, "alerts": budgets.budgets_check(), "downsampled": sampling.downsample_run()}
