@@ -57,14 +57,18 @@ class ReplicaSerializer(serializers.ModelSerializer):
     job = serializers.IntegerField(source="job_id")
     state = serializers.CharField(source="job.state")
     reason = serializers.CharField(source="job.reason")
+    projected_start = serializers.DateTimeField(
+        source="job.projected_start", allow_null=True, help_text="While it waits: when the scheduler expects it to start.")
+    stop_deadline = serializers.DateTimeField(
+        source="job.stop_deadline", allow_null=True, help_text="While it is stopping: when it is stopped at the latest.")
     preemptible = serializers.BooleanField(source="job.preemptible")
     node = serializers.SerializerMethodField()
     gpus = serializers.SerializerMethodField()
 
     class Meta:
         model = Replica
-        fields = ["id", "slot", "generation", "job", "state", "reason", "preemptible", "ready", "retiring", "node",
-                  "gpus"]
+        fields = ["id", "slot", "generation", "job", "state", "reason", "projected_start", "stop_deadline",
+                  "preemptible", "ready", "retiring", "node", "gpus"]
 
     def _placement(self, replica) -> dict:
         attempt = self.context.get("attempts", {}).get(replica.job_id)

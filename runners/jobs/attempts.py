@@ -451,8 +451,10 @@ def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, rea
         else:
             failures = job.failures + 1
             if failures > job.spec["max_retries"]:
-                transition(job, JobState.FAILED, f"{reason} (failed {failures} times; max_retries is "
-                                                 f"{job.spec['max_retries']}).", failures=failures, stop_deadline=None)
+                times = {1: "once", 2: "twice"}.get(failures, f"{failures} times")
+                transition(job, JobState.FAILED, f"{reason} It failed {times} and max_retries is "
+                                                 f"{job.spec['max_retries']}: fix the cause, then submit it again.",
+                           failures=failures, stop_deadline=None)
             else:
                 transition(job, JobState.QUEUED, f"Retrying ({failures} of {job.spec['max_retries']}) after: {reason}"
                                                  f"{resume}", failures=failures, stop_deadline=None)

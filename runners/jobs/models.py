@@ -59,13 +59,27 @@ class Job(models.Model):
     priority = models.PositiveSmallIntegerField(default=0)
     preemptible = models.BooleanField(default=True)
     state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
-    reason = models.CharField(max_length=1000, blank=True)
+    reason = models.CharField(
+        max_length=1000, blank=True,
+        help_text="Why the job is where it is, in words; the time that goes with it is projected_start (queued) or "
+                  "stop_deadline (preempted, cancelling).",
+    )
     # Written by each scheduler cycle for queued jobs: 1 is next in line.
     queue_position = models.PositiveIntegerField(null=True, blank=True)
+    # Written beside the reason by each cycle; a time, never in the reason's text, so each page
+    # shows it in its reader's time zone.
+    projected_start = models.DateTimeField(
+        null=True, blank=True,
+        help_text="When the scheduler expects this queued job to start, going by the estimated ends of the work "
+                  "ahead of it; null when unknown or not queued.",
+    )
     # Failed attempts so far (preemptions and lost nodes do not count).
     failures = models.PositiveSmallIntegerField(default=0)
     # Set when the job is told to stop (preemption or cancel); after it, the backend kills.
-    stop_deadline = models.DateTimeField(null=True, blank=True)
+    stop_deadline = models.DateTimeField(
+        null=True, blank=True,
+        help_text="While the job is preempted or cancelling: when it is stopped if it has not stopped by itself.",
+    )
     submitted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     submitted_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)

@@ -84,7 +84,8 @@ def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
             if locked.state == JobState.CANCELLING:
                 transition(locked, JobState.CANCELLED, locked.reason)
             else:
-                transition(locked, JobState.QUEUED, "Requeued: it held no attempt.", stop_deadline=None)
+                transition(locked, JobState.QUEUED, "Requeued: it held no GPUs; it waits for the scheduler again.",
+                           stop_deadline=None)
         return "repaired"
     if attempt.started_at is None:
         return _reconcile_unstarted(job, attempt, now)
@@ -113,7 +114,7 @@ def _reconcile_unstarted(job: Job, attempt: JobAttempt, now) -> str:
         return "launching"  # its launch (or a message reserved for it) is in flight
     if job.state in (JobState.CANCELLING, JobState.PREEMPTED):
         outcome = AttemptOutcome.CANCELLED if job.state == JobState.CANCELLING else AttemptOutcome.PREEMPTED
-        if attempt_end(job.id, attempt.id, outcome=outcome, reason=f"{job.reason} (before it started)",
+        if attempt_end(job.id, attempt.id, outcome=outcome, reason=f"{job.reason} It had not started yet.",
                        never_started=True):
             # A launcher that died after starting it leaves no mark but what it started.
             _kill_and_forget(job.id, attempt.number)

@@ -292,6 +292,7 @@ def transition(job: Job, to: str, reason: str, **fields) -> bool:
         fields.setdefault("started_at", now)
     if to != JobState.QUEUED:
         fields.setdefault("queue_position", None)
+        fields.setdefault("projected_start", None)
     with transaction.atomic():
         moved = Job.objects.filter(id=job.id, state=job.state).update(
             state=to, reason=reason[:1000], state_changed_at=now, **fields
@@ -320,8 +321,8 @@ def transition_locked(jobs: list[Job], to: str, reasons: dict[int, str]) -> None
         events.append(JobEvent(job=job, from_state=job.state, to_state=to, reason=reason))
         job.state, job.reason, job.state_changed_at = to, reason, now
         if to != JobState.QUEUED:
-            job.queue_position = None
-    job_rows_update(jobs, ["state", "reason", "queue_position", "state_changed_at"])
+            job.queue_position = job.projected_start = None
+    job_rows_update(jobs, ["state", "reason", "queue_position", "projected_start", "state_changed_at"])
     JobEvent.objects.bulk_create(events, batch_size=1000)
 
 
@@ -372,23 +373,49 @@ def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | 
 # --- Submit, cancel, read -----------------------------------------------------------
 
 
+def units_text(flavor: ResourceFlavor, count: int) -> str:
+    """A count of a flavor's units in words: GPUs, MIG slices or GPU shares."""
+    word = {PartitionKind.MIG: "MIG slice", PartitionKind.TIMESLICE: "GPU share"}.get(flavor.kind, "GPU")
+    return f"{count} {flavor.name} {word}{'' if count == 1 else 's'}"
+
+
+def gang_misfit(flavor: ResourceFlavor, *, replicas: int, gpus_per_replica: int, topology: dict,
+                per_node: dict[str, int] | None = None) -> tuple[str, str] | None:
+    """Why a gang could not be placed on the cluster as it is now even were the cluster empty, or None.
+
+    Returns (the spec field to lower, a sentence naming the largest that fits). The submit check
+    refuses with it; the scheduler cycle gives it as the reason of a queued job the cluster shrank
+    under (nodes removed or cordoned, a re-partitioning). ``per_node``: the flavor's units per
+    schedulable node, when the caller has them.
+    """
+    per_node = flavor_units_per_node(flavor) if per_node is None else per_node
+    nodes = f"{len(per_node)} node{'' if len(per_node) == 1 else 's'} with {flavor.name} left"
+    largest = max(per_node.values(), default=0)
+    if not per_node:
+        return "gpus_per_replica", f"No schedulable node has {flavor.name} now."
+    if gpus_per_replica > largest:
+        return "gpus_per_replica", (
+            f"Each replica needs {units_text(flavor, gpus_per_replica)} on one node, and the largest node now has "
+            f"{largest} ({nodes}); the most one replica can have is {largest}."
+        )
+    if topology["mode"] == "required" and topology["level"] == "node":
+        fits, where = max(units // gpus_per_replica for units in per_node.values()), "on one node"
+    else:
+        fits, where = sum(units // gpus_per_replica for units in per_node.values()), "in the cluster"
+    if replicas > fits:
+        return "replicas", (
+            f"It needs {replicas} replicas of {units_text(flavor, gpus_per_replica)} {where}, and at most {fits} fit "
+            f"{where} as it is now ({nodes})."
+        )
+    return None
+
+
 def _fits_the_cluster(spec: dict, flavor: ResourceFlavor) -> None:
     """Refuse a gang that could never be placed on the cluster as it is now, naming the largest that fits."""
-    per_node = flavor_units_per_node(flavor)
-    gpus, replicas = spec["gpus_per_replica"], spec["replicas"]
-    largest = max(per_node.values(), default=0)
-    if gpus > largest:
-        raise Invalid("gpus_per_replica", f"No schedulable node has {gpus} units of {flavor.name}; "
-                                          f"the most one replica can have is {largest}.")
-    topology = spec["topology"]
-    if topology["mode"] == "required" and topology["level"] == "node":
-        fits = max(units // gpus for units in per_node.values())
-        where = "on one node"
-    else:
-        fits = sum(units // gpus for units in per_node.values())
-        where = "in the cluster"
-    if replicas > fits:
-        raise Invalid("replicas", f"At most {fits} replicas of {gpus} units of {flavor.name} fit {where} as it is now.")
+    misfit = gang_misfit(flavor, replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
+                         topology=spec["topology"])
+    if misfit is not None:
+        raise Invalid(*misfit)
 
 
 def _request_hash(spec: dict) -> str:

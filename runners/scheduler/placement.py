@@ -26,13 +26,24 @@ from runners.nvidia import mig
 from .model import ClusterState, Gang, GangDecision, Placement, PodRequest, Snapshot, Topology
 from .policies import Policy, PolicyName, TypicalPod, make_policy, typical_pods
 
-# How a waiting gang's reason names the domains it did not fit in.
+# How a waiting gang's reason names the domains it did not fit in, and the one it needs.
 _ANY_DOMAIN: dict[Topology, str] = {
     "none": "the cluster",
     "node": "any one node",
     "rack": "any one rack",
     "nvlink": "any one NVLink domain",
 }
+_ONE_DOMAIN: dict[Topology, str] = {"node": "one node", "rack": "one rack", "nvlink": "one NVLink domain"}
+
+
+def _misfit_reason(gang: Gang, pod_name: str) -> str:
+    """Why a gang found no room, in its owner's words: its replicas, not pods or gangs."""
+    # A preferred topology was tried on the whole cluster last.
+    where = _ANY_DOMAIN[gang.topology if gang.required else "none"]
+    if len(gang.pods) == 1:
+        return f"it does not fit in {where} now: no node has the GPUs, CPU and memory it asks for free"
+    rank = next(index for index, pod in enumerate(gang.pods) if pod.name == pod_name)
+    return f"its {len(gang.pods)} replicas do not fit together in {where} now (replica {rank} found no room)"
 
 
 @dataclass(frozen=True)
@@ -215,12 +226,9 @@ def place_gangs(
             if placements is not None:
                 break
         if placements is None:
-            reason = (
-                f"pod {last_pod} of gang {gang.name} does not fit in {_ANY_DOMAIN[gang.topology]} "
-                "beside the rest of the gang"
-            )
+            reason = _misfit_reason(gang, last_pod)
             if gang.topology != "none" and not has_domains:
-                reason = f"gang {gang.name} requires {gang.topology} topology but the cluster has no such domains"
+                reason = f"it must run in {_ONE_DOMAIN[gang.topology]} but the cluster has none"
             decisions.append(GangDecision(gang.name, (), reason))
             continue
         _apply(state, gang, placements)

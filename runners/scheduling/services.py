@@ -19,6 +19,8 @@ import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
+from datetime import timezone as dt_timezone
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -31,7 +33,7 @@ from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
 from runners.clusters.models import Gpu, Node
 from runners.jobs.attempts import job_preempt_locked, open_attempts
 from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
-from runners.jobs.services import job_rows_update, send_job_stop, transition_locked
+from runners.jobs.services import gang_misfit, job_rows_update, send_job_stop, transition_locked
 from runners.scheduler import model as placement_model
 from runners.scheduler.admission import (
     AdmissionSnapshot,
@@ -180,7 +182,7 @@ def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> d
         decisions = place_gangs(snapshot, [_gang(job, share) for job in jobs])
         for job, decision in zip(jobs, decisions):
             if not decision.placed:
-                results[job.id] = f"waiting: {decision.reason}"
+                results[job.id] = f"Waiting: {decision.reason}."
                 continue
             replicas = []
             for rank, placement in enumerate(decision.placements):
@@ -195,7 +197,8 @@ def _place(admitted: list[Job], nodes: list[Node], used: dict[str, _Usage]) -> d
             ]
             if carved:
                 # The GPU Operator's layout is fixed by the pool's profile: a job takes an existing instance.
-                results[job.id] = f"waiting: no idle {flavor.mig_profile} instance for every replica"
+                results[job.id] = (f"Waiting: no idle {flavor.mig_profile} MIG instance is free for each of its "
+                                   "replicas now.")
                 continue
             results[job.id] = replicas
             # Later flavors' snapshots see what this one took (CPU, memory, these GPUs).
@@ -239,6 +242,75 @@ def _epoch(moment) -> float:
     return moment.timestamp() if moment else 0.0
 
 
+def _moment(epoch_s: float | None) -> datetime | None:
+    """An epoch time of the pure scheduler as a datetime, to the second (a stored time, never text)."""
+    return None if epoch_s is None else datetime.fromtimestamp(round(epoch_s), tz=dt_timezone.utc)
+
+
+def _duration_text(seconds: float) -> str:
+    """A span in words: '45 seconds', '2 minutes', '1 hour'."""
+    for size, unit in ((3600, "hour"), (60, "minute"), (1, "second")):
+        if seconds >= size or unit == "second":
+            count = max(0, round(seconds / size))
+            return f"{count} {unit}{'' if count == 1 else 's'}"
+    return ""
+
+
+def _preemption_reason(victim: Job, claimant: Job, why: str) -> str:
+    """A victim's reason: whose job it makes room for, by name (no link: the reader cannot open another
+    tenant's job), why, and what happens next. The deadline is the job's stop_deadline, not text."""
+    within = _duration_text(settings.PREEMPTION_GRACE_PERIOD_S)
+    if victim.kind == Job.Kind.SERVING:
+        then = f"It was asked to drain and stop within {within}; then it waits in the queue to start again."
+    else:
+        then = (f"It was asked to checkpoint and stop within {within}; then it waits in the queue and resumes from "
+                "its newest checkpoint.")
+    return f"Preempted for job {claimant.name} of tenant {claimant.tenant.slug}: {why}. {then}"
+
+
+def _units_per_node(flavor: ResourceFlavor, nodes: list[Node]) -> dict[str, int]:
+    """Units of the flavor each of these nodes offers, as placement sees its GPUs (`_flavor_gpus`): the count
+    runners.clusters' flavor_units_per_node makes, from the nodes the cycle has loaded instead of a query."""
+    per_node = {}
+    for node in nodes:
+        gpus = _flavor_gpus(flavor, list(node.gpus.all()))
+        if flavor.kind == PartitionKind.MIG:
+            units = sum(1 for gpu in gpus for profile, _ in gpu.mig_layout if profile == flavor.mig_profile)
+        elif flavor.kind == PartitionKind.TIMESLICE:
+            units = sum(gpu.timeslice_replicas for gpu in gpus)
+        else:
+            units = len(gpus)
+        if units:
+            per_node[node.name] = units
+    return per_node
+
+
+def _misfits(queued: list[Job], nodes: list[Node]) -> dict[int, str]:
+    """Queued jobs that could not be placed on the cluster as it is now even were it empty, with why.
+
+    The submit check refuses such a job; this catches the cluster shrinking under one already queued
+    (nodes removed or cordoned, a re-partitioning). They are left out of admission, so they hold
+    nothing and preempt nobody; once the cluster grows back they are considered again.
+    """
+    per_flavor: dict[int, dict[str, int]] = {}
+    seen: dict[tuple, tuple[str, str] | None] = {}
+    reasons = {}
+    for job in queued:
+        topology = job.spec["topology"]
+        key = (job.flavor_id, job.replicas, job.gpus_per_replica, topology["level"], topology["mode"])
+        if key not in seen:
+            if job.flavor_id not in per_flavor:
+                per_flavor[job.flavor_id] = _units_per_node(job.flavor, nodes)
+            seen[key] = gang_misfit(job.flavor, replicas=job.replicas, gpus_per_replica=job.gpus_per_replica,
+                                    topology=topology, per_node=per_flavor[job.flavor_id])
+        if seen[key] is not None:
+            reasons[job.id] = (
+                f"Blocked: it cannot fit the cluster as it is now. {seen[key][1]} Cancel it and submit a smaller job, "
+                "or leave it queued: it is considered again once the capacity comes back."
+            )
+    return reasons
+
+
 def cycle_run() -> dict:
     """One scheduler cycle; returns what it decided, by job id."""
 
@@ -264,6 +336,9 @@ def cycle_run() -> dict:
         queued = list(
             Job.objects.filter(state=JobState.QUEUED).select_related("tenant", "flavor").order_by("submitted_at", "id")
         )
+        # The schedulable inventory, for the fit check here and placement below.
+        nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
+        misfits = _misfits(queued, nodes)
         running = [
             RunningWorkload(
                 id=str(job.id), tenant=job.tenant.slug, units_by_flavor={job.flavor.name: job.units},
@@ -280,7 +355,7 @@ def cycle_run() -> dict:
                 priority=job.priority, submitted_at_s=_epoch(job.submitted_at),
                 estimated_runtime_s=float(job.spec["max_runtime_s"]), preemptible=job.preemptible,
             )
-            for job in queued
+            for job in queued if job.id not in misfits
         ]
         snapshot = AdmissionSnapshot(
             capacity_units_by_flavor={flavor.name: flavor.capacity for flavor in flavors.values()},
@@ -306,7 +381,7 @@ def cycle_run() -> dict:
             victim = victims.get(int(preemption.workload_id))
             if victim is None:
                 continue
-            reason = f"Preempted for job {preemption.for_gang_id}: {preemption.reason}"
+            reason = _preemption_reason(victim, by_id[preemption.for_gang_id], preemption.reason)
             outcome = job_preempt_locked(victim, reason, now=now)
             if outcome is not None:
                 preempted[by_id[preemption.workload_id].tenant.slug] += 1
@@ -314,26 +389,30 @@ def cycle_run() -> dict:
                 stops.append(victim.id)
 
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
-        nodes = list(Node.objects.filter(schedulable=True).prefetch_related("gpus").order_by("name"))
         placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
         waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
+        waiting_reasons.update({str(job_id): reason for job_id, reason in misfits.items()})
+        starts = {reservation.gang_id: _moment(reservation.projected_start_s) for reservation in decisions.reservations}
         for job in admitted_jobs:
             if isinstance(placed[job.id], str):
                 waiting_reasons[str(job.id)] = placed[job.id]
         launches = _admit([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
+        # Jobs that cannot fit the cluster now come last: they are in no line until it grows back.
         order = [waiting.gang_id for waiting in decisions.waiting] + [
             str(job.id) for job in admitted_jobs if isinstance(placed[job.id], str)
-        ]
+        ] + [str(job_id) for job_id in misfits]
         updates = []
         for position, gang_id in enumerate(order, start=1):
             job = by_id[gang_id]
-            reason = waiting_reasons.get(gang_id, "")[:1000]
-            if job.state == JobState.QUEUED and (job.reason != reason or job.queue_position != position):
-                job.reason, job.queue_position = reason, position
+            reason, start = waiting_reasons.get(gang_id, "")[:1000], starts.get(gang_id)
+            if job.state == JobState.QUEUED and (
+                job.reason != reason or job.queue_position != position or job.projected_start != start
+            ):
+                job.reason, job.queue_position, job.projected_start = reason, position, start
                 updates.append(job)
-        job_rows_update(updates, ["reason", "queue_position"], only_in_state=JobState.QUEUED)
+        job_rows_update(updates, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED)
         elapsed_ms = (time.perf_counter() - started) * 1000
         SchedulerCycle.objects.filter(id=1).update(
             last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),

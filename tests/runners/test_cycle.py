@@ -92,7 +92,11 @@ def test_a_guarantee_reclaims_borrowed_gpus_by_preempting_with_a_deadline(
         result = scheduling.cycle_run()
     borrower.refresh_from_db(), owed.refresh_from_db()
     assert result["preempted"] == [borrower.id]
-    assert borrower.state == "preempted" and f"job {owed.id}" in borrower.reason
+    assert borrower.state == "preempted" and borrower.reason == (
+        "Preempted for job owed of tenant globex: tenant acme is borrowing h100-80gb beyond its guarantee and "
+        "tenant globex needs its guarantee back. It was asked to checkpoint and stop within 30 seconds; then it "
+        "waits in the queue and resumes from its newest checkpoint."
+    )
     assert borrower.stop_deadline is not None
     assert owed.state == "queued", "it starts once the victim has stopped"
     assert len(callbacks) == 1, "the stop is sent after commit"

@@ -305,7 +305,7 @@ def test_a_victim_preempted_while_admitted_is_not_launched_by_the_launch_that_co
     borrower.refresh_from_db()
     attempt.refresh_from_db()
     _assert_attempts_match_states()
-    assert borrower.state == JobState.QUEUED and f"job {owed.id}" in borrower.reason
+    assert borrower.state == JobState.QUEUED and f"job {owed.name} of tenant {owed.tenant.slug}" in borrower.reason
     assert (attempt.outcome, attempt.started_at) == ("preempted", None)
     assert launched == "ended"
     assert not gate.reached.is_set(), "nothing may be launched for an ended attempt"

@@ -119,7 +119,7 @@ def waiting_within_guarantee(cluster, decisions):
     for gang in cluster.pending:
         reason = decisions.reason_for(gang.id)
         hold = holds.get(gang.id)
-        if reason is None or reason.startswith("blocked: ") or (hold and hold.kind == "guarantee"):
+        if reason is None or reason.startswith("Blocked: ") or (hold and hold.kind == "guarantee"):
             continue
         own_hold = hold.held_units_by_flavor if hold else {}
         if all(
@@ -185,14 +185,14 @@ def test_every_pending_gang_is_admitted_or_told_why_not(cluster):
     decisions = decide(cluster, NOW_S, grace_period_s=GRACE_S)
     answered = list(decisions.admitted_ids) + [waiting.gang_id for waiting in decisions.waiting]
     assert sorted(answered) == sorted(gang.id for gang in cluster.pending)
-    assert all(waiting.reason.startswith(("waiting: ", "blocked: ")) for waiting in decisions.waiting)
+    assert all(waiting.reason.startswith(("Waiting: ", "Blocked: ")) for waiting in decisions.waiting)
 
 
 @PROPERTY_SETTINGS
 @given(clusters(guarantees_fit=False))
 def test_a_waiting_gangs_reason_starts_with_its_kind(cluster):
     for waiting in decide(cluster, NOW_S).waiting:
-        assert waiting.kind in ("blocked", "waiting") and waiting.reason.startswith(f"{waiting.kind}: ")
+        assert waiting.kind in ("blocked", "waiting") and waiting.reason.startswith(f"{waiting.kind.capitalize()}: ")
 
 
 @PROPERTY_SETTINGS

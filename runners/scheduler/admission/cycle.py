@@ -115,9 +115,8 @@ def _units_text(units_by_flavor: Mapping[str, int]) -> str:
     return ", ".join(f"{units} {flavor}" for flavor, units in units_by_flavor.items())
 
 
-def _time_text(time_s: Optional[float]) -> str:
-    # Whole seconds in fixed notation: clocks are epoch seconds, which :g would print as 1.7e+09.
-    return "unknown" if time_s is None else f"t={time_s:.0f}s"
+def _jobs_text(count: int) -> str:
+    return f"{count} job{'' if count == 1 else 's'}"
 
 
 class _Cycle:
@@ -208,8 +207,14 @@ class _Cycle:
         )
 
     def _wait(self, gang: PendingGang, kind: WaitingKind, detail: str) -> None:
-        """Record that the gang is not admitted; its reason reads '<kind>: <detail>'."""
-        self.waiting.append(Waiting(gang_id=gang.id, tenant=gang.tenant, kind=kind, reason=f"{kind}: {detail}"))
+        """Record that the gang is not admitted; its reason reads 'Waiting: <detail>.' or 'Blocked: <detail>.'
+
+        Reasons are for the gang's owner: they say "job" (a gang is one job's replicas), hold no
+        clock times (the portal shows the reservation's projected start in the reader's time) and
+        never name another tenant's work.
+        """
+        reason = f"{kind.capitalize()}: {detail}."
+        self.waiting.append(Waiting(gang_id=gang.id, tenant=gang.tenant, kind=kind, reason=reason))
 
     # --- the cycle -----------------------------------------------------------
 
@@ -254,7 +259,7 @@ class _Cycle:
             self._wait(gang, "blocked", f"tenant {gang.tenant} has no quota; ask an admin to set one")
             return True
         if not gang.units_by_flavor:
-            self._wait(gang, "blocked", "the gang requests no units; ask for at least one unit of a flavor")
+            self._wait(gang, "blocked", "the job asks for no units; ask for at least one unit of a flavor")
             return True
         for flavor, units in gang.units_by_flavor.items():
             if quota.max_units(flavor) == 0:
@@ -264,13 +269,16 @@ class _Cycle:
                 self._wait(
                     gang,
                     "blocked",
-                    f"gang needs {units} {flavor} but tenant {gang.tenant}'s max is {quota.max_units(flavor)}; "
-                    "make the gang smaller or ask for a larger quota",
+                    f"it needs {units} {flavor} but tenant {gang.tenant}'s max is {quota.max_units(flavor)}; "
+                    "make the job smaller or ask an admin for a larger quota",
                 )
                 return True
             if units > self.capacity.get(flavor, 0):
                 self._wait(
-                    gang, "blocked", f"gang needs {units} {flavor} but the cluster has {self.capacity.get(flavor, 0)}"
+                    gang,
+                    "blocked",
+                    f"it needs {units} {flavor} but the whole cluster has {self.capacity.get(flavor, 0)} now; "
+                    "make the job smaller, or wait until capacity comes back",
                 )
                 return True
         return False
@@ -283,8 +291,8 @@ class _Cycle:
                 self._wait(
                     gang,
                     "waiting",
-                    f"tenant {gang.tenant} at max for {flavor} "
-                    f"({used[flavor]}/{quota.max_units(flavor)}, gang needs {units})",
+                    f"tenant {gang.tenant} is at its max for {flavor} (max {quota.max_units(flavor)}, "
+                    f"{used[flavor]} in use, it needs {units} more); it starts when the tenant's other jobs free some",
                 )
                 return
         borrowing = self._borrowing(gang)
@@ -295,8 +303,8 @@ class _Cycle:
             self._wait(
                 gang,
                 "waiting",
-                f"a non-preemptible gang must fit in tenant {gang.tenant}'s guarantee for {flavor} "
-                f"({used[flavor]}/{quota.guaranteed_units(flavor)} used, gang needs {units}); "
+                f"a non-preemptible job must fit in tenant {gang.tenant}'s guarantee for {flavor} "
+                f"(guaranteed {quota.guaranteed_units(flavor)}, {used[flavor]} in use, it needs {units}); "
                 "mark it preemptible to borrow idle capacity",
             )
             return
@@ -401,9 +409,10 @@ class _Cycle:
                     workload_id=victim.id,
                     tenant=victim.tenant,
                     for_gang_id=gang.id,
+                    # The portal names the claimant's job; the deadline is deadline_s, not text.
                     reason=(
-                        f"preempted: tenant {victim.tenant} is borrowing {borrowed_flavors} and tenant {gang.tenant} "
-                        f"needs its guarantee back for gang {gang.id}; checkpoint now, stopped at {_time_text(self.deadline_s)}"
+                        f"tenant {victim.tenant} is borrowing {borrowed_flavors} beyond its guarantee and "
+                        f"tenant {gang.tenant} needs its guarantee back"
                     ),
                     deadline_s=self.deadline_s,
                 )
@@ -437,8 +446,8 @@ class _Cycle:
         self._wait(
             gang,
             "waiting",
-            f"preempted borrowed work is checkpointing to give tenant {gang.tenant} back its guarantee "
-            f"({_units_text(pledged)}); expected start {_time_text(start_s)}",
+            f"other tenants' borrowed work is checkpointing and stopping to give tenant {gang.tenant} back its "
+            f"guarantee ({_units_text(pledged)}); it starts as soon as that work has stopped",
         )
         return None
 
@@ -457,19 +466,20 @@ class _Cycle:
                 f for f, u in gang.units_by_flavor.items() if used[f] + u > quota.guaranteed_units(f)
             )
             detail = (
-                f"only {free_units} {flavor} idle, gang needs {units}; it would take tenant {gang.tenant} "
-                f"past its guarantee for {borrowed_flavor} ({used[borrowed_flavor]}/{quota.guaranteed_units(borrowed_flavor)} "
-                "used), and borrowing uses idle capacity only"
+                f"only {free_units} {flavor} idle, it needs {units}; that would take tenant {gang.tenant} past its "
+                f"guarantee for {borrowed_flavor} (guaranteed {quota.guaranteed_units(borrowed_flavor)}, "
+                f"{used[borrowed_flavor]} in use), and past its guarantee a job only uses idle GPUs"
             )
         else:
-            detail = f"only {free_units} {flavor} free, gang needs {units}"
-        held_by_others = sorted({hold.gang_id for hold in self.holds if hold.held_free_units.get(flavor, 0)})
+            detail = f"only {free_units} {flavor} free, it needs {units}"
+        # Counted, never named: the jobs capacity is held for may be other tenants'.
+        held_by_others = {hold.gang_id for hold in self.holds if hold.held_free_units.get(flavor, 0)}
         if held_by_others:
-            detail += f"; capacity is held for {', '.join(held_by_others)}"
+            detail += f"; some of it is held for {_jobs_text(len(held_by_others))} ahead in line"
         if choice is not None and choice.protected_units_by_flavor:
             detail += (
-                f"; borrowed work of other tenants is protected ({_units_text(choice.protected_units_by_flavor)} "
-                f"non-preemptible or inside its minimum runtime, earliest eligible {_time_text(choice.protected_until_s)})"
+                "; other tenants' borrowed work cannot be preempted yet "
+                f"({_units_text(choice.protected_units_by_flavor)} non-preemptible or inside its minimum runtime)"
             )
         # Work within its guarantee always holds what is free of what it is owed; only borrowing
         # gangs compete for the max_reservations slots, so guarantees never wait behind a slot.
@@ -495,7 +505,9 @@ class _Cycle:
             )
             for flavor, units in held_free.items():
                 self.committed[gang.tenant][flavor] += units
-            detail += f"; reserved, projected start {_time_text(start_s)}"
+            detail += "; what frees up is reserved for it" + (
+                "" if start_s is not None else ", though when running work ends is unknown"
+            )
         self._wait(gang, "waiting", detail)
 
     def _projected_start(self, still_needed: Mapping[str, int]) -> Optional[float]:

@@ -174,7 +174,11 @@ class Admission:
 
 @dataclass(frozen=True)
 class Preemption:
-    """A running workload told to checkpoint now and be stopped at deadline_s."""
+    """A running workload told to checkpoint now and be stopped at deadline_s.
+
+    reason says why in words (which tenant borrows what, whose guarantee is owed), with no gang id
+    and no time: the caller names the claimant's job its own way and shows deadline_s as a time.
+    """
 
     workload_id: str
     tenant: str
@@ -201,7 +205,11 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Waiting:
-    """A pending gang that was not admitted, with a reason its owner can read; the reason starts with its kind."""
+    """A pending gang that was not admitted, with a reason its owner can read.
+
+    The reason starts with its kind, capitalized ("Waiting: ...", "Blocked: ..."), and holds no
+    clock time: a reserved gang's projected start is its Reservation's projected_start_s.
+    """
 
     gang_id: str
     tenant: str
