@@ -1,7 +1,8 @@
 """Writes for tenants and their members. Business rules live here.
 
-A change of members is announced (tenants.signals.members_changed); the apps above that
-keep copies of the member list (runners' environments) subscribe to it.
+A change of members is announced (tenants.signals.members_changed; a removal also sends
+member_removed, so credentials handed to that person are revoked); the apps above that
+keep copies of the member list (runners' environments) subscribe to them.
 """
 
 import logging
@@ -16,7 +17,7 @@ from knox.settings import knox_settings
 from common.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, TokenInfo, role_at_least
 from tenants.selectors import token_get, user_has_role, user_role
-from tenants.signals import members_changed
+from tenants.signals import member_removed, members_changed
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
         raise Invalid("username", f"{username} is the last owner of {tenant.slug}; add another owner first.")
     membership.delete()
     members_changed.send(sender=Tenant, tenant=tenant)
+    member_removed.send(sender=Tenant, tenant=tenant, username=username)
 
 
 

@@ -307,6 +307,14 @@ class ClusterBackend(Protocol):
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         """Whether any part of the environment still exists."""
 
+    def member_kubeconfig(self, spec: EnvironmentSpec, member: MemberBinding, *, expiration_s: int, timeout_s: float):
+        """A kubeconfig for this member, for this environment's namespace only, with a token that lives
+        `expiration_s` (a `k8s_access.MemberKubeconfig`). PermanentBackendError where there is no API
+        server to connect to (the local backend)."""
+
+    def revoke_member_access(self, spec: EnvironmentSpec, username: str) -> None:
+        """Remove what `member_kubeconfig` made for this user here, so their tokens stop working; idempotent."""
+
     def discover_inventory(self) -> list[NodeInfo]:
         """Every node with GPUs or capacity the portal may schedule onto."""
 

@@ -26,6 +26,11 @@ one deletes the Deployment and then its ReplicaSet, both orphaning what they mad
 so nothing makes a new pod while the server drains; the pod itself is deleted with
 the grace period. A replacement pod (the ReplicaSet's, should the pod have vanished)
 is never bound: the attempt is over, and the portal relaunches with a new one.
+
+A member's own kubeconfig (`member_kubeconfig`) is a ServiceAccount of theirs in the
+environment's namespace, a RoleBinding to their tier's Role there, and a token from
+the TokenRequest API (`runners.backends.k8s_access`); every environment sync re-binds
+those ServiceAccounts to their owners' current tier and prunes those of people who left.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from runners.backends import dcgm, k8s_inventory, k8s_jobs, k8s_partitions
+from runners.backends import dcgm, k8s_access, k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
@@ -50,6 +55,7 @@ from runners.backends.base import (
     EnvironmentSpec,
     GpuReading,
     JobLaunch,
+    MemberBinding,
     NodeInfo,
     PartitionSpec,
     PermanentBackendError,
@@ -305,12 +311,13 @@ class KubernetesBackend:
         except ApiStatusError as exc:
             raise exc.backend_error() from None
 
-    def _apply(self, manifest: dict) -> dict:
+    def _apply(self, manifest: dict, *, timeout_s: float | None = None) -> dict:
         """Server-side apply one object; force, since the portal is the only rightful owner of these fields."""
         metadata = manifest["metadata"]
         return self._checked(
             manifest["kind"], "patch", metadata["name"], metadata.get("namespace"),
             body=manifest, field_manager=self.field_manager, force_conflicts=True, content_type=APPLY_PATCH,
+            timeout_s=timeout_s,
         )[1]
 
     def _delete(self, kind: str, name: str, namespace: str | None, **options) -> None:
@@ -329,7 +336,8 @@ class KubernetesBackend:
         self._ensure_namespace(spec, manifests[0])
         for manifest in manifests:
             self._apply(manifest)
-        self._prune(spec, wanted={(m["kind"], m["metadata"]["name"]) for m in manifests})
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+        self._prune(spec, wanted=wanted | self._converge_member_access(spec))
 
     def _ensure_namespace(self, spec: EnvironmentSpec, namespace: dict) -> None:
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
@@ -402,6 +410,85 @@ class KubernetesBackend:
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
         return status == 200 and _owner(current) == str(spec.environment_id)
 
+
+    # --- Members' own access (a kubeconfig per member) ----------------------------
+
+    def cluster_endpoint(self) -> k8s_access.ClusterEndpoint:
+        """The API server's URL and CA as the portal's own configuration knows them."""
+        configuration = self.api_client.configuration
+        ca_pem = None
+        if configuration.ssl_ca_cert:
+            try:
+                with open(configuration.ssl_ca_cert, "rb") as ca_file:
+                    ca_pem = ca_file.read()
+            except OSError as exc:
+                raise PermanentBackendError(f"Cannot read the cluster's CA ({configuration.ssl_ca_cert}): {exc}") from None
+        return k8s_access.ClusterEndpoint(
+            server=configuration.host, ca_pem=ca_pem, insecure_skip_tls_verify=not configuration.verify_ssl
+        )
+
+    def member_kubeconfig(
+        self, spec: EnvironmentSpec, member: MemberBinding, *, expiration_s: int, timeout_s: float
+    ) -> k8s_access.MemberKubeconfig:
+        """Ensure the member's ServiceAccount and RoleBinding, and mint a token through TokenRequest.
+
+        Every call is bounded by `timeout_s` (it runs while a person waits for a download). A cluster
+        that cannot be reached is a TransientBackendError naming its server.
+        """
+        endpoint = self.cluster_endpoint()
+        try:
+            manifests = k8s_access.member_access_manifests(spec, member)
+            token_request = k8s_access.token_request_manifest(expiration_s=expiration_s)
+        except ValueError as exc:
+            raise PermanentBackendError(f"Cannot give {member.username} access to {spec.namespace}: {exc}") from None
+        service_account = manifests[0]["metadata"]["name"]
+        try:
+            for manifest in manifests:
+                self._apply(manifest, timeout_s=timeout_s)
+            for stale in k8s_access.stale_role_binding_names(member):
+                self._delete("RoleBinding", stale, spec.namespace, timeout_s=timeout_s)
+            answer = self._checked(
+                "ServiceAccount", "create", service_account, spec.namespace, body=token_request,
+                subresource="token", timeout_s=timeout_s,
+            )[1]
+        except TransientBackendError as exc:
+            raise TransientBackendError(f"The Kubernetes cluster at {endpoint.server} cannot be reached now: {exc}") from None
+        status = answer.get("status") or {}
+        try:
+            token = status["token"]
+            expires_at = datetime.fromisoformat(status["expirationTimestamp"].replace("Z", "+00:00"))
+        except (KeyError, TypeError, ValueError):
+            raise PermanentBackendError(
+                f"The cluster at {endpoint.server} answered the TokenRequest without a token and expiry."
+            ) from None
+        text = k8s_access.kubeconfig_text(cluster=endpoint, spec=spec, username=member.username, token=token)
+        return k8s_access.MemberKubeconfig(text=text, expires_at=expires_at, service_account=service_account)
+
+    def revoke_member_access(self, spec: EnvironmentSpec, username: str) -> None:
+        """Delete the member's RoleBindings and ServiceAccount here; the tokens minted for it stop working."""
+        service_account = k8s_access.service_account_name(username)
+        for binding in k8s_access.all_role_binding_names(username):
+            self._delete("RoleBinding", binding, spec.namespace)
+        self._delete("ServiceAccount", service_account, spec.namespace)
+
+    def _converge_member_access(self, spec: EnvironmentSpec) -> set[tuple[str, str]]:
+        """Re-bind the ServiceAccounts of members to their current tier; what to keep of members' access.
+
+        ServiceAccounts of people who are no longer members are left out, so the prune deletes them.
+        """
+        roles = {member.username: member for member in spec.members}
+        selector = f"{ownership_selector(spec)},{k8s_access.MEMBER_ACCESS_LABEL}=true"
+        listing = self._checked("ServiceAccount", "list", namespace=spec.namespace, label_selector=selector)[1]
+        keep: set[tuple[str, str]] = set()
+        for item in listing.get("items") or []:
+            username = ((item["metadata"].get("annotations") or {}).get(k8s_access.USERNAME_ANNOTATION))
+            member = roles.get(username)
+            if member is None or item["metadata"]["name"] != k8s_access.service_account_name(username):
+                continue
+            binding = k8s_access.role_binding_manifest(spec, member)
+            self._apply(binding)
+            keep |= {("ServiceAccount", item["metadata"]["name"]), ("RoleBinding", binding["metadata"]["name"])}
+        return keep
 
     # --- Inventory and partitions ----------------------------------------------
 

@@ -134,6 +134,15 @@ class LocalBackend:
     def environment_exists(self, spec: EnvironmentSpec) -> bool:
         return self.workspace(spec).exists()
 
+    def member_kubeconfig(self, spec: EnvironmentSpec, member, *, expiration_s: int, timeout_s: float):
+        raise PermanentBackendError(
+            f"Environment {spec.environment_id} runs on the local backend; it has no kubeconfig "
+            f"(its workspace is {self.workspace(spec)})."
+        )
+
+    def revoke_member_access(self, spec: EnvironmentSpec, username: str) -> None:
+        """Nothing to revoke: a workspace hands out no credentials (its member list is re-synced)."""
+
     # --- Inventory and partitions ------------------------------------------
 
     @contextmanager

@@ -7,8 +7,8 @@ tenants and quotas never import runners; when something changes there that an en
 from django.dispatch import receiver
 
 from quotas.signals import quota_changed
-from runners.environments.services import environments_resync
-from tenants.signals import members_changed
+from runners.environments.services import environments_access_revoke, environments_resync
+from tenants.signals import member_removed, members_changed
 
 
 @receiver(members_changed, dispatch_uid="runners-resync-on-members")
@@ -19,3 +19,8 @@ def _members_changed(sender, *, tenant, **kwargs) -> None:
 @receiver(quota_changed, dispatch_uid="runners-resync-on-quota")
 def _quota_changed(sender, *, tenant, **kwargs) -> None:
     environments_resync(tenant)
+
+
+@receiver(member_removed, dispatch_uid="runners-revoke-on-member-removed")
+def _member_removed(sender, *, tenant, username, **kwargs) -> None:
+    environments_access_revoke(tenant=tenant, username=username)

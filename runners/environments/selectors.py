@@ -29,3 +29,16 @@ def environment_get(*, user: AbstractBaseUser, environment_id: int) -> Environme
         return environment_list(user=user, include_deleted=True).get(id=environment_id)
     except (Environment.DoesNotExist, ValueError):
         raise NotFound("No such environment.") from None
+
+
+def environment_history(environment: Environment) -> list[dict]:
+    """What the environment's row tells of its life, oldest first: there is no event table, so this is
+    its creation, the last state it reached (with its message: a failure's reason) and the delete request."""
+    history = [{"at": environment.created_at, "what": "Created",
+                "detail": f"by {environment.created_by.get_username()}" if environment.created_by else ""}]
+    if environment.delete_requested_at:
+        history.append({"at": environment.delete_requested_at, "what": "Delete requested", "detail": ""})
+    if environment.state != EnvironmentState.REQUESTED:
+        history.append({"at": environment.state_changed_at, "what": environment.get_state_display().capitalize(),
+                        "detail": environment.status_message})
+    return sorted(history, key=lambda entry: entry["at"])

@@ -15,16 +15,27 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from common.dispatch import enqueue_on_commit, send_task
-from common.errors import Invalid
+from common.errors import Conflict, Invalid, NotAllowed
 from quotas.selectors import environment_quota_hard
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
+from runners.backends.k8s_access import MemberKubeconfig
 from runners.clusters.registry import get_backend
 from runners.environments import signals
 from runners.environments.models import Environment, EnvironmentState
 from tenants.models import NAMESPACE_MAX, Membership, Role, Tenant, environment_namespace
+from tenants.selectors import membership_get
 from tenants.services import require_role
 
 logger = logging.getLogger(__name__)
+
+
+class EnvironmentGone(Exception):
+    """The environment was deleted: its row stays for history, but there is nothing left to reach (410)."""
+
+
+class ClusterUnavailable(Exception):
+    """The cluster could not answer now; the message names it (503, try again)."""
+
 # How many times provisioning re-applies when members or quota change under it.
 MAX_CONVERGE_ROUNDS = 3
 
@@ -215,7 +226,9 @@ def environment_provision_run(*, environment_id: int) -> str:
         else:
             raise TransientBackendError("The environment kept changing while it was provisioned; trying again.")
     except PermanentBackendError as exc:
-        _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.FAILED, message=str(exc))
+        if _set_state(environment_id, expect=[EnvironmentState.PROVISIONING], state=EnvironmentState.FAILED,
+                      message=str(exc)):
+            signals.environment_failed.send(sender=Environment, environment_id=environment_id)
         return EnvironmentState.FAILED
     # It was deleted while we were building it: undo what we just made, or the
     # teardown that already ran would leave it behind.
@@ -242,12 +255,13 @@ def _undo_if_deleted(environment_id: int) -> None:
 
 def environment_provision_give_up(*, environment_id: int, reason: str) -> None:
     """Mark an environment failed after its retries ran out."""
-    _set_state(
+    if _set_state(
         environment_id,
         expect=[EnvironmentState.REQUESTED, EnvironmentState.PROVISIONING],
         state=EnvironmentState.FAILED,
         message=f"Gave up after repeated errors: {reason}",
-    )
+    ):
+        signals.environment_failed.send(sender=Environment, environment_id=environment_id)
 
 
 def environment_note_retry(*, environment_id: int, reason: str) -> None:
@@ -371,3 +385,82 @@ def environment_sweep_run(*, stuck_after_s: int) -> dict[str, list[int]]:
     if any(found.values()):
         logger.warning("Sweep re-enqueued stuck environments: %s", found)
     return found
+
+
+# --- A member's own access (kubeconfig) ------------------------------------------------------
+
+
+def environment_require_live(environment: Environment) -> None:
+    """Raise EnvironmentGone for a deleted environment."""
+    if environment.state == EnvironmentState.DELETED:
+        when = environment.state_changed_at.strftime("%Y-%m-%d %H:%M UTC")
+        raise EnvironmentGone(f"Environment {environment.id} ({environment.name}) was deleted on {when}.")
+
+
+def _access_spec(environment: Environment) -> EnvironmentSpec:
+    """What a member's access needs of the environment: its identity and namespace (no members, no quota)."""
+    return EnvironmentSpec(environment_id=environment.id, tenant_slug=environment.tenant.slug,
+                           name=environment.name, namespace=environment.namespace)
+
+
+def environment_kubeconfig(*, actor: AbstractBaseUser, environment: Environment) -> MemberKubeconfig:
+    """A kubeconfig for the actor, for this environment's namespace only, with a short-lived token.
+
+    Any member may have one; the rights inside follow their role (viewers read). It has to call
+    the cluster while the person waits (the token is minted now), so it must run outside any
+    transaction: nothing is written to the database and no row is locked, and each call is
+    bounded by KUBECONFIG_REQUEST_TIMEOUT_S.
+    """
+    environment_require_live(environment)
+    membership = membership_get(user=actor, tenant=environment.tenant)
+    if membership is None:
+        # Staff see every environment but belong to none: access of theirs would be pruned by the next re-sync.
+        raise NotAllowed(f"A kubeconfig is for members of {environment.tenant.slug}; you are not one.")
+    role = membership.role
+    if environment.backend != "kubernetes":
+        raise Conflict(
+            f"Environment {environment.id} runs on the {environment.backend} backend; it has no kubeconfig. "
+            "Submit work to it through the portal's API (POST /api/v1/jobs/)."
+        )
+    if environment.state != EnvironmentState.READY:
+        raise Conflict(f"Environment {environment.id} is {environment.state}; a kubeconfig is available once it is ready.")
+    member = MemberBinding(username=actor.get_username(), role=role)
+    try:
+        return get_backend().member_kubeconfig(
+            _access_spec(environment), member,
+            expiration_s=settings.KUBECONFIG_TOKEN_TTL_S, timeout_s=settings.KUBECONFIG_REQUEST_TIMEOUT_S,
+        )
+    except TransientBackendError as exc:
+        raise ClusterUnavailable(str(exc)) from None
+    except PermanentBackendError as exc:
+        raise ClusterUnavailable(f"The cluster refused to give {member.username} access: {exc}") from None
+
+
+def environments_access_revoke(*, tenant: Tenant, username: str) -> None:
+    """After commit, have a worker revoke what the user was given in the tenant's Kubernetes environments."""
+    live = Environment.objects.filter(tenant=tenant, backend="kubernetes").exclude(state=EnvironmentState.DELETED)
+    if live.exists():
+        enqueue_on_commit("runners.tasks.environment_access_revoke", tenant.id, username)
+
+
+def environment_access_revoke_run(*, tenant_id: int, username: str) -> list[int]:
+    """Delete the user's ServiceAccount and RoleBindings in every live Kubernetes environment of the tenant.
+
+    Their tokens stop working with the ServiceAccount. Returns the environments revoked in. Someone
+    added back since keeps theirs: the re-sync their return started binds them to their new role.
+    Transient errors propagate (the task retries); the next re-sync's prune removes them too.
+    """
+    if Membership.objects.filter(tenant_id=tenant_id, user__username=username).exists():
+        return []
+    environments = (
+        Environment.objects.filter(tenant_id=tenant_id, backend="kubernetes")
+        .exclude(state=EnvironmentState.DELETED).select_related("tenant").order_by("id")
+    )
+    backend = get_backend()
+    revoked = []
+    for environment in environments:
+        backend.revoke_member_access(_access_spec(environment), username)
+        revoked.append(environment.id)
+    if revoked:
+        logger.info("Revoked %s's access to environments %s.", username, revoked)
+    return revoked

@@ -6,12 +6,16 @@
 - ``environment_work_left`` (``environment_id``): asked by the teardown; each receiver answers what
   of its work still runs there ("2 job attempt(s)"), or nothing. The namespace goes only once no
   receiver answers, so nothing outlives the namespace it ran in.
+- ``environment_failed`` (``environment_id``): the environment's state just became ``failed`` (the
+  backend refused it for good, or its retries ran out); sent once, by whoever moved it there. A
+  receiver that does work defers it to ``transaction.on_commit`` (notifications mail and call webhooks).
 """
 
 from django.dispatch import Signal
 
 environment_deleting = Signal()
 environment_work_left = Signal()
+environment_failed = Signal()
 
 
 def work_left(environment_id: int) -> list[str]:

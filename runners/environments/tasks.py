@@ -74,3 +74,16 @@ def environment_sync(self, environment_id: int) -> bool:
 @shared_task(name="runners.tasks.environment_sweep")
 def environment_sweep() -> dict[str, list[int]]:
     return environments.environment_sweep_run(stuck_after_s=settings.STUCK_AFTER_S)
+
+
+@shared_task(
+    name="runners.tasks.environment_access_revoke",
+    bind=True,
+    acks_late=True,
+    autoretry_for=(TransientBackendError,),
+    retry_backoff=2,
+    retry_backoff_max=120,
+    max_retries=ENVIRONMENT_MAX_RETRIES,  # past that, the next re-sync's prune still removes the access
+)
+def environment_access_revoke(self, tenant_id: int, username: str) -> list[int]:
+    return environments.environment_access_revoke_run(tenant_id=tenant_id, username=username)

@@ -1,7 +1,13 @@
 """Helpers for tests of the Kubernetes backend: API clients for the stand-in, specs, Node and Pod objects (training replicas too)."""
 
+import base64
 import json
+import os
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
 
+import yaml
 from kubernetes import client
 
 from runners.backends.base import EnvironmentSpec, MemberBinding
@@ -12,6 +18,44 @@ def client_for(url: str) -> client.ApiClient:
     configuration = client.Configuration()
     configuration.host = url
     return client.ApiClient(configuration)
+
+
+def portal_kubeconfig(api, *, token: str = "standin-token") -> str:
+    """The portal's own kubeconfig for the stand-in: its URL, its CA when it serves TLS, an admin token."""
+    cluster = {"server": api.url}
+    if api.ca_pem:
+        cluster["certificate-authority-data"] = base64.b64encode(api.ca_pem).decode()
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+        "clusters": [{"name": "standin", "cluster": cluster}],
+        "users": [{"name": "portal", "user": {"token": token}}],
+        "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "portal"}}],
+    })
+
+
+@contextmanager
+def portal_on_standin(settings, folder: Path, **standin_options):
+    """CLUSTER_BACKEND=kubernetes against a stand-in (HTTPS unless told otherwise, since kubectl sends a
+    token only over TLS), through a kubeconfig holding its CA, as an operator would configure the portal."""
+    from runners.clusters.registry import get_backend
+    from tests.support.k8s_standin import KubernetesStandIn
+
+    defaults = {"tls": True, "termination_delay_s": 0.1, "admin_tokens": {"standin-token"}}
+    with KubernetesStandIn(**(defaults | standin_options)) as api:
+        kubeconfig = folder / "portal-kubeconfig"
+        kubeconfig.write_text(portal_kubeconfig(api))
+        settings.CLUSTER_BACKEND = "kubernetes"
+        settings.KUBECONFIG = str(kubeconfig)
+        get_backend.cache_clear()
+        yield api
+        get_backend.cache_clear()
+
+
+def kubectl(kubeconfig: Path, *args: str, home: Path) -> subprocess.CompletedProcess:
+    """Run Debian's real kubectl with only this kubeconfig (its discovery cache under `home`)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home)}
+    return subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), "--request-timeout=20s", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def make_spec(**overrides) -> EnvironmentSpec:

@@ -45,6 +45,18 @@ nor finished). Deleting either cascades as the API server's default for apps/v1 
 (Background: the garbage collector deletes the dependents `gc_delay_s` later) unless
 propagationPolicy is Orphan, which leaves the dependents without their owner. The
 kubelet restarts a crashed container of such a pod in place (`crash_container`).
+
+For members' own kubeconfigs it serves the serviceaccounts/token subresource (an
+authentication.k8s.io/v1 TokenRequest answered with a random token, remembered with
+its namespace, ServiceAccount and expiry) and checks bearer tokens as an API server
+with RBAC does: a request without a token, or with one of `admin_tokens` (the
+portal's own; without that list, any token it did not mint), may do anything, as before; a minted token may do what the Roles its
+ServiceAccount is bound to by RoleBindings allow, in their namespace only (403
+Forbidden with the real wording otherwise, cluster-scoped reads included); an
+unknown or expired token, or one whose ServiceAccount was deleted, is 401
+Unauthorized, discovery included. That is enough for the real `kubectl get pods`,
+which reads `/api`, `/apis`, each group's resource list and then the pods (the
+stand-in answers a PodList where kubectl asks for a Table; kubectl prints it).
 """
 
 from __future__ import annotations
@@ -54,6 +66,10 @@ import functools
 import hashlib
 import json
 import re
+import secrets
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -106,10 +122,15 @@ RESOURCE_TYPES = {
 # Subresources served, by resource: (name, kind, verbs), as discovery lists them.
 SUBRESOURCES = {
     "pods": (("eviction", "Eviction", ["create"]), ("binding", "Binding", ["create"]), ("log", "Pod", ["get"])),
+    "serviceaccounts": (("token", "TokenRequest", ["create"]),),
 }
+# A subresource served under another group than its resource's, as discovery says so.
+_SUBRESOURCE_GROUPS = {("serviceaccounts", "token"): ("authentication.k8s.io", "v1")}
+# The shortest token a TokenRequest may ask for, as the real API server enforces it.
+MIN_TOKEN_EXPIRATION_S = 600
 _PATH = re.compile(
     r"^(?P<prefix>/api/v1|/apis/[^/]+/v1)"
-    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>eviction|binding|log))?$"
+    r"(?:/namespaces/(?P<namespace>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>eviction|binding|log|token))?$"
 )
 MERGE_PATCH = "application/merge-patch+json"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
@@ -152,6 +173,20 @@ class Fault:
 
 
 @dataclass
+class MintedToken:
+    """A token the TokenRequest subresource handed out, and whose it is."""
+
+    namespace: str
+    service_account: str
+    service_account_uid: str
+    expires_at: float  # time.time()
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+@dataclass
 class _State:
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # (plural, namespace, name)
     applied_labels: dict[tuple[str, str, str, str], set[str]] = field(default_factory=dict)  # + manager
@@ -182,8 +217,14 @@ class KubernetesStandIn:
 
     def __init__(
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
-        gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05,
+        gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
+        admin_tokens: Iterable[str] | None = None,
     ):
+        # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
+        # token only over TLS, so tests that run the real kubectl with a member's token need it.
+        self.tls = tls
+        self.ca_pem: bytes | None = None
+        self._tls_dir: tempfile.TemporaryDirectory | None = None
         # The garbage collector: how long after an owner (a Job, Deployment or ReplicaSet) deleted
         # with propagationPolicy Background (or Foreground) it deletes the dependents (pods with
         # their own grace period), as it works asynchronously on a real cluster.
@@ -214,6 +255,11 @@ class KubernetesStandIn:
         self.requests: list[RecordedRequest] = []
         self.discovery_requests: list[RecordedRequest] = []
         self.faults: list[Fault] = []
+        # Bearer tokens with every right (the portal's own credentials); a request with no token has them too.
+        # None: any token the stand-in did not mint has them (its users before it minted any send what they like).
+        self.admin_tokens: set[str] | None = None if admin_tokens is None else set(admin_tokens)
+        # Tokens minted through serviceaccounts/token, by their text.
+        self.tokens: dict[str, MintedToken] = {}
         self._state = _State()
         self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
@@ -229,6 +275,8 @@ class KubernetesStandIn:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        if self.tls:
+            self._server.socket = self._tls_context().wrap_socket(self._server.socket, server_side=True)
         # A short poll keeps stop() quick; the default half second would dominate a test run.
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="k8s-standin", daemon=True
@@ -240,6 +288,30 @@ class KubernetesStandIn:
         if self._server:
             self._server.shutdown()
             self._server.server_close()
+        if self._tls_dir is not None:
+            self._tls_dir.cleanup()
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """A CA and a server certificate for 127.0.0.1 it signed, made with the openssl binary."""
+        self._tls_dir = tempfile.TemporaryDirectory(prefix="k8s-standin-tls-")
+        folder = self._tls_dir.name
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=30)
+
+        curve = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        openssl("req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=standin-ca",
+                "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        openssl("req", *curve, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+        with open(f"{folder}/server.ext", "w") as ext:
+            ext.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", "server.crt", "-days", "2", "-extfile", "server.ext")
+        with open(f"{folder}/ca.crt", "rb") as ca:
+            self.ca_pem = ca.read()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(f"{folder}/server.crt", f"{folder}/server.key")
+        return context
 
     def __enter__(self) -> "KubernetesStandIn":
         return self.start()
@@ -250,7 +322,7 @@ class KubernetesStandIn:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
     # --- Test helpers ------------------------------------------------------------
 
@@ -298,10 +370,26 @@ class KubernetesStandIn:
 
     # --- The API ---------------------------------------------------------------
 
-    def handle(self, method: str, raw_path: str, content_type: str, body: bytes) -> tuple[int, object]:
+    def expire_token(self, token: str) -> None:
+        """Make a minted token expired now, as if its expirationSeconds had passed."""
+        with self._lock:
+            self.tokens[token].expires_at = time.time() - 1
+
+    def handle(
+        self, method: str, raw_path: str, content_type: str, body: bytes, authorization: str = ""
+    ) -> tuple[int, object]:
         url = urlsplit(raw_path)
         query = parse_qs(url.query)
         record = RecordedRequest(method, url.path, query, content_type)
+        try:
+            with self._lock:
+                self._reap()
+                caller = self._authenticate(authorization)
+        except ApiError as error:
+            record.status = error.code
+            with self._lock:
+                self.requests.append(record)
+            return error.code, error.body
         if method == "GET" and (url.path in ("/version", "/api", "/apis") or url.path.rstrip("/") in _DISCOVERY_PATHS):
             # Discovery is the client's one-time homework, kept apart so tests count only API calls.
             with self._lock:
@@ -326,6 +414,8 @@ class KubernetesStandIn:
         try:
             with self._lock:
                 self._reap()
+                if caller is not None:
+                    self._authorize(caller, method, url.path, query)
                 code, answer = self._route(method, url.path, query, content_type, body)
         except ApiError as error:
             code, answer = error.code, error.body
@@ -341,6 +431,8 @@ class KubernetesStandIn:
         all_namespaces = resource.namespaced and not namespace and name is None and method == "GET"
         if resource.namespaced != bool(namespace) and not all_namespaces:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
+        if match["sub"] == "token" and resource.plural == "serviceaccounts" and name is not None and method == "POST":
+            return 201, self._token_request(namespace, name, self._parse(body))
         if match["sub"]:
             if resource.plural != "pods" or name is None or (method, match["sub"]) not in (
                 ("POST", "eviction"), ("POST", "binding"), ("GET", "log")
@@ -661,9 +753,98 @@ class KubernetesStandIn:
                               "namespaced": resource.namespaced,
                               "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]})
             for sub, kind, verbs in SUBRESOURCES.get(resource.plural, ()):
-                resources.append({"name": f"{resource.plural}/{sub}", "singularName": "", "kind": kind,
-                                  "namespaced": resource.namespaced, "verbs": verbs})
+                entry = {"name": f"{resource.plural}/{sub}", "singularName": "", "kind": kind,
+                         "namespaced": resource.namespaced, "verbs": verbs}
+                if (resource.plural, sub) in _SUBRESOURCE_GROUPS:
+                    entry["group"], entry["version"] = _SUBRESOURCE_GROUPS[(resource.plural, sub)]
+                resources.append(entry)
         return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+
+    # --- Tokens and RBAC, for members' own kubeconfigs ---------------------------
+
+    def _token_request(self, namespace: str, name: str, request: dict) -> dict:
+        """serviceaccounts/token: a fresh random token for the ServiceAccount, remembered with its expiry."""
+        account = self._state.objects.get(("serviceaccounts", namespace, name))
+        if account is None:
+            raise self._not_found(RESOURCE_TYPES["serviceaccounts"], name)
+        if request.get("apiVersion") != "authentication.k8s.io/v1" or request.get("kind") != "TokenRequest":
+            raise ApiError(400, "BadRequest", "the body must be an authentication.k8s.io/v1 TokenRequest")
+        self._check_schema(request)
+        seconds = int((request.get("spec") or {}).get("expirationSeconds") or 3600)
+        if seconds < MIN_TOKEN_EXPIRATION_S:
+            raise ApiError(422, "Invalid", "TokenRequest.authentication.k8s.io is invalid: spec.expirationSeconds: "
+                                           f"Invalid value: {seconds}: may not specify a duration less than 10 minutes",
+                           kind="TokenRequest")
+        token = secrets.token_urlsafe(32)
+        expires_at = time.time() + seconds
+        self.tokens[token] = MintedToken(namespace, name, account["metadata"]["uid"], expires_at)
+        return {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": _now()},
+            "spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": seconds},
+            "status": {"token": token, "expirationTimestamp": datetime.fromtimestamp(int(expires_at), timezone.utc)
+                       .strftime("%Y-%m-%dT%H:%M:%SZ")},
+        }
+
+    def _authenticate(self, authorization: str) -> MintedToken | None:
+        """Who is calling: None for the portal's own credentials (or none at all), else the minted token."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        bearer = scheme.lower() == "bearer"
+        if bearer and token not in self.tokens and (self.admin_tokens is None or token in self.admin_tokens):
+            return None
+        minted = self.tokens.get(token) if bearer else None
+        account = minted and self._state.objects.get(("serviceaccounts", minted.namespace, minted.service_account))
+        if minted is None or minted.expires_at <= time.time() or account is None or (
+            account["metadata"]["uid"] != minted.service_account_uid
+        ):
+            # Unknown, expired, or its ServiceAccount deleted (and perhaps made again): the token is dead.
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return minted
+
+    def _authorize(self, caller: MintedToken, method: str, path: str, query: dict) -> None:
+        """RBAC for a minted token: what the Roles bound to its ServiceAccount in a namespace allow there."""
+        if path in ("/version", "/api", "/apis") or path.rstrip("/") in _DISCOVERY_PATHS:
+            return  # discovery is open to every authenticated caller (system:discovery)
+        match = _PATH.match(path)
+        resource = RESOURCE_TYPES.get(match["plural"]) if match else None
+        if resource is None:
+            return  # the route answers 404
+        namespace, name, sub = match["namespace"] or "", match["name"], match["sub"]
+        if method == "GET":
+            verb = "get" if name else ("watch" if _one(query, "watch") in ("1", "true") else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update",
+                    "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+        if sub == "log":
+            verb = "get"
+        group = resource.api_version.rpartition("/")[0]
+        plural = f"{resource.plural}/{sub}" if sub else resource.plural
+        if namespace and self._rbac_allows(caller, namespace, verb, group, plural):
+            return
+        where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+        details = {"kind": resource.plural, **({"name": name} if name else {})}
+        target = f'{plural} "{name}"' if name else plural
+        raise ApiError(403, "Forbidden", f'{target} is forbidden: User "{caller.user}" cannot {verb} resource '
+                                         f'"{plural}" in API group "{group}" {where}', **details)
+
+    def _rbac_allows(self, caller: MintedToken, namespace: str, verb: str, group: str, plural: str) -> bool:
+        subject = {"kind": "ServiceAccount", "name": caller.service_account, "namespace": caller.namespace}
+        for (kind, obj_namespace, _name), binding in self._state.objects.items():
+            if kind != "rolebindings" or obj_namespace != namespace:
+                continue
+            if not any({k: s.get(k, namespace if k == "namespace" else None) for k in subject} == subject
+                       for s in binding.get("subjects") or []):
+                continue
+            ref = binding.get("roleRef") or {}
+            role = self._state.objects.get(("roles", namespace, ref.get("name", ""))) if ref.get("kind") == "Role" else None
+            for rule in (role or {}).get("rules") or []:
+                if (_matches(rule.get("verbs"), verb) and _matches(rule.get("apiGroups"), group)
+                        and _matches(rule.get("resources"), plural)):
+                    return True
+        return False
 
     # --- Pods: binding, logs, a small kubelet, and the Job controller --------------
 
@@ -1056,6 +1237,10 @@ _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotF
             504: "Timeout"}
 
 
+def _matches(allowed: list[str] | None, value: str) -> bool:
+    return bool(allowed) and ("*" in allowed or value in allowed)
+
+
 def _one(query: dict[str, list[str]], name: str) -> str:
     return (query.get(name) or [""])[0]
 
@@ -1150,7 +1335,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body)
+        code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body,
+                                       authorization=self.headers.get("Authorization", ""))
         if isinstance(answer, bytes):
             payload = answer
         else:
