@@ -12,6 +12,7 @@ from runners.clusters.api import NodePoolViewSet, NodeViewSet, PartitionChangeVi
 from runners.environments.api import EnvironmentViewSet
 from runners.inference.api import EndpointViewSet
 from runners.jobs.api import JobViewSet
+from runners.notifications.api import NotificationPreferenceViewSet, WebhookViewSet
 from tenants.api import ApiTokenViewSet, MemberViewSet, TenantViewSet
 
 router = DefaultRouter()
@@ -27,6 +28,8 @@ router.register("nodes", NodeViewSet, basename="node")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
 router.register("jobs", JobViewSet, basename="job")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
+router.register(r"tenants/(?P<tenant_slug>[a-z0-9-]+)/webhooks", WebhookViewSet, basename="tenant-webhook")
+router.register("notification-preferences", NotificationPreferenceViewSet, basename="notification-preference")
 
 
 class DatabaseUnavailable(exceptions.APIException):

@@ -76,18 +76,20 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
 # Apps from the bottom up. An app may import those below it, the pure libraries and the ground
 # floor (common); never one above it, at module level or inside a function. The apps inside
 # runners/ are layers of their own: the inventory, then environments on it, jobs in them, inference
-# endpoints whose replicas are jobs, the cycle that schedules jobs (training gangs and replicas), and
-# the metering of all of it (utilization, usage and cost), which listens to the others' signals.
+# endpoints whose replicas are jobs, the cycle that schedules jobs (training gangs and replicas), the
+# metering of all of it (utilization, usage and cost), which listens to the others' signals, and the
+# notifications (mail and webhooks), which listen to them too.
 LAYERS = [
     "common", "tenants", "quotas",
     "runners.clusters", "runners.environments", "runners.jobs", "runners.inference", "runners.scheduling",
-    "runners.usage", "frontend", "portal",
+    "runners.usage", "runners.notifications", "frontend", "portal",
 ]
 # runners itself holds only the migration history from before the split (and its pure libraries).
 PROJECT_PACKAGES = ["common", "portal", "tenants", "quotas", "runners", "frontend"]
 MODEL_APP_LABELS = {"tenants": "tenants", "quotas": "quotas", "clusters": "runners.clusters",
                     "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
-                    "inference": "runners.inference", "usage": "runners.usage", "runners": "runners"}
+                    "inference": "runners.inference", "usage": "runners.usage",
+                    "notifications": "runners.notifications", "runners": "runners"}
 
 
 def _layer_of(module: str) -> str | None:

@@ -1,0 +1,115 @@
+"""Notifications: what each member wants mailed, a tenant's webhooks, the events sent and each delivery.
+
+An ``Event`` is written once per thing that happened (its ``key`` says what: a job's terminal
+state, one preempted attempt, one quota change), so a message delivered twice never notifies
+twice. Each webhook subscribed to the event gets a ``Delivery``: the delivery log.
+"""
+
+from django.conf import settings
+from django.db import models
+
+
+class EventKind(models.TextChoices):
+    JOB_FINISHED = "job_finished", "Job finished"
+    JOB_FAILED = "job_failed", "Job failed"
+    JOB_PREEMPTED = "job_preempted", "Job preempted"
+    ENVIRONMENT_FAILED = "environment_failed", "Environment failed"
+    QUOTA_CHANGED = "quota_changed", "Quota changed"
+
+
+# What a member is mailed before choosing: failures and preemptions, not every finish or quota change.
+EMAIL_DEFAULTS = {
+    EventKind.JOB_FINISHED: False,
+    EventKind.JOB_FAILED: True,
+    EventKind.JOB_PREEMPTED: True,
+    EventKind.ENVIRONMENT_FAILED: True,
+    EventKind.QUOTA_CHANGED: False,
+}
+
+
+class Preference(models.Model):
+    """One member's choice for one kind of event in one tenant; without a row the default holds."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notification_preferences")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="notification_preferences")
+    event = models.CharField(max_length=30, choices=EventKind.choices)
+    email = models.BooleanField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["user", "tenant", "event"], name="one_preference_per_user_tenant_event"),
+        ]
+        ordering = ["tenant__slug", "user__username", "event"]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant}: {self.event} email={'on' if self.email else 'off'}"
+
+
+class Webhook(models.Model):
+    """A URL of the tenant's that is POSTed every event it subscribes to, signed with its secret."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="webhooks")
+    url = models.URLField(max_length=500)
+    # Made by the portal; the HMAC key of every delivery, so it is kept as is (never hashed).
+    secret = models.CharField(max_length=64)
+    events = models.JSONField(default=list)
+    active = models.BooleanField(default=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["tenant__slug", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}: {self.url}"
+
+
+class Event(models.Model):
+    """Something that happened in a tenant, recorded once under its key, with the payload sent for it."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="notification_events")
+    kind = models.CharField(max_length=30, choices=EventKind.choices)
+    # "job:12:succeeded", "attempt:40:preempted", "environment:3:failed", "quota:<uuid>".
+    key = models.CharField(max_length=100, unique=True)
+    payload = models.JSONField()
+    occurred_at = models.DateTimeField()
+    # Set when the mail was claimed for sending: mail goes at most once per event.
+    emailed_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class DeliveryState(models.TextChoices):
+    PENDING = "pending"  # not delivered yet; next_try_at says when it is tried (again)
+    DELIVERED = "delivered"  # the receiver answered 2xx
+    FAILED = "failed"  # every attempt failed (NOTIFY_WEBHOOK_MAX_ATTEMPTS)
+
+
+class Delivery(models.Model):
+    """One event for one webhook: each attempt's answer is written here (the delivery log)."""
+
+    webhook = models.ForeignKey(Webhook, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.ForeignKey(Event, on_delete=models.CASCADE, related_name="deliveries")
+    kind = models.CharField(max_length=30, choices=EventKind.choices)
+    payload = models.JSONField()
+    state = models.CharField(max_length=10, choices=DeliveryState.choices, default=DeliveryState.PENDING)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    next_try_at = models.DateTimeField(null=True, blank=True)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    error = models.CharField(max_length=1000, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [models.UniqueConstraint(fields=["webhook", "event"], name="one_delivery_per_webhook_event")]
+        indexes = [models.Index(fields=["state", "next_try_at"], name="delivery_due")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} -> webhook {self.webhook_id} ({self.state})"

@@ -1,0 +1,34 @@
+"""The notifications app's answers to the signals of the apps below it (connected in NotificationsConfig.ready()).
+
+Each receiver only sends a task once the transaction that sent the signal commits: the worker reads
+what the rows say then, records the event once under its key, mails and delivers it.
+"""
+
+import uuid
+
+from django.dispatch import receiver
+from django.utils import timezone
+
+from common.dispatch import enqueue_on_commit
+from quotas.signals import quota_changed
+from runners.environments.signals import environment_failed
+from runners.jobs.signals import attempts_ended
+
+EVENT_TASK = "runners.tasks.notifications_event"
+
+
+@receiver(attempts_ended, dispatch_uid="notifications-on-ended-attempts")
+def _attempts_ended(sender, *, job_ids, **kwargs) -> None:
+    # Finished, failed or preempted is read from the job and its attempts after commit.
+    enqueue_on_commit(EVENT_TASK, "jobs", list(job_ids))
+
+
+@receiver(environment_failed, dispatch_uid="notifications-on-environment-failed")
+def _environment_failed(sender, *, environment_id, **kwargs) -> None:
+    enqueue_on_commit(EVENT_TASK, "environment", environment_id)
+
+
+@receiver(quota_changed, dispatch_uid="notifications-on-quota-changed")
+def _quota_changed(sender, *, tenant, **kwargs) -> None:
+    # Every change is an event of its own: its key is made here, so a message delivered twice is one event.
+    enqueue_on_commit(EVENT_TASK, "quota", tenant.id, uuid.uuid4().hex, timezone.now().isoformat())

@@ -1,0 +1,70 @@
+"""A webhook receiver on loopback for the notification tests: records every POST, and can fail the first ones."""
+
+import hashlib
+import hmac
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Received:
+    at: float
+    headers: dict
+    body: bytes
+    answered: int
+
+
+@dataclass
+class HookReceiver:
+    """``with HookReceiver(fail_first=2) as hook``: POST ``hook.url``; the first ``fail_first`` get ``fail_status``."""
+
+    fail_first: int = 0
+    fail_status: int = 500
+    # hold_first: the first POST is held (not answered, not recorded) until `release` is set; `held` says it came.
+    hold_first: bool = False
+    received: list[Received] = field(default_factory=list)
+    held: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> "HookReceiver":
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if receiver.hold_first and not receiver.held.is_set():
+                    receiver.held.set()
+                    receiver.release.wait(60)
+                    return  # the sender is gone by now: nothing to answer
+                status = receiver.fail_status if len(receiver.received) < receiver.fail_first else 204
+                receiver.received.append(Received(time.monotonic(), dict(self.headers), body, status))
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks/portal"
+
+    def delivered(self) -> list[Received]:
+        return [item for item in self.received if item.answered < 300]
+
+
+def signed_by(secret: str, item: Received) -> bool:
+    """Whether the delivery's signature is the HMAC-SHA256 of its raw body with this secret."""
+    expected = "sha256=" + hmac.new(secret.encode(), item.body, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, item.headers.get("X-Portal-Signature", ""))
