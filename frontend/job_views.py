@@ -1,19 +1,22 @@
 """Job pages: a tenant's jobs with the submit form, and one job's page that follows it live."""
 
+import re
 from datetime import timedelta
 from decimal import Decimal
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from common.errors import Conflict
+from common.errors import Conflict, NotFound
 from frontend import charts
+from frontend.filters import JobPageFilter, page_list
 from frontend.forms import JobForm
 from quotas import selectors as quota_selectors
 from runners.environments import selectors as environment_selectors
@@ -21,6 +24,7 @@ from runners.environments.models import EnvironmentState
 from runners.inference.models import Replica
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
+from runners.jobs.api import log_file_response
 from runners.jobs.models import JOB_FINAL_STATES, Job, JobState
 from runners.usage import pages as usage_pages
 from tenants import selectors
@@ -44,23 +48,27 @@ def _flavor_rows(tenant) -> list[dict]:
     return sorted(rows, key=lambda row: row["name"])
 
 
-def _render_jobs(request, tenant, form=None, *, status=200):
+def _render_jobs(request, tenant, form=None, *, status=200, source=None):
     can_submit = selectors.user_has_role(user=request.user, tenant=tenant, at_least=Role.MEMBER)
     ready = environment_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
     flavors = _flavor_rows(tenant)
-    state = request.GET.get("state") or ""
-    if state and state not in JobState.values:
-        state = ""
+    jobs_page = page_list(request, JobPageFilter,
+                          job_selectors.job_list(user=request.user, tenant=tenant.slug).prefetch_related("attempts"))
+    now = timezone.now()
+    rows = [{"job": job, "durations": job_selectors.job_durations(job, list(job.attempts.all()), now)}
+            for job in jobs_page.page]
     context = {
         "tenant": tenant,
-        "jobs": job_selectors.job_list(user=request.user, tenant=tenant.slug, state=state or None)[:200],
-        "state": state,
-        "states": JobState.values,
+        "jobs": rows,
+        "list": jobs_page,
         "can_submit": can_submit,
         "flavors": flavors,
         "form": form or JobForm(environments=ready, flavors=flavors),
         "has_environment": ready.exists(),
+        "source": source,
     }
+    if jobs_page.errors and status == 200:
+        status = 400
     return render(request, "frontend/jobs.html", context, status=status)
 
 
@@ -70,11 +78,50 @@ def job_list(request, slug):
     return _render_jobs(request, selectors.tenant_get(user=request.user, slug=slug))
 
 
+def clone_name(name: str) -> str:
+    """A name for a copy: llm -> llm-2, llm-2 -> llm-3, within the name's length limit."""
+    found = re.fullmatch(r"(.*)-(\d+)", name)
+    base, number = (found.group(1), int(found.group(2)) + 1) if found else (name, 2)
+    suffix = f"-{number}"
+    return base[: jobs.NAME_MAX - len(suffix)].rstrip("-") + suffix
+
+
+def clone_initial(job: Job) -> dict:
+    """The submit form filled from a job's spec, so it can be submitted again as it was (or changed)."""
+    spec = job.spec
+    topology = spec.get("topology") or {}
+    initial = {field: spec[field] for field in ("cpu_milli_per_replica", "memory_mib_per_replica", "steps",
+                                                "checkpoint_every_steps", "max_runtime_s", "max_retries")
+               if spec.get(field) is not None}
+    initial.update(
+        name=clone_name(job.name), environment=job.environment_id, flavor=job.flavor.name, replicas=job.replicas,
+        gpus_per_replica=job.gpus_per_replica, priority=job.priority, preemptible=job.preemptible,
+        topology_level=topology.get("level", "none"), topology_mode=topology.get("mode", jobs.DEFAULT_TOPOLOGY_MODE),
+    )
+    return initial
+
+
+def can_clone(job: Job) -> bool:
+    """The submit form runs the shipped trainer: only its training jobs can be filled into it."""
+    return job.kind == Job.Kind.TRAINING and job.spec.get("template") == "pytorch-ddp"
+
+
 @login_required
-@require_POST
+@require_http_methods(["GET", "POST"])
 def job_submit(request, slug):
+    """POST submits the form; GET ?from=<job id> shows it filled from that job (Clone on the job page)."""
     tenant = selectors.tenant_get(user=request.user, slug=slug)
     ready = environment_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
+    if request.method == "GET":
+        source = None
+        if request.GET.get("from"):
+            source = job_selectors.job_get(user=request.user, job_id=request.GET["from"])
+            if source.tenant_id != tenant.id or not can_clone(source):
+                raise NotFound("No such job to clone in this tenant.")
+        flavors = _flavor_rows(tenant)
+        initial = clone_initial(source) if source else None
+        return _render_jobs(request, tenant, JobForm(initial=initial, environments=ready, flavors=flavors),
+                            source=source)
     form = JobForm(request.POST, environments=ready, flavors=_flavor_rows(tenant))
     if form.is_valid():
         try:
@@ -144,25 +191,75 @@ def _job_context(request, job_id) -> dict:
     chart = loss_chart(context["series"])
     if chart is not None:
         chart["count"] = context["steps_recorded"]  # the series is downsampled; say how many steps it covers
+    is_member = selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER)
     context.update(
         usage=_usage_context(job, context["attempts"], chart),
         chart=chart,
         final=job.state in JOB_FINAL_STATES,
+        durations=job_selectors.job_durations(job, context["attempts"], timezone.now()),
         # Nothing to offer once it is being cancelled, or once it is over.
-        can_cancel=job.state not in (*JOB_FINAL_STATES, JobState.CANCELLING)
-        and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),
+        can_cancel=job.state not in (*JOB_FINAL_STATES, JobState.CANCELLING) and is_member,
+        can_clone=is_member and can_clone(job),
         # A checkpoint of the shipped trainer can be served (frontend/endpoint_views.py's deploy form).
         can_serve=bool(context["checkpoints"]) and job.kind == Job.Kind.TRAINING
-        and job.spec.get("template") == "pytorch-ddp"
-        and selectors.user_has_role(user=request.user, tenant=job.tenant, at_least=Role.MEMBER),
+        and job.spec.get("template") == "pytorch-ddp" and is_member,
     )
     return context
+
+
+def _log_target(request, job: Job, attempts: list) -> tuple:
+    """The attempt and rank whose log is asked for (?attempt=&rank=), and what was wrong with the asking.
+
+    The newest attempt that started and rank 0 unless given; an attempt that never started, or a
+    rank it does not have, is a problem naming the parameter (the page then shows the default).
+    """
+    started = {attempt.number: attempt for attempt in attempts if attempt.started_at}
+    newest = started[max(started)] if started else None
+    problems = {}
+    attempt = newest
+    raw = request.GET.get("attempt", "")
+    if raw:
+        attempt = started.get(int(raw)) if raw.isdigit() else None
+        if attempt is None:
+            problems["attempt"] = f"Not an attempt of this job that started: {raw[:20]!r}."
+            attempt = newest
+    ranks = job_selectors.attempt_ranks(job, attempt) if attempt else [0]
+    raw = request.GET.get("rank", "")
+    rank = int(raw) if raw.isdigit() else None
+    if rank not in ranks:
+        if raw:
+            problems["rank"] = f"Not a replica of this attempt: {raw[:20]!r}; it has {ranks[0]} to {ranks[-1]}."
+        rank = ranks[0]
+    return attempt, rank, problems
+
+
+def _log_context(request, job: Job, attempts: list, *, sources: bool) -> dict:
+    """The log card: one replica's last lines (no progress lines), and the replicas there are to pick."""
+    attempt, rank, problems = _log_target(request, job, attempts)
+    lines, error = [], ""
+    if attempt is not None:
+        try:
+            lines = job_selectors.job_log_lines(job, attempt.number, rank)
+        except job_selectors.BackendUnavailable as exc:
+            error = str(exc)
+    newest = attempt is None or attempt.number == max(a.number for a in attempts if a.started_at)
+    return {
+        "log_attempt": attempt.number if attempt else None, "log_rank": rank, "log_lines": lines,
+        "log_error": error, "log_problems": problems,
+        # What to follow: the newest attempt unless one was picked (a requeue then shows the next one).
+        "log_query": f"?attempt={attempt.number}&rank={rank}" if attempt and request.GET.get("attempt") else
+        (f"?rank={rank}" if rank else ""),
+        "log_follow": job.state not in JOB_FINAL_STATES and newest,
+        "log_sources": job_selectors.job_log_sources(job, attempts) if sources else [],
+    }
 
 
 @login_required
 @require_GET
 def job_detail(request, job_id):
-    return render(request, "frontend/job.html", _job_context(request, job_id))
+    context = _job_context(request, job_id)
+    context.update(_log_context(request, context["job"], context["attempts"], sources=True))
+    return render(request, "frontend/job.html", context, status=400 if context["log_problems"] else 200)
 
 
 @never_cache
@@ -171,6 +268,34 @@ def job_detail(request, job_id):
 def job_live(request, job_id):
     """The live part of the job page, polled until the job is final."""
     return render(request, "frontend/fragments/job_live.html", _job_context(request, job_id))
+
+
+@never_cache
+@login_required
+@require_GET
+def job_log(request, job_id):
+    """The log card of one replica (?attempt=&rank=): what the Follow toggle polls."""
+    job = job_selectors.job_get(user=request.user, job_id=job_id)
+    context = {"job": job, "final": job.state in JOB_FINAL_STATES,
+               **_log_context(request, job, list(job.attempts.order_by("number")), sources=False)}
+    return render(request, "frontend/fragments/job_log.html", context, status=400 if context["log_problems"] else 200)
+
+
+@login_required
+@require_GET
+def job_log_download(request, job_id):
+    """One replica's log as a text file (?attempt=&rank=), without the trainer's progress lines."""
+    job = job_selectors.job_get(user=request.user, job_id=job_id)
+    attempt, rank, problems = _log_target(request, job, list(job.attempts.order_by("number")))
+    if problems:
+        return HttpResponse(" ".join(f"{name}: {text}" for name, text in problems.items()), status=400,
+                            content_type="text/plain; charset=utf-8")
+    try:
+        lines = job_selectors.job_log_lines(job, attempt.number, rank,
+                                            tail=job_selectors.LOG_DOWNLOAD_LINES) if attempt else []
+    except job_selectors.BackendUnavailable as exc:
+        return HttpResponse(str(exc), status=503, content_type="text/plain; charset=utf-8", headers={"Retry-After": "5"})
+    return log_file_response(job, attempt.number if attempt else None, rank, lines)
 
 
 def redirect_next(request, to: str, **kwargs):

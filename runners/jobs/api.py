@@ -1,9 +1,12 @@
-"""REST API for training jobs: submit, read, cancel, logs and the loss curve."""
+"""REST API for training jobs: submit, read, cancel, logs (per replica and attempt, and as a file) and the loss curve."""
 
 from django.db import transaction
+from django.http import HttpResponse
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 
 from common import nulls
@@ -114,7 +117,8 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = [
             "id", "tenant", "environment", "name", "kind", "flavor", "replicas", "gpus_per_replica", "priority",
-            "preemptible", "state", "reason", "queue_position", "failures", "spec", "submitted_by", "submitted_at",
+            "preemptible", "state", "reason", "queue_position", "projected_start", "stop_deadline", "failures", "spec",
+            "submitted_by", "submitted_at",
             "started_at", "finished_at", "attempts", "checkpoints", "events",
         ]
 
@@ -151,6 +155,50 @@ def _query_int(request, name: str, default: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise serializers.ValidationError({name: f"Between {low} and {high}."})
     return value
+
+
+def _log_source(request, job: Job) -> tuple[JobAttempt | None, int]:
+    """The attempt and rank a logs request asks for: a 400 naming `attempt` or `rank` for one the job lacks."""
+    started = job.attempts.filter(started_at__isnull=False)
+    number = _query_int(request, "attempt", None, 1, 2**15 - 1)
+    if number is None:
+        attempt = started.order_by("-number").first()
+    else:
+        attempt = started.filter(number=number).first()
+        if attempt is None:
+            numbers = ", ".join(str(n) for n in started.order_by("number").values_list("number", flat=True))
+            raise serializers.ValidationError(
+                {"attempt": f"Job {job.id} has no started attempt {number}"
+                            + (f"; its started attempts are {numbers}." if numbers else "; none has started yet.")})
+    name = "rank" if nulls.query_param(request, "rank") not in (None, "") else "replica"
+    ranks = job_selectors.attempt_ranks(job, attempt) if attempt else list(range(job.replicas))
+    rank = _query_int(request, name, 0, 0, 2**15 - 1)
+    if rank not in ranks:
+        raise serializers.ValidationError({name: f"Between {ranks[0]} and {ranks[-1]}: the attempt's replicas."})
+    return attempt, rank
+
+
+def _unavailable(exc: Exception) -> Response:
+    return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+
+
+def log_file_response(job: Job, attempt: int | None, rank: int, lines: list[str]) -> HttpResponse:
+    """A replica's log lines as a text file the browser saves (the page's Download link answers the same)."""
+    response = HttpResponse("".join(f"{line}\n" for line in lines), content_type="text/plain; charset=utf-8")
+    name = f"{job.name}-{job.id}-attempt-{attempt or 0}-rank-{rank}.log"
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    return response
+
+
+class FileNegotiation(BaseContentNegotiation):
+    """The log download answers a text file whatever the client accepts, and its errors in JSON as
+    everywhere else: no 406 for a client that asks for text/plain only."""
+
+    def select_parser(self, request, parsers):
+        return parsers[0]
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
 
 
 class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -192,23 +240,55 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("replica", int, description="Which replica (rank); 0 unless given."),
+            OpenApiParameter("rank", int, description="Which replica (rank) of the attempt; 0 unless given."),
+            OpenApiParameter("replica", int, description="The same as rank (its older name); rank wins."),
+            OpenApiParameter("attempt", int, description="Which attempt (its number); the newest that started unless "
+                                                         "given. An earlier one's log is there while the cluster "
+                                                         "keeps it."),
             OpenApiParameter("tail", int, description="How many of the last lines (1-5000, default 200)."),
         ],
         responses={200: JobLogsSerializer, 503: OpenApiResponse(description="The cluster cannot be read now.")},
     )
     @action(detail=True, methods=["get"])
     def logs(self, request, pk):
+        """One replica's last lines, as it wrote them (the trainer's tagged progress lines included)."""
         job = self.get_object()
-        replica = _query_int(request, "replica", 0, 0, job.replicas - 1)
+        attempt, rank = _log_source(request, job)
         tail = _query_int(request, "tail", 200, 1, 5000)
-        attempt = job.attempts.filter(started_at__isnull=False).order_by("-number").first()
         try:
-            text = job_selectors.job_log_tail(job, attempt.number, replica, tail=tail) if attempt else ""
+            text = job_selectors.job_log_tail(job, attempt.number, rank, tail=tail) if attempt else ""
         except job_selectors.BackendUnavailable as exc:
-            return Response({"detail": str(exc)}, status=status.HTTP_503_SERVICE_UNAVAILABLE,
-                            headers={"Retry-After": "5"})
-        return Response({"attempt": attempt.number if attempt else None, "replica": replica, "text": text})
+            return _unavailable(exc)
+        return Response({"attempt": attempt.number if attempt else None, "replica": rank, "text": text})
+
+    @extend_schema(
+        operation_id="jobs_logs_download",
+        parameters=[
+            OpenApiParameter("rank", int, description="Which replica (rank) of the attempt; 0 unless given."),
+            OpenApiParameter("attempt", int, description="Which attempt (its number); the newest that started unless "
+                                                         "given."),
+        ],
+        responses={
+            (200, "text/plain"): OpenApiResponse(
+                OpenApiTypes.STR,
+                description=f"The replica's log as a file (Content-Disposition: attachment), its last "
+                            f"{job_selectors.LOG_DOWNLOAD_LINES} lines at most, without the trainer's progress lines; "
+                            f"empty before the job started."),
+            503: OpenApiResponse(description="The cluster cannot be read now."),
+        },
+    )
+    @action(detail=True, methods=["get"], url_path="logs/download",
+            content_negotiation_class=FileNegotiation)
+    def logs_download(self, request, pk):
+        """One replica's log as a text file, as a person reads it."""
+        job = self.get_object()
+        attempt, rank = _log_source(request, job)
+        try:
+            lines = job_selectors.job_log_lines(job, attempt.number, rank,
+                                                tail=job_selectors.LOG_DOWNLOAD_LINES) if attempt else []
+        except job_selectors.BackendUnavailable as exc:
+            return _unavailable(exc)
+        return log_file_response(job, attempt.number if attempt else None, rank, lines)
 
     @extend_schema(
         parameters=[

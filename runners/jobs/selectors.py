@@ -47,7 +47,7 @@ def tenant_flavor_usage(*, tenant: Tenant) -> dict[int, int]:
 
 
 def job_page(job: Job) -> dict:
-    """What the job page draws: placement by node, events, checkpoints, the loss series and a log tail."""
+    """What the job page draws: placement by node, events, checkpoints and the loss series (the log is read on its own)."""
     attempts = list(job.attempts.order_by("number"))
     # Only an attempt that still holds its GPUs is drawn: once it ended (requeued, cancelled, done)
     # the GPUs it had may be another job's.
@@ -66,28 +66,15 @@ def job_page(job: Job) -> dict:
                 {"index": index, "replica": node["gpus"].get(index)} for index in range(gpu_counts.get(name, 0))
             ]
     metrics = job_metric_series(job, points=CHART_POINTS)
-    started = next((a for a in reversed(attempts) if a.started_at), None)
-    log, log_error = "", ""
-    if started is not None:
-        try:
-            lines = without_progress_lines(job_log_tail(job, started.number, 0, tail=LOG_TAIL_READ))
-            log = "\n".join(lines[-LOG_TAIL_SHOWN:])
-        except BackendUnavailable as exc:
-            log_error = str(exc)
     checkpoints = list(job.checkpoints.newest_first()[:20])
     return {
         "job": job, "attempts": attempts, "current": current, "nodes": list(nodes.values()),
         "events": list(job.events.all()), "checkpoints": checkpoints[:CHECKPOINTS_SHOWN],
         "older_checkpoints": checkpoints[CHECKPOINTS_SHOWN:],
-        "series": metrics["series"], "steps_recorded": metrics["steps_recorded"], "log": log, "log_error": log_error,
+        "series": metrics["series"], "steps_recorded": metrics["steps_recorded"],
     }
 
 
-
-# The job page's log: the last lines a person reads, without the trainer's tagged progress lines
-# (the chart and the checkpoint table show those), from a tail long enough to leave that many.
-LOG_TAIL_SHOWN = 40
-LOG_TAIL_READ = 200
 CHECKPOINTS_SHOWN = 5
 PROGRESS_PREFIXES = (f"{METRIC_TAG} ", f"{CHECKPOINT_TAG} ")
 
@@ -161,3 +148,74 @@ def jobs_placed_on_nodes(node_names: list[str]) -> dict[str, list[str]]:
         for node in {replica["node"] for replica in placement} & wanted:
             found.setdefault(node, []).append(f"{namespace}/job-{job_id}")
     return found
+
+
+# --- Logs per replica, and how long a job ran and waited -----------------------------------
+
+# The page shows this many of a replica's last lines; a download takes up to this many (the
+# local backend reads the last 256 KiB of a log, the Kubernetes one asks the pod log API).
+LOG_PAGE_LINES = 500
+LOG_DOWNLOAD_LINES = 100_000
+# Earlier attempts are offered in the log's picker only while the backend still has their log;
+# asking costs a read each, so only this many of the newest are asked about.
+LOG_EARLIER_ATTEMPTS = 5
+
+
+def attempt_ranks(job: Job, attempt: JobAttempt) -> list[int]:
+    """The replicas (ranks) an attempt was placed with."""
+    return sorted({replica["replica"] for replica in attempt.placement}) or list(range(job.replicas))
+
+
+def job_log_sources(job: Job, attempts: list[JobAttempt]) -> list[dict]:
+    """The logs there are to read, newest attempt first: each started attempt with its ranks.
+
+    The newest started attempt is always there; an earlier one only while the backend still
+    answers rank 0's log (a Kubernetes attempt's pods go once it ends). A backend that cannot be
+    read leaves the earlier ones out rather than failing the page.
+    """
+    started = [attempt for attempt in reversed(attempts) if attempt.started_at]
+    if not started:
+        return []
+    sources = [{"attempt": started[0].number, "ranks": attempt_ranks(job, started[0]), "newest": True}]
+    for attempt in started[1:LOG_EARLIER_ATTEMPTS + 1]:
+        try:
+            kept = bool(job_log_tail(job, attempt.number, 0, tail=1).strip())
+        except BackendUnavailable:
+            break
+        if kept:
+            sources.append({"attempt": attempt.number, "ranks": attempt_ranks(job, attempt), "newest": False})
+    return sources
+
+
+def job_log_lines(job: Job, attempt: int, rank: int, *, tail: int = LOG_PAGE_LINES) -> list[str]:
+    """A replica's last lines as a person reads them (no progress lines), oldest first, newest last."""
+    # Progress lines are most of a trainer's log: read more so `tail` readable ones are left.
+    return without_progress_lines(job_log_tail(job, attempt, rank, tail=min(tail * 4, LOG_DOWNLOAD_LINES)))[-tail:]
+
+
+def job_durations(job: Job, attempts: list[JobAttempt], now) -> dict:
+    """How long the job has run and waited, from its attempt rows.
+
+    `running_s`: from the first attempt's start to the job's end (now while it is not final);
+    `queued_s`: from submit to the first admission, plus every wait between an attempt's end and
+    the next one's admission (or to now, or to the end, when none followed).
+    """
+    final = job.state in JOB_FINAL_STATES
+    end = (job.finished_at or job.state_changed_at or now) if final else now
+    first_start = min((a.started_at for a in attempts if a.started_at), default=None)
+    queued = 0.0
+    waiting_since = job.submitted_at
+    for attempt in attempts:
+        if waiting_since is not None:
+            queued += max(0.0, (attempt.admitted_at - waiting_since).total_seconds())
+        waiting_since = attempt.ended_at
+    # No attempt open: waiting since the last one ended (or since submit), up to now or to the end
+    # (a job that ended with its last attempt adds nothing here).
+    if waiting_since is not None:
+        queued += max(0.0, (end - waiting_since).total_seconds())
+    return {
+        "final": final,
+        "first_started_at": first_start,
+        "running_s": (end - first_start).total_seconds() if first_start else None,
+        "queued_s": queued,
+    }
