@@ -5,13 +5,17 @@ from decimal import Decimal
 from django import forms
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
+from django.core import validators
 from django.core.exceptions import ValidationError
 
 from common import nulls
 from frontend.drawings import parse_layout
 from quotas.models import PartitionKind
 from runners.clusters.models import PartitionChange
+from runners.inference import services as endpoints
+from runners.jobs import services as jobs
 from runners.nvidia.mig import GPU_MODELS
+from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants import login_throttle
 from tenants.models import ENVIRONMENT_NAME_MAX, Role, dns_label_validator
 
@@ -103,6 +107,13 @@ class QuotaForm(forms.Form):
         for name in ("guaranteed", "max", "fair_share_weight", "max_priority"):
             self.fields[name].widget.attrs["inputmode"] = "numeric"
 
+    def clean(self):
+        data = super().clean()
+        guaranteed, most = data.get("guaranteed"), data.get("max")
+        if guaranteed is not None and most is not None and guaranteed > most:
+            self.add_error("guaranteed", f"guaranteed ({guaranteed}) cannot exceed max ({most}).")
+        return data
+
 
 def _gpu_model_choices():
     return [(name, name + ("" if model.mig_capable else " (no MIG)")) for name, model in GPU_MODELS.items()]
@@ -169,34 +180,63 @@ class NodePoolApplyForm(forms.Form):
 # --- Jobs --------------------------------------------------------------------------
 
 
+def _name_validator(pattern: str, most: int) -> validators.RegexValidator:
+    return validators.RegexValidator(
+        rf"^{pattern}$", f"Lowercase letters, digits and '-', at most {most}, starting and ending alphanumeric."
+    )
+
+
+def _job_bound(field: str) -> dict:
+    low, high = jobs.BOUNDS[field]
+    return {"min_value": low, "max_value": high}
+
+
 class JobForm(forms.Form):
-    """The submit form: the API's fields, the flavor offered only where the tenant has quota."""
+    """The submit form: the API's fields, the flavor offered only where the tenant has quota.
+
+    The form checks every field's shape itself, so one submit shows every such error at once:
+    the service stops at the first bad field, and is asked only once the form is valid. What
+    depends on the quota and the cluster is still the service's to say.
+    """
 
     environment = forms.TypedChoiceField(coerce=int, choices=())
-    name = forms.CharField(max_length=40, help_text="Lowercase letters, digits and '-'.")
+    name = forms.CharField(max_length=jobs.NAME_MAX, validators=[_name_validator(jobs.NAME_PATTERN, jobs.NAME_MAX)],
+                           help_text="Lowercase letters, digits and '-'.")
     flavor = forms.ChoiceField(choices=())
-    replicas = forms.IntegerField(min_value=1, max_value=64, initial=2)
-    gpus_per_replica = forms.IntegerField(min_value=1, max_value=64, initial=1, label="GPUs per replica",
+    replicas = forms.IntegerField(initial=2, **_job_bound("replicas"))
+    gpus_per_replica = forms.IntegerField(initial=1, label="GPUs per replica", **_job_bound("gpus_per_replica"),
                                           help_text="Whole GPUs; 1 for a MIG slice or a time-slice share.")
-    cpu_milli_per_replica = forms.IntegerField(min_value=100, initial=2000, label="CPU per replica (millicores)")
-    memory_mib_per_replica = forms.IntegerField(min_value=128, initial=4096, label="Memory per replica (MiB)")
+    cpu_milli_per_replica = forms.IntegerField(initial=2000, label="CPU per replica (millicores)",
+                                               **_job_bound("cpu_milli_per_replica"))
+    memory_mib_per_replica = forms.IntegerField(initial=4096, label="Memory per replica (MiB)",
+                                                min_value=TRAINER_MIN_MEMORY_MIB,
+                                                max_value=jobs.BOUNDS["memory_mib_per_replica"][1])
     topology_level = forms.ChoiceField(
         label="Keep replicas together", initial="node",
         choices=[("none", "Anywhere"), ("node", "On one node"), ("nvlink", "In one NVLink domain"), ("rack", "In one rack")],
     )
     topology_mode = forms.ChoiceField(label="Topology is", initial="required",
                                       choices=[("required", "Required"), ("preferred", "Preferred")])
-    priority = forms.IntegerField(min_value=0, initial=0)
+    priority = forms.IntegerField(initial=0, **_job_bound("priority"))
     preemptible = forms.BooleanField(required=False, initial=True, label="Preemptible (may borrow idle GPUs)")
-    steps = forms.IntegerField(min_value=1, initial=200)
-    checkpoint_every_steps = forms.IntegerField(min_value=0, initial=20, label="Checkpoint every (steps)")
-    max_runtime_s = forms.IntegerField(min_value=10, initial=3600, label="Maximum runtime (s)")
-    max_retries = forms.IntegerField(min_value=0, initial=3)
+    steps = forms.IntegerField(initial=200, **_job_bound("steps"))
+    checkpoint_every_steps = forms.IntegerField(initial=20, label="Checkpoint every (steps)",
+                                                **_job_bound("checkpoint_every_steps"))
+    max_runtime_s = forms.IntegerField(initial=3600, label="Maximum runtime (s)", **_job_bound("max_runtime_s"))
+    max_retries = forms.IntegerField(initial=3, **_job_bound("max_retries"))
 
     def __init__(self, *args, environments, flavors, **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["environment"].choices = [(e.id, e.name) for e in environments]
         self.fields["flavor"].choices = [(row["name"], row["label"]) for row in flavors]
+
+    def clean(self):
+        # Add each error and go on: bailing out at the first would hide the rest until the next submit.
+        data = super().clean()
+        steps, every = data.get("steps"), data.get("checkpoint_every_steps")
+        if steps is not None and every is not None and every > steps:
+            self.add_error("checkpoint_every_steps", f"Must be between 0 and {steps}, got {every}.")
+        return data
 
     def job_data(self, tenant_slug: str) -> dict:
         data = dict(self.cleaned_data)
@@ -283,14 +323,29 @@ class EndpointForm(_SourceFields):
         self.fields["flavor"].choices = [(row["name"], row["label"]) for row in flavors]
         self.fields["name"].max_length = name_max
         self.fields["name"].widget.attrs["maxlength"] = str(name_max)
+        self.fields["name"].validators += [
+            validators.MaxLengthValidator(name_max), _name_validator(endpoints.NAME_PATTERN, endpoints.NAME_MAX)]
         for field in ENDPOINT_NUMBERS:
             self.fields[field] = _number_field(field, bounds)
+
+    def clean(self):
+        return _replica_range_clean(self, super().clean())
 
     def endpoint_data(self, tenant_slug: str) -> dict:
         data = {"tenant": tenant_slug, "environment": self.cleaned_data["environment"],
                 "name": self.cleaned_data["name"], "source": self.source(), "flavor": self.cleaned_data["flavor"]}
         data.update({field: self.cleaned_data[field] for field in ENDPOINT_NUMBERS})
         return data
+
+
+def _replica_range_clean(form: forms.Form, data: dict) -> dict:
+    """min <= max and warm <= max, in the service's words; each error added, none stopping the rest."""
+    low, high, warm = (data.get(field) for field in ("min_replicas", "max_replicas", "warm_replicas"))
+    if low is not None and high is not None and (high < low or high < 1):
+        form.add_error("max_replicas", f"At least min_replicas ({low}) and at least 1.")
+    if warm is not None and high is not None and warm > high:
+        form.add_error("warm_replicas", f"At most max_replicas ({high}).")
+    return data
 
 
 class EndpointScaleForm(forms.Form):
@@ -300,6 +355,9 @@ class EndpointScaleForm(forms.Form):
         super().__init__(*args, **kwargs)
         for field in ("min_replicas", "max_replicas", "warm_replicas"):
             self.fields[field] = _number_field(field, bounds)
+
+    def clean(self):
+        return _replica_range_clean(self, super().clean())
 
     add_endpoint_errors = _add_endpoint_errors
 

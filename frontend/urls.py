@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import endpoint_views, job_views, token_views, usage_views, views
+from frontend import endpoint_views, job_views, notification_views, staff_views, token_views, usage_views, views
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -31,6 +31,8 @@ urlpatterns = [
     path("jobs/<int:job_id>/", job_views.job_detail, name="job"),
     path("jobs/<int:job_id>/live/", job_views.job_live, name="job-live"),
     path("jobs/<int:job_id>/cancel/", job_views.job_cancel, name="job-cancel"),
+    path("jobs/<int:job_id>/log/", job_views.job_log, name="job-log"),
+    path("jobs/<int:job_id>/log/download/", job_views.job_log_download, name="job-log-download"),
     path("tenants/<slug:slug>/endpoints/", endpoint_views.endpoint_list_page, name="endpoints"),
     path("tenants/<slug:slug>/endpoints/new/", endpoint_views.endpoint_deploy, name="endpoint-deploy"),
     path("endpoints/<int:endpoint_id>/", endpoint_views.endpoint_detail, name="endpoint"),
@@ -53,4 +55,19 @@ urlpatterns = [
     path("node-pools/<int:pool_id>/live/", views.node_pool_live, name="node-pool-live"),
     path("node-pools/<int:pool_id>/apply/", views.node_pool_apply, name="node-pool-apply"),
     path("node-pools/<int:pool_id>/apply/preview/", views.node_pool_apply_preview, name="node-pool-apply-preview"),
+    path("cockpit/", staff_views.cockpit, name="cockpit"),
+    path("cockpit/live/", staff_views.cockpit_live, name="cockpit-live"),
+    path("cockpit/tenants/new/", staff_views.tenant_new, name="tenant-new"),
+    path("queue/", staff_views.queue, name="queue"),
+    path("queue/live/", staff_views.queue_live, name="queue-live"),
+    path("queue/<int:job_id>/cancel/", staff_views.queue_cancel, name="queue-cancel"),
+    path("flavors/", staff_views.flavor_list, name="flavors"),
+    path("flavors/new/", staff_views.flavor_create, name="flavor-create"),
+    path("flavors/discover/", staff_views.flavors_discover, name="flavors-discover"),
+    path("flavors/prices/new/", staff_views.price_card_add, name="price-card-add"),
+    path("tenants/<slug:slug>/notifications/", notification_views.notifications, name="notifications"),
+    path("tenants/<slug:slug>/notifications/email/", notification_views.email_choices_save, name="notification-email"),
+    path("tenants/<slug:slug>/notifications/webhooks/new/", notification_views.webhook_create, name="webhook-create"),
+    path("tenants/<slug:slug>/notifications/webhooks/<int:webhook_id>/delete/", notification_views.webhook_delete,
+         name="webhook-delete"),
 ]

@@ -1,6 +1,7 @@
 """Browser pages. Thin: read through selectors, write through services."""
 
 from functools import wraps
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -14,6 +15,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from common import nulls
 from frontend import drawings
+from frontend.environment_page import environment_page
+from frontend.filters import EnvironmentPageFilter, MemberPageFilter, NodePageFilter, page_list, with_role_rank
 from frontend.forms import (
     EnvironmentForm,
     MemberAddForm,
@@ -72,14 +75,30 @@ def dashboard(request):
         for tenant in selectors.tenant_list(user=request.user)
     ]
     environments = environment_selectors.environment_list(user=request.user)
+    if request.user.is_staff:
+        # Staff see the cluster's headline figures on top, and the way to the cockpit.
+        from runners.scheduling.cockpit import cockpit_summary
+
+        context = {"tenants": tenants, "environments": environments, "summary": cockpit_summary(user=request.user)}
+        return render(request, "frontend/_cockpit_dashboard.html", context)
     return render(request, "frontend/dashboard.html", {"tenants": tenants, "environments": environments})
 
 
 def _render_tenant(request, tenant, *, environment_form=None, member_form=None, status=200):
+    # Two lists on one page, each with its own parameters: env-q, env-state, env-sort, env-page; member-...
+    environment_rows = page_list(request, EnvironmentPageFilter,
+                                 environment_selectors.environment_list(user=request.user, tenant=tenant), prefix="env")
+    member_rows = page_list(request, MemberPageFilter,
+                            with_role_rank(selectors.member_list(user=request.user, tenant=tenant)), prefix="member",
+                            tiebreak="user__username")
+    if (environment_rows.errors or member_rows.errors) and status == 200:
+        status = 400
     context = {
         "tenant": tenant,
-        "members": selectors.member_list(user=request.user, tenant=tenant),
-        "environments": environment_selectors.environment_list(user=request.user, tenant=tenant),
+        "members": member_rows.page,
+        "member_list": member_rows,
+        "environments": environment_rows.page,
+        "environment_list": environment_rows,
         "environment_form": environment_form or EnvironmentForm(),
         "member_form": member_form or MemberAddForm(),
         "budget_alert": current_alert(tenant),
@@ -152,7 +171,10 @@ def member_remove(request, slug, username):
 @login_required
 @require_GET
 def environment_detail(request, environment_id):
-    return render(request, "frontend/environment.html", _environment_context(request, environment_id))
+    """The environment, how to connect to it when ready, its jobs, endpoints, quota and history; 410 once deleted."""
+    context = _environment_context(request, environment_id)
+    context.update(environment_page(context["environment"], request.user))
+    return render(request, "frontend/environment.html", context, status=410 if context["gone"] else 200)
 
 
 def _environment_context(request, environment_id) -> dict:
@@ -367,15 +389,20 @@ def node_pool_list(request):
 
 def _pool_live_context(request, pool) -> dict:
     change = cluster_selectors.partition_change_latest(user=request.user, pool=pool)
+    # The page's node filters, sort and page travel with the live poll, so an update keeps them.
+    node_page = page_list(request, NodePageFilter, cluster_selectors.node_pool_nodes(user=request.user, pool=pool),
+                          tiebreak="id")
     nodes = [
         {"node": node, "gpus": [{"gpu": gpu, "drawing": drawings.gpu_drawing(gpu)} for gpu in node.gpus.all()]}
-        for node in cluster_selectors.node_pool_nodes(user=request.user, pool=pool)
+        for node in node_page.page
     ]
     return {
         "pool": pool,
         "change": change,
         "change_in_flight": change is not None and change.state not in PartitionChange.FINISHED,
         "nodes": nodes,
+        "node_list": node_page,
+        "node_query": urlencode(node_page.query),
     }
 
 
@@ -387,6 +414,8 @@ def _render_pool(request, pool, form=None, *, status=200):
         "has_profiles": profiles.exists(),
         "capacity_preview": _capacity_preview(request, pool, form) if form is not None else None,
     }
+    if context["node_list"].errors and status == 200:
+        status = 400  # a bad node filter: the page names the parameter
     return render(request, "frontend/node_pool.html", context, status=status)
 
 

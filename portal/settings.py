@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "runners.scheduling",
     "runners.inference",
     "runners.usage",
+    "runners.notifications",
     "frontend",
 ]
 
@@ -295,6 +296,11 @@ USAGE_IDLE_THRESHOLD_PCT = env_float("USAGE_IDLE_THRESHOLD_PCT", 10.0, minimum=0
 USAGE_IDLE_WINDOW_S = env_float("USAGE_IDLE_WINDOW_S", 1800.0, minimum=1.0)
 USAGE_CURRENCY = env_str("USAGE_CURRENCY", "USD")
 USAGE_STORAGE_PRICE_PER_GB_MONTH = env_decimal("USAGE_STORAGE_PRICE_PER_GB_MONTH", "0.10", minimum="0")
+# Notifications: how long one webhook POST may take, how many tries a delivery gets, and the first
+# wait before trying again (doubled after each failed try: 10, 20, 40 ... s).
+NOTIFY_WEBHOOK_TIMEOUT_S = env_float("NOTIFY_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1)
+NOTIFY_WEBHOOK_MAX_ATTEMPTS = env_int("NOTIFY_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1)
+NOTIFY_WEBHOOK_BACKOFF_S = env_float("NOTIFY_WEBHOOK_BACKOFF_S", 10.0, minimum=0.0)
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
@@ -310,6 +316,7 @@ CELERY_BEAT_SCHEDULE = {
     "usage-sample": {"task": "runners.tasks.usage_sample", "schedule": float(USAGE_SAMPLE_INTERVAL_S),
                      "options": {"expire_seconds": max(1, round(USAGE_SAMPLE_INTERVAL_S))}},
     "usage-settle": {"task": "runners.tasks.usage_settle", "schedule": float(USAGE_SETTLE_INTERVAL_S)},
+    "notifications-sweep": {"task": "runners.tasks.notifications_sweep", "schedule": SWEEP_INTERVAL_S},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
@@ -347,6 +354,10 @@ if "{username}" not in KUBERNETES_USERNAME_TEMPLATE:
 KUBERNETES_PORTAL_NAMESPACE = env_str("KUBERNETES_PORTAL_NAMESPACE", "gpu-portal")
 KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S = env_int("KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S", 120, minimum=1)
 KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, minimum=1)
+# A member's kubeconfig (GET /api/v1/environments/{id}/kubeconfig/): how long its token lives (the
+# TokenRequest API refuses less than ten minutes), and the timeout of each cluster call made while they wait.
+KUBECONFIG_TOKEN_TTL_S = env_int("KUBECONFIG_TOKEN_TTL_S", 3600, minimum=600)
+KUBECONFIG_REQUEST_TIMEOUT_S = env_float("KUBECONFIG_REQUEST_TIMEOUT_S", 5.0, minimum=1)
 # Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at
 # (migManager.config.name and devicePlugin.config.name).
 KUBERNETES_GPU_OPERATOR_NAMESPACE = env_str("KUBERNETES_GPU_OPERATOR_NAMESPACE", "gpu-operator")

@@ -1,0 +1,128 @@
+"""axe-core on every page of the portal, as each role, on a laptop and on a phone.
+
+The pages are found as a person finds them: from the start page, following the links of the
+portal's own pages (not the Django admin's, not the API's). A serious or critical violation on any
+page fails the test with the page, the rule and the element; at 390 px no page may be wider than
+the screen. Every page is photographed at both widths into `screenshot_dir`.
+"""
+
+import re
+from collections import defaultdict, deque
+from urllib.parse import urljoin, urlparse
+
+import pytest
+from django.conf import settings
+from django.test import Client
+
+from tests.support.jobs import demo_with_jobs
+
+axe_playwright = pytest.importorskip("axe_playwright_python.sync_playwright")
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+WIDTHS = {"laptop": (1280, 800), "phone": (390, 844)}
+ROLES = {"anonymous": None, "member": "bob", "owner": "alice", "staff": "admin"}
+SKIPPED = ("/admin/", "/api/", "/static/", "/logout/", "/serve/")
+SAME_PATTERN_MAX = 2  # two jobs, two endpoints...: the same template with other data adds little
+MAX_PAGES = 60
+IMPACTS = ("serious", "critical")
+LINKS_JS = "() => Array.from(document.querySelectorAll('a[href]:not([download])'), a => a.getAttribute('href'))"
+
+
+def _pattern(path: str) -> str:
+    """/jobs/12/ and /jobs/13/ are one pattern; so are a page and its sorted or filtered views."""
+    return re.sub(r"/\d+/", "/<n>/", urlparse(path).path)
+
+
+def _links(page, path: str) -> list[str]:
+    found = []
+    for href in page.evaluate(LINKS_JS):
+        link = urlparse(urljoin(path, href))
+        if link.netloc or not link.path.startswith("/") or link.path.startswith(SKIPPED) or link.path.endswith(".csv"):
+            continue
+        if "format=csv" in link.query:
+            continue
+        found.append(link.path + (f"?{link.query}" if link.query else ""))
+    return found
+
+
+def _visit_all(page, base_url: str, start: str, visit) -> list[str]:
+    """Every page reachable by links from `start`, at most SAME_PATTERN_MAX per URL pattern; visit(path) on each."""
+    seen, per_pattern, queue = set(), defaultdict(int), deque([start])
+    while queue and len(seen) < MAX_PAGES:
+        path = queue.popleft()
+        if path in seen or per_pattern[_pattern(path)] >= SAME_PATTERN_MAX:
+            continue
+        seen.add(path)
+        per_pattern[_pattern(path)] += 1
+        response = page.goto(base_url + path)
+        if response is None or not response.headers.get("content-type", "").startswith("text/html"):
+            continue
+        visit(path)
+        queue.extend(_links(page, path))
+    return sorted(seen)
+
+
+def _session_cookie(user, base_url: str) -> dict:
+    client = Client()
+    client.force_login(user)
+    return {"name": settings.SESSION_COOKIE_NAME, "value": client.cookies[settings.SESSION_COOKIE_NAME].value,
+            "url": base_url}
+
+
+def _file_name(role: str, width: str, path: str) -> str:
+    return f"{role}-{width}-" + (re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-") or "home") + ".png"
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_every_page_passes_axe_and_fits_a_phone(browser, live_server, screenshot_dir, role):
+    users = demo_with_jobs()
+    axe = axe_playwright.Axe()
+    problems: list[str] = []
+    for width_name, (width, height) in WIDTHS.items():
+        context = browser.new_context(viewport={"width": width, "height": height})
+        if ROLES[role]:
+            context.add_cookies([_session_cookie(users.get(username=ROLES[role]), live_server.url)])
+        page = context.new_page()
+
+        def visit(path, page=page, width=width, width_name=width_name):
+            page.screenshot(path=str(screenshot_dir / _file_name(role, width_name, path)), full_page=True)
+            for violation in axe.run(page).response["violations"]:
+                if violation["impact"] in IMPACTS:
+                    targets = [" ".join(map(str, node["target"])) for node in violation["nodes"]]
+                    more = f" and {len(targets) - 3} more" if len(targets) > 3 else ""
+                    problems.append(f"{width}px {path}: {violation['id']} ({violation['impact']}) at "
+                                    f"{' | '.join(targets[:3])}{more}")
+            if width < 400:
+                page_width = page.evaluate("document.documentElement.scrollWidth")
+                if page_width > width:
+                    problems.append(f"{width}px {path}: the page is {page_width}px wide")
+
+        visited = _visit_all(page, live_server.url, "/" if ROLES[role] else "/login/", visit)
+        context.close()
+        assert len(visited) >= (1 if role == "anonymous" else 5), visited
+    assert problems == [], f"{len(problems)} problems as {role}:\n" + "\n".join(problems)
+
+
+def test_the_capacity_preview_shows_every_column_beside_the_apply_form_on_a_wide_screen(
+    browser, live_server, screenshot_dir
+):
+    from runners.clusters.models import NodePool
+
+    users = demo_with_jobs()
+    pool = NodePool.objects.get(gpu_model="H100-80GB")
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    context.add_cookies([_session_cookie(users.get(username="admin"), live_server.url)])
+    page = context.new_page()
+    page.goto(f"{live_server.url}/node-pools/{pool.id}/")
+    page.get_by_test_id("apply-profile").get_by_label("Profile").select_option("h100-4g-3g")
+    preview = page.get_by_test_id("capacity-preview")
+    # The H100 guarantees no longer fit once the pool is cut into MIG instances: the last column says so.
+    assert "ml-research (8)" in preview.locator('tr[data-flavor="h100-80gb"] [data-testid="unbacked"]').inner_text()
+    card = page.locator("#apply-profile").bounding_box()
+    header = preview.get_by_role("columnheader", name="No longer fits").bounding_box()
+    fits = preview.evaluate("table => table.parentElement.scrollWidth <= table.parentElement.clientWidth")
+    page.screenshot(path=str(screenshot_dir / "node-pool-capacity-preview-1440.png"), full_page=True)
+    context.close()
+    assert header["x"] + header["width"] <= card["x"] + card["width"], (header, card)
+    assert fits, "the preview table scrolls inside its card"
