@@ -22,12 +22,15 @@ def environment_page(environment: Environment, user) -> dict:
         {"quota": quota, "in_use": usage.get(quota.flavor_id, 0)}
         for quota in quota_selectors.tenant_quotas(tenant=environment.tenant)
     ]
+    membership = tenant_selectors.membership_get(user=user, tenant=environment.tenant)
     context = {
         "gone": environment.state == EnvironmentState.DELETED,
         "ready": environment.state == EnvironmentState.READY,
         "on_kubernetes": environment.backend == "kubernetes",
         # A kubeconfig is for members (staff who are not one see how, but get no download).
-        "is_member": tenant_selectors.membership_get(user=user, tenant=environment.tenant) is not None,
+        "is_member": membership is not None,
+        # The rights the kubeconfig carries: the membership's own role (the page's abilities count staff as owners).
+        "member_role": membership.role if membership else None,
         "token_ttl_minutes": settings.KUBECONFIG_TOKEN_TTL_S // 60,
         "jobs": list(environment.jobs.filter(kind=Job.Kind.TRAINING).order_by("-submitted_at", "-id")[:PAGE_ROWS]),
         "endpoints": list(environment.endpoints.order_by("name")[:PAGE_ROWS]),

@@ -27,10 +27,13 @@ so nothing makes a new pod while the server drains; the pod itself is deleted wi
 the grace period. A replacement pod (the ReplicaSet's, should the pod have vanished)
 is never bound: the attempt is over, and the portal relaunches with a new one.
 
-A member's own kubeconfig (`member_kubeconfig`) is a ServiceAccount of theirs in the
-environment's namespace, a RoleBinding to their tier's Role there, and a token from
-the TokenRequest API (`runners.backends.k8s_access`); every environment sync re-binds
-those ServiceAccounts to their owners' current tier and prunes those of people who left.
+A member's own kubeconfig (`member_kubeconfig`) is a ServiceAccount of theirs for that
+environment in the portal's members namespace (`member_accounts_namespace`, where no
+tenant has rights, so nobody can run a pod as it), a RoleBinding to their tier's Role in
+the environment's namespace, and a token from the TokenRequest API
+(`runners.backends.k8s_access`); every environment sync re-binds those ServiceAccounts to
+their owners' current tier and deletes those of people who left, and deleting the
+environment deletes its members' ServiceAccounts (the namespace's deletion cannot reach them).
 """
 
 from __future__ import annotations
@@ -175,6 +178,11 @@ class KubernetesBackend:
         finished_job_ttl_s: int,
         watch_timeout_s: int,
         node_lost_timeout_s: float,
+        # Where members' ServiceAccounts live (KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE), and what a member's
+        # kubeconfig names as the server and its CA (KUBECONFIG_SERVER_URL, KUBECONFIG_CA_FILE; None: the portal's own).
+        member_accounts_namespace: str,
+        kubeconfig_server_url: str | None,
+        kubeconfig_ca_file: str | None,
         # The Prometheus that scrapes the DCGM exporter (PROMETHEUS_URL); None: no GPU readings.
         prometheus_url: str | None = None,
     ) -> None:
@@ -194,6 +202,9 @@ class KubernetesBackend:
         self.finished_job_ttl_s = finished_job_ttl_s
         self.watch_timeout_s = watch_timeout_s
         self.node_lost_timeout_s = node_lost_timeout_s
+        self.member_accounts_namespace = member_accounts_namespace
+        self.kubeconfig_server_url = kubeconfig_server_url
+        self.kubeconfig_ca_file = kubeconfig_ca_file
         self.prometheus_url = prometheus_url
         # Discovery is read on the first call, not here: building the backend touches no network.
         self._dynamic: dynamic.DynamicClient | None = None
@@ -336,8 +347,8 @@ class KubernetesBackend:
         self._ensure_namespace(spec, manifests[0])
         for manifest in manifests:
             self._apply(manifest)
-        wanted = {(m["kind"], m["metadata"]["name"]) for m in manifests}
-        self._prune(spec, wanted=wanted | self._converge_member_access(spec))
+        self._prune(spec, wanted={(m["kind"], m["metadata"]["name"]) for m in manifests})
+        self._converge_member_access(spec)
 
     def _ensure_namespace(self, spec: EnvironmentSpec, namespace: dict) -> None:
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
@@ -369,11 +380,18 @@ class KubernetesBackend:
             )
 
     def _prune(self, spec: EnvironmentSpec, *, wanted: set[tuple[str, str]]) -> None:
-        """Delete objects built for this environment earlier that it no longer has (members who left)."""
+        """Delete objects built for this environment earlier that it no longer has.
+
+        Members' own access (MEMBER_ACCESS_LABEL) is left to `_converge_member_access`, which decides
+        by each object's username: a ServiceAccount made by a download running now is in no list
+        this prune could have been given.
+        """
         for kind in ENVIRONMENT_KINDS:
             listing = self._checked(kind, "list", namespace=spec.namespace, label_selector=ownership_selector(spec))[1]
             for item in listing.get("items") or []:
                 name = item["metadata"]["name"]
+                if k8s_access.MEMBER_ACCESS_LABEL in (item["metadata"].get("labels") or {}):
+                    continue
                 if (kind, name) not in wanted:
                     logger.info("Removing %s %s/%s, which environment %s no longer has.", kind, spec.namespace, name,
                                 spec.environment_id)
@@ -386,6 +404,8 @@ class KubernetesBackend:
         removing what is inside (or a finalizer holds it), and the caller asks again later.
         A namespace already Terminating is not deleted a second time.
         """
+        # Its members' ServiceAccounts live in the members namespace: the namespace's deletion does not reach them.
+        self._delete_member_accounts(spec)
         status, current = self._checked("Namespace", "read", spec.namespace, accept=(200, 404))
         if status == 404:
             return True
@@ -414,17 +434,27 @@ class KubernetesBackend:
     # --- Members' own access (a kubeconfig per member) ----------------------------
 
     def cluster_endpoint(self) -> k8s_access.ClusterEndpoint:
-        """The API server's URL and CA as the portal's own configuration knows them."""
+        """The API server's URL and CA for members: KUBECONFIG_SERVER_URL and KUBECONFIG_CA_FILE, else the
+        portal's own configuration (wrong where the portal runs in the cluster: https://10.96.0.1)."""
         configuration = self.api_client.configuration
+        ca_path = self.kubeconfig_ca_file or configuration.ssl_ca_cert
         ca_pem = None
-        if configuration.ssl_ca_cert:
+        if ca_path:
             try:
-                with open(configuration.ssl_ca_cert, "rb") as ca_file:
+                with open(ca_path, "rb") as ca_file:
                     ca_pem = ca_file.read()
             except OSError as exc:
-                raise PermanentBackendError(f"Cannot read the cluster's CA ({configuration.ssl_ca_cert}): {exc}") from None
+                raise PermanentBackendError(f"Cannot read the cluster's CA ({ca_path}): {exc}") from None
+        insecure = not ca_pem and not (self.kubeconfig_ca_file or configuration.verify_ssl)
         return k8s_access.ClusterEndpoint(
-            server=configuration.host, ca_pem=ca_pem, insecure_skip_tls_verify=not configuration.verify_ssl
+            server=self.kubeconfig_server_url or configuration.host, ca_pem=ca_pem, insecure_skip_tls_verify=insecure
+        )
+
+    def _ensure_accounts_namespace(self, timeout_s: float) -> None:
+        """The members namespace, made once; someone else making it first (409) is as good."""
+        self._checked(
+            "Namespace", "create", body=k8s_access.accounts_namespace_manifest(self.member_accounts_namespace),
+            field_manager=self.field_manager, accept=(201, 409), timeout_s=timeout_s,
         )
 
     def member_kubeconfig(
@@ -433,26 +463,47 @@ class KubernetesBackend:
         """Ensure the member's ServiceAccount and RoleBinding, and mint a token through TokenRequest.
 
         Every call is bounded by `timeout_s` (it runs while a person waits for a download). A cluster
-        that cannot be reached is a TransientBackendError naming its server.
+        that cannot be reached is a TransientBackendError naming its server; one that refuses, a
+        PermanentBackendError naming it. AccessRefused (no kubeconfig without TLS verification, or
+        the ServiceAccount's name already taken by another user's) is neither: nothing was minted.
         """
         endpoint = self.cluster_endpoint()
+        if endpoint.insecure_skip_tls_verify:
+            raise k8s_access.AccessRefused(
+                f"The portal reaches the cluster at {endpoint.server} without verifying its TLS certificate, and "
+                "will not hand out a kubeconfig that does not either; set KUBECONFIG_CA_FILE to the cluster's CA."
+            )
+        accounts = self.member_accounts_namespace
         try:
-            manifests = k8s_access.member_access_manifests(spec, member)
+            manifests = k8s_access.member_access_manifests(spec, member, accounts_namespace=accounts)
             token_request = k8s_access.token_request_manifest(expiration_s=expiration_s)
         except ValueError as exc:
             raise PermanentBackendError(f"Cannot give {member.username} access to {spec.namespace}: {exc}") from None
         service_account = manifests[0]["metadata"]["name"]
         try:
+            self._ensure_accounts_namespace(timeout_s)
+            status, current = self._checked("ServiceAccount", "read", service_account, accounts, accept=(200, 404),
+                                            timeout_s=timeout_s)
+            holder = ((current.get("metadata") or {}).get("annotations") or {}).get(k8s_access.USERNAME_ANNOTATION)
+            if status == 200 and holder != member.username:
+                raise k8s_access.AccessRefused(
+                    f"ServiceAccount {accounts}/{service_account} already exists for {holder or 'someone else'}, "
+                    f"not {member.username}; an operator has to look at it before {member.username} gets a kubeconfig."
+                )
             for manifest in manifests:
                 self._apply(manifest, timeout_s=timeout_s)
-            for stale in k8s_access.stale_role_binding_names(member):
+            for stale in k8s_access.stale_role_binding_names(member, spec.namespace):
                 self._delete("RoleBinding", stale, spec.namespace, timeout_s=timeout_s)
             answer = self._checked(
-                "ServiceAccount", "create", service_account, spec.namespace, body=token_request,
+                "ServiceAccount", "create", service_account, accounts, body=token_request,
                 subresource="token", timeout_s=timeout_s,
             )[1]
+        except k8s_access.AccessRefused:
+            raise
         except TransientBackendError as exc:
             raise TransientBackendError(f"The Kubernetes cluster at {endpoint.server} cannot be reached now: {exc}") from None
+        except PermanentBackendError as exc:
+            raise PermanentBackendError(f"The Kubernetes cluster at {endpoint.server} refused: {exc}") from None
         status = answer.get("status") or {}
         try:
             token = status["token"]
@@ -465,30 +516,50 @@ class KubernetesBackend:
         return k8s_access.MemberKubeconfig(text=text, expires_at=expires_at, service_account=service_account)
 
     def revoke_member_access(self, spec: EnvironmentSpec, username: str) -> None:
-        """Delete the member's RoleBindings and ServiceAccount here; the tokens minted for it stop working."""
-        service_account = k8s_access.service_account_name(username)
-        for binding in k8s_access.all_role_binding_names(username):
+        """Delete the member's RoleBindings here and their ServiceAccount for it; the tokens minted for it stop working."""
+        for binding in k8s_access.all_role_binding_names(username, spec.namespace):
             self._delete("RoleBinding", binding, spec.namespace)
-        self._delete("ServiceAccount", service_account, spec.namespace)
+        self._delete("ServiceAccount", k8s_access.service_account_name(username, spec.namespace),
+                     self.member_accounts_namespace)
 
-    def _converge_member_access(self, spec: EnvironmentSpec) -> set[tuple[str, str]]:
-        """Re-bind the ServiceAccounts of members to their current tier; what to keep of members' access.
+    def _member_access_items(self, kind: str, spec: EnvironmentSpec, namespace: str) -> list[dict]:
+        selector = f"{ownership_selector(spec)},{k8s_access.MEMBER_ACCESS_LABEL}=true"
+        return self._checked(kind, "list", namespace=namespace, label_selector=selector)[1].get("items") or []
 
-        ServiceAccounts of people who are no longer members are left out, so the prune deletes them.
+    def _delete_member_accounts(self, spec: EnvironmentSpec) -> None:
+        """Delete every member ServiceAccount of this environment in the members namespace."""
+        for item in self._member_access_items("ServiceAccount", spec, self.member_accounts_namespace):
+            self._delete("ServiceAccount", item["metadata"]["name"], self.member_accounts_namespace)
+
+    def _converge_member_access(self, spec: EnvironmentSpec) -> None:
+        """Re-bind members' ServiceAccounts to their current tier; delete the access of people who left.
+
+        Decided per object by its username annotation against `spec.members`, never by what a list
+        taken earlier held, so a ServiceAccount a download makes meanwhile is kept. ServiceAccounts
+        made in the environment's own namespace (before they moved to the members namespace) go.
         """
         roles = {member.username: member for member in spec.members}
-        selector = f"{ownership_selector(spec)},{k8s_access.MEMBER_ACCESS_LABEL}=true"
-        listing = self._checked("ServiceAccount", "list", namespace=spec.namespace, label_selector=selector)[1]
-        keep: set[tuple[str, str]] = set()
-        for item in listing.get("items") or []:
-            username = ((item["metadata"].get("annotations") or {}).get(k8s_access.USERNAME_ANNOTATION))
+        accounts = self.member_accounts_namespace
+
+        def username_of(item: dict) -> str | None:
+            return (item["metadata"].get("annotations") or {}).get(k8s_access.USERNAME_ANNOTATION)
+
+        for item in self._member_access_items("ServiceAccount", spec, accounts):
+            name, username = item["metadata"]["name"], username_of(item)
             member = roles.get(username)
-            if member is None or item["metadata"]["name"] != k8s_access.service_account_name(username):
+            if member is None or name != k8s_access.service_account_name(username, spec.namespace):
+                logger.info("Removing ServiceAccount %s/%s: %s is no longer a member of %s.", accounts, name,
+                            username, spec.tenant_slug)
+                self._delete("ServiceAccount", name, accounts)
                 continue
-            binding = k8s_access.role_binding_manifest(spec, member)
-            self._apply(binding)
-            keep |= {("ServiceAccount", item["metadata"]["name"]), ("RoleBinding", binding["metadata"]["name"])}
-        return keep
+            self._apply(k8s_access.role_binding_manifest(spec, member, accounts_namespace=accounts))
+        for item in self._member_access_items("RoleBinding", spec, spec.namespace):
+            name, username = item["metadata"]["name"], username_of(item)
+            member = roles.get(username)
+            if member is None or name != k8s_access.role_binding_name(username, spec.namespace, member.role):
+                self._delete("RoleBinding", name, spec.namespace)
+        for item in self._member_access_items("ServiceAccount", spec, spec.namespace):
+            self._delete("ServiceAccount", item["metadata"]["name"], spec.namespace)
 
     # --- Inventory and partitions ----------------------------------------------
 

@@ -37,6 +37,9 @@ def kubernetes_backend_options() -> dict:
         finished_job_ttl_s=settings.KUBERNETES_FINISHED_JOB_TTL_S,
         watch_timeout_s=settings.KUBERNETES_WATCH_TIMEOUT_S,
         node_lost_timeout_s=settings.KUBERNETES_NODE_LOST_TIMEOUT_S,
+        member_accounts_namespace=settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE,
+        kubeconfig_server_url=settings.KUBECONFIG_SERVER_URL or None,
+        kubeconfig_ca_file=settings.KUBECONFIG_CA_FILE or None,
         prometheus_url=settings.PROMETHEUS_URL or None,
     )
 

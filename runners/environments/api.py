@@ -74,6 +74,12 @@ class ClusterUnavailable(exceptions.APIException):
     default_code = "cluster_unavailable"
 
 
+class ClusterRefused(exceptions.APIException):
+    status_code = status.HTTP_502_BAD_GATEWAY
+    default_detail = "The cluster refused the request."
+    default_code = "cluster_refused"
+
+
 _PROBLEM = inline_serializer("EnvironmentProblem", fields={"detail": serializers.CharField()})
 TOKEN_EXPIRES_HEADER = "X-Token-Expires-At"
 
@@ -127,8 +133,11 @@ class EnvironmentViewSet(
                             "caller's own that expires at the time in X-Token-Expires-At (KUBECONFIG_TOKEN_TTL_S).",
             ),
             (409, "application/json"): OpenApiResponse(
-                _PROBLEM, description="The environment is not on Kubernetes (it has no kubeconfig), or not ready yet."),
+                _PROBLEM, description="The environment is not on Kubernetes (it has no kubeconfig), or not ready yet; "
+                                      "or the portal will not hand one out as configured (the answer names the setting)."),
             (410, "application/json"): OpenApiResponse(_PROBLEM, description="The environment was deleted."),
+            (502, "application/json"): OpenApiResponse(
+                _PROBLEM, description="The cluster refused to make the access or the token (the answer names it)."),
             (503, "application/json"): OpenApiResponse(
                 _PROBLEM, description="The cluster could not be reached (the answer names it); try again."),
         },
@@ -144,6 +153,8 @@ class EnvironmentViewSet(
             config = environments.environment_kubeconfig(actor=request.user, environment=environment)
         except environments.ClusterUnavailable as exc:
             raise ClusterUnavailable(str(exc)) from None
+        except environments.ClusterRefused as exc:
+            raise ClusterRefused(str(exc)) from None
         response = HttpResponse(config.text, content_type="application/yaml; charset=utf-8")
         response["Content-Disposition"] = f'attachment; filename="kubeconfig-{environment.namespace}.yaml"'
         response[TOKEN_EXPIRES_HEADER] = config.expires_at.isoformat()

@@ -15,10 +15,10 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from common.dispatch import enqueue_on_commit, send_task
-from common.errors import Conflict, Invalid, NotAllowed
+from common.errors import Conflict, Invalid, NotAllowed, NotFound
 from quotas.selectors import environment_quota_hard
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
-from runners.backends.k8s_access import MemberKubeconfig
+from runners.backends.k8s_access import AccessRefused, MemberKubeconfig
 from runners.clusters.registry import get_backend
 from runners.environments import signals
 from runners.environments.models import Environment, EnvironmentState
@@ -35,6 +35,10 @@ class EnvironmentGone(Exception):
 
 class ClusterUnavailable(Exception):
     """The cluster could not answer now; the message names it (503, try again)."""
+
+
+class ClusterRefused(Exception):
+    """The cluster answered but refused (its RBAC, a bad request); the message names it (502, an operator's to fix)."""
 
 # How many times provisioning re-applies when members or quota change under it.
 MAX_CONVERGE_ROUNDS = 3
@@ -89,7 +93,9 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     if len(namespace) > NAMESPACE_MAX:
         raise Invalid("name", f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
                      f"names in {tenant.slug} can have at most {NAMESPACE_MAX - len(namespace) + len(name)}.")
-    if namespace.startswith("kube-") or namespace in ("default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE):
+    if namespace.startswith("kube-") or namespace in (
+        "default", settings.KUBERNETES_GPU_OPERATOR_NAMESPACE, settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE
+    ):
         raise Invalid("name", f"The namespace {namespace!r} is reserved for the cluster; pick another name.")
     duplicate = Invalid("name", f"Tenant {tenant.slug} already has an environment named {name!r}.")
     if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
@@ -159,7 +165,8 @@ def environment_spec(environment: Environment) -> EnvironmentSpec:
     """The plain description a backend builds the environment from."""
     members = tuple(
         MemberBinding(username=username, role=role)
-        for username, role in Membership.objects.filter(tenant=environment.tenant)
+        # A deactivated user keeps their membership row but no access (re-activating re-syncs).
+        for username, role in Membership.objects.filter(tenant=environment.tenant, user__is_active=True)
         .order_by("user__username")
         .values_list("user__username", "role")
     )
@@ -425,15 +432,33 @@ def environment_kubeconfig(*, actor: AbstractBaseUser, environment: Environment)
     if environment.state != EnvironmentState.READY:
         raise Conflict(f"Environment {environment.id} is {environment.state}; a kubeconfig is available once it is ready.")
     member = MemberBinding(username=actor.get_username(), role=role)
+    backend, spec = get_backend(), _access_spec(environment)
     try:
-        return get_backend().member_kubeconfig(
-            _access_spec(environment), member,
-            expiration_s=settings.KUBECONFIG_TOKEN_TTL_S, timeout_s=settings.KUBECONFIG_REQUEST_TIMEOUT_S,
+        config = backend.member_kubeconfig(
+            spec, member, expiration_s=settings.KUBECONFIG_TOKEN_TTL_S, timeout_s=settings.KUBECONFIG_REQUEST_TIMEOUT_S,
         )
+    except AccessRefused as exc:
+        raise Conflict(str(exc)) from None
     except TransientBackendError as exc:
         raise ClusterUnavailable(str(exc)) from None
     except PermanentBackendError as exc:
-        raise ClusterUnavailable(f"The cluster refused to give {member.username} access: {exc}") from None
+        logger.error("Kubeconfig for %s in environment %s refused by the cluster: %s", member.username,
+                     environment.id, exc)
+        raise ClusterRefused(f"The cluster refused to give {member.username} access: {exc}") from None
+    # Removed (or deactivated) while the token was minted: the revoke that removal queued may have run
+    # before this ServiceAccount existed, so take it back here rather than hand it out.
+    if not _is_active_member(actor, environment.tenant_id):
+        try:
+            backend.revoke_member_access(spec, member.username)
+        except (TransientBackendError, PermanentBackendError) as exc:
+            logger.warning("Could not revoke %s's fresh access to environment %s (the next re-sync will): %s",
+                           member.username, environment.id, exc)
+        raise NotFound("No such environment.")
+    return config
+
+
+def _is_active_member(user: AbstractBaseUser, tenant_id: int) -> bool:
+    return Membership.objects.filter(tenant_id=tenant_id, user_id=user.pk, user__is_active=True).exists()
 
 
 def environments_access_revoke(*, tenant: Tenant, username: str) -> None:
@@ -450,7 +475,7 @@ def environment_access_revoke_run(*, tenant_id: int, username: str) -> list[int]
     added back since keeps theirs: the re-sync their return started binds them to their new role.
     Transient errors propagate (the task retries); the next re-sync's prune removes them too.
     """
-    if Membership.objects.filter(tenant_id=tenant_id, user__username=username).exists():
+    if Membership.objects.filter(tenant_id=tenant_id, user__username=username, user__is_active=True).exists():
         return []
     environments = (
         Environment.objects.filter(tenant_id=tenant_id, backend="kubernetes")

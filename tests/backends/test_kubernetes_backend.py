@@ -196,7 +196,9 @@ def test_teardown_asks_once_never_waits_and_reports_gone_only_once_the_namespace
 
 def test_deleting_an_environment_that_is_already_gone_is_a_no_op(backend, standin, spec):
     assert backend.delete_environment(spec) is True
-    assert [(r.method, r.status) for r in standin.requests] == [("GET", 404)]
+    # Its members' ServiceAccounts (in the members namespace) are looked for, then the namespace: nothing deleted.
+    assert [(r.method, r.status) for r in standin.requests] == [("GET", 200), ("GET", 404)]
+    assert "/namespaces/gpu-portal-members/serviceaccounts" in standin.requests[0].path
 
 
 def test_it_never_deletes_a_namespace_of_another_environment(backend, standin, spec):

@@ -71,3 +71,16 @@ def test_on_kubernetes_members_get_the_download_and_staff_outside_do_not(
         html = page_of(client, staff, environment).content.decode()
         assert 'data-testid="kubeconfig-download"' not in html
         assert "Kubeconfigs are for members of Acme ML" in html
+
+
+def test_a_staff_member_reads_their_memberships_real_role(client, owner, staff, tenant, settings, tmp_path):
+    """Staff count as owners for what the page offers, but a kubeconfig carries their membership's role."""
+    from tenants.models import Membership
+
+    Membership.objects.create(tenant=tenant, user=staff, role="viewer")
+    with portal_on_standin(settings, tmp_path):
+        environment = environments.environment_request(actor=owner, tenant=tenant, name="train")
+        assert environments.environment_provision_run(environment_id=environment.id) == "ready"
+        html = page_of(client, staff, environment).content.decode()
+        assert "with your viewer rights there (read-only)" in html
+        assert "with your owner rights" not in html

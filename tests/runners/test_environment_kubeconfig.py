@@ -1,5 +1,6 @@
 """GET /api/v1/environments/{id}/kubeconfig/: a member's own kubeconfig, used with the real kubectl, and revoked."""
 
+import base64
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -16,7 +17,7 @@ from runners.environments.models import Environment
 from tenants.models import Membership, Tenant
 from tenants.services import membership_remove
 from tests.support.jobs import ready_environment
-from tests.support.k8s import kubectl, portal_on_standin, portal_pod
+from tests.support.k8s import kubectl, portal_kubeconfig, portal_on_standin, portal_pod
 from tests.support.worker import wait_for
 
 pytestmark = pytest.mark.django_db
@@ -88,7 +89,8 @@ def test_asking_for_yaml_gets_the_kubeconfig_and_errors_stay_json(client_for, te
 def test_a_viewer_gets_read_only_rights(client_for, viewer, environment, cluster, tmp_path):
     response = client_for(viewer).get(f"/api/v1/environments/{environment.id}/kubeconfig/")
     assert response.status_code == 200
-    binding = cluster.get("rolebindings", k8s_access.role_binding_name("vera", "viewer"), environment.namespace)
+    binding = cluster.get("rolebindings", k8s_access.role_binding_name("vera", environment.namespace, "viewer"),
+                          environment.namespace)
     assert binding["roleRef"]["name"] == "portal-viewer"
     kubeconfig = save_kubeconfig(response, tmp_path)
     assert kubectl(kubeconfig, "get", "pods", home=tmp_path).returncode == 0
@@ -189,8 +191,8 @@ def test_a_role_change_rebinds_at_the_next_resync(client_for, teammate, environm
     assert environments.environment_sync_run(environment_id=environment.id)
 
     names = {name for plural, ns, name in cluster.objects() if plural == "rolebindings" and ns == environment.namespace}
-    assert k8s_access.role_binding_name("tom", "viewer") in names
-    assert k8s_access.role_binding_name("tom", "member") not in names
+    assert k8s_access.role_binding_name("tom", environment.namespace, "viewer") in names
+    assert k8s_access.role_binding_name("tom", environment.namespace, "member") not in names
     assert kubectl(kubeconfig, "get", "pods", home=tmp_path).returncode == 0  # the same token, now read-only
     refused = kubectl(kubeconfig, "delete", "pod", "trainer-1", "--wait=false", home=tmp_path)
     assert refused.returncode != 0 and "Forbidden" in refused.stderr
@@ -214,7 +216,8 @@ def test_removing_a_member_revokes_in_every_environment_of_the_tenant(
         refused = kubectl(kubeconfig, "get", "pods", home=tmp_path)
         assert refused.returncode != 0 and UNAUTHORIZED in refused.stderr
     assert kubectl(veras, "get", "pods", home=tmp_path).returncode == 0
-    assert not any(name.startswith(k8s_access.service_account_name("tom")) for _p, _ns, name in cluster.objects())
+    toms_accounts = {k8s_access.service_account_name("tom", env.namespace) for env in (environment, second)}
+    assert not any(name.startswith(tuple(toms_accounts)) for _p, _ns, name in cluster.objects())
 
 
 def test_a_revoke_for_someone_still_a_member_does_nothing(owner, teammate, environment, tenant):
@@ -224,7 +227,7 @@ def test_a_revoke_for_someone_still_a_member_does_nothing(owner, teammate, envir
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_a_real_worker_revokes_after_the_member_is_removed(
-    cluster, celery_worker, client_for, owner, teammate, tenant, tmp_path
+    cluster, celery_worker, client_for, owner, teammate, tenant, tmp_path, settings
 ):
     client = client_for(owner)
     environment_id = client.post("/api/v1/environments/", {"tenant": "acme", "name": "train"}).json()["id"]
@@ -236,8 +239,114 @@ def test_a_real_worker_revokes_after_the_member_is_removed(
     assert kubectl(kubeconfig, "get", "pods", home=tmp_path).returncode == 0
 
     assert client.delete("/api/v1/tenants/acme/members/tom/").status_code == 204
-    account = k8s_access.service_account_name("tom")
-    wait_for(lambda: cluster.get("serviceaccounts", account, namespace) is None, message="the revoke to run")
+    account = k8s_access.service_account_name("tom", namespace)
+    accounts_namespace = settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE
+    assert cluster.get("serviceaccounts", account, accounts_namespace) is not None
+    wait_for(lambda: cluster.get("serviceaccounts", account, accounts_namespace) is None, message="the revoke to run")
     refused = kubectl(kubeconfig, "get", "pods", home=tmp_path)
     assert refused.returncode != 0 and UNAUTHORIZED in refused.stderr
     assert "runners.tasks.environment_access_revoke" in celery_worker.output()
+
+
+# --- Fixes: removal mid-download, deleted or deactivated users, the server and CA, refusals --------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_member_removed_while_the_token_is_minted_gets_404_and_no_access(
+    client_for, owner, teammate, environment, tenant, cluster, settings
+):
+    cluster.inject(201, method="POST", path_contains="/token", delay_s=2)  # a slow but successful answer
+    client = client_for(teammate)
+    answers = []
+
+    def ask():
+        try:
+            answers.append(client.get(f"/api/v1/environments/{environment.id}/kubeconfig/"))
+        finally:
+            connection.close()
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    wait_for(lambda: any(r.path.endswith("/token") for r in cluster.requests), message="the TokenRequest")
+    Membership.objects.filter(tenant=tenant, user=teammate).delete()  # the revoke it queues may run before the mint
+    asking.join(timeout=30)
+    assert answers and answers[0].status_code == 404
+    account = k8s_access.service_account_name("tom", environment.namespace)
+    assert cluster.get("serviceaccounts", account, settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE) is None
+
+
+@pytest.mark.parametrize("how", ["deactivated", "deleted"])
+def test_a_user_deactivated_or_deleted_loses_their_kubeconfig(
+    client_for, teammate, environment, tenant, cluster, tmp_path, django_capture_on_commit_callbacks, how
+):
+    kubeconfig = save_kubeconfig(client_for(teammate).get(f"/api/v1/environments/{environment.id}/kubeconfig/"),
+                                 tmp_path)
+    assert kubectl(kubeconfig, "get", "pods", home=tmp_path).returncode == 0
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        with transaction.atomic():
+            if how == "deleted":
+                teammate.delete()
+            else:
+                teammate.is_active = False
+                teammate.save()
+    assert callbacks, "the revoke (and the re-sync) wait for the commit"
+    assert environments.environment_access_revoke_run(tenant_id=tenant.id, username="tom") == [environment.id]
+    refused = kubectl(kubeconfig, "get", "pods", home=tmp_path)
+    assert refused.returncode != 0 and UNAUTHORIZED in refused.stderr
+    assert "tom" not in {m.username for m in environments.environment_spec(environment).members}
+
+
+def test_a_login_does_not_resync(teammate, environment, django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        teammate.last_login = timezone.now()
+        teammate.save(update_fields=["last_login"])
+        teammate.save()  # a save that leaves is_active as it was
+    assert callbacks == []
+
+
+def test_the_kubeconfig_names_the_configured_server_and_ca(client_for, teammate, environment, settings, tmp_path):
+    ca = tmp_path / "public-ca.pem"
+    ca.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    settings.KUBECONFIG_SERVER_URL, settings.KUBECONFIG_CA_FILE = "https://k8s.example.com:6443", str(ca)
+    get_backend.cache_clear()
+    response = client_for(teammate).get(f"/api/v1/environments/{environment.id}/kubeconfig/")
+    assert response.status_code == 200, response.content
+    entry = yaml.safe_load(response.content)["clusters"][0]["cluster"]
+    assert entry["server"] == "https://k8s.example.com:6443"
+    assert base64.b64decode(entry["certificate-authority-data"]) == ca.read_bytes()
+
+
+def test_no_kubeconfig_is_handed_out_without_tls_verification(client_for, teammate, environment, cluster, settings,
+                                                               tmp_path):
+    insecure = yaml.safe_load(portal_kubeconfig(cluster))
+    insecure["clusters"][0]["cluster"] = {"server": cluster.url, "insecure-skip-tls-verify": True}
+    path = tmp_path / "insecure-kubeconfig"
+    path.write_text(yaml.safe_dump(insecure))
+    settings.KUBECONFIG = str(path)
+    get_backend.cache_clear()
+    response = client_for(teammate).get(f"/api/v1/environments/{environment.id}/kubeconfig/")
+    assert response.status_code == 409
+    assert "KUBECONFIG_CA_FILE" in response.json()["detail"]
+    assert cluster.tokens == {}
+
+
+def test_a_service_account_held_by_another_user_is_a_409(client_for, teammate, environment, cluster, settings):
+    namespace = settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE
+    cluster.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    cluster.put({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {
+        "name": k8s_access.service_account_name("tom", environment.namespace), "namespace": namespace,
+        "annotations": {k8s_access.USERNAME_ANNOTATION: "eve"}}})
+    response = client_for(teammate).get(f"/api/v1/environments/{environment.id}/kubeconfig/")
+    assert response.status_code == 409
+    assert "already exists for eve, not tom" in response.json()["detail"]
+    assert cluster.tokens == {}
+
+
+def test_a_refused_token_request_is_a_502_naming_the_cluster_and_logged(
+    client_for, teammate, environment, cluster, caplog
+):
+    cluster.inject(403, method="POST", path_contains="/token")
+    response = client_for(teammate).get(f"/api/v1/environments/{environment.id}/kubeconfig/")
+    assert response.status_code == 502
+    assert f"The Kubernetes cluster at {cluster.url} refused" in response.json()["detail"]
+    assert any("refused by the cluster" in record.getMessage() for record in caplog.records)

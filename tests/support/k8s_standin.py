@@ -51,7 +51,9 @@ authentication.k8s.io/v1 TokenRequest answered with a random token, remembered w
 its namespace, ServiceAccount and expiry) and checks bearer tokens as an API server
 with RBAC does: a request without a token, or with one of `admin_tokens` (the
 portal's own; without that list, any token it did not mint), may do anything, as before; a minted token may do what the Roles its
-ServiceAccount is bound to by RoleBindings allow, in their namespace only (403
+ServiceAccount is bound to by RoleBindings allow, in the binding's namespace only, whichever
+namespace the ServiceAccount lives in (a subject names its namespace; one without means the
+binding's) (403
 Forbidden with the real wording otherwise, cluster-scoped reads included); an
 unknown or expired token, or one whose ServiceAccount was deleted, is 401
 Unauthorized, discovery included. That is enough for the real `kubectl get pods`,
