@@ -4,7 +4,7 @@
 from django.contrib import admin
 
 from common.admin import ReadOnlyAdmin
-from runners.notifications.models import Delivery, Event, Preference, Webhook
+from runners.notifications.models import Delivery, Event, Outbox, Preference, Webhook
 
 
 @admin.register(Webhook)
@@ -22,8 +22,14 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
 @admin.register(Event)
 class EventAdmin(ReadOnlyAdmin):
-    list_display = ["created_at", "tenant", "kind", "key", "emailed_at"]
+    list_display = ["created_at", "tenant", "kind", "key", "emailed_at", "email_attempts", "email_error"]
     list_filter = ["kind", "tenant"]
+
+
+@admin.register(Outbox)
+class OutboxAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "source", "ref", "key", "processed_at"]
+    list_filter = ["source"]
 
 
 @admin.register(Preference)

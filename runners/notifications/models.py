@@ -74,15 +74,42 @@ class Event(models.Model):
     key = models.CharField(max_length=100, unique=True)
     payload = models.JSONField()
     occurred_at = models.DateTimeField()
-    # Set when the mail was claimed for sending: mail goes at most once per event.
+    # Set when the mail was claimed for sending: mail goes once per event. A try that fails lets go of
+    # the claim (the sweep tries again) until MAIL_MAX_ATTEMPTS; the last failure is kept here.
     emailed_at = models.DateTimeField(null=True, blank=True)
+    email_attempts = models.PositiveSmallIntegerField(default=0)
+    email_error = models.CharField(max_length=1000, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        # The sweep's look for mail still to go: a few rows, whatever the number of events.
+        indexes = [models.Index(fields=["created_at"], name="event_unmailed", condition=models.Q(emailed_at__isnull=True))]
 
     def __str__(self) -> str:
         return self.key
+
+
+class Outbox(models.Model):
+    """What a signal announced, written in the signal's own transaction: nothing is lost to a broker
+    that is down at commit or a worker that dies mid-task, since the row stays until processed (by
+    its task, or by the sweep once it has waited a while)."""
+
+    # "jobs" (ref: a list of job ids), "environment" (an environment id), "quota" (a tenant id, with the
+    # change's key and time).
+    source = models.CharField(max_length=20)
+    ref = models.JSONField()
+    key = models.CharField(max_length=100, blank=True)
+    at = models.CharField(max_length=40, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["processed_at", "created_at"], name="outbox_unprocessed")]
+
+    def __str__(self) -> str:
+        return f"{self.source} {self.ref} ({'processed' if self.processed_at else 'pending'})"
 
 
 class DeliveryState(models.TextChoices):

@@ -9,11 +9,16 @@ or NOTIFY_WEBHOOK_MAX_ATTEMPTS are spent, every attempt written on its ``Deliver
 
 import hashlib
 import hmac
+import http.client
+import io
+import ipaddress
 import json
 import logging
 import secrets
-import urllib.error
-import urllib.request
+import socket
+import ssl
+import time
+import urllib.parse
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -35,6 +40,7 @@ from runners.notifications.models import (
     DeliveryState,
     Event,
     EventKind,
+    Outbox,
     Preference,
     Webhook,
 )
@@ -45,13 +51,18 @@ from tenants.services import require_role
 logger = logging.getLogger(__name__)
 
 DELIVER_TASK = "runners.tasks.notifications_deliver"
+EVENT_TASK = "runners.tasks.notifications_event"
 URL_MAX = 500
 # How far back a job's preempted attempts are still announced (a message that waited for a broker).
 PREEMPTION_LOOKBACK = timedelta(days=1)
 # A delivery still pending this long after it was due lost its message: the sweep sends it again.
 LOST_AFTER = timedelta(seconds=10)
-# How long a try holds its delivery past its own timeout (a worker that died mid-try lets go after it).
+# How long a try holds its delivery past its own deadline (a worker that died mid-try lets go after it).
 CLAIM_MARGIN_S = 5
+# Tries of one event's mail (a mail server down or hung past EMAIL_TIMEOUT) before it is given up.
+MAIL_MAX_ATTEMPTS = 3
+# Processed outbox rows are kept this long (to see what happened), then deleted by the sweep.
+OUTBOX_KEEP = timedelta(days=1)
 _url_validator = URLValidator(schemes=["http", "https"], message="Enter an http:// or https:// URL.")
 
 
@@ -72,6 +83,9 @@ def preferences_set(*, user: AbstractBaseUser, tenant: Tenant, choices: dict[str
 
 
 def webhook_url_check(url: str) -> str:
+    """The URL, stripped, if it is http(s) and its host resolves to public addresses only (or not yet at all:
+    it is checked again at each try); a loopback, private, link-local or other non-global address is refused
+    unless NOTIFY_WEBHOOK_ALLOW_PRIVATE."""
     url = (url or "").strip()
     if len(url) > URL_MAX:
         raise Invalid("url", f"At most {URL_MAX} characters.")
@@ -79,7 +93,31 @@ def webhook_url_check(url: str) -> str:
         _url_validator(url)
     except ValidationError:
         raise Invalid("url", "Enter an http:// or https:// URL.") from None
+    parts = urllib.parse.urlsplit(url)
+    try:
+        _addresses(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+    except _Refused as exc:
+        raise Invalid("url", str(exc)) from None
+    except OSError:
+        pass  # does not resolve (yet): every try resolves and checks it again
     return url
+
+
+class _Refused(Exception):
+    """The host is (or resolves to) an address webhooks may not reach."""
+
+
+def _addresses(host: str, port: int) -> list[str]:
+    """The host's addresses, every one of them global (public), or _Refused; OSError if it does not resolve.
+
+    NOTIFY_WEBHOOK_ALLOW_PRIVATE lets any address through (a receiver on the cluster's own network)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    if not settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE:
+        for address in addresses:
+            if not ipaddress.ip_address(address.split("%")[0]).is_global:
+                raise _Refused(f"{host} is a non-public address ({address}); webhooks go to public addresses only.")
+    return addresses
 
 
 def webhook_events_check(events) -> list[str]:
@@ -92,12 +130,20 @@ def webhook_events_check(events) -> list[str]:
 
 
 def webhook_create(*, actor: AbstractBaseUser, tenant: Tenant, url: str, events: list[str]) -> Webhook:
-    """A new webhook of the tenant (owners), with a secret the portal makes; the caller shows it once."""
+    """A new webhook of the tenant (owners), with a secret the portal makes; the caller shows it once.
+
+    A tenant has at most NOTIFY_WEBHOOK_MAX_PER_TENANT (counted under the tenant's row lock)."""
     require_role(user=actor, tenant=tenant, at_least=Role.OWNER)
-    return Webhook.objects.create(
-        tenant=tenant, url=webhook_url_check(url), events=webhook_events_check(events),
-        secret=secrets.token_hex(32), created_by=actor if actor.is_authenticated else None,
-    )
+    url, events = webhook_url_check(url), webhook_events_check(events)
+    with transaction.atomic():
+        Tenant.objects.select_for_update().filter(id=tenant.id).first()
+        limit = settings.NOTIFY_WEBHOOK_MAX_PER_TENANT
+        if Webhook.objects.filter(tenant=tenant).count() >= limit:
+            raise Invalid("url", f"A tenant has at most {limit} webhooks; delete one before adding another.")
+        return Webhook.objects.create(
+            tenant=tenant, url=url, events=events,
+            secret=secrets.token_hex(32), created_by=actor if actor.is_authenticated else None,
+        )
 
 
 def webhook_delete(*, actor: AbstractBaseUser, webhook: Webhook) -> None:
@@ -110,6 +156,9 @@ def webhook_delete(*, actor: AbstractBaseUser, webhook: Webhook) -> None:
 
 
 def _payload(kind: str, tenant: Tenant, occurred_at: datetime, link: str, **obj) -> dict:
+    # An absolute link when the portal's public address is set (PORTAL_PUBLIC_URL); the path otherwise.
+    if settings.PORTAL_PUBLIC_URL:
+        link = settings.PORTAL_PUBLIC_URL.rstrip("/") + link
     return {"event": kind, "tenant": tenant.slug, "object": obj, "occurred_at": occurred_at.isoformat(), "link": link}
 
 
@@ -189,19 +238,57 @@ def quota_event(tenant_id: int, key: str, at: str) -> Event | None:
                         occurred_at=occurred_at)
 
 
+def outbox_process(outbox_id: int) -> int:
+    """Record and send the events of one outbox row (what a receiver wrote in the signal's transaction);
+    how many events. Idempotent: events are recorded once under their keys, so a row processed twice
+    (a message delivered twice, the sweep beside a slow worker) sends nothing twice."""
+    row = Outbox.objects.filter(id=outbox_id).first()
+    if row is None:
+        return 0
+    events = events_of(row.source, row.ref, row.key, row.at)
+    for event in events:
+        event_send(event)
+    Outbox.objects.filter(id=row.id, processed_at__isnull=True).update(processed_at=timezone.now())
+    return len(events)
+
+
+def events_of(source: str, ref, key: str = "", at: str = "") -> list[Event]:
+    """The events of what happened (source "jobs": ref is a list of job ids; "environment": an environment id;
+    "quota": a tenant id with the change's key and time)."""
+    if source == "jobs":
+        events = job_events(list(ref or []))
+    elif source == "environment" and ref is not None:
+        events = [environment_event(int(ref))]
+    elif source == "quota" and ref is not None and key:
+        events = [quota_event(int(ref), key, at)]
+    else:
+        events = []
+    return [event for event in events if event is not None]
+
+
 def event_send(event: Event) -> None:
     """Mail the event (once) and send each of its pending, due deliveries to a worker."""
-    if Event.objects.filter(id=event.id, emailed_at__isnull=True).update(emailed_at=timezone.now()):
-        _mail(event)
+    if Event.objects.filter(id=event.id, emailed_at__isnull=True,
+                            email_attempts__lt=MAIL_MAX_ATTEMPTS).update(emailed_at=timezone.now()):
+        error = _mail(event)
+        if error:
+            # Let go of the claim so the sweep mails it again, until MAIL_MAX_ATTEMPTS are spent;
+            # the last error stays on the event (and in the admin) either way.
+            attempts = event.email_attempts + 1
+            Event.objects.filter(id=event.id).update(
+                email_attempts=attempts, email_error=error[:1000],
+                emailed_at=None if attempts < MAIL_MAX_ATTEMPTS else timezone.now(),
+            )
     due = Delivery.objects.filter(event=event, state=DeliveryState.PENDING, next_try_at__lte=timezone.now())
     for delivery_id in due.values_list("id", flat=True):
         send_task(DELIVER_TASK, delivery_id)
 
 
-def _mail(event: Event) -> None:
+def _mail(event: Event) -> str:
+    """Mail the event to the members who chose it; the error ("" when sent or nobody is to be mailed)."""
     recipients = email_recipients(event.tenant, event.kind)
     if not recipients:
-        return
+        return ""
     obj = event.payload["object"]
     subject = f"[GPU portal] {event.tenant.slug}: {EventKind(event.kind).label.lower()}: {obj.get('name', '')}"
     body = "\n".join([
@@ -217,9 +304,11 @@ def _mail(event: Event) -> None:
     ])
     messages = [EmailMessage(subject, body, settings.DEFAULT_FROM_EMAIL, [address]) for address in recipients]
     try:
-        get_connection().send_messages(messages)
-    except Exception as exc:  # the mail server is down: the webhooks still go; the mail is not retried
+        get_connection().send_messages(messages)  # bounded by EMAIL_TIMEOUT (SMTP)
+    except Exception as exc:  # the mail server is down: the webhooks still go; the sweep mails it again
         logger.error("Could not mail event %s: %s", event.key, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 # --- Delivering ----------------------------------------------------------------------------------
@@ -230,9 +319,10 @@ def body_bytes(payload: dict) -> bytes:
     return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
 
 
-def signature(secret: str, body: bytes) -> str:
-    """The X-Portal-Signature header: sha256=<hex HMAC-SHA256 of the raw body, keyed with the secret>."""
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def signature(secret: str, body: bytes, timestamp: int | str) -> str:
+    """The X-Portal-Signature header: sha256=<hex HMAC-SHA256 of "<X-Portal-Timestamp>." + the raw body,
+    keyed with the secret>; signing the time lets receivers refuse a replayed (old) delivery."""
+    return "sha256=" + hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
 def backoff_s(attempts: int) -> float:
@@ -240,49 +330,118 @@ def backoff_s(attempts: int) -> float:
     return settings.NOTIFY_WEBHOOK_BACKOFF_S * 2 ** (attempts - 1)
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None  # a 3xx is an answer like any other non-2xx: not followed, tried again later
+class _DeadlineReader(io.RawIOBase):
+    """Reads a socket, each read given only what is left of the try's deadline (a server that drips one
+    byte at a time cannot hold a try past it, whatever each read's own timeout)."""
+
+    def __init__(self, sock, deadline: float):
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("No answer within NOTIFY_WEBHOOK_TIMEOUT_S.")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """The connection's socket with every send and read bounded by the try's deadline."""
+
+    def __init__(self, sock, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def sendall(self, data) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("Could not send within NOTIFY_WEBHOOK_TIMEOUT_S.")
+        self._sock.settimeout(left)
+        self._sock.sendall(data)
+
+    def makefile(self, mode="rb", *args, **kwargs):
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def _connection(parts: urllib.parse.SplitResult, address: str, deadline: float) -> http.client.HTTPConnection:
+    """A connection to the checked address (not a second lookup of the name), sending the URL's Host header;
+    https verifies the certificate against the URL's host name (SNI too)."""
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    base = http.client.HTTPSConnection if https else http.client.HTTPConnection
+
+    class Pinned(base):
+        def connect(self):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("Could not connect within NOTIFY_WEBHOOK_TIMEOUT_S.")
+            sock = socket.create_connection((address, port), timeout=left)
+            if https:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
+            self.sock = _DeadlineSocket(sock, deadline)
+
+    return Pinned(parts.hostname, port, timeout=settings.NOTIFY_WEBHOOK_TIMEOUT_S)
 
 
 def _post(url: str, body: bytes, headers: dict) -> tuple[int | None, str]:
-    """POST once: (status code, error); the status is None when no answer came."""
-    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
-    opener = urllib.request.build_opener(_NoRedirects)
+    """POST once within NOTIFY_WEBHOOK_TIMEOUT_S in all: (status code, error); the status is None when no
+    answer came. Redirects are not followed (a 3xx is an answer like any other non-2xx)."""
+    deadline = time.monotonic() + settings.NOTIFY_WEBHOOK_TIMEOUT_S
+    connection = None
     try:
-        with opener.open(request, timeout=settings.NOTIFY_WEBHOOK_TIMEOUT_S) as response:
-            status = response.status
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-        exc.close()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return None, f"{type(exc).__name__}: {reason}"[:1000]
+        parts = urllib.parse.urlsplit(url)
+        addresses = _addresses(parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        connection = _connection(parts, addresses[0], deadline)
+        connection.request("POST", path, body=body, headers=headers)
+        response = connection.getresponse()
+        status = response.status
+    except _Refused as exc:
+        return None, f"Refused: {exc}"[:1000]
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"[:1000]
+    except Exception as exc:  # anything else is this try's error too, never a retry forever
+        logger.exception("Webhook POST to %s failed", url)
+        return None, f"{type(exc).__name__}: {exc}"[:1000]
+    finally:
+        if connection is not None:
+            connection.close()
     return status, "" if 200 <= status < 300 else f"Answered {status}."
 
 
 def delivery_attempt(delivery_id: int) -> str:
     """Try one delivery now, if it is pending and due; record the answer and schedule the next try.
 
-    The claim (a conditional update pushing next_try_at past this try's timeout) makes two
+    The claim (a conditional update pushing next_try_at past this try's deadline) makes two
     messages for one delivery (a retry and the sweep's) send it once; a message that finds it
-    claimed or waiting for its backoff sends nothing. Returns the delivery's state ("missing" if gone).
+    claimed or waiting for its backoff sends nothing. The answer is written only while the claim
+    still holds (next_try_at and attempts as this try left them): a try that outlived its claim,
+    which another try has taken over since, writes nothing. Returns the delivery's state ("missing" if gone).
     """
     now = timezone.now()
-    lease = timedelta(seconds=settings.NOTIFY_WEBHOOK_TIMEOUT_S + CLAIM_MARGIN_S)
+    claimed_until = now + timedelta(seconds=settings.NOTIFY_WEBHOOK_TIMEOUT_S + CLAIM_MARGIN_S)
     claimed = Delivery.objects.filter(
         id=delivery_id, state=DeliveryState.PENDING, next_try_at__lte=now + timedelta(seconds=1)
-    ).update(next_try_at=now + lease)
+    ).update(next_try_at=claimed_until)
     if not claimed:
-        return Delivery.objects.filter(id=delivery_id).values_list("state", flat=True).first() or "missing"
+        return _state(delivery_id)
     delivery = Delivery.objects.select_related("webhook").get(id=delivery_id)
     body = body_bytes(delivery.payload)
+    timestamp = int(time.time())
     status, error = _post(delivery.webhook.url, body, {
         "Content-Type": "application/json",
         "User-Agent": "gpu-portal-webhooks",
         "X-Portal-Event": delivery.kind,
         "X-Portal-Delivery": str(delivery.id),
-        "X-Portal-Signature": signature(delivery.webhook.secret, body),
+        "X-Portal-Timestamp": str(timestamp),
+        "X-Portal-Signature": signature(delivery.webhook.secret, body, timestamp),
     })
     attempts = delivery.attempts + 1
     fields = {"attempts": attempts, "status_code": status, "error": error}
@@ -293,17 +452,38 @@ def delivery_attempt(delivery_id: int) -> str:
     else:
         delay = backoff_s(attempts)
         fields.update(next_try_at=timezone.now() + timedelta(seconds=delay))
-    Delivery.objects.filter(id=delivery_id).update(**fields)
+    written = Delivery.objects.filter(
+        id=delivery_id, state=DeliveryState.PENDING, next_try_at=claimed_until, attempts=delivery.attempts
+    ).update(**fields)
+    if not written:
+        logger.warning("Delivery %s: this try outlived its claim; another try's answer stands.", delivery_id)
+        return _state(delivery_id)
     if "state" in fields:
         return fields["state"]
     send_task(DELIVER_TASK, delivery_id, countdown=delay)
     return DeliveryState.PENDING
 
 
+def _state(delivery_id: int) -> str:
+    return Delivery.objects.filter(id=delivery_id).values_list("state", flat=True).first() or "missing"
+
+
 def deliveries_sweep() -> int:
-    """Send again every pending delivery whose message must have been lost (well past due); how many."""
-    overdue = Delivery.objects.filter(state=DeliveryState.PENDING, next_try_at__lte=timezone.now() - LOST_AFTER)
+    """Send again every pending delivery whose message must have been lost (well past due), every outbox
+    row left unprocessed and every event whose mail is still to go (a broker that was down, a worker
+    killed mid-task, a mail server down); delete outbox rows processed long ago. How many were sent."""
+    cutoff = timezone.now() - LOST_AFTER
+    overdue = Delivery.objects.filter(state=DeliveryState.PENDING, next_try_at__lte=cutoff)
     ids = list(overdue.values_list("id", flat=True)[:1000])
     for delivery_id in ids:
         send_task(DELIVER_TASK, delivery_id)
-    return len(ids)
+    rows = list(Outbox.objects.filter(processed_at__isnull=True, created_at__lte=cutoff)
+                .order_by("id").values_list("id", flat=True)[:1000])
+    for outbox_id in rows:
+        send_task(EVENT_TASK, "outbox", outbox_id)
+    unmailed = list(Event.objects.filter(emailed_at__isnull=True, email_attempts__lt=MAIL_MAX_ATTEMPTS,
+                                         created_at__lte=cutoff).values_list("id", flat=True)[:1000])
+    for event_id in unmailed:
+        send_task(EVENT_TASK, "event", event_id)
+    Outbox.objects.filter(processed_at__lte=timezone.now() - OUTBOX_KEEP).delete()
+    return len(ids) + len(rows) + len(unmailed)

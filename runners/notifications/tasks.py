@@ -1,33 +1,36 @@
-"""Celery tasks of notifications: record and send an event, deliver one webhook call, sweep lost deliveries.
+"""Celery tasks of notifications: record and send an event, deliver one webhook call, sweep what was lost.
 
-All three are idempotent and acknowledged late: a worker that dies mid-task leaves the message for
-another, an event is recorded once under its key, and a delivery is claimed before each try.
+The first two are idempotent and acknowledged late, and a message whose worker was lost goes back
+to the queue (reject_on_worker_lost): an event is recorded once under its key, and a delivery is
+claimed before each try. What a receiver announced is in the outbox until processed, so a message
+that is lost all the same (a broker down at commit, a task that raised) is sent again by the sweep.
 """
 
 from celery import shared_task
 
 from runners.notifications import services
+from runners.notifications.models import Event
 
 
-@shared_task(name="runners.tasks.notifications_event", acks_late=True)
+@shared_task(name="runners.tasks.notifications_event", acks_late=True, reject_on_worker_lost=True)
 def notifications_event(source: str = "", ref=None, key: str = "", at: str = "") -> dict:
-    """Record what happened (source "jobs": ref is a list of job ids; "environment": an environment id;
-    "quota": a tenant id with the change's key and time), then mail and deliver each event."""
-    if source == "jobs":
-        events = services.job_events(list(ref or []))
-    elif source == "environment" and ref is not None:
-        events = [services.environment_event(int(ref))]
-    elif source == "quota" and ref is not None and key:
-        events = [services.quota_event(int(ref), key, at)]
-    else:
-        events = []
-    events = [event for event in events if event is not None]
+    """Record what happened, then mail and deliver each event. Source "outbox": ref is the id of the outbox
+    row a receiver wrote; "event": an event already recorded, whose mail is to be tried again; "jobs",
+    "environment", "quota": what happened, named in the message itself (as before the outbox)."""
+    if source == "outbox" and ref is not None:
+        return {"events": services.outbox_process(int(ref))}
+    if source == "event" and ref is not None:
+        event = Event.objects.filter(id=int(ref)).select_related("tenant").first()
+        if event is not None:
+            services.event_send(event)
+        return {"events": int(event is not None)}
+    events = services.events_of(source, ref, key, at)
     for event in events:
         services.event_send(event)
     return {"events": len(events)}
 
 
-@shared_task(name="runners.tasks.notifications_deliver", acks_late=True)
+@shared_task(name="runners.tasks.notifications_deliver", acks_late=True, reject_on_worker_lost=True)
 def notifications_deliver(delivery_id: int | None = None) -> str:
     """Try one webhook delivery; a failed try sends this task again after its backoff."""
     if delivery_id is None:
@@ -37,5 +40,5 @@ def notifications_deliver(delivery_id: int | None = None) -> str:
 
 @shared_task(name="runners.tasks.notifications_sweep")
 def notifications_sweep() -> int:
-    """Send again the deliveries whose message was lost (a broker that was down, say)."""
+    """Send again the deliveries, outbox rows and mails whose message was lost (a broker that was down, say)."""
     return services.deliveries_sweep()

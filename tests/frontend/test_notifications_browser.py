@@ -1,6 +1,8 @@
 """An owner adds a webhook in Chromium, a job finishes on a real worker, and the receiver on loopback gets a
 delivery signed with the secret the page showed once; the page's delivery log shows it delivered."""
 
+import hashlib
+import hmac
 import json
 
 import pytest
@@ -23,10 +25,12 @@ def test_an_owner_adds_a_webhook_and_a_finished_job_is_delivered_signed_and_logg
     page, live_server, settings, celery_worker_factory, tenant, owner, screenshot_dir
 ):
     use_backend(settings, "quick_jobs")  # the job's replica is a timer: it finishes in a moment
+    settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE = True  # the receiver is on loopback
     flavors = demo_cluster_with_flavors()
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
     environment = ready_environment(actor=owner, tenant=tenant)
-    celery_worker_factory(beat=True, SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1)
+    celery_worker_factory(beat=True, SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1,
+                          NOTIFY_WEBHOOK_ALLOW_PRIVATE=True)
 
     with HookReceiver() as hook:
         log_in(page, live_server, "olivia")
@@ -62,7 +66,10 @@ def test_an_owner_adds_a_webhook_and_a_finished_job_is_delivered_signed_and_logg
         wait_for(hook.delivered, timeout_s=90, message="the webhook to receive the finished job")
 
     [received] = hook.received
-    assert signed_by(secret, received), "signed with the secret the page showed"
+    assert signed_by(secret, received), "signed (timestamp and body) with the secret the page showed"
+    timestamp = received.headers["X-Portal-Timestamp"]
+    assert received.headers["X-Portal-Signature"] == "sha256=" + hmac.new(
+        secret.encode(), f"{timestamp}.".encode() + received.body, hashlib.sha256).hexdigest()
     assert received.headers["X-Portal-Event"] == "job_finished"
     body = json.loads(received.body)
     assert body["object"] | {"reason": ""} == {"type": "job", "id": job.id, "name": "short-run", "state": "succeeded",

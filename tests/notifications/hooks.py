@@ -1,7 +1,9 @@
-"""A webhook receiver on loopback for the notification tests: records every POST, and can fail the first ones."""
+"""A webhook receiver on loopback for the notification tests: records every POST, and can fail the first ones;
+and a raw TCP server that answers whatever it is given (garbage, or a slow drip), for the sender's limits."""
 
 import hashlib
 import hmac
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,7 +66,64 @@ class HookReceiver:
         return [item for item in self.received if item.answered < 300]
 
 
-def signed_by(secret: str, item: Received) -> bool:
-    """Whether the delivery's signature is the HMAC-SHA256 of its raw body with this secret."""
-    expected = "sha256=" + hmac.new(secret.encode(), item.body, hashlib.sha256).hexdigest()
+def signed_by(secret: str, item: Received, max_age_s: float = 300) -> bool:
+    """Whether the delivery's signature is the HMAC-SHA256 of "<X-Portal-Timestamp>." + its raw body with this
+    secret, and the timestamp is recent (what a receiver checks against replays)."""
+    timestamp = item.headers.get("X-Portal-Timestamp", "")
+    if not timestamp.isdigit() or abs(time.time() - int(timestamp)) > max_age_s:
+        return False
+    expected = "sha256=" + hmac.new(secret.encode(), f"{timestamp}.".encode() + item.body, hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, item.headers.get("X-Portal-Signature", ""))
+
+
+class RawServer:
+    """``with RawServer(b"SSH-2.0-OpenSSH\\r\\n") as server``: every connection gets `answer` (one byte every
+    `drip_s` seconds when set), then is closed; `connections` counts them."""
+
+    def __init__(self, answer: bytes, drip_s: float = 0.0):
+        self.answer, self.drip_s, self.connections = answer, drip_s, 0
+
+    def __enter__(self) -> "RawServer":
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(1)
+                try:
+                    conn.recv(65536)  # the request (or its start)
+                except OSError:
+                    pass
+                if not self.drip_s:
+                    conn.sendall(self.answer)
+                    return
+                for byte in self.answer:
+                    if self.stopping.is_set():
+                        return
+                    conn.sendall(bytes([byte]))
+                    time.sleep(self.drip_s)
+            except OSError:
+                pass  # the sender hung up
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join(5)
+        self.sock.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/hooks/portal"

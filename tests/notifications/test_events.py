@@ -36,6 +36,7 @@ def addresses(owner, teammate, viewer, outsider):
 @pytest.fixture
 def submit(settings, acme_env, flavors, tenant, owner):
     use_backend(settings, "quick_jobs")  # the local backend with timers for trainers
+    settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE = True  # the test receivers are on loopback
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
 
     def make(name="train-1") -> Job:
@@ -226,12 +227,13 @@ def test_an_unreachable_url_is_an_error_on_the_delivery(submit, tenant, owner):
     assert delivery.status_code is None and "Connection refused" in delivery.error
 
 
-def test_the_signature_is_the_hmac_of_the_exact_body():
+def test_the_signature_is_the_hmac_of_the_timestamp_and_the_exact_body():
     body = services.body_bytes({"b": 1, "a": "é"})
     assert body == b'{"a":"\\u00e9","b":1}'
-    assert services.signature("k", body) == "sha256=" + __import__("hmac").new(
-        b"k", body, "sha256").hexdigest()
-    assert services.signature("k", body) != services.signature("other", body)
+    assert services.signature("k", body, 1700000000) == "sha256=" + __import__("hmac").new(
+        b"k", b"1700000000." + body, "sha256").hexdigest()
+    assert services.signature("k", body, 1700000000) != services.signature("other", body, 1700000000)
+    assert services.signature("k", body, 1700000000) != services.signature("k", body, 1700000001), "replays differ"
 
 
 def test_a_webhook_needs_an_owner_an_http_url_and_known_events(tenant, owner, teammate):

@@ -36,6 +36,7 @@ def _finish_a_job(environment, owner, outcome="succeeded", name="train-1"):
 @pytest.fixture
 def cluster(settings, acme_env, flavors, tenant):
     use_backend(settings, "quick_jobs")
+    settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE = True  # the receivers are on loopback
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
     return acme_env
 
@@ -43,7 +44,7 @@ def cluster(settings, acme_env, flavors, tenant):
 def test_a_finished_job_reaches_a_flaky_receiver_after_backoff_and_a_dead_one_is_given_up(
     cluster, celery_worker_factory, tenant, owner
 ):
-    celery_worker_factory(NOTIFY_WEBHOOK_BACKOFF_S=BACKOFF_S, NOTIFY_WEBHOOK_MAX_ATTEMPTS=3)
+    celery_worker_factory(NOTIFY_WEBHOOK_BACKOFF_S=BACKOFF_S, NOTIFY_WEBHOOK_MAX_ATTEMPTS=3, NOTIFY_WEBHOOK_ALLOW_PRIVATE=True)
     with HookReceiver(fail_first=2) as flaky, HookReceiver(fail_first=99) as dead:
         good = services.webhook_create(actor=owner, tenant=tenant, url=flaky.url, events=["job_finished"])
         bad = services.webhook_create(actor=owner, tenant=tenant, url=dead.url, events=["job_finished", "job_failed"])
@@ -76,7 +77,8 @@ def test_a_finished_job_reaches_a_flaky_receiver_after_backoff_and_a_dead_one_is
 def test_a_delivery_whose_worker_dies_mid_try_is_delivered_by_another(cluster, celery_worker_factory, tenant, owner):
     """The worker is killed while the receiver holds its POST: the message was not acknowledged (acks
     late), so Redis hands it to the next worker once the claim of the dead try has run out."""
-    fast = dict(NOTIFY_WEBHOOK_TIMEOUT_S=20, CELERY_VISIBILITY_TIMEOUT_S=2, CELERY_UNACKED_RESTORE_INTERVAL_S=1)
+    fast = dict(NOTIFY_WEBHOOK_TIMEOUT_S=20, CELERY_VISIBILITY_TIMEOUT_S=2, CELERY_UNACKED_RESTORE_INTERVAL_S=1,
+                NOTIFY_WEBHOOK_ALLOW_PRIVATE=True)
     first = celery_worker_factory(**fast)
     with HookReceiver() as hook:
         webhook = services.webhook_create(actor=owner, tenant=tenant, url=hook.url, events=["job_failed"])
