@@ -15,6 +15,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from common.errors import Conflict
+from common.numbers import whole_number
 from frontend import charts
 from frontend.forms import EndpointForm, EndpointRolloutForm, EndpointScaleForm
 from frontend.job_views import _flavor_rows, redirect_next
@@ -62,7 +63,7 @@ def _can_change(user, tenant) -> bool:
 
 
 def _number(value) -> int | None:
-    return int(value) if isinstance(value, str) and value.isdigit() and len(value) < 10 else None
+    return whole_number(value, max_digits=9)
 
 
 # --- Charts ---------------------------------------------------------------------------
@@ -195,7 +196,9 @@ def endpoint_live(request, endpoint_id):
     return render(request, "frontend/endpoint_live.html", _live_context(request, endpoint))
 
 
-def _act(request, endpoint, action, success: str):
+def _act(request, endpoint, action, success: str, *, states: str = ""):
+    """Run `action`; `states` (space-separated) are the endpoint states the success message describes:
+    live.js drops it once the page's badge shows none of them."""
     try:
         action()
     except PermissionDenied as exc:
@@ -203,7 +206,7 @@ def _act(request, endpoint, action, success: str):
     except Conflict as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, success)
+        messages.success(request, success, extra_tags=f"state:{states}" if states else "")
     return redirect_next(request, "endpoint", endpoint_id=endpoint.id)
 
 
@@ -243,7 +246,8 @@ def endpoint_rollout(request, endpoint_id):
 def endpoint_stop(request, endpoint_id):
     endpoint = endpoint_get(user=request.user, endpoint_id=endpoint_id)
     return _act(request, endpoint, lambda: endpoints.endpoint_stop(actor=request.user, endpoint=endpoint),
-                f"Stopping {endpoint.name}: its replicas answer what they admitted, then end.")
+                f"Stopping {endpoint.name}: its replicas answer what they admitted, then end.",
+                states=EndpointState.DRAINING)
 
 
 # --- The list and the deploy form ----------------------------------------------------
@@ -286,7 +290,8 @@ def endpoint_deploy(request, slug):
             except ValidationError as exc:
                 form.add_endpoint_errors(exc)
             else:
-                messages.success(request, f"Deploying {endpoint.name}: its replicas start in a moment.")
+                messages.success(request, f"Deploying {endpoint.name}: its replicas start in a moment.",
+                                 extra_tags=f"state:{EndpointState.DEPLOYING}")
                 return redirect("endpoint", endpoint_id=endpoint.id)
         status = 400
     else:

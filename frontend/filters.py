@@ -12,6 +12,7 @@ from django import forms
 from django.core.paginator import Page, Paginator
 from django.db.models import Case, IntegerField, QuerySet, Value, When
 
+from common.numbers import whole_number
 from runners.environments.models import LIVE_STATES
 from runners.jobs.models import JobState
 from tenants.models import ROLE_RANK, Role
@@ -104,8 +105,8 @@ def page_list(request, filterset_class, queryset: QuerySet, *, prefix: str = "",
     rows = rows.order_by(*(rows.query.order_by or queryset.model._meta.ordering or []), tiebreak)
     page_param = f"{prefix}-page" if prefix else "page"
     raw = data.get(page_param, "1") or "1"
-    number = int(raw) if raw.isdigit() and int(raw) >= 1 else None
-    if number is None:
+    number = whole_number(raw)
+    if number is None or number < 1:
         errors[page_param] = ["A page number: a whole number from 1."]
         number = 1
     page = Paginator(rows, per_page).get_page(number)  # past the end: the last page

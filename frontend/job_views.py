@@ -15,6 +15,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from common.errors import Conflict, NotFound
+from common.numbers import whole_number
 from frontend import charts
 from frontend.filters import JobPageFilter, page_list
 from frontend.forms import JobForm
@@ -219,13 +220,14 @@ def _log_target(request, job: Job, attempts: list) -> tuple:
     attempt = newest
     raw = request.GET.get("attempt", "")
     if raw:
-        attempt = started.get(int(raw)) if raw.isdigit() else None
+        number = whole_number(raw)
+        attempt = started.get(number) if number is not None else None
         if attempt is None:
             problems["attempt"] = f"Not an attempt of this job that started: {raw[:20]!r}."
             attempt = newest
     ranks = job_selectors.attempt_ranks(job, attempt) if attempt else [0]
     raw = request.GET.get("rank", "")
-    rank = int(raw) if raw.isdigit() else None
+    rank = whole_number(raw)
     if rank not in ranks:
         if raw:
             problems["rank"] = f"Not a replica of this attempt: {raw[:20]!r}; it has {ranks[0]} to {ranks[-1]}."
@@ -246,8 +248,9 @@ def _log_context(request, job: Job, attempts: list, *, sources: bool) -> dict:
     return {
         "log_attempt": attempt.number if attempt else None, "log_rank": rank, "log_lines": lines,
         "log_error": error, "log_problems": problems,
-        # What to follow: the newest attempt unless one was picked (a requeue then shows the next one).
-        "log_query": f"?attempt={attempt.number}&rank={rank}" if attempt and request.GET.get("attempt") else
+        # What to follow: the newest attempt, whichever it is then (a requeue shows the next one), unless
+        # an earlier one was picked; ?attempt= naming the newest pins nothing either.
+        "log_query": f"?attempt={attempt.number}&rank={rank}" if attempt and not newest else
         (f"?rank={rank}" if rank else ""),
         "log_follow": job.state not in JOB_FINAL_STATES and newest,
         "log_sources": job_selectors.job_log_sources(job, attempts) if sources else [],
@@ -312,11 +315,16 @@ def redirect_next(request, to: str, **kwargs):
 def job_cancel(request, job_id):
     job = job_selectors.job_get(user=request.user, job_id=job_id)
     try:
-        jobs.job_cancel(actor=request.user, job=job)
+        job = jobs.job_cancel(actor=request.user, job=job)
     except PermissionDenied as exc:
         messages.error(request, f"Could not cancel: {exc}")
     except Conflict as exc:
         messages.error(request, str(exc))
     else:
-        messages.success(request, f"Cancelling {job.name}.")
+        # A waiting job is cancelled at once; one that runs is cancelling until its replicas stop, and the
+        # message goes (live.js) once the page's badge shows it no longer is.
+        if job.state == JobState.CANCELLING:
+            messages.success(request, f"Cancelling {job.name}.", extra_tags="state:cancelling")
+        else:
+            messages.success(request, f"Cancelled {job.name}.")
     return redirect_next(request, "job", job_id=job.id)

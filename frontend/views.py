@@ -127,7 +127,9 @@ def environment_create(request, slug):
         except ValidationError as exc:
             add_service_errors(form, exc)
         else:
-            messages.success(request, f"Requested {environment.name}; a worker is provisioning it now.")
+            # Tagged with the states it describes: live.js drops it once the page's badge shows another.
+            messages.success(request, f"Requested {environment.name}; a worker is provisioning it now.",
+                             extra_tags="state:requested provisioning")
             return redirect("environment", environment_id=environment.id)
     return _render_tenant(request, tenant, environment_form=form, status=400)
 
@@ -218,7 +220,8 @@ def environment_delete(request, environment_id):
     except PermissionDenied as exc:
         messages.error(request, f"Could not delete {environment.name}: {exc}")
         return redirect("environment", environment_id=environment.id)
-    messages.success(request, f"Deleting {environment.name}; it disappears from the list once it is gone.")
+    messages.success(request, f"Deleting {environment.name}; it disappears from the list once it is gone.",
+                     extra_tags="state:deleting")
     return redirect("tenant", slug=environment.tenant.slug)
 
 

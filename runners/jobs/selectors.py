@@ -196,13 +196,15 @@ def job_log_lines(job: Job, attempt: int, rank: int, *, tail: int = LOG_PAGE_LIN
 def job_durations(job: Job, attempts: list[JobAttempt], now) -> dict:
     """How long the job has run and waited, from its attempt rows.
 
-    `running_s`: from the first attempt's start to the job's end (now while it is not final);
-    `queued_s`: from submit to the first admission, plus every wait between an attempt's end and
-    the next one's admission (or to now, or to the end, when none followed).
+    `running_s`: the sum over its started attempts of each one's start to its end (to the job's
+    end, or now while the job is not final, for one still open), so the waits between attempts are
+    not counted as running; `queued_s`: from submit to the first admission, plus every wait between
+    an attempt's end and the next one's admission (or to now, or to the end, when none followed).
     """
     final = job.state in JOB_FINAL_STATES
     end = (job.finished_at or job.state_changed_at or now) if final else now
-    first_start = min((a.started_at for a in attempts if a.started_at), default=None)
+    started = [attempt for attempt in attempts if attempt.started_at]
+    running = sum(max(0.0, ((attempt.ended_at or end) - attempt.started_at).total_seconds()) for attempt in started)
     queued = 0.0
     waiting_since = job.submitted_at
     for attempt in attempts:
@@ -215,7 +217,7 @@ def job_durations(job: Job, attempts: list[JobAttempt], now) -> dict:
         queued += max(0.0, (end - waiting_since).total_seconds())
     return {
         "final": final,
-        "first_started_at": first_start,
-        "running_s": (end - first_start).total_seconds() if first_start else None,
+        "first_started_at": min((attempt.started_at for attempt in started), default=None),
+        "running_s": running if started else None,
         "queued_s": queued,
     }

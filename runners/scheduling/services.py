@@ -399,14 +399,17 @@ def cycle_run() -> dict:
         launches = _admit([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
-        # Jobs that cannot fit the cluster now come last: they are in no line until it grows back.
-        order = [waiting.gang_id for waiting in decisions.waiting] + [
+        # Jobs that cannot fit the cluster now are in no line until it grows back: no place, no start.
+        line = [waiting.gang_id for waiting in decisions.waiting] + [
             str(job.id) for job in admitted_jobs if isinstance(placed[job.id], str)
-        ] + [str(job_id) for job_id in misfits]
+        ]
+        order = line + [str(job_id) for job_id in misfits]
         updates = []
         for position, gang_id in enumerate(order, start=1):
             job = by_id[gang_id]
             reason, start = waiting_reasons.get(gang_id, "")[:1000], starts.get(gang_id)
+            if position > len(line):
+                position, start = None, None
             if job.state == JobState.QUEUED and (
                 job.reason != reason or job.queue_position != position or job.projected_start != start
             ):

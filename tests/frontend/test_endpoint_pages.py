@@ -54,6 +54,8 @@ def test_a_deploy_goes_to_the_endpoint_page_which_shows_its_state_url_and_scale_
 
     html = client.get(f"/endpoints/{endpoint.id}/").content.decode()
     assert 'data-testid="endpoint-state">deploying<' in html
+    # The message says what the badge says: live.js drops it once the badge shows another state.
+    assert '<div class="message message-success" data-message data-state="deploying">' in html
     assert 'data-testid="endpoint-url">http://testserver/serve/acme/chat/v1/generate<' in html
     assert f'data-poll-url="/endpoints/{endpoint.id}/live/"' in html
     assert "Deployed by olivia." in html and "0 → 1" in html
@@ -153,6 +155,7 @@ def test_scale_and_rollout_refusals_show_at_their_fields_and_stop_drains(client,
     html = client.get(f"/endpoints/{endpoint.id}/").content.decode()
     assert 'data-testid="scale-endpoint"' not in html and 'data-testid="try-it"' not in html
     assert "Stopped by olivia." in html
+    assert '<div class="message message-success" data-message data-state="draining">' in html
 
 
 def test_a_viewer_sees_the_endpoint_but_no_forms_and_cannot_change_it(client, owner, viewer, world, endpoint):

@@ -101,8 +101,52 @@ def test_the_follow_fragment_reads_the_replica_asked_for(client, owner, two_atte
     assert _log(response.content.decode()).strip().splitlines()[-1] == "a2 r1 newest line"
 
 
+def test_a_replica_picked_from_the_newest_attempt_follows_the_next_attempt_after_a_requeue(client, owner, two_attempts):
+    job = two_attempts
+    client.force_login(owner)
+    picker = client.get(f"/jobs/{job.id}/").content.decode().split('data-testid="log-picker"', 1)[1].split("</nav>", 1)[0]
+    # The newest attempt's links name only the replica; an earlier attempt's name the attempt too.
+    assert re.findall(r'<a href="([^"]+)" data-attempt', picker) == [
+        "?rank=0#log", "?rank=1#log", "?attempt=1&amp;rank=0#log", "?attempt=1&amp;rank=1#log"]
+    html = client.get(f"/jobs/{job.id}/?rank=1").content.decode()
+    assert f'data-log-url="/jobs/{job.id}/log/?rank=1"' in html
+    assert f'href="/jobs/{job.id}/log/download/?attempt=2&amp;rank=1"' in html
+    # Naming the newest attempt pins nothing either; an earlier one is pinned.
+    assert f'data-log-url="/jobs/{job.id}/log/?rank=1"' in client.get(f"/jobs/{job.id}/?attempt=2&rank=1").content.decode()
+    assert (f'data-log-url="/jobs/{job.id}/log/?attempt=1&amp;rank=1"'
+            in client.get(f"/jobs/{job.id}/?attempt=1&rank=1").content.decode())
+
+    # Requeued: attempt 2 ends, attempt 3 runs. What Follow polls now reads attempt 3, and its Download too.
+    second = job.attempts.get(number=2)
+    JobAttempt.objects.filter(id=second.id).update(ended_at=timezone.now(), outcome="preempted")
+    JobAttempt.objects.create(job=job, number=3, placement=second.placement, started_at=timezone.now())
+    _write_log(job, 3, 1, ["a3 r1 starting"])
+    fragment = client.get(f"/jobs/{job.id}/log/?rank=1").content.decode()
+    assert _log(fragment).strip().splitlines() == ["a3 r1 starting"]
+    assert "attempt 3, replica 1" in fragment
+    assert f'href="/jobs/{job.id}/log/download/?attempt=3&amp;rank=1" download data-log-download' in fragment
+
+
+def test_messages_about_a_state_name_it_so_they_go_once_the_badge_shows_another(client, owner, tenant, two_attempts):
+    client.force_login(owner)
+    html = client.post(f"/jobs/{two_attempts.id}/cancel/", follow=True).content.decode()
+    assert '<div class="message message-success" data-message data-state="cancelling">' in html
+    assert 'data-testid="job-state">cancelling<' in html
+    waiting = jobs.job_submit(actor=owner, data=job_data(two_attempts.environment, name="waits", replicas=1))
+    html = client.post(f"/jobs/{waiting.id}/cancel/", follow=True).content.decode()
+    assert "Cancelled waits." in html and 'data-message data-until-state-changes' in html
+
+    html = client.post("/tenants/acme/environments/new/", {"name": "eval"}, follow=True).content.decode()
+    assert '<div class="message message-success" data-message data-state="requested provisioning">' in html
+    environment = two_attempts.environment
+    html = client.post(f"/environments/{environment.id}/delete/", follow=True).content.decode()
+    assert '<div class="message message-success" data-message data-state="deleting">' in html
+
+
 @pytest.mark.parametrize(("query", "name"), [("rank=2", "rank"), ("rank=x", "rank"), ("attempt=3", "attempt"),
-                                             ("attempt=-1", "attempt")])
+                                             ("attempt=-1", "attempt"), ("rank=%C2%B2", "rank"),
+                                             ("attempt=%C2%B2", "attempt"), ("rank=" + "9" * 5000, "rank"),
+                                             ("attempt=" + "1" * 5000, "attempt"), ("rank=%EF%BC%91", "rank")])
 def test_a_replica_the_job_does_not_have_is_a_400_naming_the_parameter(client, owner, two_attempts, query, name):
     client.force_login(owner)
     for path in (f"/jobs/{two_attempts.id}/", f"/jobs/{two_attempts.id}/log/"):
@@ -233,7 +277,7 @@ def test_the_job_page_and_list_say_how_long_it_ran_and_waited(client, owner, env
     job = jobs.job_submit(actor=owner, data=job_data(environment, name="timed", replicas=1))
     scheduling.cycle_run()
     t0 = timezone.now() - timedelta(hours=1)
-    # Queued 10 s, ran 60 s, preempted, queued 30 s more, ran 2 min to the end.
+    # Queued 10 s, started 5 s later, ran 55 s, preempted, queued 30 s more, ran 2 min to the end.
     Job.objects.filter(id=job.id).update(submitted_at=t0, state="succeeded", finished_at=t0 + timedelta(seconds=220))
     first = job.attempts.get()
     JobAttempt.objects.filter(id=first.id).update(
@@ -244,11 +288,30 @@ def test_the_job_page_and_list_say_how_long_it_ran_and_waited(client, owner, env
         admitted_at=t0 + timedelta(seconds=100), started_at=t0 + timedelta(seconds=100),
         ended_at=t0 + timedelta(seconds=220), outcome="succeeded")
     client.force_login(owner)
-    # From the first start to the end: 205 s; waiting: 10 s before the first, 30 s between.
+    # Running: 55 s + 120 s (not the 30 s queued between them); waiting: 10 s before the first, 30 s between.
     for path in (f"/jobs/{job.id}/live/", "/tenants/acme/jobs/"):
         html = client.get(path).content.decode()
-        assert '<span data-testid="ran-for">Ran for 3m 25s</span>' in html, path
+        assert '<span data-testid="ran-for">Ran for 2m 55s</span>' in html, path
         assert '<span class="muted" data-testid="queued-for">· queued 40s</span>' in html, path
+
+
+def test_a_running_job_counts_only_its_attempts_running_not_the_wait_between(client, owner, environment):
+    job = jobs.job_submit(actor=owner, data=job_data(environment, name="requeued", replicas=1))
+    scheduling.cycle_run()
+    now = timezone.now()
+    first = job.attempts.get()
+    # Ran 50 s, preempted, queued 100 s, running again for the last 20 s.
+    JobAttempt.objects.filter(id=first.id).update(
+        admitted_at=now - timedelta(seconds=170), started_at=now - timedelta(seconds=170),
+        ended_at=now - timedelta(seconds=120), outcome="preempted")
+    second = JobAttempt.objects.create(job=job, number=2, placement=first.placement)
+    JobAttempt.objects.filter(id=second.id).update(admitted_at=now - timedelta(seconds=20),
+                                                   started_at=now - timedelta(seconds=20))
+    Job.objects.filter(id=job.id).update(submitted_at=now - timedelta(seconds=170), state="running")
+    client.force_login(owner)
+    html = client.get(f"/jobs/{job.id}/live/").content.decode()
+    assert re.search(r'data-testid="ran-for">Running for 1m 1[0-9]s<', html), html
+    assert re.search(r'data-testid="queued-for">· queued 1m 40s<', html)
 
 
 def test_a_job_still_waiting_says_so(client, owner, environment):
@@ -324,7 +387,8 @@ def test_the_job_list_sorts_by_each_column_both_ways(client, owner, many_jobs):
 
 
 @pytest.mark.parametrize(("query", "name"), [("state=bogus", "state"), ("sort=secret", "sort"), ("page=0", "page"),
-                                             ("page=two", "page")])
+                                             ("page=two", "page"), ("page=%C2%B2", "page"), ("page=" + "7" * 5000, "page"),
+                                             ("page=%EF%BC%92", "page"), ("page=+2", "page")])
 def test_a_bad_list_parameter_is_a_400_naming_it(client, owner, many_jobs, query, name):
     client.force_login(owner)
     response = client.get(f"/tenants/acme/jobs/?{query}")
@@ -361,6 +425,23 @@ def test_environments_come_in_pages_with_search_state_and_sort(client, owner, te
     assert 'href="?member-q=oli&amp;env-sort=name"' in html
     response = client.get("/tenants/acme/?env-state=gone")
     assert response.status_code == 400 and "<code>env-state</code>" in response.content.decode()
+
+
+@pytest.mark.parametrize("value", ["%C2%B2", "3" * 5000])
+def test_a_crafted_number_for_a_list_on_the_tenant_page_is_a_400_naming_it(client, owner, tenant, value):
+    client.force_login(owner)
+    for name in ("env-page", "member-page"):
+        response = client.get(f"/tenants/acme/?{name}={value}")
+        assert response.status_code == 400, name
+        assert f"<code>{name}</code>" in response.content.decode(), name
+    # Leading zeros spell the number they lead (and do not count against int()'s limit on digits).
+    assert client.get("/tenants/acme/?env-page=" + "0" * 5000 + "1").status_code == 200
+
+
+def test_a_crafted_number_in_the_serve_form_prefill_is_ignored(client, owner, tenant):
+    client.force_login(owner)
+    for query in ("job=%C2%B2&step=%C2%B2", f"job={'4' * 5000}&step={'5' * 5000}"):
+        assert client.get(f"/tenants/acme/endpoints/new/?{query}").status_code == 200, query
 
 
 def test_environment_rows_still_update_themselves_on_a_page(client, owner, tenant):

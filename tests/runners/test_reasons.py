@@ -211,6 +211,26 @@ def test_a_queued_job_whose_replica_no_longer_fits_any_node_says_so_and_why(
     assert scheduling.cycle_run()["admitted"] == [job.id]
 
 
+def test_a_job_that_cannot_fit_is_in_no_line_and_has_no_projected_start(
+    flavors, tenant, owner, acme_env, client, client_for, settings, tmp_path
+):
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
+    job = _submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
+    # What an earlier cycle wrote while it could still fit.
+    Job.objects.filter(id=job.id).update(queue_position=7, projected_start=timezone.now() + timedelta(minutes=5))
+    _use_cluster_file(settings, _h100_nodes_of(tmp_path, 4))
+    result = scheduling.cycle_run()
+
+    job.refresh_from_db()
+    assert job.state == "queued" and job.reason.startswith("Blocked: it cannot fit") and job.id in result["waiting"]
+    assert job.queue_position is None and job.projected_start is None
+    body = client_for(owner).get(f"/api/v1/jobs/{job.id}/").json()
+    assert body["queue_position"] is None and body["projected_start"] is None
+    client.force_login(owner)
+    for path in (f"/jobs/{job.id}/", "/tenants/acme/jobs/"):
+        assert "in line" not in client.get(path).content.decode(), path
+
+
 def test_a_queued_job_the_cluster_shrank_under_preempts_nobody_and_says_how_many_replicas_fit(
     flavors, tenant, other_tenant, owner, outsider, acme_env, globex_env, client_for
 ):

@@ -203,6 +203,14 @@
             var mine = card.querySelector(selector), theirs = fresh.querySelector(selector);
             if (mine && theirs && mine.textContent !== theirs.textContent) mine.textContent = theirs.textContent;
           });
+          // The Download link follows too: after a requeue it fetches the attempt now shown.
+          var download = card.querySelector("[data-log-download]"), freshDownload = fresh.querySelector("[data-log-download]");
+          if (freshDownload && !download) {
+            var tools = card.querySelector(".log-tools");
+            if (tools) tools.appendChild(freshDownload);
+          } else if (download && freshDownload && download.getAttribute("href") !== freshDownload.getAttribute("href")) {
+            download.setAttribute("href", freshDownload.getAttribute("href"));
+          }
           if (following(card)) toBottom(card);
           if (fresh.dataset.final) {
             var toggle = card.querySelector("[data-log-follow]");
