@@ -98,6 +98,7 @@ def enqueue_on_commit(name: str, *args, before_send: Callable[[], bool] | None =
             return
         send_task(name, *args, on_failure=on_failure)
 
+    send.task_name = name  # what it will send, for whoever reads the pending callbacks (tests do)
     transaction.on_commit(send)
 
 

@@ -287,6 +287,8 @@ EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.Emai
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "gpu-portal@localhost")
+# Seconds an SMTP connect or command may take, so a hung mail server cannot hold a worker.
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=0.1)
 USAGE_SAMPLE_INTERVAL_S = env_float("USAGE_SAMPLE_INTERVAL_S", 30.0, minimum=1.0)
 USAGE_SETTLE_INTERVAL_S = env_float("USAGE_SETTLE_INTERVAL_S", 300.0, minimum=1.0)
 USAGE_RAW_RETENTION_DAYS = env_int("USAGE_RAW_RETENTION_DAYS", 1, minimum=1)
@@ -301,6 +303,14 @@ USAGE_STORAGE_PRICE_PER_GB_MONTH = env_decimal("USAGE_STORAGE_PRICE_PER_GB_MONTH
 NOTIFY_WEBHOOK_TIMEOUT_S = env_float("NOTIFY_WEBHOOK_TIMEOUT_S", 5.0, minimum=0.1)
 NOTIFY_WEBHOOK_MAX_ATTEMPTS = env_int("NOTIFY_WEBHOOK_MAX_ATTEMPTS", 6, minimum=1)
 NOTIFY_WEBHOOK_BACKOFF_S = env_float("NOTIFY_WEBHOOK_BACKOFF_S", 10.0, minimum=0.0)
+# Webhooks reach public (global) addresses only, checked when added and at every try; on, any address
+# (loopback, private, link-local) is allowed: a receiver on the cluster's own network, or tests.
+NOTIFY_WEBHOOK_ALLOW_PRIVATE = env_bool("NOTIFY_WEBHOOK_ALLOW_PRIVATE", False)
+# How many webhooks one tenant may have.
+NOTIFY_WEBHOOK_MAX_PER_TENANT = env_int("NOTIFY_WEBHOOK_MAX_PER_TENANT", 10, minimum=1)
+# The portal's public address (https://portal.example.com): links in notifications are absolute when
+# set; empty, they are paths (/jobs/12/).
+PORTAL_PUBLIC_URL = env_str("PORTAL_PUBLIC_URL", "")
 CELERY_BEAT_SCHEDULE = {
     "environment-sweep": {"task": "runners.tasks.environment_sweep", "schedule": SWEEP_INTERVAL_S},
     "inventory-sync": {"task": "runners.tasks.inventory_sync", "schedule": INVENTORY_SYNC_INTERVAL_S},
@@ -358,6 +368,15 @@ KUBERNETES_REQUEST_TIMEOUT_S = env_float("KUBERNETES_REQUEST_TIMEOUT_S", 30.0, m
 # TokenRequest API refuses less than ten minutes), and the timeout of each cluster call made while they wait.
 KUBECONFIG_TOKEN_TTL_S = env_int("KUBECONFIG_TOKEN_TTL_S", 3600, minimum=600)
 KUBECONFIG_REQUEST_TIMEOUT_S = env_float("KUBECONFIG_REQUEST_TIMEOUT_S", 5.0, minimum=1)
+# What a member's kubeconfig names as the API server and the CA that signs its certificate (a PEM
+# file), for where the portal reaches the cluster another way (in-cluster: https://10.96.0.1). Empty:
+# the portal's own. A kubeconfig without TLS verification is never handed out (409 naming KUBECONFIG_CA_FILE).
+KUBECONFIG_SERVER_URL = env_str("KUBECONFIG_SERVER_URL", "")
+KUBECONFIG_CA_FILE = env_str("KUBECONFIG_CA_FILE", "")
+# The namespace, the portal's own, where members' ServiceAccounts for their kubeconfigs live (one per
+# member and environment). No tenant may be granted anything in it: whoever can make pods there can
+# run as those ServiceAccounts. The portal creates it.
+KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE = env_str("KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE", "gpu-portal-members")
 # Where the NVIDIA GPU Operator runs, and the ConfigMaps its ClusterPolicy points at
 # (migManager.config.name and devicePlugin.config.name).
 KUBERNETES_GPU_OPERATOR_NAMESPACE = env_str("KUBERNETES_GPU_OPERATOR_NAMESPACE", "gpu-operator")

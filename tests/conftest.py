@@ -9,7 +9,7 @@ import pytest
 from django.conf import settings
 from rest_framework.test import APIClient
 
-from tests.support.worker import WorkerProcess
+from tests.support.worker import WorkerProcess, purge_queue
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "correct-horse-battery"
@@ -237,7 +237,8 @@ def _fresh_queue():
 
 @pytest.fixture
 def celery_worker_factory(transactional_db, tmp_path):
-    """Start real worker processes; every one is stopped when the test ends."""
+    """Start real worker processes, on an empty queue; every one is stopped when the test ends."""
+    purge_queue()
     workers: list[WorkerProcess] = []
 
     def start(*, beat: bool = False, **env_overrides) -> WorkerProcess:

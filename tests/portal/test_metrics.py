@@ -124,7 +124,8 @@ def test_a_task_that_raises_in_a_real_worker_is_counted_by_name(celery_worker, s
         lambda: _value(_scrape(client), "portal_celery_task_failures_total", task="runners.tasks.job_stop") == before + 1,
         timeout_s=60, message=f"the worker's failure to be counted; worker log:\n{celery_worker.output()[-2000:]}",
     )
-    assert "TypeError" in celery_worker.output()
+    # The worker logs the traceback after counting the failure: wait for it rather than race it.
+    wait_for(lambda: "TypeError" in celery_worker.output(), timeout_s=30, message="the TypeError in the worker's log")
 
 
 @pytest.mark.django_db

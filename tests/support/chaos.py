@@ -320,6 +320,9 @@ class Workers:
         return worker.start()
 
     def start(self) -> "Workers":
+        from tests.support.worker import purge_queue
+
+        purge_queue()  # nothing an earlier test left queued
         for index in range(self.count):
             self._start(beat=index == 0)
         return self

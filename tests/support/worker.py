@@ -84,6 +84,20 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
 
+def purge_queue(queue: str | None = None) -> None:
+    """Drop every message waiting in this run's queue.
+
+    A test that sends tasks without a worker leaves them queued; the next test's worker must
+    not run them against rows that test's database no longer has.
+    """
+    import redis
+
+    queue = queue or settings.CELERY_TASK_DEFAULT_QUEUE
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    # Kombu keeps a queue's messages in a list named after it (and one per priority, suffixed).
+    client.delete(queue, *client.keys(f"{queue}*"))
+
+
 def wait_for(predicate, *, timeout_s: float = 30, interval_s: float = 0.2, message: str = "condition"):
     """Poll until predicate() is truthy; fail with the message otherwise."""
     deadline = time.monotonic() + timeout_s
