@@ -62,6 +62,16 @@ class PriceCardForm(forms.Form):
         self.fields["price_per_hour"].widget.attrs["inputmode"] = "decimal"
 
 
+class FlavorDescriptionForm(forms.Form):
+    flavor = nulls.ModelChoiceField(queryset=None, to_field_name="name", empty_label="Choose a flavor")
+    description = forms.CharField(max_length=200, required=False,
+                                  help_text="What teams read next to the flavor's name; empty: none.")
+
+    def __init__(self, *args, flavors, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["flavor"].queryset = flavors
+
+
 class QueueFilterForm(forms.Form):
     """The queue's filters, read from the query string; a bad value is named, never a 500."""
 

@@ -16,7 +16,7 @@ from common.errors import Conflict
 from frontend import drawings
 from frontend.forms import add_service_errors
 from frontend.job_views import redirect_next
-from frontend.staff_forms import FlavorForm, PriceCardForm, QueueFilterForm, TenantCreateForm
+from frontend.staff_forms import FlavorDescriptionForm, FlavorForm, PriceCardForm, QueueFilterForm, TenantCreateForm
 from frontend.views import staff_required
 from quotas import selectors as quota_selectors
 from quotas import services as quota_services
@@ -125,12 +125,13 @@ def tenant_new(request):
 # --- Flavors and price cards ---------------------------------------------------------
 
 
-def _render_flavors(request, *, flavor_form=None, price_form=None, status=200):
+def _render_flavors(request, *, flavor_form=None, price_form=None, describe_form=None, status=200):
     flavors = quota_selectors.flavor_list()
     context = {
         "rows": cockpit_selectors.flavor_table(user=request.user),
         "flavor_form": flavor_form or FlavorForm(),
         "price_form": price_form or PriceCardForm(flavors=flavors, initial={"flavor": request.GET.get("flavor", "")}),
+        "describe_form": describe_form or FlavorDescriptionForm(flavors=flavors),
     }
     return render(request, "frontend/flavors.html", context, status=status)
 
@@ -195,3 +196,22 @@ def price_card_add(request):
             )
             return redirect(f"{reverse('flavors')}#flavor-{card.flavor.name}")
     return _render_flavors(request, price_form=form, status=400)
+
+
+@staff_required
+@require_POST
+def flavor_describe(request):
+    """Change a flavor's description through the quotas service (its name and shape stay)."""
+    form = FlavorDescriptionForm(request.POST, flavors=quota_selectors.flavor_list())
+    if form.is_valid():
+        try:
+            flavor = quota_services.flavor_describe(actor=request.user, flavor=form.cleaned_data["flavor"],
+                                                    description=form.cleaned_data["description"])
+        except PermissionDenied as exc:
+            form.add_error(None, str(exc))
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+        else:
+            messages.success(request, f"Saved the description of {flavor.name}.")
+            return redirect(f"{reverse('flavors')}#flavor-{flavor.name}")
+    return _render_flavors(request, describe_form=form, status=400)

@@ -65,6 +65,7 @@ urlpatterns = [
     path("flavors/new/", staff_views.flavor_create, name="flavor-create"),
     path("flavors/discover/", staff_views.flavors_discover, name="flavors-discover"),
     path("flavors/prices/new/", staff_views.price_card_add, name="price-card-add"),
+    path("flavors/describe/", staff_views.flavor_describe, name="flavor-describe"),
     path("tenants/<slug:slug>/notifications/", notification_views.notifications, name="notifications"),
     path("tenants/<slug:slug>/notifications/email/", notification_views.email_choices_save, name="notification-email"),
     path("tenants/<slug:slug>/notifications/webhooks/new/", notification_views.webhook_create, name="webhook-create"),

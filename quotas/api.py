@@ -72,6 +72,18 @@ class FlavorCreateSerializer(StrictTypesMixin, serializers.Serializer):
     description = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
 
 
+class FlavorDescribeSerializer(StrictTypesMixin, serializers.Serializer):
+    description = serializers.CharField(max_length=200, allow_blank=True)
+
+    def validate(self, attrs):
+        others = sorted(set(self.initial_data) - set(self.fields))
+        if others:
+            raise serializers.ValidationError(
+                {name: ["Only the description of a flavor can change; its name and shape stay."] for name in others}
+            )
+        return attrs
+
+
 class FlavorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     queryset = ResourceFlavor.objects.all()
     serializer_class = FlavorSerializer
@@ -85,6 +97,14 @@ class FlavorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
         data.is_valid(raise_exception=True)
         flavor = services.flavor_create(actor=request.user, **data.validated_data)
         return Response(FlavorSerializer(flavor).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=FlavorDescribeSerializer, responses={200: FlavorSerializer})
+    def partial_update(self, request, name):
+        flavor = self.get_object()
+        data = FlavorDescribeSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        services.flavor_describe(actor=request.user, flavor=flavor, **data.validated_data)
+        return Response(FlavorSerializer(flavor).data)
 
     @extend_schema(request=PriceSerializer, responses={201: FlavorSerializer})
     @action(detail=True, methods=["post"])

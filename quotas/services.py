@@ -57,6 +57,18 @@ def flavor_create(
         raise Invalid("name", "A flavor with this name or shape was created at the same moment.") from None
 
 
+def flavor_describe(*, actor: AbstractBaseUser, flavor: ResourceFlavor, description: str) -> ResourceFlavor:
+    """Change what people read about a flavor; its name and shape stay, since quotas and prices name them."""
+    require_staff(actor)
+    description = description.strip()
+    limit = ResourceFlavor._meta.get_field("description").max_length
+    if len(description) > limit:
+        raise Invalid("description", f"At most {limit} characters; this is {len(description)}.")
+    ResourceFlavor.objects.filter(id=flavor.id).update(description=description)
+    flavor.description = description
+    return flavor
+
+
 def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour: Decimal, currency: str, effective_from=None) -> PriceCard:
     """Add a price card; earlier cards stay so past usage keeps its price."""
     require_staff(actor)

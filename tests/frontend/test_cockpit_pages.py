@@ -316,3 +316,33 @@ def test_an_endpoint_replica_is_in_the_queue_as_the_jobs_app_has_it(staff_client
     row = re.search(rf'<tr data-job="{replica.id}" data-state="(\w+)".*?</tr>', html, re.S)
     assert row and f'replica of <a href="/endpoints/{endpoint.id}/">chat</a>' in row.group(0)
     assert str(source.id) not in re.findall(r'<tr data-job="(\d+)"', html), "a cancelled job is not in the queue"
+
+
+def test_staff_describe_a_flavor_on_the_page_and_a_long_description_is_named(staff_client, flavors, teammate):
+    response = staff_client.post("/flavors/describe/", {"flavor": "h100-80gb", "description": "x" * 201})
+    assert response.status_code == 400
+    assert _field_error(response.content.decode(), "description")
+    response = staff_client.post("/flavors/describe/", {"flavor": "h100-80gb", "description": "  NVLink, 80 GB  "},
+                                 follow=True)
+    assert response.redirect_chain[-1][0] == "/flavors/#flavor-h100-80gb"
+    assert ResourceFlavor.objects.get(name="h100-80gb").description == "NVLink, 80 GB"
+    assert "NVLink, 80 GB" in response.content.decode()
+
+    member = Client()
+    member.force_login(teammate)
+    assert member.post("/flavors/describe/", {"flavor": "h100-80gb", "description": "mine"}).status_code == 404
+    assert ResourceFlavor.objects.get(name="h100-80gb").description == "NVLink, 80 GB"
+
+
+def test_the_api_changes_a_flavors_description_only(client_for, staff, teammate, flavors):
+    api = client_for(staff)
+    response = api.patch("/api/v1/flavors/h100-80gb/", {"description": "80 GB HBM3"}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["description"] == "80 GB HBM3"
+    response = api.patch("/api/v1/flavors/h100-80gb/", {"description": "y", "gpu_model": "A100"}, format="json")
+    assert response.status_code == 400 and set(response.json()) == {"gpu_model"}
+    response = api.patch("/api/v1/flavors/h100-80gb/", {"description": "z" * 201}, format="json")
+    assert response.status_code == 400 and "description" in response.json()
+    assert client_for(teammate).patch("/api/v1/flavors/h100-80gb/", {"description": "mine"},
+                                      format="json").status_code == 403
+    assert ResourceFlavor.objects.get(name="h100-80gb").description == "80 GB HBM3"
