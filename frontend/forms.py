@@ -1,12 +1,13 @@
 """Browser forms: shape and syntax only; the services decide what is allowed."""
 
+from contextlib import contextmanager
 from decimal import Decimal
 
 from django import forms
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core import validators
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 
 from common import nulls
 from frontend.drawings import parse_layout
@@ -78,6 +79,20 @@ def add_service_errors(form: forms.Form, error: ValidationError) -> None:
     for field, messages in error.message_dict.items():
         # A service may name a field this form does not show (a namespace, say); say it anyway.
         form.add_error(field if field in form.fields else None, messages)
+
+
+@contextmanager
+def refusals_on(form: forms.Form):
+    """Around a service call and what follows its success: a refusal goes on the form, never out.
+
+    A PermissionDenied tops the form; a ValidationError goes next to the fields it names.
+    """
+    try:
+        yield
+    except PermissionDenied as exc:
+        form.add_error(None, str(exc))
+    except ValidationError as exc:
+        add_service_errors(form, exc)
 
 
 # --- Quotas and partitions (staff) --------------------------------------------

@@ -5,7 +5,7 @@ Each is a 404 for anyone but staff (`staff_required`, as the other staff pages).
 """
 
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import PermissionDenied
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.http import urlencode
@@ -14,7 +14,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from common.errors import Conflict
 from frontend import drawings
-from frontend.forms import add_service_errors
+from frontend.forms import refusals_on
 from frontend.job_views import redirect_next
 from frontend.staff_forms import FlavorDescriptionForm, FlavorForm, PriceCardForm, QueueFilterForm, TenantCreateForm
 from frontend.views import staff_required
@@ -109,13 +109,8 @@ def tenant_new(request):
     form = TenantCreateForm(request.POST if request.method == "POST" else None)
     if request.method == "POST":
         if form.is_valid():
-            try:
+            with refusals_on(form):
                 tenant = tenant_services.tenant_create(actor=request.user, **form.cleaned_data)
-            except PermissionDenied as exc:
-                form.add_error(None, str(exc))
-            except ValidationError as exc:
-                add_service_errors(form, exc)
-            else:
                 messages.success(request, f"Created tenant {tenant.name}. Add its first members below.")
                 return redirect("tenant", slug=tenant.slug)
         return render(request, "frontend/tenant_new.html", {"form": form}, status=400)
@@ -147,13 +142,8 @@ def flavor_list(request):
 def flavor_create(request):
     form = FlavorForm(request.POST)
     if form.is_valid():
-        try:
+        with refusals_on(form):
             flavor = quota_services.flavor_create(actor=request.user, **form.cleaned_data)
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             clusters.flavor_capacity_refresh()
             messages.success(request, f"Created flavor {flavor.name}; it has no price yet.")
             return redirect(f"{reverse('flavors')}#flavor-{flavor.name}")
@@ -180,16 +170,11 @@ def price_card_add(request):
     form = PriceCardForm(request.POST, flavors=quota_selectors.flavor_list())
     if form.is_valid():
         data = form.cleaned_data
-        try:
+        with refusals_on(form):
             card = quota_services.price_set(
                 actor=request.user, flavor=data["flavor"], price_per_hour=data["price_per_hour"],
                 currency=data["currency"], effective_from=data["effective_from"],
             )
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             messages.success(
                 request, f"{card.flavor.name}: {card.price_per_hour:.4f} {card.currency} per hour from "
                          f"{card.effective_from:%Y-%m-%d %H:%M} UTC."
@@ -204,14 +189,9 @@ def flavor_describe(request):
     """Change a flavor's description through the quotas service (its name and shape stay)."""
     form = FlavorDescriptionForm(request.POST, flavors=quota_selectors.flavor_list())
     if form.is_valid():
-        try:
+        with refusals_on(form):
             flavor = quota_services.flavor_describe(actor=request.user, flavor=form.cleaned_data["flavor"],
                                                     description=form.cleaned_data["description"])
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             messages.success(request, f"Saved the description of {flavor.name}.")
             return redirect(f"{reverse('flavors')}#flavor-{flavor.name}")
     return _render_flavors(request, describe_form=form, status=400)

@@ -25,6 +25,7 @@ from frontend.forms import (
     PartitionProfileForm,
     QuotaForm,
     add_service_errors,
+    refusals_on,
 )
 from quotas import selectors as quota_selectors
 from quotas import services as quota_services
@@ -277,13 +278,8 @@ def quota_table(request):
 def quota_set(request):
     form = _quota_form(request, request.POST)
     if form.is_valid():
-        try:
+        with refusals_on(form):
             quota = quota_services.quota_set(actor=request.user, **form.cleaned_data)
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             messages.success(
                 request, f"{quota.tenant.name}: {quota.flavor.name} is now {quota.guaranteed} guaranteed, {quota.max} max."
             )
@@ -361,13 +357,8 @@ def partition_create(request):
     form = PartitionProfileForm(request.POST)
     if form.is_valid():
         data = form.cleaned_data
-        try:
+        with refusals_on(form):
             profile = clusters.partition_profile_create(actor=request.user, **data)
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             messages.success(request, f"Saved partition profile {profile.name}.")
             return redirect(f"{reverse('partitions')}#profile-{profile.name}")
     return _render_partitions(request, form, preview=_preview(PartitionPreviewForm(request.POST)), status=400)
@@ -470,13 +461,8 @@ def node_pool_apply(request, pool_id):
     pool = cluster_selectors.node_pool_get(user=request.user, pool_id=pool_id)
     form = NodePoolApplyForm(request.POST, profiles=cluster_selectors.node_pool_profiles(user=request.user, pool=pool))
     if form.is_valid():
-        try:
+        with refusals_on(form):
             change = clusters.node_pool_apply(actor=request.user, pool=pool, **form.cleaned_data)["change"]
-        except PermissionDenied as exc:
-            form.add_error(None, str(exc))
-        except ValidationError as exc:
-            add_service_errors(form, exc)
-        else:
             messages.success(request, f"Applying {change.profile.name} to {pool.name}; progress shows below.")
             return redirect("node-pool", pool_id=pool.id)
     return _render_pool(request, pool, form, status=400)

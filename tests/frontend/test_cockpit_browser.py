@@ -5,8 +5,7 @@ import pytest
 from runners.jobs import services as jobs
 from runners.scheduling import services as scheduling
 from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
-from tests.runners.test_cycle import _run
-from tests.support.jobs import give_quota, job_data
+from tests.support.jobs import give_quota, job_data, play_launch
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
@@ -38,7 +37,7 @@ def test_staff_watch_a_job_admitted_then_preempted_on_the_cockpit_and_the_queue(
 
     # The cycle admits the borrower (acme has no guarantee: all 16 units are borrowed), and it runs.
     scheduling.cycle_run()
-    _run(borrower)
+    play_launch(borrower)
     expect(flavor_row.get_by_test_id("allocated")).to_have_text("16", timeout=LIVE_MS)
     expect(flavor_row.get_by_test_id("free")).to_have_text("0")
     expect(page.get_by_test_id("queue-length")).to_have_text("0")

@@ -11,12 +11,10 @@ from django.test.utils import CaptureQueriesContext
 from quotas.models import PriceCard, ResourceFlavor
 from runners.clusters.models import NodePool, PartitionChange, PartitionProfile
 from runners.environments.models import EnvironmentState
-from runners.jobs import services as jobs
 from runners.jobs.models import Job, JobEvent
 from runners.scheduling import services as scheduling
 from tenants.models import Tenant
-from tests.runners.test_cycle import _run
-from tests.support.jobs import give_quota, job_data
+from tests.support.jobs import give_quota, play_launch, submit
 
 pytestmark = pytest.mark.django_db
 
@@ -29,8 +27,6 @@ def staff_client(client, staff):
     return client
 
 
-def _submit(actor, environment, **overrides):
-    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
 
 
 def _field_error(html: str, field: str) -> str:
@@ -56,10 +52,10 @@ def borrowing_world(flavors, tenant, other_tenant, owner, outsider, acme_env, gl
     """acme borrows all 16 H100s and runs; globex's guarantee waits for them; acme has a job waiting too."""
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
+    borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                        topology={"level": "none", "mode": "preferred"})
     scheduling.cycle_run()
-    _run(borrower)
+    play_launch(borrower)
     return {"borrower": borrower}
 
 
@@ -104,12 +100,12 @@ def test_the_cockpit_shows_partition_changes_in_flight_and_failing_environments_
 
 def test_the_cockpit_costs_the_same_queries_with_one_job_or_many(staff_client, flavors, tenant, owner, acme_env):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
-    _submit(owner, acme_env, name="one", replicas=1, gpus_per_replica=1, topology={"level": "none"})
+    submit(owner, acme_env, name="one", replicas=1, gpus_per_replica=1, topology={"level": "none"})
     scheduling.cycle_run()
     with CaptureQueriesContext(connection) as few:
         assert staff_client.get("/cockpit/").status_code == 200
     for index in range(6):
-        _submit(owner, acme_env, name=f"more-{index}", replicas=2, gpus_per_replica=1, topology={"level": "none"})
+        submit(owner, acme_env, name=f"more-{index}", replicas=2, gpus_per_replica=1, topology={"level": "none"})
     scheduling.cycle_run()
     with CaptureQueriesContext(connection) as many:
         assert staff_client.get("/cockpit/").status_code == 200
@@ -155,8 +151,8 @@ def test_a_member_gets_the_friendly_404_for_every_staff_page_and_cannot_cancel_f
 def test_the_queue_lists_every_tenants_work_waiting_ones_first_in_the_cycles_order(
     staff_client, borrowing_world, outsider, owner, globex_env, acme_env
 ):
-    owed = _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
-    extra = _submit(owner, acme_env, name="extra", replicas=1, gpus_per_replica=4, topology={"level": "none"})
+    owed = submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
+    extra = submit(owner, acme_env, name="extra", replicas=1, gpus_per_replica=4, topology={"level": "none"})
     scheduling.cycle_run()
     owed.refresh_from_db(), extra.refresh_from_db()
     html = staff_client.get("/queue/").content.decode()
@@ -193,7 +189,7 @@ def test_a_bad_queue_filter_is_a_400_naming_it(staff_client, borrowing_world):
 def test_cancel_from_the_queue_cancels_through_the_jobs_app_and_never_deletes(
     staff_client, borrowing_world, owner, acme_env
 ):
-    waiting = _submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=8)
+    waiting = submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
     response = staff_client.post(f"/queue/{waiting.id}/cancel/", {"next": "/queue/?tenant=acme"}, follow=True)
     assert response.redirect_chain[-1][0] == "/queue/?tenant=acme"

@@ -5,10 +5,9 @@ import pytest
 
 from runners.jobs import attempts
 from runners.jobs import services as jobs
-from runners.jobs.models import JobState
 from runners.scheduling import services as scheduling
 from tests.frontend.conftest import log_in
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, play_launch, ready_environment
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
@@ -16,15 +15,6 @@ expect = playwright_sync.expect
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
-def _run(job):
-    """Play the launcher: the admitted job is running."""
-    job.refresh_from_db()
-    assert jobs.transition(job, JobState.LAUNCHING, "test")
-    attempt = job.attempts.get(ended_at__isnull=True)
-    attempt.started_at = job.state_changed_at
-    attempt.save()
-    assert jobs.transition(job, JobState.RUNNING, "test")
-    return attempt
 
 
 def test_a_preempted_jobs_page_shows_its_reasons_as_sentences_and_its_start_in_local_time(
@@ -38,7 +28,7 @@ def test_a_preempted_jobs_page_shows_its_reasons_as_sentences_and_its_start_in_l
     borrower = jobs.job_submit(actor=owner, data=job_data(acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                                                           topology={"level": "none", "mode": "preferred"}))
     scheduling.cycle_run()
-    attempt = _run(borrower)
+    attempt = play_launch(borrower)
     owed = jobs.job_submit(actor=outsider,
                            data=job_data(globex_env, name="train-resnet", replicas=1, gpus_per_replica=8))
     scheduling.cycle_run()

@@ -18,7 +18,7 @@ from portal.celery import app
 from runners.jobs import services as jobs
 from runners.jobs.models import JobState
 from runners.scheduling import services as scheduling
-from tests.support.jobs import give_quota, job_data
+from tests.support.jobs import give_quota, submit
 from tests.support.worker import wait_for
 
 UNREACHABLE = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there
@@ -41,8 +41,6 @@ def _value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def _submit(actor, environment, **overrides):
-    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
 
 
 
@@ -53,10 +51,10 @@ def test_a_cycle_moves_queue_allocation_admissions_and_the_cycle_histogram(
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=2, max=2)
-    _submit(owner, acme_env, name="first", replicas=2, gpus_per_replica=2)
-    _submit(owner, acme_env, name="second", replicas=2, gpus_per_replica=4)  # past acme's max once first runs
-    _submit(outsider, globex_env, name="one", replicas=1, gpus_per_replica=2)
-    _submit(outsider, globex_env, name="two", replicas=1, gpus_per_replica=2)  # past globex's max
+    submit(owner, acme_env, name="first", replicas=2, gpus_per_replica=2)
+    submit(owner, acme_env, name="second", replicas=2, gpus_per_replica=4)  # past acme's max once first runs
+    submit(outsider, globex_env, name="one", replicas=1, gpus_per_replica=2)
+    submit(outsider, globex_env, name="two", replicas=1, gpus_per_replica=2)  # past globex's max
     client = client_for(staff)
 
     before = _scrape(client)
@@ -91,7 +89,7 @@ def test_a_preemption_is_counted_for_the_victims_tenant(
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
+    borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                        topology={"level": "none", "mode": "preferred"})
     scheduling.cycle_run()
     borrower.refresh_from_db()
@@ -100,7 +98,7 @@ def test_a_preemption_is_counted_for_the_victims_tenant(
     before = _scrape(client)
     assert _value(before, "portal_gpu_units_allocated", tenant="acme", flavor="h100-80gb") == 16
 
-    _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
+    submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
     assert scheduling.cycle_run()["preempted"] == [borrower.id]
 
     after = _scrape(client)
@@ -133,7 +131,7 @@ def test_with_redis_down_the_cycle_still_runs_and_the_scrape_still_answers(
     flavors, tenant, owner, acme_env, staff, client_for, settings, caplog
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
-    job = _submit(owner, acme_env, replicas=1, gpus_per_replica=2)
+    job = submit(owner, acme_env, replicas=1, gpus_per_replica=2)
     settings.CELERY_BROKER_URL = UNREACHABLE  # the store follows the broker's Redis; tasks are not sent here
     with caplog.at_level(logging.WARNING, logger="common.metrics"):
         assert scheduling.cycle_run()["admitted"] == [job.id]

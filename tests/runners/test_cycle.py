@@ -10,22 +10,7 @@ from runners.jobs import services as jobs
 from runners.jobs.models import Job, JobState
 from runners.scheduling import services as scheduling
 from runners.scheduling.models import SchedulerCycle
-from tests.support.jobs import give_quota, job_data
-
-
-def _submit(actor, environment, **overrides):
-    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
-
-
-def _run(job):
-    """Play the launcher: the admitted job is running."""
-    job.refresh_from_db()
-    assert jobs.transition(job, JobState.LAUNCHING, "test")
-    attempt = job.attempts.get(ended_at__isnull=True)
-    attempt.started_at = job.state_changed_at
-    attempt.save()
-    assert jobs.transition(job, JobState.RUNNING, "test")
-    return attempt
+from tests.support.jobs import give_quota, play_launch, submit
 
 
 def _placed(job):
@@ -35,7 +20,7 @@ def _placed(job):
 @pytest.mark.django_db
 def test_a_job_within_quota_is_admitted_as_one_gang_on_one_node(flavors, tenant, owner, acme_env, django_capture_on_commit_callbacks):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
-    job = _submit(owner, acme_env, replicas=2, gpus_per_replica=2)
+    job = submit(owner, acme_env, replicas=2, gpus_per_replica=2)
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         result = scheduling.cycle_run()
     assert result["admitted"] == [job.id]
@@ -53,8 +38,8 @@ def test_a_job_within_quota_is_admitted_as_one_gang_on_one_node(flavors, tenant,
 @pytest.mark.django_db
 def test_past_max_a_job_waits_with_the_reason_and_its_place_in_line(flavors, tenant, owner, acme_env):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=4, max=8)
-    first = _submit(owner, acme_env, name="first", replicas=2, gpus_per_replica=4)
-    second = _submit(owner, acme_env, name="second", replicas=2, gpus_per_replica=4)
+    first = submit(owner, acme_env, name="first", replicas=2, gpus_per_replica=4)
+    second = submit(owner, acme_env, name="second", replicas=2, gpus_per_replica=4)
     scheduling.cycle_run()
     first.refresh_from_db(), second.refresh_from_db()
     assert first.state == "admitted"
@@ -65,13 +50,13 @@ def test_past_max_a_job_waits_with_the_reason_and_its_place_in_line(flavors, ten
 @pytest.mark.django_db
 def test_placement_takes_out_what_running_attempts_hold(flavors, tenant, owner, acme_env):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
-    first = _submit(owner, acme_env, name="first", replicas=1, gpus_per_replica=8)
+    first = submit(owner, acme_env, name="first", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
-    _run(first)
-    second = _submit(owner, acme_env, name="second", replicas=1, gpus_per_replica=8)
+    play_launch(first)
+    second = submit(owner, acme_env, name="second", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
     assert {_placed(first)[0]["node"], _placed(second)[0]["node"]} == {"h100-node-1", "h100-node-2"}
-    third = _submit(owner, acme_env, name="third", replicas=1, gpus_per_replica=1)
+    third = submit(owner, acme_env, name="third", replicas=1, gpus_per_replica=1)
     scheduling.cycle_run()
     third.refresh_from_db()
     assert third.state == "queued", "all 16 H100s are held"
@@ -84,10 +69,10 @@ def test_a_guarantee_reclaims_borrowed_gpus_by_preempting_with_a_deadline(
     settings.PREEMPTION_GRACE_PERIOD_S = 30
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8, topology={"level": "none", "mode": "preferred"})
+    borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8, topology={"level": "none", "mode": "preferred"})
     scheduling.cycle_run()
-    _run(borrower)
-    owed = _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
+    play_launch(borrower)
+    owed = submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         result = scheduling.cycle_run()
     borrower.refresh_from_db(), owed.refresh_from_db()
@@ -109,9 +94,9 @@ def test_mig_and_time_slice_jobs_take_existing_slices(flavors, tenant, owner, ac
     shared = next(name for name in flavors if name.startswith("t4") and name.endswith("shared"))
     give_quota(tenant, flavors["a100-40gb-mig-1g.5gb"], guaranteed=8, max=8)
     give_quota(tenant, flavors[shared], guaranteed=8, max=8)
-    mig_job = _submit(owner, acme_env, name="mig", flavor="a100-40gb-mig-1g.5gb", replicas=8,
+    mig_job = submit(owner, acme_env, name="mig", flavor="a100-40gb-mig-1g.5gb", replicas=8,
                       topology={"level": "none", "mode": "required"})
-    ts_job = _submit(owner, acme_env, name="ts", flavor=shared, replicas=5, topology={"level": "node", "mode": "preferred"})
+    ts_job = submit(owner, acme_env, name="ts", flavor=shared, replicas=5, topology={"level": "node", "mode": "preferred"})
     scheduling.cycle_run()
     mig_job.refresh_from_db(), ts_job.refresh_from_db()
     assert mig_job.state == ts_job.state == "admitted", (mig_job.reason, ts_job.reason)
@@ -126,7 +111,7 @@ def test_two_cycles_at_once_never_admit_the_same_capacity_twice(flavors, tenant,
     assert connection.vendor == "postgresql"
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=64)
     for index in range(6):
-        _submit(owner, acme_env, name=f"job-{index}", replicas=1, gpus_per_replica=8)
+        submit(owner, acme_env, name=f"job-{index}", replicas=1, gpus_per_replica=8)
     barrier = threading.Barrier(2)
     results, errors = [], []
 
@@ -156,7 +141,7 @@ def test_the_cycle_does_not_overwrite_the_reason_of_a_job_that_left_the_queue_me
     from runners.jobs.services import job_rows_update
 
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=1)
-    waiting = _submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=1)
+    waiting = submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=1)
     stale = Job.objects.get(id=waiting.id)  # what a cycle snapshotted
     jobs.job_cancel(actor=owner, job=waiting)
     stale.reason, stale.queue_position = "waiting: something", 3

@@ -36,7 +36,7 @@ from runners.jobs.models import JOB_HOLDING_STATES, IdempotencyKey, Job, JobAtte
 from runners.scheduling import services as scheduling
 from tenants.models import Tenant
 from tests.support.backends import Faulty, Gate, Gated, use_backend
-from tests.support.jobs import give_quota, job_data, ready_environment
+from tests.support.jobs import give_quota, job_data, ready_environment, submit
 from tests.support.partitions import drive_partition_change
 
 ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
@@ -204,12 +204,10 @@ def _assert_nothing_runs_for_ended_attempts() -> None:
         )
 
 
-def _submit(actor, environment, **overrides) -> Job:
-    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
 
 
 def _admitted(actor, environment, **overrides) -> Job:
-    job = _submit(actor, environment, **{**ONE_GPU, **overrides})
+    job = submit(actor, environment, **{**ONE_GPU, **overrides})
     scheduling.cycle_run()
     job.refresh_from_db()
     assert job.state == JobState.ADMITTED, job.reason
@@ -266,12 +264,12 @@ def _borrower_and_owed(tenant, other_tenant, owner, outsider, acme_env, globex_e
     """acme borrows all 16 H100s with an admitted (not launched) job; globex's guaranteed job then needs 8."""
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
+    borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                        topology={"level": "none", "mode": "preferred"})
     scheduling.cycle_run()
     borrower.refresh_from_db()
     assert borrower.state == JobState.ADMITTED, borrower.reason
-    owed = _submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
+    owed = submit(outsider, globex_env, name="owed", replicas=1, gpus_per_replica=8, priority=50)
     return borrower, owed
 
 
@@ -618,7 +616,7 @@ def test_deleting_an_environment_cancels_its_jobs_and_tears_down_only_once_their
     running = _admitted(owner, acme_env, name="running", replicas=1, gpus_per_replica=8, **LONG)
     assert attempts.job_launch_run(job_id=running.id, attempt_number=1) == JobState.RUNNING
     admitted = _admitted(owner, acme_env, name="admitted", replicas=1, gpus_per_replica=8)
-    queued = _submit(owner, acme_env, name="queued", **ONE_GPU)
+    queued = submit(owner, acme_env, name="queued", **ONE_GPU)
     scheduling.cycle_run()
     queued.refresh_from_db()
     assert queued.state == JobState.QUEUED, "all 16 H100s are held"
@@ -889,7 +887,7 @@ def test_a_submit_whose_database_connection_dies_after_the_write_answers_503_and
     DatabaseError in a view answered 500, telling the client nothing of whether to retry. Now it
     answers 503 with Retry-After; nothing was committed, and a retry with the same key creates the job."""
     api = client_for(owner)
-    placeholder = _submit(owner, acme_env, name="placeholder", **ONE_GPU)
+    placeholder = submit(owner, acme_env, name="placeholder", **ONE_GPU)
     data = job_data(acme_env, name="keyed", **ONE_GPU)
     held, release = threading.Event(), threading.Event()
 

@@ -14,10 +14,9 @@ from django.utils import timezone
 from runners.clusters.registry import get_backend
 from runners.clusters.services import inventory_sync
 from runners.jobs import attempts
-from runners.jobs import services as jobs
-from runners.jobs.models import Job, JobState
+from runners.jobs.models import Job
 from runners.scheduling import services as scheduling
-from tests.support.jobs import give_quota, job_data
+from tests.support.jobs import give_quota, play_launch, submit
 
 pytestmark = pytest.mark.django_db
 
@@ -25,19 +24,8 @@ pytestmark = pytest.mark.django_db
 EPOCH = re.compile(r"\bt=\d+(\.\d+)?s\b|\b1[5-9]\d{8}\b")
 
 
-def _submit(actor, environment, **overrides):
-    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
 
 
-def _run(job):
-    """Play the launcher: the admitted job is running."""
-    job.refresh_from_db()
-    assert jobs.transition(job, JobState.LAUNCHING, "test")
-    attempt = job.attempts.get(ended_at__isnull=True)
-    attempt.started_at = job.state_changed_at
-    attempt.save()
-    assert jobs.transition(job, JobState.RUNNING, "test")
-    return attempt
 
 
 def _reasons_through_the_api(client, tenant) -> dict[int, list[str]]:
@@ -73,11 +61,11 @@ def test_a_preemption_and_the_waits_around_it_read_like_a_person_wrote_them(
     settings.PREEMPTION_GRACE_PERIOD_S = 120
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
+    borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
                        topology={"level": "none", "mode": "preferred"})
     scheduling.cycle_run()
-    attempt = _run(borrower)
-    owed = _submit(outsider, globex_env, name="train-resnet", replicas=1, gpus_per_replica=8)
+    attempt = play_launch(borrower)
+    owed = submit(outsider, globex_env, name="train-resnet", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
     borrower.refresh_from_db(), owed.refresh_from_db()
 
@@ -127,12 +115,12 @@ def test_a_job_waiting_at_its_max_and_one_held_behind_another_say_so_without_nam
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=0, max=8)
-    running = _submit(owner, acme_env, name="running", replicas=2, gpus_per_replica=8,
+    running = submit(owner, acme_env, name="running", replicas=2, gpus_per_replica=8,
                       topology={"level": "none", "mode": "preferred"}, max_runtime_s=1200)
     scheduling.cycle_run()
-    _run(running)
-    at_max = _submit(owner, acme_env, name="at-max", replicas=1, gpus_per_replica=1)
-    borrowing = _submit(outsider, globex_env, name="borrowing", replicas=1, gpus_per_replica=8)
+    play_launch(running)
+    at_max = submit(owner, acme_env, name="at-max", replicas=1, gpus_per_replica=1)
+    borrowing = submit(outsider, globex_env, name="borrowing", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
     at_max.refresh_from_db(), borrowing.refresh_from_db(), running.refresh_from_db()
     assert at_max.reason == (
@@ -151,10 +139,10 @@ def test_a_job_waiting_at_its_max_and_one_held_behind_another_say_so_without_nam
 
 def test_a_job_that_fails_past_its_retries_says_why_and_what_to_do(flavors, tenant, owner, acme_env, client_for):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    job = _submit(owner, acme_env, name="flaky", replicas=1, max_retries=1)
+    job = submit(owner, acme_env, name="flaky", replicas=1, max_retries=1)
     for _ in range(2):
         scheduling.cycle_run()
-        attempt = _run(job)
+        attempt = play_launch(job)
         assert attempts.attempt_end(job.id, attempt.id, outcome="failed", reason="Replica 0 exited with 1.",
                                     exit_code=1)
         job.refresh_from_db()
@@ -192,7 +180,7 @@ def test_a_queued_job_whose_replica_no_longer_fits_any_node_says_so_and_why(
     flavors, tenant, owner, acme_env, client_for, settings, tmp_path
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    job = _submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
+    job = submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
     demo = settings.LOCAL_CLUSTER_FILE
     _use_cluster_file(settings, _h100_nodes_of(tmp_path, 4))
     result = scheduling.cycle_run()
@@ -215,7 +203,7 @@ def test_a_job_that_cannot_fit_is_in_no_line_and_has_no_projected_start(
     flavors, tenant, owner, acme_env, client, client_for, settings, tmp_path
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    job = _submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
+    job = submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
     # What an earlier cycle wrote while it could still fit.
     Job.objects.filter(id=job.id).update(queue_position=7, projected_start=timezone.now() + timedelta(minutes=5))
     _use_cluster_file(settings, _h100_nodes_of(tmp_path, 4))
@@ -236,12 +224,12 @@ def test_a_queued_job_the_cluster_shrank_under_preempts_nobody_and_says_how_many
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=8)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=16, max=16)
-    borrower = _submit(owner, acme_env, name="borrower", replicas=1, gpus_per_replica=8)
+    borrower = submit(owner, acme_env, name="borrower", replicas=1, gpus_per_replica=8)
     scheduling.cycle_run()
-    _run(borrower)
+    play_launch(borrower)
     lost = next(node for node in ("h100-node-1", "h100-node-2") if node != borrower.attempts.get().placement[0]["node"])
     # Within its guarantee, this job would preempt the borrower; but the cluster loses a node first.
-    owed = _submit(outsider, globex_env, name="wide", replicas=2, gpus_per_replica=8,
+    owed = submit(outsider, globex_env, name="wide", replicas=2, gpus_per_replica=8,
                    topology={"level": "none", "mode": "preferred"})
     get_backend().set_node_down(lost)
     inventory_sync()

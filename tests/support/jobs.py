@@ -47,6 +47,27 @@ def job_data(environment, /, **overrides) -> dict:
     return data
 
 
+def submit(actor, environment, /, **overrides):
+    """Submit a valid job into the environment, with some of its fields changed."""
+    from runners.jobs import services as jobs
+
+    return jobs.job_submit(actor=actor, data=job_data(environment, **overrides))
+
+
+def play_launch(job):
+    """Play the launcher: the admitted job is running (its open attempt started now)."""
+    from runners.jobs import services as jobs
+    from runners.jobs.models import JobState
+
+    job.refresh_from_db()
+    assert jobs.transition(job, JobState.LAUNCHING, "test")
+    attempt = job.attempts.get(ended_at__isnull=True)
+    attempt.started_at = job.state_changed_at
+    attempt.save()
+    assert jobs.transition(job, JobState.RUNNING, "test")
+    return attempt
+
+
 def reconcile_until(job, states, *, timeout_s: float = 60, pause_s: float = 0.3):
     """Run reconcile passes until the job is in one of `states`; a requeued job gets its next cycle and launch."""
     deadline = time.monotonic() + timeout_s
