@@ -27,20 +27,30 @@
     document.dispatchEvent(new CustomEvent("portal:live-replaced", { detail: { old: element, replacement: replacement } }));
   }
 
-  function refresh(element) {
-    if (!element.isConnected) return;
-    fetch(element.dataset.pollUrl, { credentials: "same-origin" })
+  // A fragment the server renders, as a template's content; null when polling should stop quietly:
+  // a redirect means the session ended (the login page), a 404 that the object is gone.
+  function fetchFragment(url) {
+    return fetch(url, { credentials: "same-origin" })
       .then(function (response) {
-        // A redirect means the session ended (login page) and a 404 that it is gone: stop quietly.
         if (response.redirected || response.status === 404) return null;
         if (!response.ok) throw new Error("HTTP " + response.status);
         return response.text();
       })
       .then(function (html) {
-        if (html === null) return;
+        if (html === null) return null;
         var template = document.createElement("template");
         template.innerHTML = html.trim();
-        var replacement = template.content.firstElementChild;
+        return template.content;
+      });
+  }
+  window.portalFetchFragment = fetchFragment;  // the log's Follow polls with it too
+
+  function refresh(element) {
+    if (!element.isConnected) return;
+    fetchFragment(element.dataset.pollUrl)
+      .then(function (content) {
+        if (content === null) return;
+        var replacement = content.firstElementChild;
         if (!replacement) { removeRow(element); announce(element, null); return; }
         element.replaceWith(replacement);
         announce(element, replacement);
@@ -186,17 +196,10 @@
     setTimeout(function () {
       delete card.dataset.polling;
       if (!following(card)) return;
-      fetch(card.dataset.logUrl, { credentials: "same-origin" })
-        .then(function (response) {
-          if (response.redirected || response.status === 404) return null;
-          if (!response.ok) throw new Error("HTTP " + response.status);
-          return response.text();
-        })
-        .then(function (html) {
-          if (html === null) return;
-          var template = document.createElement("template");
-          template.innerHTML = html.trim();
-          var fresh = template.content.querySelector("[data-log-url]");
+      window.portalFetchFragment(card.dataset.logUrl)
+        .then(function (content) {
+          if (content === null) return;
+          var fresh = content.querySelector("[data-log-url]");
           if (!fresh) return;
           // Only the words change: the log keeps its focus and the picker its place.
           ["[data-log-text]", "[data-log-label]"].forEach(function (selector) {
