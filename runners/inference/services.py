@@ -23,7 +23,7 @@ from quotas.models import PartitionKind, Quota
 from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs import services as jobs
-from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobEvent, JobState
+from runners.jobs.models import JOB_FINAL_STATES, NOT_YET_SEEN_REASON, Checkpoint, Job, JobEvent, JobState
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
 from tenants.services import require_role
@@ -318,7 +318,7 @@ def replica_start(endpoint: InferenceEndpoint, slot: int, reason: str) -> Replic
     job = Job.objects.create(
         tenant=endpoint.tenant, environment=endpoint.environment, name=spec["name"], kind=Job.Kind.SERVING,
         spec=spec, flavor=endpoint.flavor, replicas=1, gpus_per_replica=endpoint.gpus_per_replica, priority=0,
-        preemptible=spec["preemptible"], submitted_by=endpoint.created_by, reason="Waiting for the scheduler.",
+        preemptible=spec["preemptible"], submitted_by=endpoint.created_by, reason=NOT_YET_SEEN_REASON,
     )
     JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Replica of endpoint {endpoint.name}: {reason}")
     transaction.on_commit(jobs.kick_cycle)

@@ -6,6 +6,9 @@ from django.db import models
 from runners.environments.models import Environment
 from tenants.models import dns_label_validator
 
+# A new job's reason until the scheduler cycle first looks at it.
+NOT_YET_SEEN_REASON = "Waiting for the scheduler."
+
 
 class JobState(models.TextChoices):
     QUEUED = "queued"  # waiting for the scheduler cycle

@@ -24,7 +24,7 @@ from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.clusters.services import flavor_units_per_node
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs import signals
-from runners.jobs.models import JOB_FINAL_STATES, IdempotencyKey, Job, JobEvent, JobState
+from runners.jobs.models import JOB_FINAL_STATES, NOT_YET_SEEN_REASON, IdempotencyKey, Job, JobEvent, JobState
 from runners.workloads import env_policy
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
@@ -472,7 +472,7 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
                 tenant=checked["tenant"], environment=environment, name=spec["name"], spec=spec,
                 flavor=checked["flavor"], replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
                 priority=spec["priority"], preemptible=spec["preemptible"], submitted_by=actor,
-                reason="Waiting for the scheduler.",
+                reason=NOT_YET_SEEN_REASON,
             )
             JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Submitted by {actor.get_username()}.")
             if key is not None:

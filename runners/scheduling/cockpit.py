@@ -22,7 +22,7 @@ from quotas.selectors import flavor_kubernetes_resource
 from runners.clusters.models import Gpu, Node, NodePool, PartitionChange
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs.attempts import open_attempts
-from runners.jobs.models import JOB_HOLDING_STATES, Job, JobState
+from runners.jobs.models import JOB_HOLDING_STATES, NOT_YET_SEEN_REASON, Job, JobState
 from runners.scheduler.admission import FlavorQuota, RunningWorkload, TenantQuota
 from runners.scheduler.admission.preemption import borrowed_units
 from runners.scheduling.models import SchedulerCycle
@@ -76,6 +76,11 @@ class QueueRow:
     @property
     def borrowing(self) -> bool:
         return self.borrowed_units > 0
+
+    @property
+    def unseen(self) -> bool:
+        """Queued, and the cycle has not looked at it yet (one it set aside, say as unfit, is in no line)."""
+        return self.job.state == JobState.QUEUED and self.job.reason == NOT_YET_SEEN_REASON
 
 
 def queue(*, user: AbstractBaseUser, tenant: str | None = None, state: str | None = None) -> list[QueueRow]:

@@ -200,7 +200,7 @@ def test_a_queued_job_whose_replica_no_longer_fits_any_node_says_so_and_why(
 
 
 def test_a_job_that_cannot_fit_is_in_no_line_and_has_no_projected_start(
-    flavors, tenant, owner, acme_env, client, client_for, settings, tmp_path
+    flavors, tenant, owner, staff, acme_env, client, client_for, settings, tmp_path
 ):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
     job = submit(owner, acme_env, name="big-replica", replicas=1, gpus_per_replica=8)
@@ -217,6 +217,11 @@ def test_a_job_that_cannot_fit_is_in_no_line_and_has_no_projected_start(
     client.force_login(owner)
     for path in (f"/jobs/{job.id}/", "/tenants/acme/jobs/"):
         assert "in line" not in client.get(path).content.decode(), path
+    # Nor is it "new" on the staff queue: the cycle has seen it and set it aside.
+    client.force_login(staff)
+    html = client.get("/queue/").content.decode()
+    place = re.search(rf'data-job="{job.id}".*?data-testid="place">(.*?)</td>', html, re.S)
+    assert place and "new" not in place.group(1) and "7" not in place.group(1), place and place.group(1)
 
 
 def test_a_queued_job_the_cluster_shrank_under_preempts_nobody_and_says_how_many_replicas_fit(
