@@ -260,7 +260,10 @@ def test_max_runtime_counts_from_the_first_step_not_from_the_start(tmp_path):
     counted_from = datetime.fromisoformat(counted_from.split()[0])
     last = datetime.fromisoformat(progress.read_metrics(job)[-1]["time"])
     assert counted_from > late, "the clock starts once the rendezvous is done"
-    assert (last - counted_from).total_seconds() >= 2
+    # About 2 s of steps after the rendezvous (counted from the process's start it would have stopped
+    # after its first step). Each rank keeps its own clock and either may stop both, and rank 0 logs
+    # its line just after starting its clock: so "about" is within a tenth of a second.
+    assert (last - counted_from).total_seconds() >= 1.9
     assert "--max-runtime-s 2 reached" in first.log() or "--max-runtime-s 2 reached" in replicas[1].log()
 
 
