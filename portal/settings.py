@@ -70,6 +70,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "portal.middleware.ContentSecurityPolicyMiddleware",
     # Last, so it sees what a view raised: common.errors.NotFound is a 404 page, Conflict a 409.
     "portal.middleware.PortalErrorMiddleware",
 ]
@@ -77,6 +78,15 @@ MIDDLEWARE = [
 if not DEBUG:
     # Serves collected static files in production; runserver serves them under DEBUG.
     MIDDLEWARE.insert(3, "whitenoise.middleware.WhiteNoiseMiddleware")
+
+# Scripts, styles, images and fonts from the portal itself (styles may also be inline: charts set widths
+# in style attributes); no plugins, no framing, forms post only here. Empty turns the header off.
+CONTENT_SECURITY_POLICY = env_str(
+    "CONTENT_SECURITY_POLICY",
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "font-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'self'; form-action 'self'; "
+    "frame-ancestors 'none'",
+)
 
 ROOT_URLCONF = "portal.urls"
 WSGI_APPLICATION = "portal.wsgi.application"

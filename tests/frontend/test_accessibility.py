@@ -3,7 +3,8 @@
 The pages are found as a person finds them: from the start page, following the links of the
 portal's own pages (not the Django admin's, not the API's). A serious or critical violation on any
 page fails the test with the page, the rule and the element; at 390 px no page may be wider than
-the screen; a link that answers 4xx or 5xx is a problem too (its friendly error page would pass axe),
+the screen; anything the Content-Security-Policy refuses is a problem, and a link that answers 4xx or
+5xx is one too (its friendly error page would pass axe),
 and each role must have reached the pages it is known to have (REQUIRED). Every page is photographed
 at both widths into `screenshot_dir`.
 """
@@ -110,6 +111,10 @@ def test_every_page_passes_axe_and_fits_a_phone(browser, live_server, screenshot
         if ROLES[role]:
             context.add_cookies([_session_cookie(users.get(username=ROLES[role]), live_server.url)])
         page = context.new_page()
+        # The Content-Security-Policy allows no inline script: Chromium says so on the console for any
+        # script, handler attribute or resource a page has that the policy refuses.
+        page.on("console", lambda message, page=page, width=width: problems.append(
+            f"{width}px {page.url}: {message.text}") if "Content Security Policy" in message.text else None)
 
         def visit(path, page=page, width=width, width_name=width_name):
             page.screenshot(path=str(screenshot_dir / _file_name(role, width_name, path)), full_page=True)

@@ -21,7 +21,9 @@ def test_api_docs_render_with_nothing_but_the_portal_reachable(page, live_server
     page.route("**/*", only_the_portal)
     errors = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(f"{live_server.url}/api/docs/")
+    page.on("console", lambda message: errors.append(message.text) if "Content Security Policy" in message.text else None)
+    response = page.goto(f"{live_server.url}/api/docs/")
+    assert "script-src 'self'" in response.headers["content-security-policy"]
     # Swagger UI drew the schema's operations: its bundle and the schema came from the portal.
     expect(page.locator(".swagger-ui .info .title")).to_contain_text("GPU portal API")
     expect(page.locator(".opblock-tag-section").first).to_be_visible()
