@@ -7,14 +7,11 @@ names ``page``; a page past the last one is a 404, as documented on every
 paginated list.
 """
 
-import re
-
 from rest_framework import pagination
 from rest_framework.exceptions import NotFound, ValidationError
 
-_DIGITS_RE = re.compile(r"[0-9]+")
-# Longer numbers are past the last page of any table (and int() refuses over 4300 digits).
-_MAX_DIGITS = 18
+from common.numbers import whole_number
+
 PAGE_MESSAGE = "A page number is a positive integer: 1, 2, 3, ..."
 
 
@@ -27,12 +24,12 @@ class PageNumberPagination(pagination.PageNumberPagination):
         if not values:
             return 1
         raw = values[-1]  # The last one wins, as with any repeated query parameter here.
-        significant = raw.lstrip("0")
-        if not _DIGITS_RE.fullmatch(raw) or not significant:
+        if not (raw.isascii() and raw.isdigit()) or not raw.lstrip("0"):
             raise ValidationError({self.page_query_param: [PAGE_MESSAGE]})
-        if len(significant) > _MAX_DIGITS:
+        number = whole_number(raw)
+        if number is None:  # longer than any table's last page
             raise NotFound(self.invalid_page_message)
-        return int(significant)
+        return number
 
     def get_schema_operation_parameters(self, view):
         parameters = super().get_schema_operation_parameters(view)

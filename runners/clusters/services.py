@@ -405,10 +405,15 @@ def _gpu_units(kind: str, model: str, mig_profiles: list[str], replicas: int) ->
     return Counter({(PartitionKind.WHOLE, model, ""): 1})
 
 
+def gpu_units(gpu: Gpu) -> Counter[Shape]:
+    """The flavor units (by shape) this GPU offers as it is cut now."""
+    return _gpu_units(gpu.partition_kind, gpu.model, [p for p, _start in gpu.mig_layout], gpu.timeslice_replicas)
+
+
 def _units_of(gpus) -> Counter[Shape]:
     units: Counter[Shape] = Counter()
     for gpu in gpus:
-        units += _gpu_units(gpu.partition_kind, gpu.model, [p for p, _start in gpu.mig_layout], gpu.timeslice_replicas)
+        units += gpu_units(gpu)
     return units
 
 

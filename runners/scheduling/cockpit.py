@@ -17,9 +17,10 @@ from django.db.models import Prefetch
 from django.utils import timezone
 
 from common.errors import NotFound
-from quotas.models import BorrowingPause, PartitionKind, PriceCard, Quota, ResourceFlavor
+from quotas.models import BorrowingPause, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import flavor_kubernetes_resource
 from runners.clusters.models import Gpu, Node, NodePool, PartitionChange
+from runners.clusters.services import gpu_units
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs.attempts import open_attempts
 from runners.jobs.models import JOB_HOLDING_STATES, NOT_YET_SEEN_REASON, Job, JobState
@@ -155,15 +156,6 @@ class GpuView:
         return self.used > 0
 
 
-def _gpu_units(gpu: Gpu) -> int:
-    """Units one GPU offers its flavor: a MIG instance or a time-slice replica each count one."""
-    if gpu.partition_kind == PartitionKind.MIG:
-        return len(gpu.mig_layout)
-    if gpu.partition_kind == PartitionKind.TIMESLICE:
-        return max(1, gpu.timeslice_replicas)
-    return 1
-
-
 def cockpit(*, user: AbstractBaseUser) -> dict:
     """The cluster at a glance: capacity by flavor and pool, every GPU with its jobs, the queue and
     borrowing by tenant, partition changes in flight, failing environments and fragmentation."""
@@ -202,11 +194,12 @@ def cockpit(*, user: AbstractBaseUser) -> dict:
             views = []
             for gpu in node.gpus.all():
                 placed = on_gpu.get((node.name, gpu.index), [])
-                units = _gpu_units(gpu)
+                offered = gpu_units(gpu)
+                units = sum(offered.values())
                 views.append(GpuView(gpu=gpu, units=units, used=min(units, len(placed)),
                                      jobs=list(dict.fromkeys(job for job, _ in placed))))
                 if node.schedulable:
-                    shapes.update(_gpu_shapes(gpu))
+                    shapes.update(offered)
             node_rows.append({"node": node, "gpus": views})
         units = sum(view.units for row in node_rows if row["node"].schedulable for view in row["gpus"])
         used = sum(view.used for row in node_rows if row["node"].schedulable for view in row["gpus"])
@@ -249,15 +242,6 @@ def cockpit(*, user: AbstractBaseUser) -> dict:
         "cycle": SchedulerCycle.objects.filter(id=1).first(),
         "fragmentation": fragmentation_now(),
     }
-
-
-def _gpu_shapes(gpu: Gpu) -> list[tuple]:
-    """The (kind, model, profile) of every unit the GPU offers."""
-    if gpu.partition_kind == PartitionKind.MIG:
-        return [(PartitionKind.MIG, gpu.model, profile) for profile, _start in gpu.mig_layout]
-    if gpu.partition_kind == PartitionKind.TIMESLICE:
-        return [(PartitionKind.TIMESLICE, gpu.model, "")] * max(1, gpu.timeslice_replicas)
-    return [(PartitionKind.WHOLE, gpu.model, "")]
 
 
 def _tenant_rows(holding: list[Job], queued: list[Job], quotas: list[Quota], borrowed: dict[int, int]) -> list[dict]:
