@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "runners.inference",
     "runners.usage",
     "runners.notifications",
+    "audit",
     "frontend",
 ]
 

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PURE_PACKAGES = ["runners/scheduler", "runners/backends", "runners/nvidia", "runners/workloads"]
-PORTAL_APPS = {"common", "portal", "tenants", "quotas", "runners", "frontend"}
+PORTAL_APPS = {"common", "portal", "tenants", "quotas", "runners", "audit", "frontend"}
 PURE_MODULE_PREFIXES = tuple(path.replace("/", ".") for path in PURE_PACKAGES)
 
 
