@@ -14,7 +14,7 @@ TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
 # Most of the suite waits on workers, trainers and the browser, so three beat two cores' count.
 TEST_WORKERS ?= 3
 
-.PHONY: run test install check-deploy clean
+.PHONY: run test install check-deploy deploy-render clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test: $(STAMP)
 check-deploy: $(STAMP)
 	DEBUG=false SECRET_KEY=$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(50))') \
 	ALLOWED_HOSTS=portal.example.com $(BIN)/python manage.py check --deploy --fail-level WARNING
+
+## The Kubernetes manifests of deploy/overlays/default, rendered (kubectl's built-in kustomize), on stdout.
+deploy-render:
+	@command -v kubectl >/dev/null 2>&1 || { echo "deploy-render needs kubectl (its built-in kustomize renders deploy/); install kubectl first." >&2; exit 1; }
+	@kubectl kustomize deploy/overlays/default
 
 clean:
 	rm -rf $(VENV) var staticfiles
