@@ -4,6 +4,11 @@ Python's json module recurses per nesting level, so a small body of a thousand
 nested lists raises RecursionError deep in the parser; the depth is counted
 first, without parsing. Strings holding NUL (which PostgreSQL refuses) or lone
 surrogates (which cannot be encoded) are refused with a 400 naming the field.
+
+The size bound is API_MAX_BODY_BYTES, never more than REQUEST_MAX_BODY_BYTES (settings refuse
+that): a body whose Content-Length is over the latter never reaches a parser, it is a 413
+(portal.middleware.BodySizeLimitMiddleware); the parser holds the API to its own bound where
+that is the smaller one.
 """
 
 import json

@@ -6,6 +6,7 @@ from celery import Celery
 from celery.signals import task_failure
 
 from common.metrics import task_failed
+from portal import logs  # noqa: F401  (connects the signals that carry a request's id into its tasks)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 

@@ -5,16 +5,23 @@ PostgreSQL refuses text holding NUL, so a NUL that reaches a query is a 500
 query values or header values either. ``RequestHygieneMiddleware`` refuses them
 first, naming the place: a 401 for the Authorization header, a 400 otherwise.
 It runs before the session middleware, which would look a cookie up.
+
+Before it, ``RequestIdMiddleware`` names the request (X-Request-ID, in every log
+line) and writes its access line, and ``BodySizeLimitMiddleware`` refuses a body
+over REQUEST_MAX_BODY_BYTES unread.
 """
 
 import re
+import time
 
+import structlog
 from django.conf import settings
 from django.http import Http404, HttpResponse, JsonResponse
 from django.shortcuts import render
 
 from common import dispatch
 from common.errors import Conflict, NotFound, TooMany
+from portal import logs
 
 # C0 controls but tab, and DEL: what no path segment, query value or header value here may hold.
 CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -31,6 +38,55 @@ def _describe(value: str) -> str:
 def _header_name(meta_key: str) -> str:
     name = meta_key[5:] if meta_key.startswith("HTTP_") else meta_key
     return "-".join(part.capitalize() for part in name.split("_"))
+
+
+class RequestIdMiddleware:
+    """Gives every request an id, in every log line written while serving it, in the tasks it enqueues
+    (``portal.logs``) and in the X-Request-ID answer header; writes the request's access line.
+
+    A valid incoming X-Request-ID (a proxy's, or a client's own) is kept; one that is missing, too
+    long or holds other characters than ``portal.logs.REQUEST_ID_RE`` allows is replaced by a new one.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        started = time.monotonic()
+        request_id = logs.valid_request_id(request.META.get("HTTP_X_REQUEST_ID")) or logs.new_request_id()
+        request.request_id = request_id
+        # Bound until the response is closed (portal.logs clears it on request_finished), so Django's own
+        # line about a 4xx or 5xx, written once the middleware is done, carries it too.
+        structlog.contextvars.clear_contextvars()
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        response = self.get_response(request)
+        response[logs.REQUEST_ID_HEADER] = request_id
+        logs.log_request(request, response, started)
+        return response
+
+
+class BodySizeLimitMiddleware:
+    """Refuses a request whose Content-Length is over REQUEST_MAX_BODY_BYTES with a 413, before anything
+    reads the body: JSON under /api/, a short text otherwise. (Django's DATA_UPLOAD_MAX_MEMORY_SIZE,
+    set to the same bound, stops one that reads more than it says; the API's parser has its own,
+    API_MAX_BODY_BYTES, never larger.)"""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.limit = settings.REQUEST_MAX_BODY_BYTES
+
+    def __call__(self, request):
+        raw = request.META.get("CONTENT_LENGTH") or "0"
+        try:
+            length = int(raw)
+        except ValueError:
+            length = 0  # not a number: Django reads no body at all
+        if length > self.limit:
+            message = f"The body is larger than {self.limit} bytes."
+            if request.path_info.startswith("/api/"):
+                return JsonResponse({"detail": message}, status=413)
+            return HttpResponse(message, status=413, content_type="text/plain; charset=utf-8")
+        return self.get_response(request)
 
 
 class RequestHygieneMiddleware:

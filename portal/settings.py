@@ -13,6 +13,7 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 from portal.envconfig import env_bool, env_choice, env_decimal, env_float, env_int, env_list, env_str, env_url
+from portal.logs import init_sentry, logging_config
 from runners.scheduler.admission.cycle import DEFAULT_GRACE_PERIOD_S
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -61,10 +62,17 @@ INSTALLED_APPS = [
 CSRF_FAILURE_VIEW = "portal.middleware.csrf_failure"
 
 MIDDLEWARE = [
-    # First: refuse control characters in headers, path and query before anything looks them up.
+    # First: the request's id (X-Request-ID, in every log line) and its access line, for every answer.
+    "portal.middleware.RequestIdMiddleware",
+    # A body over REQUEST_MAX_BODY_BYTES is a 413, before anything reads it.
+    "portal.middleware.BodySizeLimitMiddleware",
+    # Then refuse control characters in headers, path and query before anything looks them up.
     "portal.middleware.RequestHygieneMiddleware",
+    "portal.db_errors.DatabaseUnavailableMiddleware",  # a database connection lost mid-request: 503, not 500
     "portal.middleware.DegradedSendMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Static files in every mode (gunicorn serves the portal in every mode, and does not serve them).
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -75,10 +83,6 @@ MIDDLEWARE = [
     # Last, so it sees what a view raised: common.errors.NotFound is a 404 page, Conflict a 409.
     "portal.middleware.PortalErrorMiddleware",
 ]
-
-if not DEBUG:
-    # Serves collected static files in production; runserver serves them under DEBUG.
-    MIDDLEWARE.insert(3, "whitenoise.middleware.WhiteNoiseMiddleware")
 
 # Scripts, styles, images and fonts from the portal itself (styles may also be inline: charts set widths
 # in style attributes); no plugins, no framing, forms post only here. Empty turns the header off.
@@ -115,6 +119,9 @@ try:
 except Exception as exc:  # django-environ raises several types for a bad URL.
     raise ImproperlyConfigured(f"DATABASE_URL={DATABASE_URL!r} could not be parsed: {exc}") from None
 DATABASES["default"]["CONN_MAX_AGE"] = env_int("DATABASE_CONN_MAX_AGE_S", 60, minimum=0)
+# A kept connection is checked before a request (or task) reuses it: one the server dropped
+# meanwhile (a restart, a failover, an idle timeout) is replaced instead of failing the request.
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # The database pytest creates; name it per checkout when several test runs share one server.
 if _raw_test_db := env_str("TEST_DATABASE_NAME", ""):
     DATABASES["default"]["TEST"] = {"NAME": _raw_test_db}
@@ -145,6 +152,11 @@ STORAGES = {
         else "whitenoise.storage.CompressedManifestStaticFilesStorage"
     },
 }
+# With DEBUG on, WhiteNoise serves the apps' static folders as they are (no collectstatic), and picks up
+# edits; off, it serves what collectstatic wrote to STATIC_ROOT. Set from DEBUG here, not left to
+# WhiteNoise, which would read DEBUG when the middleware starts (tests turn it off by then).
+WHITENOISE_USE_FINDERS = DEBUG
+WHITENOISE_AUTOREFRESH = DEBUG
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
@@ -161,6 +173,18 @@ if not DEBUG:
     SECURE_HSTS_PRELOAD = True
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
+# No script reads either cookie (the pages send the CSRF token from the form), and neither goes along
+# on another site's cross-site POST. Django's defaults already say Lax; set here so it stays said.
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SAMESITE = "Lax"
+
+# Rows a page of an API list holds unless ?page_size= asks otherwise (which may ask for up to 200,
+# common.pagination.MAX_PAGE_SIZE; this default may not be more).
+API_PAGE_SIZE = env_int("API_PAGE_SIZE", 50, minimum=1)
+if API_PAGE_SIZE > 200:
+    raise ImproperlyConfigured(f"API_PAGE_SIZE={API_PAGE_SIZE} must be at most 200, the largest page any list serves.")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -170,7 +194,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     # ?page= must be a positive integer (400 naming it otherwise); past the last page is a 404.
     "DEFAULT_PAGINATION_CLASS": "common.pagination.PageNumberPagination",
-    "PAGE_SIZE": env_int("API_PAGE_SIZE", 50, minimum=1),
+    "PAGE_SIZE": API_PAGE_SIZE,
     # Documents every error answer, with its body, next to the success one (portal/schema.py).
     "DEFAULT_SCHEMA_CLASS": "portal.schema.PortalAutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
@@ -186,6 +210,18 @@ from datetime import timedelta  # noqa: E402
 # Bounds on an API request body: its size in bytes and how deep its JSON may nest.
 API_MAX_BODY_BYTES = env_int("API_MAX_BODY_BYTES", 1024 * 1024, minimum=1024)
 API_MAX_JSON_DEPTH = env_int("API_MAX_JSON_DEPTH", 32, minimum=2)
+# Bounds on every request, pages and the admin included: a body over REQUEST_MAX_BODY_BYTES (by its
+# Content-Length) is a 413 before it is read (portal.middleware.BodySizeLimitMiddleware); Django's own
+# limits, on what a form or query string may hold, are the same size, and REQUEST_MAX_FIELDS fields.
+REQUEST_MAX_BODY_BYTES = env_int("REQUEST_MAX_BODY_BYTES", API_MAX_BODY_BYTES, minimum=1024)
+if API_MAX_BODY_BYTES > REQUEST_MAX_BODY_BYTES:
+    raise ImproperlyConfigured(
+        f"API_MAX_BODY_BYTES={API_MAX_BODY_BYTES} is over REQUEST_MAX_BODY_BYTES={REQUEST_MAX_BODY_BYTES}; "
+        "the API's bodies are requests too: raise REQUEST_MAX_BODY_BYTES or lower API_MAX_BODY_BYTES."
+    )
+DATA_UPLOAD_MAX_MEMORY_SIZE = REQUEST_MAX_BODY_BYTES
+FILE_UPLOAD_MAX_MEMORY_SIZE = REQUEST_MAX_BODY_BYTES
+DATA_UPLOAD_MAX_NUMBER_FIELDS = env_int("REQUEST_MAX_FIELDS", 1000, minimum=10)
 
 # Login attempts allowed per client address, and per username, e.g. 30/min.
 API_LOGIN_RATE = env_str("API_LOGIN_RATE", "30/min")
@@ -413,10 +449,19 @@ PROMETHEUS_URL = env_str("PROMETHEUS_URL", "")
 if PROMETHEUS_URL and not PROMETHEUS_URL.startswith(("http://", "https://")):
     raise ImproperlyConfigured(f"PROMETHEUS_URL={PROMETHEUS_URL!r} must be http://... or https://... (or empty: none).")
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))},
-}
+# Logs (portal/logs.py): json, one object a line with timestamp, level, logger, event and the request id;
+# or plain, one readable line. The same in the web process, workers and beat.
+LOG_FORMAT = env_choice("LOG_FORMAT", "plain" if DEBUG else "json", ("json", "plain"))
+LOG_LEVEL = env_choice("LOG_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))
+LOGGING = logging_config(LOG_FORMAT, LOG_LEVEL)
+
+# Error reports to Sentry (or a server that speaks its protocol) when SENTRY_DSN is set: exceptions of
+# the web process and of tasks, never a user's personal data; SENTRY_TRACES_SAMPLE_RATE of requests
+# and tasks also send their timings.
+SENTRY_DSN = env_str("SENTRY_DSN", "")
+SENTRY_ENVIRONMENT = env_str("SENTRY_ENVIRONMENT", "development" if DEBUG else "production")
+SENTRY_TRACES_SAMPLE_RATE = env_float("SENTRY_TRACES_SAMPLE_RATE", 0.0, minimum=0.0)
+if SENTRY_TRACES_SAMPLE_RATE > 1:
+    raise ImproperlyConfigured(f"SENTRY_TRACES_SAMPLE_RATE={SENTRY_TRACES_SAMPLE_RATE} must be between 0 and 1.")
+if SENTRY_DSN:
+    init_sentry(SENTRY_DSN, environment=SENTRY_ENVIRONMENT, traces_sample_rate=SENTRY_TRACES_SAMPLE_RATE)

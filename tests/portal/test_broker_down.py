@@ -86,7 +86,7 @@ def test_readyz_and_healthz_when_all_is_well(client):
     assert client.get("/healthz").json() == {"status": "ok"}
     response = client.get("/readyz")
     assert response.status_code == 200
-    assert response.json()["checks"] == {"database": "ok", "broker": "ok"}
+    assert response.json()["checks"] == {"database": "ok", "broker": "ok", "migrations": "ok"}
 
 
 @pytest.mark.worker

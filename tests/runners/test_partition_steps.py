@@ -1,5 +1,7 @@
 """A partition change advances one step per task run and re-enqueues itself: no worker waits for the cluster."""
 
+import re
+
 import pytest
 
 from runners.clusters import services as clusters
@@ -72,10 +74,12 @@ def test_a_real_worker_runs_the_change_through_its_re_enqueued_steps(celery_work
     wait_for(lambda: PartitionChange.objects.get(id=change_id).state == "succeeded", message="the change to succeed")
     # Every step ran as its own task run, each reporting the state it left the change in.
     def states():
+        # "Task runners.tasks.partition_apply[<id>] succeeded in 0.01s: 'waiting'", then the log's context.
         return [
-            line.rsplit(": ", 1)[-1].strip("'")
+            match.group(1)
             for line in celery_worker.output().splitlines()
-            if "runners.tasks.partition_apply[" in line and " succeeded in " in line
+            if "runners.tasks.partition_apply[" in line
+            and (match := re.search(r" succeeded in [0-9.e-]+s: '([a-z_]+)'", line))
         ]
 
     expected = ["relabeling", "waiting", "uncordoning", "succeeded"]

@@ -1,10 +1,11 @@
-"""Run the whole portal in the foreground: web server, Celery worker and beat."""
+"""Run the whole portal in the foreground: web server (gunicorn, as in production), Celery worker and beat."""
 
 import signal
 import subprocess
 import sys
 import time
 
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
@@ -13,7 +14,7 @@ class Command(BaseCommand):
     help = "Migrate, load the demo, then run the web server, a worker and beat until Ctrl-C."
 
     def add_arguments(self, parser):
-        parser.add_argument("--addrport", default="127.0.0.1:8000")
+        parser.add_argument("--addrport", default="127.0.0.1:8000", help="Where gunicorn listens: HOST:PORT.")
         parser.add_argument("--no-demo", action="store_true", help="Skip loading the demo tenants and users.")
 
     def handle(self, *args, addrport, no_demo, **options):
@@ -22,11 +23,12 @@ class Command(BaseCommand):
             call_command("demo")
         python = sys.executable
         commands = {
-            "web": [python, "manage.py", "runserver", addrport, "--noreload"],
+            # The same server and settings as production (portal/gunicorn_conf.py); static files come from WhiteNoise.
+            "web": [python, "-m", "gunicorn", "-c", "python:portal.gunicorn_conf", "--bind", addrport, "portal.wsgi"],
             "worker": [python, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "2"],
             "beat": [python, "-m", "celery", "-A", "portal", "beat", "-l", "INFO"],
         }
-        processes = {name: subprocess.Popen(argv) for name, argv in commands.items()}
+        processes = {name: subprocess.Popen(argv, cwd=settings.BASE_DIR) for name, argv in commands.items()}
         self.stdout.write(self.style.SUCCESS(f"Portal on http://{addrport}/ (API docs at /api/docs/). Ctrl-C stops all."))
         stopping = False
 
