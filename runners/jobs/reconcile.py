@@ -43,6 +43,26 @@ logger = logging.getLogger(__name__)
 RECONCILE_LOCK_KEY = 0x7265636F6E63
 
 
+def _unlock() -> None:
+    """Let go of the session-level lock, whatever ended the pass.
+
+    The lock belongs to the connection, not to the transaction, and a worker keeps its connection
+    between tasks (CONN_MAX_AGE): one not released would keep every other worker's pass out, and
+    this one's next try would only stack a second hold on it. So when the unlock cannot be done
+    (the connection broke mid-pass: it took the lock with it) or finds nothing held, the
+    connection is closed, which frees every lock it had.
+    """
+    released = False
+    with contextlib.suppress(Exception), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [RECONCILE_LOCK_KEY])
+        released = bool(cursor.fetchone()[0])
+    if not released:
+        logger.warning("The reconcile lock was not released on its connection (the connection was lost mid-pass, "
+                       "or the unlock failed); closing the connection.")
+        with contextlib.suppress(Exception):
+            connection.close()
+
+
 @contextlib.contextmanager
 def _one_pass_at_a_time():
     """True while this process holds the cluster-wide reconcile lock; False when another pass runs."""
@@ -54,9 +74,7 @@ def _one_pass_at_a_time():
             yield held
         finally:
             if held:
-                # A connection lost mid-pass took the lock with it; nothing is left to release then.
-                with contextlib.suppress(Exception), connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_unlock(%s)", [RECONCILE_LOCK_KEY])
+                _unlock()
         return
     # Elsewhere (the SQLite default) a lease on the one ReconcileLease row, taken by a conditional update.
     ReconcileLease.objects.get_or_create(id=1)

@@ -26,6 +26,9 @@ from runners.usage.models import Resolution, Source, UtilizationSample
 
 logger = logging.getLogger(__name__)
 
+# The downsample's transaction-level advisory lock key: "usgdwn" in ASCII.
+DOWNSAMPLE_LOCK_KEY = 0x75736764776E
+
 
 def sample_run(now: datetime | None = None) -> dict:
     """One reading of every open, started attempt's devices; returns how many samples were stored."""
@@ -103,6 +106,11 @@ def downsample_run(now: datetime | None = None) -> dict:
         cutoff = _bucket_start(now - timedelta(days=keep_days), bucket)
         with transaction.atomic():
             with connection.cursor() as cursor:
+                # One roll-up at a time (two beats send two settles at once): a second one started
+                # beside the first would read the raw rows the first is deleting, wait on the rows it
+                # inserted, then add the same readings to them again. Waiting here, its statements
+                # start after the first has committed and find nothing left to roll up.
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [DOWNSAMPLE_LOCK_KEY])
                 cursor.execute(_ROLL_UP, {"bucket": f"{int(bucket.total_seconds())} seconds", "to": target,
                                           "from": source, "cutoff": cutoff})
             removed[source] = UtilizationSample.objects.filter(resolution=source, at__lt=cutoff).delete()[0]
