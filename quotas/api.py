@@ -2,6 +2,8 @@
 
 from decimal import Decimal
 
+from django.db.models import Prefetch
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -12,7 +14,7 @@ from common import nulls
 from common.fields import StrictTypesMixin
 from quotas import selectors, services
 from quotas.filters import QuotaFilter
-from quotas.models import PartitionKind, Quota, ResourceFlavor
+from quotas.models import PartitionKind, PriceCard, Quota, ResourceFlavor
 from tenants.models import Tenant
 from tenants.scoping import TenantScopedMixin
 
@@ -58,7 +60,9 @@ class FlavorSerializer(serializers.ModelSerializer):
         return flavor.capacity
 
     def get_price(self, flavor) -> dict | None:
-        card = selectors.flavor_price_now(flavor)
+        # The view's list read the cards in force with one query for all flavors (FlavorViewSet.get_queryset).
+        in_force = getattr(flavor, "prices_in_force", None)
+        card = (in_force[0] if in_force else None) if in_force is not None else selectors.flavor_price_now(flavor)
         if card is None:
             return None
         return {"price_per_hour": str(card.price_per_hour), "currency": card.currency, "effective_from": card.effective_from}
@@ -90,6 +94,16 @@ class FlavorViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.G
     permission_classes = [StaffWritesOnly]
     lookup_field = "name"
     lookup_value_regex = r"[a-z0-9.-]+"
+
+    def get_queryset(self):
+        # The price cards in force now, newest first, for every flavor of the page in one query (the
+        # serializer reads the first; selectors.flavor_price_now says the same for one flavor).
+        if self.action not in ("list", "retrieve"):
+            return super().get_queryset()
+        return super().get_queryset().prefetch_related(Prefetch(
+            "prices", queryset=PriceCard.objects.filter(effective_from__lte=timezone.now()).order_by("-effective_from"),
+            to_attr="prices_in_force",
+        ))
 
     @extend_schema(request=FlavorCreateSerializer, responses={201: FlavorSerializer})
     def create(self, request):

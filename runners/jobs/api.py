@@ -14,8 +14,10 @@ from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.filters import JobFilter
 from runners.jobs.models import Checkpoint, Job, JobAttempt, JobEvent
+from runners.jobs.serializers import PlainFieldsMixin, PrefetchedListSerializer, attach_nested_rows
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.scoping import TenantScopedMixin
+from tenants.selectors import tenant_list
 
 
 class TopologySerializer(serializers.Serializer):
@@ -85,27 +87,30 @@ class PlacementSerializer(serializers.Serializer):
     mig_start = serializers.IntegerField(required=False)
 
 
-class JobAttemptSerializer(serializers.ModelSerializer):
+class JobAttemptSerializer(PlainFieldsMixin, serializers.ModelSerializer):
     placement = PlacementSerializer(many=True)
 
     class Meta:
         model = JobAttempt
+        list_serializer_class = PrefetchedListSerializer
         fields = ["number", "placement", "started_at", "ended_at", "outcome", "exit_code", "reason", "resumed_from_step"]
 
 
-class CheckpointSerializer(serializers.ModelSerializer):
+class CheckpointSerializer(PlainFieldsMixin, serializers.ModelSerializer):
     class Meta:
         model = Checkpoint
+        list_serializer_class = PrefetchedListSerializer
         fields = ["step", "bytes", "created_at", "uri"]
 
 
-class JobEventSerializer(serializers.ModelSerializer):
+class JobEventSerializer(PlainFieldsMixin, serializers.ModelSerializer):
     class Meta:
         model = JobEvent
+        list_serializer_class = PrefetchedListSerializer
         fields = ["at", "from_state", "to_state", "reason"]
 
 
-class JobSerializer(serializers.ModelSerializer):
+class JobSerializer(PlainFieldsMixin, serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
     submitted_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
@@ -204,12 +209,38 @@ class FileNegotiation(BaseContentNegotiation):
 class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Training jobs of the caller's tenants: submit (member and up), read (viewers too), cancel, logs, metrics."""
 
-    queryset = Job.objects.select_related("tenant", "flavor", "submitted_by").prefetch_related(
-        "attempts", "checkpoints", "events"
-    )
+    # A read's nested lists come as plain rows, one query per relation for the page (get_serializer);
+    # the answers of a submit and a cancel read them through the job's relations, three queries too.
+    queryset = Job.objects.select_related("tenant", "flavor", "submitted_by")
+    NESTED = {relation: (serializer.Meta.model, serializer.Meta.fields) for relation, serializer in (
+        ("attempts", JobAttemptSerializer), ("checkpoints", CheckpointSerializer), ("events", JobEventSerializer))}
     serializer_class = JobSerializer
     filterset_class = JobFilter
     lookup_value_regex = r"[0-9]+"
+    # What a read (list, retrieve) loads and never shows: the reconcile's bookkeeping and the submitter's
+    # account beyond the username. The other actions work on the job, so they load all of it.
+    READS_DEFER = ("progress_cursor", "reconcile_errors", "reconcile_after", "reconcile_error", "state_changed_at",
+                   *(f"submitted_by__{name}" for name in ("password", "last_login", "is_superuser", "first_name",
+                                                          "last_name", "email", "date_joined")))
+
+    def refine_queryset(self, queryset):
+        if self.action == "list":
+            # The caller's tenant (the one asked for, or each of theirs) as constants, besides the scoping's
+            # subquery: PostgreSQL then reads a page of a tenant's newest jobs off the job_tenant_newest
+            # index instead of sorting every job the tenant ever ran (0.2 ms against about 100 ms at 50,000).
+            slug = self.request.query_params.get("tenant")
+            if slug or not self.request.user.is_staff:
+                tenants = tenant_list(user=self.request.user)
+                tenants = tenants.filter(slug=slug) if slug else tenants
+                queryset = queryset.filter(tenant_id__in=list(tenants.values_list("id", flat=True)))
+        return queryset.defer(*self.READS_DEFER) if self.action in ("list", "retrieve") else queryset
+
+    def get_serializer(self, *args, **kwargs):
+        if self.action in ("list", "retrieve") and args:
+            listed = list(args[0]) if kwargs.get("many") else [args[0]]
+            attach_nested_rows(listed, self.NESTED)
+            args = (listed if kwargs.get("many") else listed[0], *args[1:])
+        return super().get_serializer(*args, **kwargs)
 
     @extend_schema(
         request=JobSubmitSerializer,
