@@ -154,7 +154,7 @@ def flavor_create(request):
 @require_POST
 def flavors_discover(request):
     """Give every kind of capacity the inventory reports a flavor (the inventory sync does it too)."""
-    created = clusters.flavors_discover()
+    created = clusters.flavors_discover(actor=request.user)
     if created:
         messages.success(request, f"Found {len(created)} new flavor{'s' if len(created) != 1 else ''}: "
                                   f"{', '.join(flavor.name for flavor in created)}.")

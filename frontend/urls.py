@@ -1,7 +1,16 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import endpoint_views, job_views, notification_views, staff_views, token_views, usage_views, views
+from frontend import (
+    audit_page,
+    endpoint_views,
+    job_views,
+    notification_views,
+    staff_views,
+    token_views,
+    usage_views,
+    views,
+)
 from frontend.forms import LoginForm
 
 urlpatterns = [
@@ -47,6 +56,7 @@ urlpatterns = [
     path("quotas/set/", views.quota_set, name="quota-set"),
     path("quotas/<int:quota_id>/remove/", views.quota_remove, name="quota-remove"),
     path("usage/cluster/", usage_views.cluster_usage, name="cluster-usage"),
+    path("audit/", audit_page.audit_log, name="audit"),
     path("partitions/", views.partition_list, name="partitions"),
     path("partitions/new/", views.partition_create, name="partition-create"),
     path("partitions/preview/", views.partition_preview, name="partition-preview"),

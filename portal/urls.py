@@ -3,6 +3,7 @@ from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from audit.api import router as audit_router
 from frontend.forms import AdminLoginForm
 from frontend.views import throttled_login
 from portal import health, metrics
@@ -43,6 +44,7 @@ urlpatterns = [
     path("api/v1/budget-alerts/", BudgetAlertView.as_view(), name="budget-alerts"),
     path("api/v1/budgets/<slug:slug>/", BudgetView.as_view(), name="budget"),
     path("api/v1/cloud-prices/", CloudPriceView.as_view(), name="cloud-prices"),
+    path("api/v1/", include(audit_router.urls)),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -11,12 +11,16 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import record, snapshot
 from common.errors import Invalid, NotAllowed
 from quotas.models import GuaranteeReduction, PartitionKind, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import guaranteed_total
 from quotas.signals import quota_changed
 from runners.nvidia import mig
 from tenants.models import Tenant
+
+FLAVOR_FIELDS = ["name", "kind", "gpu_model", "mig_profile", "description"]
+QUOTA_FIELDS = ["guaranteed", "max", "fair_share_weight", "max_priority"]
 
 
 def require_staff(actor: AbstractBaseUser) -> None:
@@ -50,9 +54,11 @@ def flavor_create(
         raise Invalid("kind", "A flavor for exactly this GPU model, kind and profile already exists.")
     try:
         with transaction.atomic():
-            return ResourceFlavor.objects.create(
+            flavor = ResourceFlavor.objects.create(
                 name=name, kind=kind, gpu_model=gpu_model, mig_profile=mig_profile, description=description
             )
+            record("flavor.created", actor=actor, obj=flavor, after=snapshot(flavor, FLAVOR_FIELDS))
+            return flavor
     except IntegrityError:
         raise Invalid("name", "A flavor with this name or shape was created at the same moment.") from None
 
@@ -64,7 +70,10 @@ def flavor_describe(*, actor: AbstractBaseUser, flavor: ResourceFlavor, descript
     limit = ResourceFlavor._meta.get_field("description").max_length
     if len(description) > limit:
         raise Invalid("description", f"At most {limit} characters; this is {len(description)}.")
-    ResourceFlavor.objects.filter(id=flavor.id).update(description=description)
+    with transaction.atomic():
+        before = ResourceFlavor.objects.select_for_update(no_key=True).values_list("description", flat=True).get(id=flavor.id)
+        ResourceFlavor.objects.filter(id=flavor.id).update(description=description)
+        record("flavor.updated", actor=actor, obj=flavor, before={"description": before}, after={"description": description})
     flavor.description = description
     return flavor
 
@@ -77,9 +86,16 @@ def price_set(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_per_hour
         raise Invalid("effective_from", "This flavor already has a price starting at that moment.")
     try:
         with transaction.atomic():
-            return PriceCard.objects.create(
+            card = PriceCard.objects.create(
                 flavor=flavor, price_per_hour=price_per_hour, currency=currency.upper(), effective_from=effective_from
             )
+            # A price changes by a new card from a moment on; before is the card in force until then.
+            earlier = flavor.prices.filter(effective_from__lt=effective_from).exclude(id=card.id).order_by("-effective_from").first()
+            fields = ["price_per_hour", "currency", "effective_from"]
+            record("price.updated", actor=actor, obj=card, object_repr=f"{flavor.name}: {card.price_per_hour} {card.currency}/h",
+                   before={"flavor": flavor.name, **snapshot(earlier, fields)} if earlier else None,
+                   after={"flavor": flavor.name, **snapshot(card, fields)})
+            return card
     except IntegrityError:
         raise Invalid("effective_from", "This flavor already has a price starting at that moment.") from None
 
@@ -123,11 +139,15 @@ def quota_set(
     if guaranteed > current.guaranteed and others + guaranteed > capacity:
         raise Invalid("guaranteed", f"Guarantees for {flavor.name} would total {others + guaranteed} but the cluster holds {capacity}; "
                     f"at most {capacity - others if capacity > others else 0} can be guaranteed to {tenant.slug}.")
-    quota, _ = Quota.objects.update_or_create(
+    before = snapshot(existing, QUOTA_FIELDS) if existing is not None else None
+    quota, created = Quota.objects.update_or_create(
         tenant=tenant,
         flavor=flavor,
         defaults={"guaranteed": guaranteed, "max": max, "fair_share_weight": fair_share_weight, "max_priority": max_priority},
     )
+    record("quota.created" if created else "quota.updated", actor=actor, tenant=tenant, obj=quota,
+           object_repr=f"{tenant.slug}: {flavor.name}", before=before,
+           after={"flavor": flavor.name, **snapshot(quota, QUOTA_FIELDS)})
     _announce(tenant)
     return quota
 
@@ -136,6 +156,8 @@ def quota_set(
 def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
     require_staff(actor)
     tenant = quota.tenant
+    record("quota.deleted", actor=actor, tenant=tenant, obj=quota, object_repr=f"{tenant.slug}: {quota.flavor.name}",
+           before={"flavor": quota.flavor.name, **snapshot(quota, QUOTA_FIELDS)})
     quota.delete()
     _announce(tenant)
 
@@ -173,6 +195,9 @@ def guarantees_shrink(
             )
         )
         Quota.objects.filter(id=quota.id).update(guaranteed=after, updated_at=timezone.now())
+        record("quota.reduced", actor=actor, tenant=quota.tenant, obj=quota,
+               object_repr=f"{quota.tenant.slug}: {flavor.name}", before={"guaranteed": quota.guaranteed},
+               after={"guaranteed": after, "reason": reason[:500]})
         tenants[quota.tenant_id] = quota.tenant
     GuaranteeReduction.objects.bulk_create(reductions)
     for tenant in tenants.values():

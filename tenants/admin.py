@@ -3,7 +3,9 @@ the tenant page and the API change them through services that tell the environme
 (members_changed) and keep a token's secret out of sight."""
 
 from django.contrib import admin
+from django.db import transaction
 
+from audit.services import record
 from common.admin import ReadOnlyAdmin
 from tenants.models import Membership, Tenant, TokenInfo
 
@@ -24,6 +26,21 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ["slug", "name"]
     inlines = [MembershipInline]
     actions = None  # a tenant's environments and jobs go with it: delete one at a time, knowingly
+
+    # Changes made here go into the audit log like those the services make, in the same transaction.
+    def save_model(self, request, obj, form, change):
+        before = None
+        if change:
+            before = Tenant.objects.filter(pk=obj.pk).values("slug", "name").first()
+        with transaction.atomic():
+            super().save_model(request, obj, form, change)
+            record("tenant.updated" if change else "tenant.created", actor=request.user, tenant=obj, obj=obj,
+                   before=before, after={"slug": obj.slug, "name": obj.name})
+
+    def delete_model(self, request, obj):
+        with transaction.atomic():
+            record("tenant.deleted", actor=request.user, tenant=obj, obj=obj, before={"slug": obj.slug, "name": obj.name})
+            super().delete_model(request, obj)
 
 
 @admin.register(Membership)

@@ -71,7 +71,7 @@ class TokenView(APIView):
     def delete(self, request):
         if not request.user.is_authenticated or not isinstance(request.auth, AuthToken):
             raise AuthenticationFailed("Send the token to revoke in the Authorization header.")
-        request.auth.delete()
+        services.token_revoke_own(token=request.auth)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

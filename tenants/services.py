@@ -14,6 +14,7 @@ from django.db import IntegrityError, transaction
 from knox.models import AuthToken
 from knox.settings import knox_settings
 
+from audit.services import record
 from common.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, TokenInfo, role_at_least
 from tenants.selectors import token_get, user_has_role, user_role
@@ -39,6 +40,7 @@ def tenant_create(*, actor: AbstractBaseUser, slug: str, name: str) -> Tenant:
     try:
         with transaction.atomic():
             tenant.save()
+            record("tenant.created", actor=actor, tenant=tenant, obj=tenant, after={"slug": slug, "name": name})
     except IntegrityError:
         raise Invalid("slug", f"A tenant with slug {slug!r} already exists.") from None
     return tenant
@@ -63,6 +65,8 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
             membership = Membership.objects.create(tenant=tenant, user=user, role=role)
     except IntegrityError:
         raise duplicate from None  # a concurrent add won
+    record("member.added", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
+           after={"username": username, "role": role})
     members_changed.send(sender=Tenant, tenant=tenant)
     return membership
 
@@ -82,6 +86,8 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
         id=membership.id
     ).exists():
         raise Invalid("username", f"{username} is the last owner of {tenant.slug}; add another owner first.")
+    record("member.removed", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
+           before={"username": username, "role": membership.role})
     membership.delete()
     members_changed.send(sender=Tenant, tenant=tenant)
     member_removed.send(sender=Tenant, tenant=tenant, username=username)
@@ -112,12 +118,37 @@ def token_create(*, user: AbstractBaseUser, name: str, expires_in_days: int | No
     with transaction.atomic():
         instance, secret = AuthToken.objects.create(user, expiry=ttl)
         info = TokenInfo.objects.create(token=instance, name=name)
+        record("token.created", actor=user, obj=info, object_repr=f"{name} of {user.get_username()}",
+               after=token_audit_fields(info))
     return info, secret
+
+
+def token_audit_fields(info: TokenInfo) -> dict:
+    """What the audit log keeps of a token: never its secret or hash, only what tells it apart."""
+    return {"name": info.name, "user": info.token.user.get_username(), "expiry": info.token.expiry}
 
 
 def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> TokenInfo:
     """Revoke one of the actor's tokens (staff: anyone's) and return what it was; another user's is a
     404, as if it did not exist."""
-    info = token_get(user=actor, token_id=token_id)
-    info.token.delete()  # the TokenInfo goes with it
+    with transaction.atomic():
+        info = token_get(user=actor, token_id=token_id)
+        record("token.revoked", actor=actor, obj=info, object_repr=f"{info.name} of {info.token.user.get_username()}",
+               before=token_audit_fields(info))
+        info.token.delete()  # the TokenInfo goes with it
     return info
+
+
+def token_revoke_own(*, token: AuthToken) -> None:
+    """Revoke the token a request came with (signing out of the API)."""
+    with transaction.atomic():
+        info = TokenInfo.objects.select_related("token__user").filter(token=token).first()
+        if info is None:  # a token made outside the portal's services (the Django admin): no name to show
+            # Its key is the hash of its secret: kept out of the log.
+            record("token.revoked", actor=token.user, obj=token, object_id="",
+                   object_repr=f"token of {token.user.get_username()}",
+                   before={"user": token.user.get_username(), "expiry": token.expiry})
+        else:
+            record("token.revoked", actor=token.user, obj=info, object_repr=f"{info.name} of {token.user.get_username()}",
+                   before=token_audit_fields(info))
+        token.delete()

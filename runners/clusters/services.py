@@ -16,6 +16,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.services import SYSTEM, record, snapshot
 from common.dispatch import enqueue_on_commit, send_task
 from common.errors import Invalid
 from quotas.models import PartitionKind, Quota, ResourceFlavor
@@ -142,7 +143,10 @@ def partition_profile_create(
         raise Invalid("name", f"A partition profile named {name!r} already exists.")
     try:
         with transaction.atomic():
-            return PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+            profile = PartitionProfile.objects.create(name=name, gpu_model=gpu_model, kind=kind, layout=layout, replicas=replicas)
+            record("partition_profile.created", actor=actor, obj=profile,
+                   after=snapshot(profile, ["name", "gpu_model", "kind", "layout", "replicas"]))
+            return profile
     except IntegrityError:
         raise Invalid("name", f"A partition profile named {name!r} already exists.") from None
 
@@ -186,6 +190,13 @@ def _record(change_id: int, *, state: str, message: str, node: str = "") -> None
         else:
             change.lease_expires_at = timezone.now() + timedelta(seconds=settings.PARTITION_LEASE_S)
         change.save(update_fields=["state", "message", "steps", "finished_at", "lease_expires_at"])
+        if state in PartitionChange.FINISHED:
+            record(f"partition_change.{state}", actor=SYSTEM, obj=change, object_repr=_change_repr(change),
+                   after={"state": state, "message": change.message})
+
+
+def _change_repr(change: PartitionChange) -> str:
+    return f"{change.profile.name} on pool {change.pool.name}"
 
 
 def partition_change_step(*, change_id: int, lease: str | None = None) -> tuple[str, float | None, str | None]:
@@ -442,10 +453,11 @@ def _discovered_flavor_name(shape: Shape) -> str:
     return catalog.whole_gpu_flavor(model).name
 
 
-def flavors_discover() -> list[ResourceFlavor]:
+def flavors_discover(*, actor=None) -> list[ResourceFlavor]:
     """Give every kind of capacity the inventory reports a flavor; returns the ones created.
 
     A new flavor has no price card: staff see it marked "no price yet" until they set one.
+    `actor`: the staff member who asked, for the audit log (None: the inventory sync did).
     """
     created = []
     for shape in sorted(_units_of(Gpu.objects.all())):
@@ -463,12 +475,13 @@ def flavors_discover() -> list[ResourceFlavor]:
             name = f"{name}-{kind}"[:63]
         try:
             with transaction.atomic():
-                created.append(
-                    ResourceFlavor.objects.create(
-                        name=name, kind=kind, gpu_model=model, mig_profile=profile,
-                        description="Found in the inventory; no price yet.",
-                    )
+                flavor = ResourceFlavor.objects.create(
+                    name=name, kind=kind, gpu_model=model, mig_profile=profile,
+                    description="Found in the inventory; no price yet.",
                 )
+                record("flavor.created", actor=actor, obj=flavor,
+                       after=snapshot(flavor, ["name", "kind", "gpu_model", "mig_profile", "description"]))
+                created.append(flavor)
         except IntegrityError:
             continue  # another sync made it at the same moment
     if created:
@@ -574,6 +587,9 @@ def partition_change_start(
     try:
         with transaction.atomic():
             change = PartitionChange.objects.create(pool=pool, profile=profile, drain=drain, created_by=actor)
+            record("partition_change.requested", actor=actor, obj=change, object_repr=_change_repr(change),
+                   before={"profile": pool.partition_profile.name if pool.partition_profile else None},
+                   after={"profile": profile.name, "pool": pool.name, "drain": drain})
             enqueue_on_commit("runners.tasks.partition_apply", change.id)
     except IntegrityError:
         raise Invalid("profile", f"Pool {pool.name} is already being re-partitioned; wait for that to finish.") from None

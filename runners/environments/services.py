@@ -14,6 +14,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from audit.services import record
 from common.dispatch import enqueue_on_commit, send_task
 from common.errors import Conflict, Invalid, NotAllowed, NotFound
 from quotas.selectors import environment_quota_hard
@@ -117,6 +118,9 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
     try:
         with transaction.atomic():
             environment.save()
+            record("environment.created", actor=actor, tenant=tenant, obj=environment,
+                   object_repr=f"{tenant.slug}/{name}", after={"name": name, "namespace": namespace,
+                                                                "backend": environment.backend})
             enqueue_on_commit("runners.tasks.environment_provision", environment.id)
     except IntegrityError:
         # Two requests raced past the checks above; the constraints decided.
@@ -143,7 +147,7 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
         # Its work (jobs now) is cancelled here, in this transaction, by the apps that own it.
         signals.environment_deleting.send(
             sender=Environment, environment=environment,
-            reason=f"Cancelled: environment {environment.name} was deleted by {actor.get_username()}.",
+            reason=f"Cancelled: environment {environment.name} was deleted by {actor.get_username()}.", actor=actor,
         )
         changed = (
             Environment.objects.filter(id=environment.id)
@@ -156,6 +160,9 @@ def environment_delete(*, actor: AbstractBaseUser, environment: Environment) -> 
             )
         )
         if changed:
+            record("environment.deleted", actor=actor, tenant=environment.tenant, obj=environment,
+                   object_repr=f"{environment.tenant.slug}/{environment.name}", before={"state": environment.state},
+                   after={"state": EnvironmentState.DELETING})
             enqueue_on_commit("runners.tasks.environment_teardown", environment.id)
     environment.refresh_from_db()
     return environment

@@ -1,8 +1,9 @@
 """What environments ask of the apps above them (jobs now, inference next), which they never import.
 
-- ``environment_deleting`` (``environment``, ``reason``): sent inside the delete's transaction, with
-  the tenant's and the environment's rows locked; each receiver cancels its work in the environment
-  there and then (work that runs is told to stop after commit).
+- ``environment_deleting`` (``environment``, ``reason``, ``actor``): sent inside the delete's
+  transaction, with the tenant's and the environment's rows locked; each receiver cancels its work in
+  the environment there and then (work that runs is told to stop after commit), in the name of
+  ``actor`` (the user who deleted it, None for the portal's own work) in the audit log.
 - ``environment_work_left`` (``environment_id``): asked by the teardown; each receiver answers what
   of its work still runs there ("2 job attempt(s)"), or nothing. The namespace goes only once no
   receiver answers, so nothing outlives the namespace it ran in.

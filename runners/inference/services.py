@@ -17,6 +17,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import record, snapshot
 from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota
@@ -168,10 +169,21 @@ def endpoint_deploy(*, actor: AbstractBaseUser, data) -> InferenceEndpoint:
             )
             ScaleEvent.objects.create(endpoint=endpoint, from_replicas=0, to_replicas=desired,
                                       reason=f"Deployed by {actor.get_username()}.")
+            record("endpoint.created", actor=actor, tenant=endpoint.tenant, obj=endpoint,
+                   object_repr=_endpoint_repr(endpoint),
+                   after={"flavor": endpoint.flavor.name, "environment": environment.name,
+                          **snapshot(endpoint, SCALE_FIELDS), "source": spec["source"]})
             transaction.on_commit(kick_reconcile)
     except IntegrityError:
         raise Invalid("name", f"Tenant {checked['tenant'].slug} already has a live endpoint {spec['name']}.") from None
     return endpoint
+
+
+SCALE_FIELDS = ["min_replicas", "max_replicas", "warm_replicas", "gpus_per_replica"]
+
+
+def _endpoint_repr(endpoint: InferenceEndpoint) -> str:
+    return f"{endpoint.name} #{endpoint.id}"
 
 
 def _locked(endpoint: InferenceEndpoint) -> InferenceEndpoint:
@@ -211,6 +223,7 @@ def endpoint_scale(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data
             raise Invalid("max_replicas", f"Past tenant {endpoint.tenant.slug}'s max of {quota.max} units "
                                           f"of {endpoint.flavor.name}.")
         before = endpoint.desired_replicas
+        audit_before = snapshot(endpoint, allowed)
         for field, value in values.items():
             setattr(endpoint, field, value)
             endpoint.spec[field] = value
@@ -221,6 +234,8 @@ def endpoint_scale(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data
             reason=f"{actor.get_username()} set min {values['min_replicas']}, max {values['max_replicas']}, "
                    f"warm {values['warm_replicas']}.",
         )
+        record("endpoint.scaled", actor=actor, tenant=endpoint.tenant, obj=endpoint, object_repr=_endpoint_repr(endpoint),
+               before=audit_before, after=snapshot(endpoint, allowed))
         # A replica's preemptibility follows its slot: the reconcile replaces replicas whose slot changed side.
         transaction.on_commit(kick_reconcile)
     return endpoint
@@ -239,6 +254,7 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         endpoint = _locked(endpoint)
         if endpoint.stop_requested_at is not None:
             raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
+        audit_before = {"source": endpoint.spec.get("source"), "generation": endpoint.generation}
         endpoint.spec["source"] = source
         for field, value in _checkpoint_fields(source).items():
             setattr(endpoint, field, value)
@@ -250,6 +266,9 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
             reason=f"Rollout to {what} (generation {endpoint.generation}) by {actor.get_username()}: "
                    f"replicas are replaced one at a time.",
         )
+        record("endpoint.rolled_out", actor=actor, tenant=endpoint.tenant, obj=endpoint,
+               object_repr=_endpoint_repr(endpoint), before=audit_before,
+               after={"source": source, "generation": endpoint.generation})
         transaction.on_commit(kick_reconcile)
     return endpoint
 
@@ -260,12 +279,16 @@ def endpoint_stop(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint) -> In
     with transaction.atomic():
         endpoint = _locked(endpoint)
         if endpoint.stop_requested_at is None:
+            audit_before = {"state": endpoint.state, "desired_replicas": endpoint.desired_replicas}
             endpoint.stop_requested_at = timezone.now()
             ScaleEvent.objects.create(endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=0,
                                       reason=f"Stopped by {actor.get_username()}.")
             endpoint.desired_replicas = 0
             set_state(endpoint, EndpointState.DRAINING, f"Stopped by {actor.get_username()}: draining its replicas.")
             endpoint.save(update_fields=["stop_requested_at", "desired_replicas"])
+            record("endpoint.stopped", actor=actor, tenant=endpoint.tenant, obj=endpoint,
+                   object_repr=_endpoint_repr(endpoint), before=audit_before,
+                   after={"state": endpoint.state, "desired_replicas": 0})
             transaction.on_commit(kick_reconcile)
     return endpoint
 

@@ -34,6 +34,7 @@ from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.services import SYSTEM, record
 from quotas.selectors import flavor_kubernetes_resource
 from runners.backends.base import (
     BackendError,
@@ -297,7 +298,12 @@ def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
     for job_id in job_ids:
         with transaction.atomic():
             job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
-            if job_preempt_locked(job, reason) == "stopping":
+            before = job.state
+            outcome = job_preempt_locked(job, reason)
+            if outcome is not None:
+                record("job.preempted", actor=SYSTEM, tenant=job.tenant, obj=job, object_repr=f"{job.name} #{job.id}",
+                       before={"state": before}, after={"state": job.state, "why": reason})
+            if outcome == "stopping":
                 transaction.on_commit(lambda job_id=job_id: send_job_stop(job_id))
         names.add(f"job-{job_id}")
     if job_ids:

@@ -26,8 +26,8 @@ def _nodes_draining(sender, *, nodes, reason, **kwargs) -> set[str]:
 
 
 @receiver(environment_deleting, dispatch_uid="jobs-cancelled-with-their-environment")
-def _environment_deleting(sender, *, environment, reason, **kwargs) -> None:
-    jobs_cancel_in_environment(environment, reason)
+def _environment_deleting(sender, *, environment, reason, actor=None, **kwargs) -> None:
+    jobs_cancel_in_environment(environment, reason, actor=actor)
 
 
 @receiver(environment_work_left, dispatch_uid="jobs-attempts-left-in-environment")

@@ -18,6 +18,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from audit.services import record
 from common.dispatch import send_task, send_task_at_most_every
 from common.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
@@ -475,6 +476,10 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
                 reason=NOT_YET_SEEN_REASON,
             )
             JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Submitted by {actor.get_username()}.")
+            record("job.submitted", actor=actor, tenant=job.tenant, obj=job, object_repr=f"{job.name} #{job.id}",
+                   after={"state": job.state, "flavor": job.flavor.name, "replicas": job.replicas,
+                          "gpus_per_replica": job.gpus_per_replica, "priority": job.priority,
+                          "preemptible": job.preemptible, "environment": environment.name})
             if key is not None:
                 IdempotencyKey.objects.create(user=actor, key=key, request_hash=digest, job=job)
             transaction.on_commit(kick_cycle)
@@ -498,11 +503,21 @@ def job_cancel(*, actor: AbstractBaseUser, job: Job) -> Job:
     require_role(user=actor, tenant=job.tenant, at_least=Role.MEMBER)
     with transaction.atomic():
         job = Job.objects.select_for_update(of=("self",)).get(id=job.id)
+        before = job.state
         job_cancel_locked(job, f"Cancelled by {actor.get_username()}.")
+        if job.state != before:
+            record_job_cancelled(job, actor=actor, before=before)
         if job.state == JobState.CANCELLING:
             transaction.on_commit(lambda: send_job_stop(job.id))
         transaction.on_commit(kick_cycle)
     return job
+
+
+def record_job_cancelled(job: Job, *, actor, before: str, why: str = "") -> None:
+    """The audit entry of a cancel (the caller's transaction holds the job's row)."""
+    after = {"state": job.state, "reason": why} if why else {"state": job.state}
+    record("job.cancelled", actor=actor, tenant=job.tenant, obj=job, object_repr=f"{job.name} #{job.id}",
+           before={"state": before}, after=after)
 
 
 def job_cancel_locked(job: Job, reason: str, *, final_is_conflict: bool = True) -> None:
@@ -525,13 +540,16 @@ def job_cancel_locked(job: Job, reason: str, *, final_is_conflict: bool = True) 
         transition(job, JobState.CANCELLING, reason, stop_deadline=deadline)
 
 
-def jobs_cancel_in_environment(environment: Environment, reason: str) -> None:
+def jobs_cancel_in_environment(environment: Environment, reason: str, *, actor=None) -> None:
     """Cancel every job of an environment being deleted, inside the delete's transaction (the
     tenant's and the environment's rows are locked, so no job slips in after the cancels). Jobs
     that wait end cancelled at once; jobs that run are told to stop after commit."""
     for job in Job.objects.select_for_update(of=("self",)).filter(environment=environment).exclude(
         state__in=JOB_FINAL_STATES
     ).order_by("id"):
+        before = job.state
         job_cancel_locked(job, reason, final_is_conflict=False)
+        if job.state != before:
+            record_job_cancelled(job, actor=actor, before=before, why=reason)
         if job.state == JobState.CANCELLING:
             transaction.on_commit(lambda job_id=job.id: send_job_stop(job_id))

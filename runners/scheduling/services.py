@@ -1,10 +1,17 @@
 """The scheduler cycle: one transaction that snapshots the queue, quotas and inventory, asks the pure
 scheduler, and writes every decision.
 
-- One cycle at a time, cluster-wide: ``pg_advisory_xact_lock`` on PostgreSQL; elsewhere (the
-  SQLite default) the first statement is an UPDATE of the SchedulerCycle row, which takes the
-  database's write lock. Either way a second cycle waits for the first to commit, then sees
-  its admissions, so the same capacity is never admitted twice.
+- One cycle at a time, cluster-wide: a transaction-level advisory lock on PostgreSQL; elsewhere
+  (the SQLite default) the first statement is an UPDATE of the SchedulerCycle row, which takes
+  the database's write lock. A cycle that waits for the lock runs after the first commits and
+  sees its admissions, so the same capacity is never admitted twice. The beat's periodic cycle
+  does not wait: it tries the lock and, when another cycle holds it, skips (logged, and the task
+  says so); the next period's cycle does the same work. So two beats, or many workers, never
+  line up behind one slow cycle. A kick (a submit, a finish) waits, since the cycle running may
+  have started before what it is for, but returns at once when a cycle that started after the
+  kick has committed meanwhile. The lock goes with the transaction: a worker that dies mid-cycle
+  loses its connection, PostgreSQL rolls the cycle back and frees the lock, and the next
+  period's cycle, on any worker, takes over.
 - Admission (``runners.scheduler.admission.decide``) counts units per flavor against
   guarantees, max and fair share, and picks preemption victims; placement
   (``runners.scheduler.placement.place_gangs``) then finds GPUs for every admitted gang,
@@ -27,6 +34,7 @@ from django.db import connection, transaction
 from django.db.models import F, Max
 from django.utils import timezone
 
+from audit.services import SCHEDULER, record
 from common import metrics
 from common.dispatch import send_task
 from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
@@ -49,21 +57,34 @@ from runners.scheduling.models import SchedulerCycle
 
 logger = logging.getLogger(__name__)
 
-# pg_advisory_xact_lock's key for the cycle: "portal" in ASCII.
+# The cycle's transaction-level advisory lock key: "portal" in ASCII.
 CYCLE_LOCK_KEY = 0x706F7274616C
+
+
 def cycle_ran_since(moment_s: float) -> bool:
     """Whether a cycle started at or after this time (so it saw everything committed before it)."""
     started = SchedulerCycle.objects.filter(id=1).values_list("last_started_at", flat=True).first()
     return started is not None and started.timestamp() >= moment_s
 
 
-def _lock() -> SchedulerCycle:
+def _lock(*, wait: bool = True, unless_ran_since: float | None = None) -> str:
+    """Take the cycle's lock for this transaction and count the run; returns "" when this cycle runs,
+    or why it does not: "busy" (``wait`` False and another cycle holds the lock) or "ran" (once the
+    lock is ours, a cycle that started at or after ``unless_ran_since`` had committed meanwhile).
+    """
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+            if wait:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+            else:
+                cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+                if not cursor.fetchone()[0]:
+                    return "busy"
+    if unless_ran_since is not None and cycle_ran_since(unless_ran_since):
+        return "ran"
     SchedulerCycle.objects.get_or_create(id=1)
     SchedulerCycle.objects.filter(id=1).update(runs=F("runs") + 1, last_started_at=timezone.now())
-    return SchedulerCycle.objects.get(id=1)
+    return ""
 
 
 # --- The placement snapshot -----------------------------------------------------------
@@ -311,12 +332,21 @@ def _misfits(queued: list[Job], nodes: list[Node]) -> dict[int, str]:
     return reasons
 
 
-def cycle_run() -> dict:
-    """One scheduler cycle; returns what it decided, by job id."""
+def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> dict:
+    """One scheduler cycle; returns what it decided, by job id.
+
+    ``wait`` False: when another cycle holds the lock, return ``{"skipped": "busy"}`` at once.
+    ``unless_ran_since``: return ``{"skipped": "ran"}`` when, once the lock is ours, a cycle that
+    started at or after that moment (epoch seconds) has committed meanwhile.
+    """
 
     started = time.perf_counter()
     with transaction.atomic():
-        _lock()
+        skipped = _lock(wait=wait, unless_ran_since=unless_ran_since)
+        if skipped:
+            logger.info("Scheduler cycle skipped: %s.", "another cycle holds the lock" if skipped == "busy"
+                        else "a cycle that started after it was asked for has run")
+            return {"skipped": skipped}
         now = timezone.now()
         flavors = {flavor.id: flavor for flavor in ResourceFlavor.objects.all()}
         tenants: dict[str, dict] = defaultdict(lambda: {"quotas": {}, "weight": 0.0, "max_priority": 0})
@@ -381,10 +411,18 @@ def cycle_run() -> dict:
             victim = victims.get(int(preemption.workload_id))
             if victim is None:
                 continue
-            reason = _preemption_reason(victim, by_id[preemption.for_gang_id], preemption.reason)
+            claimant = by_id[preemption.for_gang_id]
+            before = victim.state
+            reason = _preemption_reason(victim, claimant, preemption.reason)
             outcome = job_preempt_locked(victim, reason, now=now)
             if outcome is not None:
                 preempted[by_id[preemption.workload_id].tenant.slug] += 1
+                record("job.preempted", actor=SCHEDULER, tenant=victim.tenant, obj=victim,
+                       object_repr=f"{victim.name} #{victim.id}", before={"state": before},
+                       # Whose job it made room for, as the victim's own reason names it (no id: the
+                       # victim's admins cannot open another tenant's job).
+                       after={"state": victim.state, "for_job": claimant.name, "for_tenant": claimant.tenant.slug,
+                              "why": preemption.reason})
             if outcome == "stopping":
                 stops.append(victim.id)
 
