@@ -2,8 +2,20 @@
 
 import django_filters
 
+from datetime import timezone
+
 from audit.models import AuditEntry
 from common.filters import StrictFilterSet
+
+
+class UtcDateTimeFilter(django_filters.IsoDateTimeFilter):
+    """An ISO 8601 moment, compared in UTC: PostgreSQL refuses a value sent with an offset past
+    +/-15:59, which ISO 8601 (and so the schema) allows up to +/-23:59."""
+
+    def filter(self, qs, value):
+        if value:
+            value = value.astimezone(timezone.utc)
+        return super().filter(qs, value)
 
 
 class AuditEntryFilter(StrictFilterSet):
@@ -16,8 +28,8 @@ class AuditEntryFilter(StrictFilterSet):
                                                                          'or "system".')
     object_type = django_filters.CharFilter(help_text='The kind of object changed: "job", "quota", "tenant", ...')
     object_id = django_filters.CharFilter(help_text="The id of the object changed (with object_type).")
-    since = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="gte", help_text="Entries at or after this moment.")
-    until = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="lt", help_text="Entries before this moment.")
+    since = UtcDateTimeFilter(field_name="at", lookup_expr="gte", help_text="Entries at or after this moment.")
+    until = UtcDateTimeFilter(field_name="at", lookup_expr="lt", help_text="Entries before this moment.")
 
     class Meta:
         model = AuditEntry
@@ -30,6 +42,12 @@ class AuditEntryFilter(StrictFilterSet):
             if name in self.data and self.data.get(name) == "":
                 self.form.add_error(name, "Give a date and time (ISO 8601), or leave the parameter out.")
                 valid = False
+            elif valid and (moment := self.form.cleaned_data.get(name)) is not None:
+                try:
+                    moment.astimezone(timezone.utc)
+                except OverflowError:  # 0001-01-01T00:00+01:00 is in year 0 in UTC
+                    self.form.add_error(name, "This moment is outside the years 1 to 9999 in UTC.")
+                    valid = False
         return valid
 
     def filter_action(self, queryset, name, value):

@@ -1,7 +1,7 @@
 """The /api/v1/ router and the API-wide exception handling."""
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.db import DatabaseError, IntegrityError, connection
+from django.db import InterfaceError, OperationalError, connection
 from rest_framework import exceptions
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -53,9 +53,11 @@ def exception_handler(exc, context):
         exc = ConflictError(str(exc))
     elif isinstance(exc, errors.TooMany):
         exc = exceptions.Throttled(detail=str(exc))
-    elif isinstance(exc, DatabaseError) and not isinstance(exc, IntegrityError):
-        # A lost connection (a restarted or failed-over database): a 503 the client may retry, never a 500.
-        # The connection is dropped so the next request opens a fresh one.
+    elif isinstance(exc, (OperationalError, InterfaceError)):
+        # A lost connection (a restarted or failed-over database), a deadlock or a serialization failure:
+        # transient, so a 503 the client may retry. A bad query (DataError, ProgrammingError) stays a 500:
+        # that is a bug to see, not a reason to retry. The connection is dropped if it broke, so the next
+        # request opens a fresh one.
         connection.close_if_unusable_or_obsolete()
         response = drf_exception_handler(DatabaseUnavailable(), context)
         response["Retry-After"] = "2"

@@ -15,8 +15,12 @@ can give, each with the body it has:
   last one), and where a view's query parameters name objects (its
   ``not_found_when`` says when).
 - **415** on every operation that takes a body: only ``application/json`` is read.
+- **413** on every operation that takes a body: one over ``REQUEST_MAX_BODY_BYTES``
+  (``portal.middleware.BodySizeLimitMiddleware``), refused before it is read.
 - **429** where attempts are rate-limited: DRF throttles, and the login throttle
   of the token endpoint (``tenants/login_throttle.py``).
+- **503** everywhere: the database connection was lost while serving the request
+  (``portal.db_errors``); nothing was saved, and ``Retry-After`` says when to try again.
 
 And for request fields: a ``CharField`` that trims surrounding whitespace and
 refuses a blank value refuses a value that is *only* whitespace, so its schema
@@ -185,6 +189,7 @@ class PortalAutoSchema(AutoSchema):
                 responses["404"]["content"]["text/html"] = {"schema": {"type": "string"}}
                 responses["404"]["description"] += " A path parameter outside its pattern matches no route: text/html."
         if takes_body:
+            responses["413"] = self._error("413", "The body is larger than this portal takes (REQUEST_MAX_BODY_BYTES).")
             responses["415"] = self._error("415", "The body is not application/json, the only type read.")
         if self.view.throttle_classes or (path, self.method) in HAND_THROTTLED:
             responses["429"] = self._error(
@@ -192,6 +197,12 @@ class PortalAutoSchema(AutoSchema):
                 "Too many attempts; try again after the number of seconds in Retry-After.",
                 headers={"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}},
             )
+        responses["503"] = self._error(
+            "503",
+            "The database connection was lost while serving this request; nothing was saved by it. "
+            "Try again after the number of seconds in Retry-After.",
+            headers={"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds to wait."}},
+        )
         return responses
 
     def _error(self, code: str, description: str, name: str = "ErrorDetail", schema=None, headers=None) -> dict:

@@ -1,6 +1,10 @@
 """Who reads the audit log (staff everything; a tenant's owners and admins their tenant's; nobody
 else anything), and that nothing edits or deletes an entry: not the API, the admin, the ORM nor SQL."""
 
+from datetime import timedelta
+from datetime import timezone as dt_timezone
+from urllib.parse import urlencode
+
 import pytest
 from django.db import DatabaseError, connection, transaction
 
@@ -80,6 +84,12 @@ def test_filters(entries, staff, client_for):
     assert entries["globex"].id not in _ids(client, f"?until={at.isoformat().replace('+00:00', 'Z')}")
     assert client.get("/api/v1/audit/?since=").status_code == 400
     assert client.get("/api/v1/audit/?since=yesterday").status_code == 400
+    # ISO 8601 allows offsets up to 23:59 (PostgreSQL takes 15:59): compared in UTC, the same moment.
+    far_east = (at + timedelta(hours=21, minutes=59)).replace(tzinfo=dt_timezone(timedelta(hours=21, minutes=59)))
+    assert entries["globex"].id in _ids(client, "?" + urlencode({"since": far_east.isoformat()}))
+    # A moment that is before year 1 in UTC is refused, naming the parameter.
+    answer = client.get("/api/v1/audit/?" + urlencode({"since": "0001-01-01T00:00:00+23:59"}))
+    assert answer.status_code == 400 and "since" in answer.json()
     # Newest first.
     rows = client.get("/api/v1/audit/").json()["results"]
     assert [row["id"] for row in rows] == sorted((row["id"] for row in rows), reverse=True)

@@ -15,6 +15,7 @@ and wrong-typed values). Rerun one operation with ``-k``, e.g.
 """
 
 import collections
+import os
 import re
 
 import pytest
@@ -42,8 +43,10 @@ from schemathesis.specs.openapi.checks import (
 
 from portal.wsgi import application
 
-SEED = 20260101
-MAX_EXAMPLES = 50
+SEED = int(os.environ.get("SCHEMATHESIS_SEED", "20260101"))
+# The short form `make test` runs; the long form is the same test with more examples and another seed:
+#   SCHEMATHESIS_MAX_EXAMPLES=500 SCHEMATHESIS_SEED=7 make test PYTEST_ARGS=tests/portal/test_schemathesis.py
+MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "50"))
 TOKEN_REVOKE = "DELETE /api/v1/auth/token/"
 
 CONFIG = schemathesis.Config.from_dict(
