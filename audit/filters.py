@@ -1,8 +1,8 @@
 """List filters of the audit log, shared by the API and the page."""
 
-import django_filters
-
 from datetime import timezone
+
+import django_filters
 
 from audit.models import AuditEntry
 from common.filters import StrictFilterSet
