@@ -42,12 +42,20 @@ class AuditEntryFilter(StrictFilterSet):
             if name in self.data and self.data.get(name) == "":
                 self.form.add_error(name, "Give a date and time (ISO 8601), or leave the parameter out.")
                 valid = False
-            elif valid and (moment := self.form.cleaned_data.get(name)) is not None:
-                try:
-                    moment.astimezone(timezone.utc)
-                except OverflowError:  # 0001-01-01T00:00+01:00 is in year 0 in UTC
-                    self.form.add_error(name, "This moment is outside the years 1 to 9999 in UTC.")
-                    valid = False
+        return self.moments_in_range() and valid
+
+    def moments_in_range(self) -> bool:
+        """Whether since and until (once parsed) are moments of years 1 to 9999 in UTC; adds the error if not."""
+        valid = True
+        for name in ("since", "until"):
+            moment = getattr(self.form, "cleaned_data", {}).get(name)
+            if moment is None:
+                continue
+            try:
+                moment.astimezone(timezone.utc)
+            except OverflowError:  # 0001-01-01T00:00+01:00 is in year 0 in UTC
+                self.form.add_error(name, "This moment is outside the years 1 to 9999 in UTC.")
+                valid = False
         return valid
 
     def filter_action(self, queryset, name, value):

@@ -15,7 +15,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from audit import selectors
-from audit.filters import AuditEntryFilter
+from audit.filters import AuditEntryFilter, UtcDateTimeFilter
 from frontend.filters import page_list
 
 
@@ -23,17 +23,18 @@ class AuditPageFilter(AuditEntryFilter):
     """The API's filters with the page's inputs: a form sends every field, so an empty one means no filter."""
 
     tenant = django_filters.ChoiceFilter(field_name="tenant_slug", empty_label="Any tenant")
-    since = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="gte", label="Since",
-                                             widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
-    until = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="lt", label="Until",
-                                             widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    since = UtcDateTimeFilter(field_name="at", lookup_expr="gte", label="Since",
+                              widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    until = UtcDateTimeFilter(field_name="at", lookup_expr="lt", label="Until",
+                              widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
 
     def __init__(self, *args, tenant_slugs=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.filters["tenant"].extra["choices"] = [(slug, slug) for slug in tenant_slugs]
 
     def is_valid(self) -> bool:
-        return django_filters.FilterSet.is_valid(self)
+        # Not the API's strict rules (the form sends its empty fields), but the same range of moments.
+        return django_filters.FilterSet.is_valid(self) and self.moments_in_range()
 
 
 def _value(value) -> str:

@@ -128,7 +128,7 @@ def _forget_request(**kwargs) -> None:
 def init_sentry(dsn: str, *, environment: str, traces_sample_rate: float) -> None:
     """Report exceptions of requests and tasks to Sentry (settings call this when SENTRY_DSN is set).
 
-    No personal data: no user's address, name or cookies, no request bodies. Each event is tagged with
+    No personal data: no user's address, name or cookies, no request bodies, no frames' local variables. Each event is tagged with
     the request id of the log lines, so a report and its logs are found from one another.
     """
     import sentry_sdk
@@ -139,6 +139,10 @@ def init_sentry(dsn: str, *, environment: str, traces_sample_rate: float) -> Non
         dsn=dsn,
         integrations=[DjangoIntegration(), CeleryIntegration()],
         send_default_pii=False,
+        # Nor what a request or a frame held: a job's spec carries its env values (keys, say), and
+        # the default scrubber only knows names like "password".
+        max_request_body_size="never",
+        include_local_variables=False,
         environment=environment,
         traces_sample_rate=traces_sample_rate,
         before_send=_tag_request_id,

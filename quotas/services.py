@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from audit.services import record, snapshot
-from common.errors import Invalid, NotAllowed
+from common.errors import Invalid, NotAllowed, NotFound
 from quotas.models import GuaranteeReduction, PartitionKind, PriceCard, Quota, ResourceFlavor
 from quotas.selectors import guaranteed_total
 from quotas.signals import quota_changed
@@ -155,6 +155,10 @@ def quota_set(
 @transaction.atomic
 def quota_delete(*, actor: AbstractBaseUser, quota: Quota) -> None:
     require_staff(actor)
+    # Locked and read again: of two deletes at once, the second finds nothing (a 404) and records nothing.
+    quota = Quota.objects.select_for_update().select_related("tenant", "flavor").filter(pk=quota.pk).first()
+    if quota is None:
+        raise NotFound("This quota no longer exists.")
     tenant = quota.tenant
     record("quota.deleted", actor=actor, tenant=tenant, obj=quota, object_repr=f"{tenant.slug}: {quota.flavor.name}",
            before={"flavor": quota.flavor.name, **snapshot(quota, QUOTA_FIELDS)})

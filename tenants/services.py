@@ -133,9 +133,12 @@ def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> TokenInfo:
     404, as if it did not exist."""
     with transaction.atomic():
         info = token_get(user=actor, token_id=token_id)
+        before = token_audit_fields(info)
+        # The TokenInfo goes with it. Of two revokes at once, the second deletes nothing: a 404, no entry.
+        if not AuthToken.objects.filter(pk=info.token.pk).delete()[0]:
+            raise NotFound("This token no longer exists.")
         record("token.revoked", actor=actor, obj=info, object_repr=f"{info.name} of {info.token.user.get_username()}",
-               before=token_audit_fields(info))
-        info.token.delete()  # the TokenInfo goes with it
+               before=before)
     return info
 
 
@@ -143,6 +146,10 @@ def token_revoke_own(*, token: AuthToken) -> None:
     """Revoke the token a request came with (signing out of the API)."""
     with transaction.atomic():
         info = TokenInfo.objects.select_related("token__user").filter(token=token).first()
+        before = token_audit_fields(info) if info is not None else None
+        # Two sign-outs with one token at once: the second deletes nothing and records nothing.
+        if not AuthToken.objects.filter(pk=token.pk).delete()[0]:
+            return
         if info is None:  # a token made outside the portal's services (the Django admin): no name to show
             # Its key is the hash of its secret: kept out of the log.
             record("token.revoked", actor=token.user, obj=token, object_id="",
@@ -150,5 +157,4 @@ def token_revoke_own(*, token: AuthToken) -> None:
                    before={"user": token.user.get_username(), "expiry": token.expiry})
         else:
             record("token.revoked", actor=token.user, obj=info, object_repr=f"{info.name} of {token.user.get_username()}",
-                   before=token_audit_fields(info))
-        token.delete()
+                   before=before)
