@@ -359,13 +359,11 @@ def main() -> int:
     from django.conf import settings
     from django.db import connection
 
+    from bench.timing import needs_postgres_and_redis
     from tests.support.worker import WorkerProcess
 
-    if not settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
-        print("The bench needs PostgreSQL: set DATABASE_URL.", file=sys.stderr)
-        return 2
-    if not settings.CELERY_BROKER_URL.startswith("redis"):
-        print("The bench needs Redis as the broker: set CELERY_BROKER_URL.", file=sys.stderr)
+    if missing := needs_postgres_and_redis():
+        print(missing, file=sys.stderr)
         return 2
     original = connection.settings_dict["NAME"]
     connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)

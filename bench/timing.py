@@ -23,6 +23,17 @@ def scratch_database():
         connection.creation.destroy_test_db(original, verbosity=0)
 
 
+def needs_postgres_and_redis() -> str | None:
+    """What is missing for a bench that runs the portal's processes: PostgreSQL and a Redis broker; None if neither."""
+    from django.conf import settings
+
+    if not settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        return "The bench needs PostgreSQL: set DATABASE_URL."
+    if not settings.CELERY_BROKER_URL.startswith("redis"):
+        return "The bench needs Redis as the broker: set CELERY_BROKER_URL."
+    return None
+
+
 def timed(call, count: int) -> tuple[float, float]:
     """`call()` made `count` times, each answering 200: the median and p99 in milliseconds."""
     took = []

@@ -275,3 +275,19 @@ def submit_body(environment, name: str, **overrides) -> dict:
 
 def new_key() -> str:
     return uuid.uuid4().hex
+
+
+def quota_world(settings_fixture, tenant, owner):
+    """The fault backend picked, the demo cluster with 8 H100s guaranteed to the tenant, and a ready
+    environment: that environment, with the invariants' baseline taken after it."""
+    from runners.clusters.registry import get_backend
+    from tests.support import invariants
+    from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+
+    settings_fixture.CLUSTER_BACKEND_FACTORY = FACTORY
+    get_backend.cache_clear()
+    flavors = demo_cluster_with_flavors()
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
+    environment = ready_environment(actor=owner, tenant=tenant)
+    return environment, invariants.baseline()
+

@@ -27,7 +27,7 @@ from runners.scheduling.models import SchedulerCycle
 from runners.scheduling.services import CYCLE_LOCK_KEY
 from tests.faults import support
 from tests.support import invariants
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import job_data
 from tests.support.worker import WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -57,12 +57,7 @@ def _cycle_runs() -> int:
 def test_the_cycle_and_the_reconcile_move_to_another_worker_when_their_holder_dies(
     settings, tmp_path, tenant, owner, record_property
 ):
-    settings.CLUSTER_BACKEND_FACTORY = support.FACTORY
-    get_backend.cache_clear()
-    flavors = demo_cluster_with_flavors()
-    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    environment = ready_environment(actor=owner, tenant=tenant)
-    base = invariants.baseline()
+    environment, base = support.quota_world(settings, tenant, owner)
     broker = support.PrivateRedis(tmp_path / "redis.log").start()
     trace, hold = tmp_path / "trace.log", tmp_path / "hold-reconcile"
     common = dict(

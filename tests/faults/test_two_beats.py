@@ -31,7 +31,7 @@ from runners.usage import sampling
 from runners.usage.models import Resolution, Settlement, UsageEntry, UtilizationSample
 from tests.faults import support
 from tests.support import invariants
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, submit
+from tests.support.jobs import give_quota, job_data, submit
 from tests.support.worker import WorkerProcess, wait_for
 
 RAW_OLD = 6  # raw samples aged past retention, in one 5-minute bucket
@@ -56,12 +56,7 @@ def _rolled_up(job) -> list[tuple[str, int]]:
 @pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_two_beats_double_no_admission_launch_ledger_entry_or_sample(settings, tmp_path, tenant, owner):
-    settings.CLUSTER_BACKEND_FACTORY = support.FACTORY
-    get_backend.cache_clear()
-    flavors = demo_cluster_with_flavors()
-    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    environment = ready_environment(actor=owner, tenant=tenant)
-    base = invariants.baseline()
+    environment, base = support.quota_world(settings, tenant, owner)
     broker = support.PrivateRedis(tmp_path / "redis.log").start()
     trace = tmp_path / "trace.log"
     common = dict(
