@@ -25,7 +25,7 @@ import sys
 
 from django.core.signals import got_request_exception
 from django.db import InterfaceError, OperationalError, connections
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponse
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +52,7 @@ def _close_broken() -> None:
 
 
 def unavailable(request) -> HttpResponse:
-    if request.path.startswith("/api/"):
-        response = JsonResponse({"detail": DETAIL}, status=503)
-    else:
-        response = HttpResponse(DETAIL, status=503, content_type="text/plain; charset=utf-8")
+    response = short_answer(request, DETAIL, 503)
     response["Retry-After"] = str(RETRY_AFTER_S)
     return response
 

@@ -82,11 +82,16 @@ class BodySizeLimitMiddleware:
         except ValueError:
             length = 0  # not a number: Django reads no body at all
         if length > self.limit:
-            message = f"The body is larger than {self.limit} bytes."
-            if request.path_info.startswith("/api/"):
-                return JsonResponse({"detail": message}, status=413)
-            return HttpResponse(message, status=413, content_type="text/plain; charset=utf-8")
+            return short_answer(request, f"The body is larger than {self.limit} bytes.", 413)
         return self.get_response(request)
+
+
+def short_answer(request, message: str, status: int) -> HttpResponse:
+    """An answer given before any view: ``{"detail": message}`` under /api/, as the API's errors are;
+    the message as plain text elsewhere."""
+    if request.path_info.startswith("/api/"):
+        return JsonResponse({"detail": message}, status=status)
+    return HttpResponse(message, status=status, content_type="text/plain; charset=utf-8")
 
 
 class RequestHygieneMiddleware:
