@@ -27,6 +27,8 @@ from django.core.signals import got_request_exception
 from django.db import InterfaceError, OperationalError, connections
 from django.http import HttpResponse
 
+from portal.middleware import short_answer
+
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2
