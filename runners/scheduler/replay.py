@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .model import ClusterState, Node
-from .openb import TraceError, TracePod, load_nodes, load_pods
+from .openb import TracePod, load_nodes, load_pods
 from .policies import POLICY_NAMES, FgdPolicy, FragModel, PolicyName, make_policy, typical_pods
 
 ARRIVED_PCT_MAX = 130
@@ -68,6 +68,12 @@ def inflate(pods: list[TracePod], total_gpus: int, tune: float, rng: np.random.G
         return order
     target_milli = tune * total_gpus * 1000
     requested_milli = sum(pod.request.total_gpu_milli for pod in order)
+    if not any(pod.request.gpu_count for pod in by_name):
+        # Copies of pods that ask for no GPU never bring the requested GPUs nearer the target.
+        raise ValueError(
+            f"the pod list asks for no GPUs, so it cannot be inflated to {tune:g}x the cluster's GPUs; "
+            "replay it as it is with --tune 0"
+        )
     if requested_milli > target_milli:
         while requested_milli > target_milli and order:
             removed = order.pop(int(rng.integers(len(order))))
@@ -101,9 +107,13 @@ def replay(
 ) -> ReplayResult:
     """Run the published procedure for one policy and seed; pure apart from the clock."""
     started = time.perf_counter()
+    if seed < 0:
+        raise ValueError(f"the seed must be 0 or more, got {seed}")
     rng = np.random.default_rng(seed)
     state = ClusterState(list(nodes))
     total_gpus = state.total_gpus
+    if total_gpus == 0:
+        raise ValueError(f"the node list has {state.n_nodes} node(s) but no GPUs; a GPU replay needs at least one")
     workload = inflate(pods, total_gpus, tune, rng)
     state.tie_rank = rng.permutation(state.n_nodes)
     # FGD's typical pods come from the trace as given, before inflation, as in the simulator.
@@ -172,12 +182,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.policy not in POLICY_NAMES:
         parser.error(f"unknown policy {args.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if args.seed < 0:
+        parser.error(f"--seed must be 0 or more, got {args.seed}")
     try:
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
-    except TraceError as error:
+        result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods))
+    except ValueError as error:  # TraceError is one too
         parser.error(str(error))
-    result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods))
     if args.json:
         print(json.dumps(result.as_dict()))
     else:

@@ -156,3 +156,31 @@ def test_portal_allocates_more_than_published_fgd_on_default():
     result = replay(nodes, load_pods(OPENB / "openb_pod_list_default.csv"), "portal", 42, trace="default")
     # Published FGD: 95.39 (mean of seeds 42-51); the bench checks all five tuning traces.
     assert result.allocation_pct_by_arrived[130] >= 95.39
+
+
+def test_a_pod_list_without_gpu_pods_is_a_one_line_error_not_a_hang(tmp_path, small_trace):
+    nodes, _ = small_trace
+    pods = _write(tmp_path, "cpu.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np1,1000,1024,0,0\np2,2000,1024,0,0\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "runners.scheduler.replay", "--nodes", str(nodes), "--pods", str(pods), "--policy", "fgd",
+         "--seed", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    _one_line_error(result, "asks for no GPUs", "--tune 0")
+    # Replayed as it is, the same list runs.
+    assert _run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", 1, "--tune", 0).returncode == 0
+
+
+def test_a_node_list_without_gpus_is_a_one_line_error(tmp_path, small_trace):
+    _, pods = small_trace
+    nodes = _write(tmp_path, "cpu-nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nc1,32000,65536,0,\nc2,32000,65536,0,\n")
+    result = _run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", 1)
+    _one_line_error(result, "2 node(s) but no GPUs")
+    assert "Warning" not in result.stderr
+
+
+def test_a_negative_seed_is_a_one_line_error(small_trace):
+    nodes, pods = small_trace
+    _one_line_error(_run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", -1), "--seed", "-1")
+    with pytest.raises(ValueError, match="seed"):
+        replay(load_nodes(nodes), load_pods(pods), "fgd", -3)
