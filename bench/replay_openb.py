@@ -82,11 +82,11 @@ def replicate(nodes: list[Node], pods: list[TracePod], times: int) -> tuple[list
     return big_nodes, big_pods
 
 
-def run_one(job: tuple[str, str, int, int]) -> dict:
+def run_one(job: tuple) -> dict:
     """One replay (in a worker process); returns its result with the job's labels."""
-    trace, policy, seed, times = job
+    trace, policy, seed, times, mix, window = job
     nodes, pods = replicate(load_nodes(OPENB / NODE_LIST), load_pods(OPENB / f"openb_pod_list_{trace}.csv"), times)
-    result = replay(nodes, pods, policy, seed, trace=trace).as_dict()
+    result = replay(nodes, pods, policy, seed, trace=trace, mix=mix, window=window).as_dict()
     result["times"] = times
     result["n_nodes"] = len(nodes)
     return result
@@ -115,13 +115,16 @@ def report(results: list[dict]) -> str:
     table = published()
     lines = ["| trace | policy | seeds | mean alloc @130% | published | diff | worst seed | FGD-relative unallocated | pods/s |",
              "|---|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str, int], list[dict]] = {}
     for result in results:
         if result.get("times", 1) == 1:
-            groups.setdefault((result["trace"], result["policy"]), []).append(result)
+            key = (result["trace"], result["policy"], result.get("mix", "trace"), result.get("window", 1))
+            groups.setdefault(key, []).append(result)
     order = {name: i for i, name in enumerate(ALL_TRACES)}
     policy_order = {name: i for i, name in enumerate(POLICY_NAMES)}
-    for (trace, policy), runs in sorted(groups.items(), key=lambda item: (order.get(item[0][0], 99), policy_order[item[0][1]])):
+    for (trace, policy, mix, window), runs in sorted(
+        groups.items(), key=lambda item: (order.get(item[0][0], 99), policy_order[item[0][1]], item[0][2] != "trace", item[0][3])
+    ):
         by_seed = {run["seed"]: run for run in runs}
         values = np.array([run["allocation_pct_by_arrived"][130] for run in by_seed.values()])
         speed = np.mean([run["pods_per_s"] for run in by_seed.values()])
@@ -129,9 +132,10 @@ def report(results: list[dict]) -> str:
         reference = float(table[trace][column]) if trace in table else float("nan")
         fgd_unallocated = 100 - float(table[trace]["FGD"]) if trace in table else float("nan")
         relative = (100 - values.mean()) / fgd_unallocated if policy in ("portal", "fgd") else float("nan")
-        label = f"FGD {reference:.2f}" if policy == "portal" else f"{reference:.2f}"
+        label = f"FGD {reference:.2f}" if policy == "portal" or (mix, window) != ("trace", 1) else f"{reference:.2f}"
+        name = policy_label(policy, mix, window)
         lines.append(
-            f"| {trace} | {policy} | {len(values)} | {values.mean():.2f} | {label} | "
+            f"| {trace} | {name} | {len(values)} | {values.mean():.2f} | {label} | "
             f"{values.mean() - reference:+.2f} | {values.min():.2f} | "
             f"{'' if np.isnan(relative) else f'{relative:.3f}'} | {speed:,.0f} |"
         )
@@ -145,6 +149,18 @@ def report(results: list[dict]) -> str:
                 f"{1e6 / run['pods_per_s']:.0f} |"
             )
     return "\n".join(lines)
+
+
+def policy_label(policy: str, mix: str, window: int) -> str:
+    """'portal', 'portal (online mix)', 'portal (online mix, window 64)'."""
+    extras = ([] if mix == "trace" else [f"{mix} mix"]) + ([] if window == 1 else [f"window {window}"])
+    return f"{policy} ({', '.join(extras)})" if extras else policy
+
+
+def variant(text: str) -> tuple[str, int]:
+    """'online:64' -> ('online', 64)."""
+    mix, _, window = text.partition(":")
+    return mix, int(window or 1)
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -163,7 +179,8 @@ def plot(results: list[dict], path: Path) -> None:
     colours = {"portal": "tab:green", "fgd": "tab:blue", "bestfit": "tab:orange"}
     x = np.arange(131)
     for policy, colour in colours.items():
-        runs = [r for r in results if r["trace"] == "default" and r["policy"] == policy and r.get("times", 1) == 1]
+        runs = [r for r in results if r["trace"] == "default" and r["policy"] == policy and r.get("times", 1) == 1
+                and r.get("mix", "trace") == "trace" and r.get("window", 1) == 1]
         if runs:
             curve = np.nanmean([[np.nan if v is None else v for v in r["allocation_pct_by_arrived"]] for r in runs], axis=0)
             for axis in (whole, zoom):
@@ -191,6 +208,10 @@ def main() -> int:
     parser.add_argument("--traces", default=",".join(TUNING_TRACES), help="comma-separated, or 'tuning' / 'all'")
     parser.add_argument("--seeds", default="42-51")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument(
+        "--variants", default="trace:1",
+        help="mix:window pairs replayed for portal and fgd, e.g. trace:1,online:1,online:8,online:64,online:512",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
     parser.add_argument("--scaling", default="", help="replicate the cluster this many times for portal, e.g. 1,4,16")
     parser.add_argument("--results", type=Path, default=Path("/tmp/replay_openb_results.jsonl"))
@@ -201,11 +222,19 @@ def main() -> int:
     traces = {"tuning": TUNING_TRACES, "all": ALL_TRACES}.get(args.traces, tuple(t for t in args.traces.split(",") if t))
     work = []
     if not args.report_only:
-        done = {(r["trace"], r["policy"], r["seed"], r.get("times", 1)) for r in load_results(args.results)}
+        done = {
+            (r["trace"], r["policy"], r["seed"], r.get("times", 1), r.get("mix", "trace"), r.get("window", 1))
+            for r in load_results(args.results)
+        }
+        variants = [variant(text) for text in args.variants.split(",") if text]
         if args.scaling:
-            work = [("default", "portal", 42, int(times)) for times in args.scaling.split(",")]
+            work = [("default", p, 42, int(times), "trace", 1) for times in args.scaling.split(",") for p in args.policies.split(",")]
         else:
-            work = [(t, p, s, 1) for t in traces for p in args.policies.split(",") for s in parse_seeds(args.seeds)]
+            work = [
+                (t, p, s, 1, mix, window)
+                for t in traces for p in args.policies.split(",") for s in parse_seeds(args.seeds)
+                for mix, window in (variants if p in ("fgd", "portal") else [("trace", 1)])
+            ]
         work = [job for job in work if job not in done]
     needed = [OPENB / "published_allocation_at_130.csv"]
     if work:
@@ -229,7 +258,7 @@ def main() -> int:
                 out.write(json.dumps(result) + "\n")
                 out.flush()
                 print(
-                    f"{result['trace']:12s} {result['policy']:10s} seed {result['seed']} x{result['times']}: "
+                    f"{result['trace']:12s} {policy_label(result['policy'], result['mix'], result['window']):28s} seed {result['seed']} x{result['times']}: "
                     f"{result['allocation_pct_by_arrived'][130]:.2f}% at 130%, {result['pods_per_s']:,.0f} pods/s",
                     flush=True,
                 )

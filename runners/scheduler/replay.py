@@ -28,13 +28,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 import numpy as np
 
+from .batch import place_window
 from .model import ClusterState, Node
 from .openb import TracePod, load_nodes, load_pods
-from .policies import POLICY_NAMES, FgdPolicy, FragModel, PolicyName, make_policy, typical_pods
+from .policies import POLICY_NAMES, FgdPolicy, FragModel, OnlineMix, PolicyName, make_policy, prior_pod, typical_pods
 
 ARRIVED_PCT_MAX = 130
 
@@ -54,6 +55,8 @@ class ReplayResult:
     fragmentation_pct_by_arrived: list[Optional[float]]
     elapsed_s: float
     pods_per_s: float
+    mix: str = "trace"
+    window: int = 1
 
     def as_dict(self) -> dict:
         """The JSON object the CLI prints."""
@@ -102,13 +105,34 @@ def bin_by_arrived(arrived_milli: np.ndarray, values: np.ndarray, total_gpus: in
     return out
 
 
+MixSource = Literal["trace", "online"]
+
+
 def replay(
-    nodes: Sequence[Node], pods: list[TracePod], policy_name: PolicyName, seed: int, tune: float = 1.3, trace: str = ""
+    nodes: Sequence[Node],
+    pods: list[TracePod],
+    policy_name: PolicyName,
+    seed: int,
+    tune: float = 1.3,
+    trace: str = "",
+    mix: MixSource = "trace",
+    window: int = 1,
 ) -> ReplayResult:
-    """Run the published procedure for one policy and seed; pure apart from the clock."""
+    """Run the published procedure for one policy and seed; pure apart from the clock.
+
+    `mix` is where FGD-style policies take the workload's typical pods from: "trace" is the whole
+    pod list, as the simulator does; "online" learns them from the pods arrived so far
+    (`OnlineMix`), as the portal's own cycle must. `window` > 1 is the batch mode: pods arriving
+    within a window of that many are placed together (`batch.place_window`); the records of a
+    window's pods are taken once it is placed.
+    """
     started = time.perf_counter()
     if seed < 0:
         raise ValueError(f"the seed must be 0 or more, got {seed}")
+    if window < 1:
+        raise ValueError(f"the window must be 1 or more pods, got {window}")
+    if mix not in get_args(MixSource):
+        raise ValueError(f"unknown mix {mix!r}; choose trace or online")
     rng = np.random.default_rng(seed)
     state = ClusterState(list(nodes))
     total_gpus = state.total_gpus
@@ -116,12 +140,16 @@ def replay(
         raise ValueError(f"the node list has {state.n_nodes} node(s) but no GPUs; a GPU replay needs at least one")
     workload = inflate(pods, total_gpus, tune, rng)
     state.tie_rank = rng.permutation(state.n_nodes)
-    # FGD's typical pods come from the trace as given, before inflation, as in the simulator.
-    typical = typical_pods(
-        [pod.request for pod in pods], [pod.gpu_spec for pod in pods], with_memory=policy_name == "portal"
-    )
-    policy = make_policy(policy_name, typical)
-    frag = policy.bind(state) if isinstance(policy, FgdPolicy) else FragModel(state, typical)
+    with_memory = policy_name == "portal"
+    # FGD's typical pods come from the trace as given, before inflation, as in the simulator. The
+    # fragmentation the replay reports is always measured against them, whatever the policy knows.
+    trace_typical = typical_pods([pod.request for pod in pods], [pod.gpu_spec for pod in pods], with_memory=with_memory)
+    online = OnlineMix([prior_pod(state)], with_memory) if mix == "online" else None
+    policy = make_policy(policy_name, online.typical() if online else trace_typical)
+    # The policy's own model serves the report when it holds the trace's mix and follows only this
+    # state; a batch window moves it over scratch copies, so the report then keeps its own.
+    shares_frag = isinstance(policy, FgdPolicy) and online is None and window == 1
+    frag = policy.bind(state) if shares_frag else FragModel(state, trace_typical)
     frag_total = float(frag.frag_milli.sum())
     used_milli = state.allocated_gpu_milli()
     arrived = np.zeros(len(workload) + 1, dtype=np.int64)
@@ -129,20 +157,36 @@ def replay(
     fragmented = np.zeros(len(workload) + 1, dtype=np.float64)
     used[0], fragmented[0] = used_milli, frag_total
     arrived_milli, placed = 0, 0
-    for step, trace_pod in enumerate(workload, start=1):
-        pod = trace_pod.request
-        arrived_milli += pod.total_gpu_milli
-        feasible = state.feasible(pod)
-        if feasible.size:
-            row, gpus = policy.select(state, pod, feasible, rng)
-            state.place(row, pod, gpus)
-            placed += 1
-            used_milli += pod.gpu_milli * len(gpus)
-            rows = np.array([row])
-            before = frag.frag_milli[row]
+    for first in range(0, len(workload), window):
+        batch = [trace_pod.request for trace_pod in workload[first:first + window]]
+        if online is not None:
+            for trace_pod in workload[first:first + window]:
+                online.see(trace_pod.request, trace_pod.gpu_spec)
+            if online.due():
+                policy.retarget(online.typical())
+        if window == 1:
+            pod = batch[0]
+            feasible = state.feasible(pod)
+            choices = [policy.select(state, pod, feasible, rng) if feasible.size else None]
+            if choices[0] is not None:
+                state.place(choices[0].row, pod, choices[0].gpus)
+        else:
+            choices = place_window(state, batch, policy, rng)
+        touched = []
+        for pod, choice in zip(batch, choices):
+            if choice is not None:
+                placed += 1
+                used_milli += pod.gpu_milli * len(choice.gpus)
+                touched.append(choice.row)
+        if touched:
+            rows = np.unique(np.array(touched))
+            before = frag.frag_milli[rows].sum()
             frag.refresh(rows)
-            frag_total += frag.frag_milli[row] - before
-        arrived[step], used[step], fragmented[step] = arrived_milli, used_milli, frag_total
+            frag_total += frag.frag_milli[rows].sum() - before
+        for offset, pod in enumerate(batch):
+            arrived_milli += pod.total_gpu_milli
+            step = first + offset + 1
+            arrived[step], used[step], fragmented[step] = arrived_milli, used_milli, frag_total
     elapsed = time.perf_counter() - started
     return ReplayResult(
         policy=policy_name,
@@ -156,6 +200,8 @@ def replay(
         fragmentation_pct_by_arrived=bin_by_arrived(arrived, 100 * fragmented / 1000 / total_gpus, total_gpus, 0),
         elapsed_s=round(elapsed, 3),
         pods_per_s=round(len(workload) / elapsed, 1) if elapsed > 0 else 0.0,
+        mix=mix,
+        window=window,
     )
 
 

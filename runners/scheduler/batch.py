@@ -1,0 +1,111 @@
+"""Batch placement: the pods (or gangs) that arrived within one window, placed together.
+
+The online replay places each pod the moment it arrives. A scheduling cycle sees a whole queue at
+once and may choose the order it places them in. `place_window` tries a few orders on scratch
+copies of the cluster state (`ClusterState.copy`, so an FGD policy's caches carry over) and keeps
+the one that places the most GPU milli, then leaves the least fragmentation, within a time budget:
+
+* largest first: gangs by total GPU milli, then CPU, descending (first-fit decreasing, the classic
+  bin-packing order: the big pieces go while there is room, the small ones fill around them);
+* as they arrived (what the online replay does).
+
+A gang is placed whole or not at all: its pods go on a copy that is kept only if every pod found
+room. Nothing is placed past a node's free CPU, memory or GPU milli, because every pod goes through
+the policy's choice among `ClusterState.feasible` nodes and `ClusterState.place`.
+
+This is a greedy joint decision, not an optimum: no pod already placed in the window is moved to
+make room for a later one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .model import ClusterState, PodRequest
+from .policies import Choice, FgdPolicy, Policy
+
+# How long a window may spend on orders after the first (which always runs).
+DEFAULT_BUDGET_S = 0.25
+
+
+def _size(gang: Sequence[PodRequest]) -> tuple[int, int]:
+    return (sum(pod.total_gpu_milli for pod in gang if pod.gpu_count), sum(pod.cpu_milli for pod in gang))
+
+
+def _place_in_order(
+    state: ClusterState, gangs: Sequence[Sequence[PodRequest]], order: Sequence[int], policy: Policy, seed: int
+) -> tuple[ClusterState, list[Optional[list[Choice]]], int]:
+    """Place the gangs in `order` on a copy of `state`; the copy, each gang's choices (or None), GPU milli placed."""
+    rng = np.random.default_rng(seed)
+    scratch = state.copy()
+    choices: list[Optional[list[Choice]]] = [None] * len(gangs)
+    placed_milli = 0
+    for index in order:
+        gang = gangs[index]
+        trial = scratch.copy() if len(gang) > 1 else scratch
+        made: list[Choice] = []
+        for pod in gang:
+            feasible = trial.feasible(pod)
+            if feasible.size == 0:
+                break
+            choice = policy.select(trial, pod, feasible, rng)
+            trial.place(choice.row, pod, choice.gpus)
+            made.append(choice)
+        if len(made) == len(gang):
+            scratch = trial
+            choices[index] = made
+            placed_milli += sum(pod.gpu_milli * len(choice.gpus) for pod, choice in zip(gang, made))
+    return scratch, choices, placed_milli
+
+
+def _fragmentation(policy: Policy, state: ClusterState) -> float:
+    if isinstance(policy, FgdPolicy):
+        return policy.bind(state).total()
+    return 0.0
+
+
+def place_gangs_jointly(
+    state: ClusterState,
+    gangs: Sequence[Sequence[PodRequest]],
+    policy: Policy,
+    rng: np.random.Generator,
+    budget_s: float = DEFAULT_BUDGET_S,
+) -> list[Optional[list[Choice]]]:
+    """Place the window's gangs on `state` (changed in place); per gang, its pods' choices or None."""
+    if not gangs:
+        return []
+    if any(pod.kind == "mig" for gang in gangs for pod in gang):
+        raise ValueError("batch placement takes CPU, shared and whole-GPU pods; MIG slices go through placement.place_gangs")
+    started = time.perf_counter()
+    seed = int(rng.integers(2**32))
+    arrival = list(range(len(gangs)))
+    largest = sorted(arrival, key=lambda index: _size(gangs[index]), reverse=True)
+    orders = [largest] if largest == arrival else [largest, arrival]
+    best = None
+    for order in orders:
+        if best is not None and time.perf_counter() - started > budget_s:
+            break
+        scratch, choices, placed_milli = _place_in_order(state, gangs, order, policy, seed)
+        key = (placed_milli, -_fragmentation(policy, scratch))
+        if best is None or key > best[0]:
+            best = (key, choices)
+    assert best is not None
+    chosen = best[1]
+    # Make the winning order's placements on the real state, gang by gang as they were made.
+    for gang, made in zip(gangs, chosen):
+        if made is not None:
+            for pod, choice in zip(gang, made):
+                state.place(choice.row, pod, choice.gpus)
+    if isinstance(policy, FgdPolicy):
+        policy.bind(state)
+    return chosen
+
+
+def place_window(
+    state: ClusterState, pods: Sequence[PodRequest], policy: Policy, rng: np.random.Generator, budget_s: float = DEFAULT_BUDGET_S
+) -> list[Optional[Choice]]:
+    """Place single pods arrived together; per pod its choice, or None when it found no room."""
+    return [None if made is None else made[0] for made in place_gangs_jointly(state, [(pod,) for pod in pods], policy, rng, budget_s)]
