@@ -169,6 +169,7 @@ class FragModel:
         self.count = np.array([t.num_gpu for t in typical], dtype=np.int64)
         self.freq = np.array([t.frequency for t in typical], dtype=np.float64)
         self.memory = np.array([t.memory_mib for t in typical], dtype=np.int64)
+        self.memory_max = int(self.memory.max()) if len(typical) else 0
         access = np.zeros((len(state.models), len(typical)), dtype=bool)
         for m, model in enumerate(state.models):
             for t, pod in enumerate(typical):
@@ -214,12 +215,10 @@ class FragModel:
         self.refresh(stale)
 
     def _frag(self, cpu_left, memory_left, total_left, fits_count, small_left, can_satisfy) -> np.ndarray:
-        satisfied = (
-            can_satisfy
-            & (cpu_left[..., None] >= self.cpu)
-            & (memory_left[..., None] >= self.memory)
-            & (fits_count >= self.count)
-        )
+        satisfied = can_satisfy & (cpu_left[..., None] >= self.cpu) & (fits_count >= self.count)
+        # Memory seldom binds (openb's nodes have hundreds of GiB): compare only when some node is short.
+        if memory_left.size and memory_left.min() < self.memory_max:
+            satisfied &= memory_left[..., None] >= self.memory
         return np.where(satisfied, small_left, total_left[..., None]) @ self.freq
 
     def total(self) -> float:
@@ -505,12 +504,19 @@ class PortalPolicy(FgdPolicy):
         # Cached with the FGD score: it depends only on the pod's shape and the node's free resources.
         if self.cpu_pressure(state) >= 1.0:
             return scores
-        gpu_capacity = np.maximum(state.gpu_count[rows] * GPU_MILLI, 1)
-        cpu_free_after = (state.cpu_left_milli[rows] - pod.cpu_milli) / np.maximum(state.cpu_capacity_milli[rows], 1)
+        inverse = self.__dict__.get("_inverse")
+        if inverse is None or inverse[0] is not state.cpu_capacity_milli:
+            # Copies of a state share its capacity arrays, so this is worked out once per cluster.
+            inverse = self._inverse = (
+                state.cpu_capacity_milli,
+                self.CPU_BALANCE_WEIGHT / np.maximum(state.cpu_capacity_milli, 1),
+                self.CPU_BALANCE_WEIGHT / np.maximum(state.gpu_count * GPU_MILLI, 1),
+            )
         gpu_taken = pod.total_gpu_milli if pod.gpu_count else 0
-        gpu_free_after = (state.total_left_milli[rows] - gpu_taken) / gpu_capacity
-        penalty = np.floor(self.CPU_BALANCE_WEIGHT * np.maximum(gpu_free_after - cpu_free_after, 0.0))
-        return scores - penalty
+        # CPU_BALANCE_WEIGHT points per unit that the free GPU share exceeds the free CPU share.
+        excess = (state.total_left_milli[rows] - gpu_taken) * inverse[2][rows]
+        excess -= (state.cpu_left_milli[rows] - pod.cpu_milli) * inverse[1][rows]
+        return scores - np.floor(np.maximum(excess, 0.0))
 
 
 def make_policy(name: PolicyName, typical: Optional[list[TypicalPod]] = None) -> Policy:
