@@ -15,6 +15,12 @@ the policy's choice among `ClusterState.feasible` nodes and `ClusterState.place`
 
 This is a greedy joint decision, not an optimum: no pod already placed in the window is moved to
 make room for a later one.
+
+`place_queue` is the same idea for the portal's scheduling cycle, whose gangs carry topology and
+MIG rules and an order that admission decided for fairness: it places them in that order and
+largest first (both through `placement.place_gangs`), and takes largest first only when it places
+every gang the admission order placed and more GPU milli besides, so no gang loses its place to
+a bigger one.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import ClusterState, PodRequest
-from .policies import Choice, FgdPolicy, Policy
+from .model import ClusterState, Gang, GangDecision, PodRequest, Snapshot
+from .placement import place_gangs
+from .policies import Choice, FgdPolicy, Policy, PolicyName, TypicalPod
 
 # How long a window may spend on orders after the first (which always runs).
 DEFAULT_BUDGET_S = 0.25
+# A cycle with more admitted gangs than this places them in admission order only: the second
+# order doubles the placement's time, and a queue that long is rarely placeable in full anyway.
+QUEUE_JOINT_MAX_GANGS = 512
 
 
 def _size(gang: Sequence[PodRequest]) -> tuple[int, int]:
@@ -109,3 +119,36 @@ def place_window(
 ) -> list[Optional[Choice]]:
     """Place single pods arrived together; per pod its choice, or None when it found no room."""
     return [None if made is None else made[0] for made in place_gangs_jointly(state, [(pod,) for pod in pods], policy, rng, budget_s)]
+
+
+def _placed_milli(gangs: Sequence[Gang], decisions: Sequence[GangDecision]) -> int:
+    return sum(_size(gang.pods)[0] for gang, decision in zip(gangs, decisions) if decision.placed)
+
+
+def place_queue(
+    snapshot: Snapshot,
+    gangs: Sequence[Gang],
+    policy: PolicyName = "portal",
+    typical: Optional[list[TypicalPod]] = None,
+    seed: int = 0,
+    max_gangs: int = QUEUE_JOINT_MAX_GANGS,
+) -> list[GangDecision]:
+    """The cycle's placement of its admitted gangs, one decision per gang in the given order.
+
+    Largest first is taken over the given order only when it places a superset of the gangs and
+    more GPU milli; otherwise the given order's decisions stand.
+    """
+    in_order = place_gangs(snapshot, gangs, policy=policy, typical=typical, seed=seed)
+    if not 2 <= len(gangs) <= max_gangs:
+        return in_order
+    arrival = list(range(len(gangs)))
+    largest = sorted(arrival, key=lambda index: _size(gangs[index].pods), reverse=True)
+    if largest == arrival:
+        return in_order
+    by_index = dict(zip(largest, place_gangs(snapshot, [gangs[i] for i in largest], policy=policy, typical=typical, seed=seed)))
+    joint = [by_index[index] for index in arrival]
+    placed_in_order = {index for index, decision in enumerate(in_order) if decision.placed}
+    placed_joint = {index for index, decision in enumerate(joint) if decision.placed}
+    if placed_in_order <= placed_joint and _placed_milli(gangs, joint) > _placed_milli(gangs, in_order):
+        return joint
+    return in_order

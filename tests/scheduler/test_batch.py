@@ -7,12 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runners.scheduler.batch import place_gangs_jointly, place_window
-from runners.scheduler.model import ClusterState, Gpu, Node, PodRequest
+from runners.scheduler.batch import place_gangs_jointly, place_queue, place_window
+from runners.scheduler.model import ClusterState, Gang, Gpu, Node, PodRequest, Snapshot
 from runners.scheduler.openb import load_nodes, load_pods
+from runners.scheduler.placement import place_gangs
 from runners.scheduler.policies import POLICY_NAMES, OnlineMix, make_policy, prior_pod, typical_pods
 from runners.scheduler.replay import replay
-from tests.scheduler.test_placement import clusters
+from tests.scheduler.test_placement import _check_capacity, clusters, gangs
 from tests.scheduler.test_replay import OPENB
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -139,3 +140,50 @@ def test_replay_refuses_a_window_below_one_and_an_unknown_mix():
         replay(nodes, pods, "portal", 1, window=0)
     with pytest.raises(ValueError, match="mix"):
         replay(nodes, pods, "portal", 1, mix="oracle")
+
+
+# --- the cycle's batch placement ---------------------------------------------------------------
+
+
+@PROPERTY
+@given(clusters(), gangs(), st.sampled_from(POLICY_NAMES))
+def test_the_cycles_joint_placement_never_overcommits_and_places_gangs_whole(snapshot, gang_list, policy):
+    decisions = place_queue(snapshot, gang_list, policy=policy)
+    _check_capacity(snapshot, decisions, gang_list)
+    assert [d.gang for d in decisions] == [g.name for g in gang_list]
+    for gang, decision in zip(gang_list, decisions):
+        assert [p.pod for p in decision.placements] in ([], [pod.name for pod in gang.pods])
+        assert decision.placed or decision.reason
+
+
+@PROPERTY
+@given(clusters(), gangs())
+def test_the_cycles_joint_placement_never_drops_a_gang_the_admission_order_places(snapshot, gang_list):
+    in_order = place_gangs(snapshot, gang_list)
+    joint = place_queue(snapshot, gang_list)
+    assert {d.gang for d in in_order if d.placed} <= {d.gang for d in joint if d.placed}
+
+
+def test_the_cycle_places_a_big_gang_that_admission_order_would_strand_when_no_one_loses():
+    snapshot = Snapshot((Node("n0", 64000, 262144, [Gpu("T4"), Gpu("T4")]), Node("n1", 64000, 262144, [Gpu("T4")])))
+    small = Gang("small", (PodRequest("s", 1000, 1024, 1, 500),))
+    big = Gang("big", (PodRequest("b", 1000, 1024, 2, 1000),), topology="node")
+    # The dot-product policy puts the half GPU on n0: in order it strands the pair. Largest first
+    # puts the pair on n0 and the half GPU on n1: both run.
+    in_order = place_gangs(snapshot, [small, big], policy="dotprod")
+    assert [d.placed for d in in_order] == [True, False]
+    joint = place_queue(snapshot, [small, big], policy="dotprod")
+    assert [d.gang for d in joint] == ["small", "big"]
+    assert all(decision.placed for decision in joint)
+    assert {p.node for p in joint[1].placements} == {"n0"}
+
+
+def test_the_cycle_keeps_the_admission_order_when_largest_first_would_drop_a_gang():
+    snapshot = Snapshot((Node("n0", 64000, 262144, [Gpu("T4"), Gpu("T4")]),))
+    first = Gang("first", (PodRequest("f", 1000, 1024, 1, 1000),))
+    second = Gang("second", (PodRequest("s", 1000, 1024, 1, 1000),))
+    big = Gang("big", (PodRequest("b", 1000, 1024, 2, 1000),))
+    # Both orders place 2 GPUs' worth; largest first would run the pair instead of the two gangs
+    # admission put first, so the admission order stands.
+    joint = place_queue(snapshot, [first, second, big])
+    assert [d.placed for d in joint] == [True, True, False]
