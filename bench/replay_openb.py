@@ -17,6 +17,8 @@ README). Other traces and --plot need OPENB_DIR set to the full openb folder
     python bench/replay_openb.py --traces default,cpu050 --seeds 42-51 --policies fgd,portal --jobs 2
     python bench/replay_openb.py --scaling 1,4,16
     python bench/replay_openb.py --report-only --plot bench/openb_default_allocation.png
+    python bench/replay_openb.py --traces all --policies portal --variants online:1,online:8,online:64,online:512
+    python bench/replay_openb.py --report-only --plot-traces bench/openb_traces_idle.png
 
 Never run as a test: a full run takes tens of minutes on two cores.
 """
@@ -203,6 +205,41 @@ def plot(results: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def plot_traces(results: list[dict], path: Path) -> None:
+    """Per trace: idle GPUs at 130% against the published FGD's, for every policy and mode replayed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = published()
+    groups: dict[tuple, dict[str, list[float]]] = {}
+    for result in results:
+        if result.get("times", 1) != 1 or result["policy"] not in ("fgd", "portal") or result["trace"] not in table:
+            continue
+        mix, window = result.get("mix", "trace"), result.get("window", 1)
+        key = (result["policy"] != "fgd", mix != "trace", window, policy_label(result["policy"], mix, window))
+        groups.setdefault(key, {}).setdefault(result["trace"], []).append(result["allocation_pct_by_arrived"][130])
+    traces = [trace for trace in ALL_TRACES if any(trace in runs for runs in groups.values())]
+    figure, axis = plt.subplots(figsize=(13, 4.8))
+    width = 0.8 / max(len(groups), 1)
+    for index, ((*_, label), runs) in enumerate(sorted(groups.items())):
+        ratios = [
+            (100 - np.mean(runs[trace])) / (100 - float(table[trace]["FGD"])) if trace in runs else np.nan for trace in traces
+        ]
+        axis.bar(np.arange(len(traces)) + (index - (len(groups) - 1) / 2) * width, ratios, width, label=label)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.axhline(0.9, color="grey", linestyle="--", linewidth=0.8, label="10% fewer idle GPUs than FGD")
+    axis.set_xticks(np.arange(len(traces)), traces, rotation=45, ha="right")
+    axis.set_ylabel("idle GPUs at 130%, / published FGD's")
+    axis.set_ylim(0.6, 1.2)
+    axis.legend(fontsize=7, ncol=3, loc="upper left")
+    axis.grid(axis="y", alpha=0.3)
+    axis.set_title("openb, 17 traces, mean of the seeds replayed: lower is better")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default=",".join(TUNING_TRACES), help="comma-separated, or 'tuning' / 'all'")
@@ -217,6 +254,7 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=Path("/tmp/replay_openb_results.jsonl"))
     parser.add_argument("--report-only", action="store_true", help="only print the tables from --results")
     parser.add_argument("--plot", type=Path, default=None, help="write the default-trace plot (PNG) here")
+    parser.add_argument("--plot-traces", type=Path, default=None, help="write the per-trace idle-GPU ratio plot (PNG) here")
     args = parser.parse_args()
     jobs = min(max(args.jobs, 1), 2)
     traces = {"tuning": TUNING_TRACES, "all": ALL_TRACES}.get(args.traces, tuple(t for t in args.traces.split(",") if t))
@@ -268,6 +306,9 @@ def main() -> int:
     if args.plot:
         plot(results, args.plot)
         print(f"plot written to {args.plot}")
+    if args.plot_traces:
+        plot_traces(results, args.plot_traces)
+        print(f"plot written to {args.plot_traces}")
     return 0
 
 
