@@ -26,11 +26,11 @@ that changed since the last pod of its shape; the caches hold across copies of o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal, NamedTuple, Optional, Protocol, get_args
+from typing import Iterable, Literal, NamedTuple, Optional, Protocol, Sequence, get_args
 
 import numpy as np
 
-from .model import GPU_MILLI, ClusterState, PodRequest
+from .model import GPU_MILLI, ClusterState, Node, PodRequest
 
 PolicyName = Literal["random", "bestfit", "packing", "clustering", "dotprod", "fgd", "portal"]
 POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
@@ -92,15 +92,14 @@ def _most_common(counts: dict[tuple[int, int, int, str], float], memory: dict) -
     ]
 
 
-def prior_pod(state: ClusterState) -> TypicalPod:
+def prior_pod(nodes: Sequence[Node]) -> TypicalPod:
     """What the online mix assumes before it has seen a pod: one whole GPU of any model with its share
     of a typical node's CPU and memory (the median over GPU nodes of CPU and memory per GPU)."""
-    gpu_nodes = state.gpu_count > 0
-    if not gpu_nodes.any():
+    gpu_nodes = [node for node in nodes if node.gpus]
+    if not gpu_nodes:
         return TypicalPod(1000, 0, 0, "", 1.0, 0)
-    per_gpu = state.gpu_count[gpu_nodes]
-    cpu = int(np.median(state.cpu_capacity_milli[gpu_nodes] // per_gpu))
-    memory = int(np.median(state.memory_capacity_mib[gpu_nodes] // per_gpu))
+    cpu = int(np.median([node.cpu_milli // len(node.gpus) for node in gpu_nodes]))
+    memory = int(np.median([node.memory_mib // len(node.gpus) for node in gpu_nodes]))
     return TypicalPod(cpu, GPU_MILLI, 1, "", 1.0, memory)
 
 

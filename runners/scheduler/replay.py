@@ -144,7 +144,7 @@ def replay(
     # FGD's typical pods come from the trace as given, before inflation, as in the simulator. The
     # fragmentation the replay reports is always measured against them, whatever the policy knows.
     trace_typical = typical_pods([pod.request for pod in pods], [pod.gpu_spec for pod in pods], with_memory=with_memory)
-    online = OnlineMix([prior_pod(state)], with_memory) if mix == "online" else None
+    online = OnlineMix([prior_pod(nodes)], with_memory) if mix == "online" else None
     policy = make_policy(policy_name, online.typical() if online else trace_typical)
     # The policy's own model serves the report when it holds the trace's mix and follows only this
     # state; a batch window moves it over scratch copies, so the report then keeps its own.

@@ -94,8 +94,7 @@ def test_a_window_of_mig_pods_is_refused():
 
 
 def test_the_online_mix_starts_from_the_prior_and_learns_the_pods_seen():
-    state = ClusterState(load_nodes(OPENB / "openb_node_list_gpu_node.csv"))
-    prior = prior_pod(state)
+    prior = prior_pod(load_nodes(OPENB / "openb_node_list_gpu_node.csv"))
     # openb's median GPU node: 96 cores and 8 G2s -> 12 cores per GPU.
     assert (prior.num_gpu, prior.gpu_milli) == (1, 1000) and prior.cpu_milli == 12000
     mix = OnlineMix([prior], with_memory=True)
