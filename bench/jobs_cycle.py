@@ -1,7 +1,7 @@
 """How long one scheduler cycle takes on the openb cluster (1,213 nodes, 6,212 GPUs) with many jobs queued.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/portal CELERY_BROKER_URL=redis://127.0.0.1:6379/0 \\
-        .venv/bin/python bench/jobs_cycle.py --queued 1000,15000 [--tenants 20] [--seed 1]
+        .venv/bin/python bench/jobs_cycle.py --queued 1000,15000 [--tenants 20] [--seed 1] [--nodes-scale 1]
 
 For each size: a scratch PostgreSQL database (created and dropped by the bench), the openb node
 list synced as the inventory (every GPU model a whole-GPU flavor), tenants with guarantees that
@@ -12,15 +12,21 @@ written straight into the job table in the shape the submit service stores. Then
 its GPUs; the bench prints each cycle's time (in all, and under the lock: snapshot, decisions
 and writes, before the launches are sent after commit), how many jobs it admitted, how many it left
 waiting with a reason, and admissions per second. The launch messages go to a queue of the
-bench's own that it deletes.
+bench's own that it deletes; the bench counts them there, so "launches_sent" is what reached the broker.
+
+``--nodes-scale N`` makes the cluster N copies of the openb node list (node names suffixed with
+the copy's number, so each is unique), written to a temporary CSV file that the bench points
+LOCAL_CLUSTER_FILE at: 16 makes 19,408 nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import random
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,8 +34,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("LOCAL_CLUSTER_FILE", str(REPO / "tests" / "data" / "openb" / "openb_node_list_gpu_node.csv"))
+OPENB_NODES = REPO / "tests" / "data" / "openb" / "openb_node_list_gpu_node.csv"
 os.environ.setdefault("LOCAL_USE_NVML", "false")
+
+
+def scaled_node_list(scale: int) -> Path:
+    """The openb node list, or (scale > 1) that many copies of it in a temporary CSV, each node renamed
+    with its copy's number (openb-node-0000-c01) so that every name is unique."""
+    if scale <= 1:
+        return OPENB_NODES
+    with OPENB_NODES.open(newline="") as source:
+        reader = csv.DictReader(source)
+        fields, rows = reader.fieldnames, list(reader)
+    handle = tempfile.NamedTemporaryFile("w", suffix=".csv", prefix=f"openb-x{scale}-", delete=False, newline="")
+    with handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for copy in range(scale):
+            for row in rows:
+                writer.writerow({**row, "sn": f"{row['sn']}-c{copy:02d}"})
+    return Path(handle.name)
 
 
 def populate(queued: int, tenants: int, seed: int) -> None:
@@ -88,7 +112,14 @@ def populate(queued: int, tenants: int, seed: int) -> None:
     Job.objects.bulk_create(rows, batch_size=2000)
 
 
-def run(queued: int, tenants: int, seed: int) -> list[dict]:
+def _queue_length(queue: str) -> int:
+    import redis
+    from django.conf import settings
+
+    return redis.Redis.from_url(settings.CELERY_BROKER_URL).llen(queue)
+
+
+def run(queued: int, tenants: int, seed: int, queue: str, nodes_scale: int) -> list[dict]:
     from django.db import connection
 
     from runners.jobs.models import Job
@@ -104,16 +135,18 @@ def run(queued: int, tenants: int, seed: int) -> list[dict]:
               flush=True)
         results = []
         for label in ("empty cluster", "second cycle"):
+            on_broker = _queue_length(queue)
             started = time.perf_counter()
             result = cycle_run()
             elapsed = time.perf_counter() - started
             decided = len(result["admitted"]) + len(result["waiting"])
-            row = {"queued": queued, "cycle": label, "seconds": round(elapsed, 3),
+            row = {"queued": queued, "nodes_scale": nodes_scale, "cycle": label, "seconds": round(elapsed, 3),
                    # Snapshot, decisions and writes, under the lock; the rest is sending the launches after commit.
                    "locked_s": round(result["duration_ms"] / 1000, 3), "admitted": len(result["admitted"]),
                    "waiting": len(result["waiting"]), "decided": decided,
                    "admitted_per_s": round(len(result["admitted"]) / elapsed, 1) if elapsed else None,
-                   "decided_per_s": round(decided / elapsed, 1) if elapsed else None}
+                   "decided_per_s": round(decided / elapsed, 1) if elapsed else None,
+                   "launches_sent": _queue_length(queue) - on_broker}
             print(row, flush=True)
             results.append(row)
         held = Job.objects.filter(state="admitted").count()
@@ -128,9 +161,16 @@ def main() -> int:
     parser.add_argument("--queued", default="1000,15000", help="comma-separated queue sizes")
     parser.add_argument("--tenants", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--nodes-scale", type=int, default=1,
+                        help="the openb node list replicated this many times (16: 19,408 nodes)")
     args = parser.parse_args()
     queue = f"bench-cycle-{uuid.uuid4().hex[:8]}"
     os.environ["CELERY_QUEUE"] = queue
+    node_list = scaled_node_list(args.nodes_scale)
+    if node_list == OPENB_NODES:
+        os.environ.setdefault("LOCAL_CLUSTER_FILE", str(node_list))
+    else:
+        os.environ["LOCAL_CLUSTER_FILE"] = str(node_list)
     import django
 
     django.setup()
@@ -141,8 +181,10 @@ def main() -> int:
         return 2
     try:
         for size in (int(part) for part in args.queued.split(",")):
-            run(size, args.tenants, args.seed)
+            run(size, args.tenants, args.seed, queue, args.nodes_scale)
     finally:
+        if node_list != OPENB_NODES:
+            node_list.unlink(missing_ok=True)
         import redis
 
         client = redis.Redis.from_url(settings.CELERY_BROKER_URL)

@@ -15,7 +15,7 @@ GPU, less is a time-sliced share of one GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional, get_args
+from typing import Literal, Optional, Sequence, get_args
 
 import numpy as np
 
@@ -228,6 +228,9 @@ class ClusterState:
     the MIG layouts) belongs to each copy.
     """
 
+    # No trial open (see `trial`).
+    _undo: Optional[dict] = None
+
     # The arrays `copy()` copies; every other array is layout, read-only and shared.
     _OCCUPANCY = (
         "cpu_left_milli",
@@ -284,6 +287,14 @@ class ClusterState:
         # ties by node order, and it names nodes with a random prefix per seed; the replay sets a
         # seeded permutation, a snapshot keeps its own order.
         self.tie_rank = np.arange(n_nodes, dtype=np.int64)
+        # Each node's row by name, layout like the names (shared by copies).
+        self.row_of = {name: row for row, name in enumerate(self.node_names)}
+        # The nodes with GPUs, and (filled as asked, see `model_rows`) the nodes of the models a pod
+        # may use: layout too. On a cluster of many models they are a fraction of the nodes.
+        self.gpu_rows = np.flatnonzero(self.gpu_count > 0)
+        self._model_rows: dict[Optional[frozenset[str]], np.ndarray] = {}
+        # What a trial changed, to undo it (see `trial`); None when no trial is open.
+        self._undo: Optional[dict] = None
         self._refresh_summaries(np.arange(n_nodes))
         for name, value in vars(self).items():
             if isinstance(value, np.ndarray) and name not in self._OCCUPANCY:
@@ -300,7 +311,54 @@ class ClusterState:
         for name in self._OCCUPANCY:
             setattr(clone, name, getattr(self, name).copy())
         clone.mig = {slot: [replace(instance) for instance in instances] for slot, instances in self.mig.items()}
+        clone._undo = None
         return clone
+
+    # --- trials: placements tried in place and undone, instead of on a copy ---------------------
+
+    def trial(self) -> None:
+        """Start a trial: from now on `place` and `place_mig` remember what each node was before,
+        so `undo` puts it back, versions included, as if the placements had been made on a copy
+        (`copy`) and the copy dropped; `keep` ends the trial and keeps them. A trial costs what
+        the nodes it touches cost, where a copy costs the whole cluster."""
+        self._undo = {}
+
+    def _remember(self, row: int, slot: Optional[tuple[int, int]] = None) -> None:
+        undo = self._undo
+        if undo is None:
+            return
+        if row not in undo:
+            undo[row] = (
+                self.cpu_left_milli[row], self.memory_left_mib[row], self.gpu_left_milli[row].copy(),
+                self.affinity_pods[row].copy(), self.version[row], self.total_left_milli[row],
+                self.max_left_milli[row], self.full_free_gpus[row],
+            )
+        if slot is not None and slot not in undo:
+            undo[slot] = [replace(instance) for instance in self.mig[slot]]
+
+    def undo(self) -> None:
+        """Put back every node the trial changed, with the version it had, and end the trial."""
+        undo, self._undo = self._undo, None
+        for key, saved in (undo or {}).items():
+            if isinstance(key, tuple):
+                self.mig[key] = saved
+                continue
+            row = key
+            (self.cpu_left_milli[row], self.memory_left_mib[row], self.gpu_left_milli[row], self.affinity_pods[row],
+             self.version[row], self.total_left_milli[row], self.max_left_milli[row], self.full_free_gpus[row]) = saved
+
+    def keep(self, placed_rows: Sequence[int] = ()) -> None:
+        """End the trial, keeping what it placed; ``placed_rows``, the node of each pod placed, in order,
+        are stamped anew one after another, as placing those pods again on this state would stamp them.
+
+        That keeps every version, and so what a policy finds stale, exactly as when the trial ran on a
+        copy and its placements were then made here. It matters: FGD's fragmentation is a floating
+        point sum computed for the stale nodes together, and a different batch can round a score
+        across a step and move a decision.
+        """
+        self._undo = None
+        for row in placed_rows:
+            self.version[row] = self._clock.tick()
 
     def same_family(self, other: ClusterState) -> bool:
         """True when `other` is this state or a copy of it (or of a copy): their versions compare."""
@@ -338,8 +396,33 @@ class ClusterState:
             return np.array([model != "" for model in self.models], dtype=bool)
         return np.array([model in pod.gpu_models for model in self.models], dtype=bool)
 
-    def feasible(self, pod: PodRequest, mask: Optional[np.ndarray] = None) -> np.ndarray:
-        """Indices of nodes that can take the pod now (CPU, memory, GPU model and free GPU share)."""
+    def model_rows(self, pod: PodRequest) -> np.ndarray:
+        """The nodes, ascending, whose GPU model the pod may use (the `model_access` rule)."""
+        rows = self._model_rows.get(pod.gpu_models)
+        if rows is None:
+            rows = self._model_rows[pod.gpu_models] = np.flatnonzero(self.model_access(pod)[self.model_id])
+            rows.setflags(write=False)
+        return rows
+
+    def feasible(self, pod: PodRequest, mask: Optional[np.ndarray] = None, rows: Optional[np.ndarray] = None) -> np.ndarray:
+        """Indices of nodes that can take the pod now (CPU, memory, GPU model and free GPU share).
+
+        ``rows`` (ascending node indices) asks about those nodes only, at their cost rather than the
+        whole cluster's: the answer is the same as with a mask of just those rows.
+        """
+        if rows is not None:
+            ok = (self.schedulable[rows] & (self.cpu_left_milli[rows] >= pod.cpu_milli)
+                  & (self.memory_left_mib[rows] >= pod.memory_mib))
+            if mask is not None:
+                ok &= mask[rows]
+            kind = pod.kind
+            if kind in ("share", "whole"):
+                ok &= self.model_access(pod)[self.model_id[rows]]
+                if kind == "whole":
+                    ok &= self.full_free_gpus[rows] >= pod.gpu_count
+                else:
+                    ok &= self.max_left_milli[rows] >= pod.gpu_milli
+            return rows[ok]
         ok = self.schedulable & (self.cpu_left_milli >= pod.cpu_milli) & (self.memory_left_mib >= pod.memory_mib)
         if mask is not None:
             ok &= mask
@@ -356,6 +439,7 @@ class ClusterState:
 
     def place(self, row: int, pod: PodRequest, gpu_indices: tuple[int, ...]) -> None:
         """Take the pod's CPU, memory and GPU share on node `row`; the caller checked it fits."""
+        self._remember(row)
         self.cpu_left_milli[row] -= pod.cpu_milli
         self.memory_left_mib[row] -= pod.memory_mib
         if pod.gpu_count:
@@ -371,6 +455,7 @@ class ClusterState:
         The one path for MIG bookkeeping, whether a placement is tried on a scratch copy or applied;
         the caller found the slot with `mig_free_starts` or an idle instance of `mig_layout`.
         """
+        self._remember(row, (row, col))
         instances = self.mig[(row, col)]
         idle = next(
             (i for i in instances if i.profile == pod.mig_profile and i.start == start and i.pod is None), None
@@ -387,6 +472,8 @@ class ClusterState:
 
     def hide_gpus_outside(self, gpu_mask: np.ndarray) -> None:
         """Make every GPU outside the mask look fully taken (and not MIG), for a gang confined to those GPUs."""
+        if self._undo is not None:
+            raise RuntimeError("hide_gpus_outside changes every node: use it on a copy, not inside a trial")
         hidden = ~gpu_mask
         changed = (hidden & ((self.gpu_left_milli != 0) | self.gpu_is_mig)).any(axis=1)
         self.gpu_left_milli[hidden] = 0

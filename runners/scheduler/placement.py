@@ -6,11 +6,14 @@ placement for every pod or a reason the gang waits. Earlier gangs' placements ar
 account by later ones. Nothing here mutates the snapshot.
 
 A gang is tried domain by domain (the whole cluster, each node, each NVLink domain or each rack),
-its pods placed one after another on a scratch copy of the cluster (`ClusterState.copy`) with the
-chosen policy; the first domain that takes every pod wins. A preferred constraint (`required`
-False) falls back to the whole cluster when no domain fits; a required one makes the gang wait.
-The policy is built once per call, so FGD's per-node scores carry over from domain to domain and
-from gang to gang instead of being recomputed for every trial.
+its pods placed one after another with the chosen policy, as a trial on the cluster state that is
+undone when a pod finds no room (`ClusterState.trial`; an NVLink domain, which hides the GPUs
+outside it, is tried on a scratch copy, `ClusterState.copy`); the first domain that takes every pod
+wins. A one-node domain is its row, not a mask over every node, so that trying it costs what one
+node costs: on a cluster of 20,000 nodes a mask per node tried made the cycle quadratic. A
+preferred constraint (`required` False) falls back to the whole cluster when no domain fits; a
+required one makes the gang wait. The policy is built once per call, so FGD's per-node scores carry
+over from domain to domain and from gang to gang instead of being recomputed for every trial.
 """
 
 from __future__ import annotations
@@ -48,10 +51,29 @@ def _misfit_reason(gang: Gang, pod_name: str) -> str:
 
 @dataclass(frozen=True)
 class Domain:
-    """One place a gang may go: its nodes, and its GPUs when it is narrower than whole nodes (NVLink)."""
+    """One place a gang may go: its nodes, and its GPUs when it is narrower than whole nodes (NVLink).
 
-    nodes: np.ndarray  # bool per node
+    The nodes are a mask (``nodes``), or a few rows (``rows``, ascending node indices: one node),
+    or, both None, the whole cluster.
+    """
+
+    nodes: Optional[np.ndarray] = None  # bool per node
     gpus: Optional[np.ndarray] = None  # bool per (node, GPU slot); None: every GPU of those nodes
+    rows: Optional[np.ndarray] = None
+
+    def mask(self, n_nodes: int) -> np.ndarray:
+        """The domain's nodes as a mask over every node."""
+        if self.nodes is not None:
+            return self.nodes
+        if self.rows is None:
+            return np.ones(n_nodes, dtype=bool)
+        mask = np.zeros(n_nodes, dtype=bool)
+        mask[self.rows] = True
+        return mask
+
+
+def _one_node(row: int) -> Domain:
+    return Domain(rows=np.array([row], dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -67,9 +89,9 @@ class MigSlot:
 def _domains(state: ClusterState, topology: Topology) -> list[Domain]:
     """Each place a gang with this topology may go, in the order they are tried."""
     if topology == "none":
-        return [Domain(np.ones(state.n_nodes, dtype=bool))]
+        return [Domain()]
     if topology == "node":
-        return [Domain(np.arange(state.n_nodes) == row) for row in range(state.n_nodes)]
+        return [_one_node(row) for row in range(state.n_nodes)]
     if topology == "rack":
         return [Domain(state.rack_id == rack) for rack, name in enumerate(state.rack_names) if name is not None]
     domains = []
@@ -118,11 +140,17 @@ def _place_mig(state: ClusterState, pod: PodRequest, node_mask: np.ndarray) -> O
 
 
 def _place_one(
-    state: ClusterState, pod: PodRequest, policy: Policy, node_mask: np.ndarray, rng: np.random.Generator
+    state: ClusterState, pod: PodRequest, policy: Policy, domain: Domain, rng: np.random.Generator
 ) -> Optional[Placement]:
     if pod.kind == "mig":
-        return _place_mig(state, pod, node_mask)
-    feasible = state.feasible(pod, node_mask)
+        return _place_mig(state, pod, domain.mask(state.n_nodes))
+    rows = domain.rows
+    if rows is None and pod.kind in ("share", "whole"):
+        # Only nodes of a model it may use can take a GPU pod: asking about those alone gives the
+        # same answer at their cost, not the cluster's (the cycle's snapshot of one flavor holds
+        # every node, most of them without that flavor's GPUs).
+        rows = state.model_rows(pod)
+    feasible = state.feasible(pod, domain.nodes, rows)
     if feasible.size == 0:
         return None
     row, gpus = policy.select(state, pod, feasible, rng)
@@ -130,18 +158,30 @@ def _place_one(
     return Placement(pod.name, state.node_names[row], tuple(gpus), pod.gpu_milli if gpus else 0)
 
 
-def _could_hold(state: ClusterState, gang: Gang, node_mask: np.ndarray, gpu_mask: Optional[np.ndarray]) -> bool:
-    """A cheap necessary condition, so that most domains are skipped without a trial placement."""
-    if not node_mask.any():
+def _could_hold(state: ClusterState, gang: Gang, domain: Domain) -> bool:
+    """A cheap necessary condition, so that most domains are skipped without a trial placement:
+    the domain's schedulable nodes have, together, the CPU, memory and GPU share the gang asks for."""
+    if domain.rows is not None:
+        # Indices instead of a mask: the cost of the domain's nodes, not of the cluster's.
+        nodes = domain.rows[state.schedulable[domain.rows]]
+    else:
+        nodes = state.schedulable if domain.nodes is None else domain.nodes & state.schedulable
+        if not nodes.any():
+            return False
+    if nodes.size == 0:
         return False
     cpu = sum(pod.cpu_milli for pod in gang.pods)
     memory = sum(pod.memory_mib for pod in gang.pods)
     gpu_milli = sum(pod.total_gpu_milli for pod in gang.pods if pod.gpu_count)
-    left = state.gpu_left_milli if gpu_mask is None else np.where(gpu_mask, state.gpu_left_milli, 0)
+    if domain.gpus is None:
+        # The per-node sums ClusterState keeps: a node's free GPU share over its GPUs.
+        gpu_left = state.total_left_milli[nodes].sum()
+    else:
+        gpu_left = np.where(domain.gpus, state.gpu_left_milli, 0)[nodes].sum()
     return (
-        state.cpu_left_milli[node_mask].sum() >= cpu
-        and state.memory_left_mib[node_mask].sum() >= memory
-        and left[node_mask].sum() >= gpu_milli
+        state.cpu_left_milli[nodes].sum() >= cpu
+        and state.memory_left_mib[nodes].sum() >= memory
+        and gpu_left >= gpu_milli
     )
 
 
@@ -150,39 +190,80 @@ def _rows_that_could_hold(state: ClusterState, gang: Gang) -> np.ndarray:
     cpu = sum(pod.cpu_milli for pod in gang.pods)
     memory = sum(pod.memory_mib for pod in gang.pods)
     gpu_milli = sum(pod.total_gpu_milli for pod in gang.pods if pod.gpu_count)
+    if gpu_milli > 0:
+        # Only nodes with GPUs can have the free share: the same rows, found among those alone.
+        rows = state.gpu_rows
+        fits = (
+            state.schedulable[rows]
+            & (state.cpu_left_milli[rows] >= cpu)
+            & (state.memory_left_mib[rows] >= memory)
+            & (state.total_left_milli[rows] >= gpu_milli)
+        )
+        return rows[fits]
     fits = (
         state.schedulable
         & (state.cpu_left_milli >= cpu)
         & (state.memory_left_mib >= memory)
-        & (state.gpu_left_milli.sum(axis=1) >= gpu_milli)
+        & (state.total_left_milli >= gpu_milli)
     )
     return np.flatnonzero(fits)
 
 
+class _SeededOnUse:
+    """``np.random.default_rng(seed)``, made when a policy first draws from it: most policies never
+    do, and making one costs more than a one-node trial."""
+
+    __slots__ = ("_seed", "_generator")
+
+    def __init__(self, seed: int) -> None:
+        self._seed, self._generator = seed, None
+
+    def __getattr__(self, name: str):
+        if self._generator is None:
+            self._generator = np.random.default_rng(self._seed)
+        return getattr(self._generator, name)
+
+
 def _try_domain(
     state: ClusterState, gang: Gang, policy: Policy, domain: Domain, seed: int
-) -> tuple[Optional[list[Placement]], str]:
-    """The gang's placements inside the domain, tried on a scratch copy; or None and the pod that did not fit."""
-    scratch = state.copy()
+) -> tuple[Optional[list[Placement]], str, bool]:
+    """The gang's placements inside the domain; or None and the pod that did not fit.
+
+    The third value says whether the placements are made on `state` already: they are tried there
+    and undone when a pod does not fit, except in an NVLink domain (GPUs hidden), tried on a copy.
+    """
+    scratch = state
     if domain.gpus is not None:
+        scratch = state.copy()
         scratch.hide_gpus_outside(domain.gpus)
+    else:
+        state.trial()
     # Every trial draws from the same seed, so a gang's random-fit choices do not depend on how
     # many domains were tried before.
-    rng = np.random.default_rng(seed)
-    placements = []
-    for pod in gang.pods:
-        placement = _place_one(scratch, pod, policy, domain.nodes, rng)
-        if placement is None:
-            return None, pod.name
-        placements.append(placement)
-    return placements, ""
+    rng = _SeededOnUse(seed)
+    placements: Optional[list[Placement]] = []
+    last_pod = ""
+    try:
+        for pod in gang.pods:
+            placement = _place_one(scratch, pod, policy, domain, rng)
+            if placement is None:
+                placements, last_pod = None, pod.name
+                break
+            placements.append(placement)
+    finally:
+        if scratch is state:
+            # Kept only when every pod found room; undone otherwise, or when something raised.
+            if placements is not None and len(placements) == len(gang.pods):
+                state.keep([state.row_of[placement.node] for placement in placements])
+            else:
+                state.undo()
+    return placements, last_pod, scratch is state and placements is not None
 
 
 def _apply(state: ClusterState, gang: Gang, placements: list[Placement]) -> None:
     """Make a gang's placements, found on a scratch copy, on the cycle's state."""
-    rows = {name: row for row, name in enumerate(state.node_names)}
     for pod, placement in zip(gang.pods, placements):
-        row = rows[placement.node]
+        row = state.row_of[placement.node]
         if pod.kind == "mig":
             state.place_mig(row, placement.gpu_indices[0], placement.mig_start, pod)
         else:
@@ -209,8 +290,8 @@ def place_gangs(
         if gang.topology == "node":
             # One domain per node, but only the nodes that pass _could_hold's test, found in one
             # vector operation instead of a trial per node (the same domains in the same order).
-            # A generator: the masks are made only for the nodes actually tried.
-            domains = (Domain(np.arange(state.n_nodes) == row) for row in _rows_that_could_hold(state, gang))
+            # A generator of one-row domains: nothing per node of the cluster is made for a trial.
+            domains = (_one_node(row) for row in _rows_that_could_hold(state, gang))
             has_domains = state.n_nodes > 0
         else:
             domains = _domains(state, gang.topology)
@@ -218,11 +299,11 @@ def place_gangs(
         if not gang.required and gang.topology != "none":
             domains = itertools.chain(domains, _domains(state, "none"))
             has_domains = True
-        placements, last_pod = None, gang.pods[0].name
+        placements, last_pod, applied = None, gang.pods[0].name, False
         for domain in domains:
-            if not _could_hold(state, gang, domain.nodes & state.schedulable, domain.gpus):
+            if not _could_hold(state, gang, domain):
                 continue
-            placements, last_pod = _try_domain(state, gang, chooser, domain, seed)
+            placements, last_pod, applied = _try_domain(state, gang, chooser, domain, seed)
             if placements is not None:
                 break
         if placements is None:
@@ -231,7 +312,8 @@ def place_gangs(
                 reason = f"it must run in {_ONE_DOMAIN[gang.topology]} but the cluster has none"
             decisions.append(GangDecision(gang.name, (), reason))
             continue
-        _apply(state, gang, placements)
+        if not applied:
+            _apply(state, gang, placements)
         decisions.append(GangDecision(gang.name, tuple(placements)))
     return decisions
 

@@ -111,6 +111,40 @@ class _Release:
     units_by_flavor: Mapping[str, int]
 
 
+class _TenantLine:
+    """One tenant's candidate gangs, in the order `_order_key` takes them.
+
+    Within one tenant the share is the same for every gang, so the order is: gangs within the
+    guarantee first, then higher priority, older, id. Whether a gang borrows only ever goes from
+    no to yes in a cycle (committed units only grow), so a gang moves at most once from the
+    within-guarantee heap to the borrowing one, when it reaches the top and is found borrowing.
+    """
+
+    def __init__(self, cycle: _Cycle) -> None:
+        self.cycle = cycle
+        self.within: list[tuple[int, float, str, int, PendingGang]] = []
+        self.borrowing: list[tuple[int, float, str, int, PendingGang]] = []
+
+    def add(self, index: int, gang: PendingGang) -> None:
+        entry = (-self.cycle.priority[gang.id], gang.submitted_at_s, gang.id, index, gang)
+        heapq.heappush(self.borrowing if self.cycle._borrowing(gang) else self.within, entry)
+
+    def __bool__(self) -> bool:
+        return bool(self.within or self.borrowing)
+
+    def _first(self) -> list:
+        while self.within and self.cycle._borrowing(self.within[0][-1]):
+            heapq.heappush(self.borrowing, heapq.heappop(self.within))
+        return self.within or self.borrowing
+
+    def first_key(self) -> tuple[int, float, int, float, str]:
+        """The first gang's order key, as `_Cycle._order_key` makes it."""
+        return self.cycle._order_key(self._first()[0][-1])
+
+    def take_first(self) -> PendingGang:
+        return heapq.heappop(self._first())[-1]
+
+
 def _units_text(units_by_flavor: Mapping[str, int]) -> str:
     return ", ".join(f"{units} {flavor}" for flavor, units in units_by_flavor.items())
 
@@ -156,6 +190,14 @@ class _Cycle:
             gang.id: self._clamped_priority(gang.tenant, gang.priority, gang.units_by_flavor) for gang in self.pending
         }
         self.holds: list[_Hold] = []
+        # Kept up to date as holds are made and lent from, so that no question walks every hold:
+        # per flavor, units held and not lent out; how many holds hold some of it; the holds that
+        # hold any free units at all (the only ones a backfill can borrow from), in order; and
+        # how many borrowing gangs hold a capacity reservation.
+        self.held_units: dict[str, int] = defaultdict(int)
+        self.holders: dict[str, int] = defaultdict(int)
+        self.lending_holds: list[_Hold] = []
+        self.borrowing_reservations = 0
         self.admitted: list[Admission] = []
         # When this cycle's admissions are estimated to end, for projected starts.
         self.admitted_ends: list[_Release] = []
@@ -179,8 +221,17 @@ class _Cycle:
 
     def _unheld(self, flavor: str) -> int:
         """Units of a flavor that are free now and held for nobody."""
-        held = sum(hold.held_free_units.get(flavor, 0) - hold.backfill_used_units.get(flavor, 0) for hold in self.holds)
-        return max(0, self.capacity.get(flavor, 0) - self.occupied[flavor] - held)
+        return max(0, self.capacity.get(flavor, 0) - self.occupied[flavor] - self.held_units[flavor])
+
+    def _hold(self, hold: _Hold) -> None:
+        self.holds.append(hold)
+        for flavor, units in hold.held_free_units.items():
+            self.held_units[flavor] += units
+            self.holders[flavor] += 1
+        if hold.held_free_units:
+            self.lending_holds.append(hold)
+        if hold.kind == CAPACITY_RESERVATION and hold.borrowing:
+            self.borrowing_reservations += 1
 
     def _pool_units(self, flavor: str) -> int:
         return sum(piece.units for piece in self.stopping_pool.get(flavor, []))
@@ -188,9 +239,11 @@ class _Cycle:
     def _borrowing(self, gang: PendingGang) -> bool:
         quota = self.quotas[gang.tenant]
         used = self.committed[gang.tenant]
-        return any(
-            used[flavor] + units > quota.guaranteed_units(flavor) for flavor, units in gang.units_by_flavor.items()
-        )
+        # A loop, not any() over a generator: asked several times per gang, 100,000 gangs a cycle.
+        for flavor, units in gang.units_by_flavor.items():
+            if used[flavor] + units > quota.guaranteed_units(flavor):
+                return True
+        return False
 
     def _share(self, tenant: str) -> float:
         return weighted_dominant_share(
@@ -221,21 +274,26 @@ class _Cycle:
     def run(self) -> Decisions:
         """Refuse what can never run, then take the remaining gangs one at a time in fair-share order."""
         candidates = [gang for gang in self.pending if not self._blocked_for_good(gang)]
-        # The next gang is the one with the smallest order key *now*. Deciding a gang only ever
-        # adds to its own tenant's committed units, so keys never shrink and only that tenant's
-        # keys move: a heap whose entries carry the tenant's version is exact when an entry whose
-        # version is stale is re-keyed and pushed back instead of taken (keys are unique, the
-        # gang id is their last part, so the choice is the same as a min() over every candidate).
-        version: dict[str, int] = defaultdict(int)
-        heap = [(self._order_key(gang), 0, index, gang) for index, gang in enumerate(candidates)]
+        # The next gang is the one with the smallest order key *now* (keys are unique: the gang id
+        # is their last part). Deciding a gang only ever adds to its own tenant's committed units,
+        # so only that tenant's keys move. So each tenant keeps its own line, and one heap holds
+        # each tenant's first gang under its key: the smallest of those is the smallest of all.
+        lines: dict[str, _TenantLine] = {}
+        for index, gang in enumerate(candidates):
+            line = lines.get(gang.tenant)
+            if line is None:
+                line = lines[gang.tenant] = _TenantLine(self)
+            line.add(index, gang)
+        heap = []
+        for tenant, line in lines.items():
+            heap.append((line.first_key(), tenant))
         heapq.heapify(heap)
         while heap:
-            key, seen, index, gang = heapq.heappop(heap)
-            if seen != version[gang.tenant]:
-                heapq.heappush(heap, (self._order_key(gang), version[gang.tenant], index, gang))
-                continue
-            self._decide_one(gang)
-            version[gang.tenant] += 1
+            _, tenant = heapq.heappop(heap)
+            line = lines[tenant]
+            self._decide_one(line.take_first())
+            if line:
+                heapq.heappush(heap, (line.first_key(), tenant))
         return Decisions(
             admitted=tuple(self.admitted),
             preemptions=tuple(self.preemptions),
@@ -348,9 +406,10 @@ class _Cycle:
         if gang.estimated_runtime_s is None:
             return False
         end_s = self.now_s + gang.estimated_runtime_s
-        # A hold with an unknown start could start any moment, so nothing may borrow from it.
+        # A hold with an unknown start could start any moment, so nothing may borrow from it. Holds
+        # of no free units have nothing to lend and are left out.
         lenders = [
-            hold for hold in self.holds if hold.projected_start_s is not None and end_s <= hold.projected_start_s
+            hold for hold in self.lending_holds if hold.projected_start_s is not None and end_s <= hold.projected_start_s
         ]
         if not lenders:
             return False
@@ -371,6 +430,7 @@ class _Cycle:
                 take = min(spare, from_holds)
                 if take > 0:
                     hold.backfill_used_units[flavor] = hold.backfill_used_units.get(flavor, 0) + take
+                    self.held_units[flavor] -= take
                     from_holds -= take
         self._admit(gang, borrowing, backfilled=True)
         return True
@@ -431,7 +491,7 @@ class _Cycle:
                 start_s = max(start_s, piece.deadline_s)
                 if piece.units == 0:
                     pieces.pop(0)
-        self.holds.append(
+        self._hold(
             _Hold(
                 gang_id=gang.id,
                 tenant=gang.tenant,
@@ -473,9 +533,10 @@ class _Cycle:
         else:
             detail = f"only {free_units} {flavor} free, it needs {units}"
         # Counted, never named: the jobs capacity is held for may be other tenants'.
-        held_by_others = {hold.gang_id for hold in self.holds if hold.held_free_units.get(flavor, 0)}
+        # Each hold is one gang's.
+        held_by_others = self.holders[flavor]
         if held_by_others:
-            detail += f"; some of it is held for {_jobs_text(len(held_by_others))} ahead in line"
+            detail += f"; some of it is held for {_jobs_text(held_by_others)} ahead in line"
         if choice is not None and choice.protected_units_by_flavor:
             detail += (
                 "; other tenants' borrowed work cannot be preempted yet "
@@ -483,8 +544,7 @@ class _Cycle:
             )
         # Work within its guarantee always holds what is free of what it is owed; only borrowing
         # gangs compete for the max_reservations slots, so guarantees never wait behind a slot.
-        borrowing_holds = sum(1 for hold in self.holds if hold.kind == CAPACITY_RESERVATION and hold.borrowing)
-        if not borrowing or borrowing_holds < self.max_reservations:
+        if not borrowing or self.borrowing_reservations < self.max_reservations:
             held_free = {flavor: min(units, self._unheld(flavor)) for flavor, units in gang.units_by_flavor.items()}
             still_needed = {
                 flavor: units - held_free[flavor]
@@ -492,7 +552,7 @@ class _Cycle:
                 if units > held_free[flavor]
             }
             start_s = self._projected_start(still_needed)
-            self.holds.append(
+            self._hold(
                 _Hold(
                     gang_id=gang.id,
                     tenant=gang.tenant,

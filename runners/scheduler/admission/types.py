@@ -7,6 +7,7 @@ replayed without the placement model. Quantities are whole units of a flavor
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal, Mapping, Optional
@@ -154,7 +155,8 @@ class AdmissionSnapshot:
             ("running workload", [workload.id for workload in self.running]),
             ("pending gang", [gang.id for gang in self.pending]),
         ):
-            duplicates = sorted({item for item in ids if ids.count(item) > 1})
+            # Counted once, not with list.count per id: a cycle may hold 100,000 pending gangs.
+            duplicates = sorted(item for item, times in Counter(ids).items() if times > 1)
             if duplicates:
                 raise ValueError(f"AdmissionSnapshot: each {kind} must appear once, these repeat: {duplicates}")
 
