@@ -104,6 +104,8 @@ class Job(models.Model):
             models.Index(fields=["tenant", "state"], name="job_tenant_state"),
             # The API's job list: a tenant's newest first, a page read off the index instead of sorting them all.
             models.Index(fields=["tenant", "-submitted_at", "-id"], name="job_tenant_newest"),
+            # The scheduler cycle learns a flavor's typical pods from its latest submissions.
+            models.Index(fields=["flavor", "-submitted_at", "-id"], name="job_flavor_newest"),
         ]
 
     def __str__(self) -> str:

@@ -149,3 +149,136 @@ def test_the_cycle_does_not_overwrite_the_reason_of_a_job_that_left_the_queue_me
     waiting.refresh_from_db()
     assert waiting.state == "cancelled" and waiting.reason.startswith("Cancelled by")
     assert waiting.queue_position is None
+
+
+# --- The cycle at scale: its launches, and its writes ----------------------------------------------
+
+
+def _launches_on_the_broker() -> list[tuple[list, dict]]:
+    """(args, headers) of every job_launch message waiting in this run's queue on the broker."""
+    import base64
+    import json
+
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    found = []
+    for key in client.keys(f"{settings.CELERY_TASK_DEFAULT_QUEUE}*"):
+        if client.type(key) != b"list":
+            continue
+        for raw in client.lrange(key, 0, -1):
+            message = json.loads(raw)
+            headers = message.get("headers") or {}
+            if headers.get("task") == "runners.tasks.job_launch":
+                found.append((json.loads(base64.b64decode(message["body"]))[0], headers))
+    return found
+
+
+def _empty_the_queue() -> None:
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    queue = settings.CELERY_TASK_DEFAULT_QUEUE
+    client.delete(queue, *client.keys(f"{queue}*"))
+
+
+@pytest.mark.django_db
+def test_a_cycles_launches_all_reach_the_broker_in_one_batch_with_the_request_id(
+    flavors, tenant, owner, acme_env, django_capture_on_commit_callbacks, monkeypatch
+):
+    import structlog
+    from kombu.messaging import Producer
+
+    from common import dispatch
+
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
+    submitted = [submit(owner, acme_env, name=f"one-{index}", replicas=1, gpus_per_replica=1) for index in range(12)]
+    _empty_the_queue()
+    batches, one_by_one = [], []
+    real_batch, real_send_task = Producer.batch, dispatch.send_task
+    monkeypatch.setattr(Producer, "batch", lambda self, *args, **kwargs: batches.append(1) or real_batch(self, *args, **kwargs))
+    monkeypatch.setattr(dispatch, "send_task", lambda *args, **kwargs: one_by_one.append(args) or real_send_task(*args, **kwargs))
+    structlog.contextvars.bind_contextvars(request_id="cycle-request-1")
+    try:
+        with django_capture_on_commit_callbacks(execute=True) as callbacks:
+            result = scheduling.cycle_run()
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+    assert sorted(result["admitted"]) == sorted(job.id for job in submitted)
+    assert len(callbacks) == 1, "one callback after commit sends every launch"
+    sent = _launches_on_the_broker()
+    assert sorted(args for args, _ in sent) == sorted([job.id, 1] for job in submitted), "one message per launch, as ever"
+    assert all(headers.get("request_id") == "cycle-request-1" for _, headers in sent)
+    assert len({headers["id"] for _, headers in sent}) == 12, "each message its own id (the launch's token)"
+    assert batches == [1] and one_by_one == [], "through one publish batch, not one by one"
+    for job in submitted:
+        job.refresh_from_db()
+        attempt = job.attempts.get()
+        assert job.state == "admitted" and job.queue_position is None and attempt.number == 1
+        assert attempt.admitted_at is not None and attempt.placement[0]["gpus"]
+        assert [(event.from_state, event.to_state, event.reason) for event in job.events.all()][-1] == (
+            "queued", "admitted", job.reason)
+
+
+@pytest.mark.django_db
+def test_when_the_batch_fails_every_launch_is_sent_one_by_one(
+    flavors, tenant, owner, acme_env, django_capture_on_commit_callbacks, monkeypatch
+):
+    from kombu.transport import redis as kombu_redis
+
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=16)
+    submitted = [submit(owner, acme_env, name=f"one-{index}", replicas=1, gpus_per_replica=1) for index in range(5)]
+    _empty_the_queue()
+
+    failed = []
+
+    def fail(self):
+        failed.append(self._buffered)
+        raise ConnectionError("the broker went away mid-batch")
+
+    monkeypatch.setattr(kombu_redis.PublishBatch, "flush", fail)
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduling.cycle_run()
+    assert failed == [5], "the batch of five was tried and failed"
+    sent = sorted(args for args, _ in _launches_on_the_broker())
+    assert sent == sorted([job.id, 1] for job in submitted), "each launch reached the broker once"
+
+
+@pytest.mark.django_db
+def test_the_cycles_own_write_leaves_a_job_that_left_the_queue_meanwhile(flavors, tenant, owner, acme_env):
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=1)
+    waiting = submit(owner, acme_env, name="waiting", replicas=1, gpus_per_replica=1)
+    other = submit(owner, acme_env, name="other", replicas=1, gpus_per_replica=1)
+    stale = list(Job.objects.filter(id__in=[waiting.id, other.id]).order_by("id"))  # what a cycle snapshotted
+    jobs.job_cancel(actor=owner, job=waiting)
+    for position, job in enumerate(stale, start=1):
+        job.reason, job.queue_position = "Waiting: something.", position
+    scheduling._job_rows_write(stale, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED)
+    waiting.refresh_from_db(), other.refresh_from_db()
+    assert waiting.state == "cancelled" and waiting.reason.startswith("Cancelled by") and waiting.queue_position is None
+    assert other.reason == "Waiting: something." and other.queue_position == 2
+
+
+@pytest.mark.django_db
+def test_the_cycle_scores_placements_against_the_flavors_latest_submissions(flavors, tenant, owner, acme_env):
+    flavor = flavors["h100-80gb"]
+    give_quota(tenant, flavor, guaranteed=16, max=16)
+    nodes = scheduling._inventory()
+    snapshot, _, share = scheduling._snapshot_for(flavor, nodes, scheduling._usage([], {}), {})
+    # Nothing submitted yet: the prior alone, one whole GPU with a node's share of CPU and memory.
+    prior = scheduling._recent_typical(flavor, share, snapshot)
+    assert [(t.num_gpu, t.gpu_milli, t.frequency) for t in prior] == [(1, 1000, 1.0)]
+    for index in range(30):
+        submit(owner, acme_env, name=f"eight-{index}", replicas=2, gpus_per_replica=8,
+               topology={"level": "none", "mode": "preferred"})
+    submit(owner, acme_env, name="one", replicas=1, gpus_per_replica=1)
+    learnt = {(t.num_gpu, t.cpu_milli): t.frequency for t in scheduling._recent_typical(flavor, share, snapshot)}
+    # 60 replicas of 8 GPUs against the prior's 32 pods' worth: the 8-GPU shape leads.
+    eight = next(frequency for (gpus, _), frequency in learnt.items() if gpus == 8)
+    assert eight > 0.6 and max(learnt.values()) == eight
+    # A MIG flavor is not scored by FGD: no mix.
+    mig = next(f for f in flavors.values() if f.kind == "mig")
+    mig_snapshot, _, mig_share = scheduling._snapshot_for(mig, nodes, scheduling._usage([], {}), {})
+    assert scheduling._recent_typical(mig, mig_share, mig_snapshot) is None
