@@ -350,6 +350,22 @@ def _place(admitted: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage]) 
 _ROWS_PER_STATEMENT = 20_000
 
 
+# The field types whose values pass through json.dumps and jsonb_to_recordset unchanged (a datetime
+# as its ISO text). Another type (a Decimal, a UUID, a JSONField with its own encoder) would need
+# Django's own conversion: the bulk writers refuse it rather than write it wrong on PostgreSQL only.
+_JSON_SAFE_FIELDS = {
+    "AutoField", "BigAutoField", "BigIntegerField", "BooleanField", "CharField", "DateTimeField", "ForeignKey",
+    "IntegerField", "JSONField", "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField", "TextField",
+}
+
+
+def _json_safe(fields) -> None:
+    for column in fields:
+        kind = column.get_internal_type()
+        if kind not in _JSON_SAFE_FIELDS or getattr(column, "encoder", None) is not None:
+            raise TypeError(f"{column.model.__name__}.{column.name} ({kind}) cannot be written by the cycle's bulk writer")
+
+
 def _json_value(value):
     return value.isoformat() if isinstance(value, datetime) else value
 
@@ -368,6 +384,7 @@ def _rows_insert(model, objects: list) -> None:
         model.objects.bulk_create(objects, batch_size=1000)
         return
     fields = [column for column in model._meta.concrete_fields if not column.primary_key]
+    _json_safe(fields)
     columns = ", ".join(f'"{column.column}"' for column in fields)
     types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in fields)
     with connection.cursor() as cursor:
@@ -394,6 +411,7 @@ def _job_rows_write(jobs: list[Job], fields: list[str], *, only_in_state: str | 
         job_rows_update(jobs, fields, only_in_state=only_in_state)
         return
     columns = [Job._meta.get_field(name) for name in fields]
+    _json_safe(columns)
     assignments = ", ".join(f'"{column.column}" = v."{column.column}"' for column in columns)
     types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in columns)
     condition, tail = "", []
