@@ -69,22 +69,27 @@ def test_a_window_never_exceeds_capacity_and_places_gangs_whole(snapshot, gangs,
     assert (gpu == state.gpu_left_milli).all()
 
 
-def _two_gpu_node():
-    return ClusterState([Node("n0", 64000, 262144, [Gpu("T4"), Gpu("T4")])])
+def test_largest_first_places_a_pair_that_arrival_order_strands_when_no_pod_loses():
+    state = ClusterState([Node("n0", 64000, 262144, [Gpu("T4"), Gpu("T4")]), Node("n1", 64000, 262144, [Gpu("T4")])])
+    window = [PodRequest("half", 1000, 1024, 1, 500), PodRequest("pair", 1000, 1024, 2, 1000)]
+    # The dot-product policy puts the half GPU on n0 and the pair finds no node; largest first puts
+    # the pair on n0 and the half GPU on n1: both run.
+    chosen = place_window(state, window, make_policy("dotprod"), np.random.default_rng(0))
+    assert all(choice is not None for choice in chosen)
+    assert chosen[1].row == 0 and chosen[0].row == 1
+    assert int(state.gpu_left_milli.sum()) == 500
 
 
-def test_largest_first_places_a_whole_gpu_that_arrival_order_strands():
-    shares = [PodRequest("a", 1000, 1024, 1, 600), PodRequest("b", 1000, 1024, 1, 600)]
-    whole = PodRequest("c", 1000, 1024, 1, 1000)
-    window = [*shares, whole]
+def test_arrival_order_stands_when_largest_first_would_turn_away_a_pod_it_runs():
+    state = ClusterState([Node("n0", 64000, 262144, [Gpu("T4"), Gpu("T4")])])
+    window = [PodRequest("a", 1000, 1024, 1, 600), PodRequest("b", 1000, 1024, 1, 600), PodRequest("c", 1000, 1024, 1, 1000)]
     policy = make_policy("portal", typical_pods(window, with_memory=True))
-    state = _two_gpu_node()
     chosen = place_window(state, window, policy, np.random.default_rng(0))
-    # Arrival order would put the two 0.6 shares on both GPUs and turn the whole GPU away (1,200
-    # milli placed); largest first places the whole GPU and one share (1,600).
-    assert chosen[2] is not None
-    assert sum(1 for choice in chosen if choice is not None) == 2
-    assert int(state.gpu_left_milli.sum()) == 400
+    # Largest first would run c and one share (1,600 milli against 1,200) but turn b away, which
+    # arrival order runs: measured on openb's sharing traces, taking such trades per window costs
+    # GPUs later (gpushare80, windows of 512: 88.3% against 89.7%).
+    assert [choice is not None for choice in chosen] == [True, True, False]
+    assert int(state.gpu_left_milli.sum()) == 800
 
 
 def test_a_window_of_mig_pods_is_refused():
