@@ -141,6 +141,7 @@ def report(results: list[dict]) -> str:
             f"{values.mean() - reference:+.2f} | {values.min():.2f} | "
             f"{'' if np.isnan(relative) else f'{relative:.3f}'} | {speed:,.0f} |"
         )
+    lines += ["", *modes_table(groups, table)]
     scaling = [r for r in results if r.get("times", 1) != 1 or r.get("scaling")]
     if scaling:
         lines += ["", "| cluster | nodes | pods | policy | alloc @130% | elapsed s | pods/s | us/pod |", "|---|---|---|---|---|---|---|---|"]
@@ -151,6 +152,30 @@ def report(results: list[dict]) -> str:
                 f"{1e6 / run['pods_per_s']:.0f} |"
             )
     return "\n".join(lines)
+
+
+def modes_table(groups: dict[tuple[str, str, str, int], list[dict]], table: dict) -> list[str]:
+    """One row per trace: idle GPUs at 130% over the published FGD's, a column per policy and mode."""
+    modes = sorted(
+        {key[1:] for key in groups if key[1] in ("fgd", "portal")}, key=lambda mode: (mode[0] != "fgd", mode[1] != "trace", mode[2])
+    )
+    if len(modes) < 2:
+        return []
+    header = ["trace", "published FGD", *(policy_label(*mode) for mode in modes)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for trace in ALL_TRACES:
+        if trace not in table or not any((trace, *mode) in groups for mode in modes):
+            continue
+        cells = [trace, table[trace]["FGD"]]
+        for mode in modes:
+            runs = groups.get((trace, *mode))
+            if not runs:
+                cells.append("")
+                continue
+            mean = np.mean([run["allocation_pct_by_arrived"][130] for run in runs])
+            cells.append(f"{mean:.2f} ({(100 - mean) / (100 - float(table[trace]['FGD'])):.3f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return ["Mean allocation at 130% (idle GPUs over the published FGD's):", "", *lines]
 
 
 def policy_label(policy: str, mix: str, window: int) -> str:
