@@ -16,6 +16,7 @@ README). Other traces and --plot need OPENB_DIR set to the full openb folder
 
     python bench/replay_openb.py --traces default,cpu050 --seeds 42-51 --policies fgd,portal --jobs 2
     python bench/replay_openb.py --scaling 1,4,16
+    python bench/replay_openb.py --scaling 1 --scaling-seeds 100-105 --policies fgd,portal --jobs 1
     python bench/replay_openb.py --report-only --plot bench/openb_default_allocation.png
     python bench/replay_openb.py --traces all --policies portal --variants online:1,online:8,online:64,online:512
     python bench/replay_openb.py --report-only --plot-traces bench/openb_traces_idle.png
@@ -151,6 +152,12 @@ def report(results: list[dict]) -> str:
                 f"{run['allocation_pct_by_arrived'][130]:.2f} | {run['elapsed_s']:.1f} | {run['pods_per_s']:,.0f} | "
                 f"{1e6 / run['pods_per_s']:.0f} |"
             )
+        speeds: dict[tuple[int, str], list[float]] = {}
+        for run in scaling:
+            speeds.setdefault((run["times"], run["policy"]), []).append(run["pods_per_s"])
+        lines += ["", "| cluster | policy | replays | mean pods/s |", "|---|---|---|---|"]
+        for (times, policy), values in sorted(speeds.items()):
+            lines.append(f"| {times}x | {policy} | {len(values)} | {np.mean(values):,.0f} |")
     return "\n".join(lines)
 
 
@@ -276,6 +283,7 @@ def main() -> int:
     )
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (at most 2 on the shared machine)")
     parser.add_argument("--scaling", default="", help="replicate the cluster this many times for portal, e.g. 1,4,16")
+    parser.add_argument("--scaling-seeds", default="42", help="seeds for --scaling, e.g. 100-105")
     parser.add_argument("--results", type=Path, default=Path("/tmp/replay_openb_results.jsonl"))
     parser.add_argument("--report-only", action="store_true", help="only print the tables from --results")
     parser.add_argument("--plot", type=Path, default=None, help="write the default-trace plot (PNG) here")
@@ -291,7 +299,15 @@ def main() -> int:
         }
         variants = [variant(text) for text in args.variants.split(",") if text]
         if args.scaling:
-            work = [("default", p, 42, int(times), "trace", 1) for times in args.scaling.split(",") for p in args.policies.split(",")]
+            # Policies alternate seed by seed (fgd, portal, then portal, fgd, ...), so that with
+            # --jobs 1 a drift of the machine's speed falls on both alike.
+            policies = args.policies.split(",")
+            work = [
+                ("default", p, seed, int(times), "trace", 1)
+                for times in args.scaling.split(",")
+                for index, seed in enumerate(parse_seeds(args.scaling_seeds))
+                for p in (policies if index % 2 == 0 else policies[::-1])
+            ]
         else:
             work = [
                 (t, p, s, 1, mix, window)
