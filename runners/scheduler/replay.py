@@ -162,7 +162,8 @@ def replay(
         if online is not None:
             for trace_pod in workload[first:first + window]:
                 online.see(trace_pod.request, trace_pod.gpu_spec)
-            if online.due():
+            # The pods of this window have arrived, so their shapes are known before they are placed.
+            if online.due() and isinstance(policy, FgdPolicy):
                 policy.retarget(online.typical())
         if window == 1:
             pod = batch[0]

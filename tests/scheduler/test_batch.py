@@ -191,3 +191,13 @@ def test_the_cycle_keeps_the_admission_order_when_largest_first_would_drop_a_gan
     # admission put first, so the admission order stands.
     joint = place_queue(snapshot, [first, second, big])
     assert [d.placed for d in joint] == [True, True, False]
+
+
+def test_every_policy_replays_in_every_mode():
+    nodes = load_nodes(OPENB / "openb_node_list_gpu_node.csv")
+    pods = load_pods(OPENB / "openb_pod_list_default.csv")[:300]
+    for name in POLICY_NAMES:
+        for mix, window in [("online", 1), ("online", 16), ("trace", 16)]:
+            result = replay(nodes, pods, name, 3, tune=0, mix=mix, window=window)
+            # 300 pods on 6,212 GPUs: all fit, whatever the policy and mode.
+            assert result.pods_placed == 300, (name, mix, window)
