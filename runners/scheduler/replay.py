@@ -17,7 +17,8 @@ The shuffle uses numpy's PCG64, not Go's math/rand, so a seed here is not the sa
 the same seed there; means over seeds are what compare. Equal scores go to the first node in a
 seeded random order, as the simulator's renamed nodes do (see `policies.pick_max`).
 
-Usage: python -m runners.scheduler.replay --nodes CSV --pods CSV --policy NAME --seed N [--tune 1.3] [--json]
+Usage: python -m runners.scheduler.replay --nodes CSV --pods CSV --policy NAME --seed N [--tune 1.3]
+[--mix trace|online] [--window N] [--json]
 """
 
 from __future__ import annotations
@@ -225,6 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--policy", required=True, help=f"one of {', '.join(POLICY_NAMES)}")
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--tune", type=float, default=1.3, help="inflate to this many times the cluster's GPUs (<= 0: as is)")
+    parser.add_argument("--mix", default="trace", help="typical pods from the whole 'trace' (as published) or 'online'")
+    parser.add_argument("--window", type=int, default=1, help="place the pods arriving within this many together")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.policy not in POLICY_NAMES:
@@ -234,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
-        result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods))
+        result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods), args.mix, args.window)
     except ValueError as error:  # TraceError is one too
         parser.error(str(error))
     if args.json:

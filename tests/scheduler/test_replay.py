@@ -184,3 +184,13 @@ def test_a_negative_seed_is_a_one_line_error(small_trace):
     _one_line_error(_run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", -1), "--seed", "-1")
     with pytest.raises(ValueError, match="seed"):
         replay(load_nodes(nodes), load_pods(pods), "fgd", -3)
+
+
+def test_the_command_line_takes_the_mix_and_the_window(small_trace):
+    nodes, pods = small_trace
+    result = _run("--nodes", nodes, "--pods", pods, "--policy", "portal", "--seed", 1, "--mix", "online", "--window", 8, "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert (out["mix"], out["window"]) == ("online", 8)
+    _one_line_error(_run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", 1, "--window", 0), "window")
+    _one_line_error(_run("--nodes", nodes, "--pods", pods, "--policy", "fgd", "--seed", 1, "--mix", "oracle"), "oracle")
