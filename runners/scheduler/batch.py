@@ -51,12 +51,11 @@ def _size(gang: Sequence[PodRequest]) -> tuple[int, int]:
 
 def _place_in_order(
     state: ClusterState, gangs: Sequence[Sequence[PodRequest]], order: Sequence[int], policy: Policy, seed: int
-) -> tuple[ClusterState, list[Optional[list[Choice]]], int]:
-    """Place the gangs in `order` on a copy of `state`; the copy, each gang's choices (or None), GPU milli placed."""
+) -> list[Optional[list[Choice]]]:
+    """Place the gangs in `order` on a copy of `state`; each gang's choices, or None where it found no room."""
     rng = np.random.default_rng(seed)
     scratch = state.copy()
     choices: list[Optional[list[Choice]]] = [None] * len(gangs)
-    placed_milli = 0
     for index in order:
         gang = gangs[index]
         trial = scratch.copy() if len(gang) > 1 else scratch
@@ -71,8 +70,17 @@ def _place_in_order(
         if len(made) == len(gang):
             scratch = trial
             choices[index] = made
-            placed_milli += sum(pod.gpu_milli * len(choice.gpus) for pod, choice in zip(gang, made))
-    return scratch, choices, placed_milli
+    return choices
+
+
+def _largest_first(gangs: Sequence[Sequence[PodRequest]]) -> list[int]:
+    """The gangs' indices by total GPU milli, then CPU, descending (ties keep their order)."""
+    return sorted(range(len(gangs)), key=lambda index: _size(gangs[index]), reverse=True)
+
+
+def _largest_first_wins(gangs: Sequence[Sequence[PodRequest]], in_order: set[int], largest: set[int]) -> bool:
+    """Largest first only when it runs every gang the other order runs, and more GPU milli besides."""
+    return in_order <= largest and sum(_size(gangs[i])[0] for i in largest) > sum(_size(gangs[i])[0] for i in in_order)
 
 
 def place_gangs_jointly(
@@ -88,15 +96,12 @@ def place_gangs_jointly(
         raise ValueError("batch placement takes CPU, shared and whole-GPU pods; MIG slices go through placement.place_gangs")
     seed = int(rng.integers(2**32))
     arrival = list(range(len(gangs)))
-    largest = sorted(arrival, key=lambda index: _size(gangs[index]), reverse=True)
-    chosen = _place_in_order(state, gangs, arrival, policy, seed)[1]
+    largest = _largest_first(gangs)
+    chosen = _place_in_order(state, gangs, arrival, policy, seed)
     if largest != arrival:
-        _, other, placed_milli = _place_in_order(state, gangs, largest, policy, seed)
-        kept = {index for index, made in enumerate(chosen) if made is not None}
-        # Largest first only when it runs every gang that arrival order runs, and more GPU milli.
-        if kept <= {index for index, made in enumerate(other) if made is not None} and placed_milli > sum(
-            _size(gangs[index])[0] for index in kept
-        ):
+        other = _place_in_order(state, gangs, largest, policy, seed)
+        placed = {index for index, made in enumerate(chosen) if made is not None}
+        if _largest_first_wins(gangs, placed, {index for index, made in enumerate(other) if made is not None}):
             chosen = other
     # Make the winning order's placements on the real state, gang by gang as they were made.
     for gang, made in zip(gangs, chosen):
@@ -115,10 +120,6 @@ def place_window(
     return [None if made is None else made[0] for made in place_gangs_jointly(state, [(pod,) for pod in pods], policy, rng)]
 
 
-def _placed_milli(gangs: Sequence[Gang], decisions: Sequence[GangDecision]) -> int:
-    return sum(_size(gang.pods)[0] for gang, decision in zip(gangs, decisions) if decision.placed)
-
-
 def place_queue(
     snapshot: Snapshot,
     gangs: Sequence[Gang],
@@ -135,14 +136,12 @@ def place_queue(
     in_order = place_gangs(snapshot, gangs, policy=policy, typical=typical, seed=seed)
     if not 2 <= len(gangs) <= max_gangs:
         return in_order
-    arrival = list(range(len(gangs)))
-    largest = sorted(arrival, key=lambda index: _size(gangs[index].pods), reverse=True)
-    if largest == arrival:
+    pods = [gang.pods for gang in gangs]
+    largest = _largest_first(pods)
+    if largest == list(range(len(gangs))):
         return in_order
     by_index = dict(zip(largest, place_gangs(snapshot, [gangs[i] for i in largest], policy=policy, typical=typical, seed=seed)))
-    joint = [by_index[index] for index in arrival]
+    joint = [by_index[index] for index in range(len(gangs))]
     placed_in_order = {index for index, decision in enumerate(in_order) if decision.placed}
     placed_joint = {index for index, decision in enumerate(joint) if decision.placed}
-    if placed_in_order <= placed_joint and _placed_milli(gangs, joint) > _placed_milli(gangs, in_order):
-        return joint
-    return in_order
+    return joint if _largest_first_wins(pods, placed_in_order, placed_joint) else in_order

@@ -159,9 +159,10 @@ def replay(
     used[0], fragmented[0] = used_milli, frag_total
     arrived_milli, placed = 0, 0
     for first in range(0, len(workload), window):
-        batch = [trace_pod.request for trace_pod in workload[first:first + window]]
+        arriving = workload[first:first + window]
+        batch = [trace_pod.request for trace_pod in arriving]
         if online is not None:
-            for trace_pod in workload[first:first + window]:
+            for trace_pod in arriving:
                 online.see(trace_pod.request, trace_pod.gpu_spec)
             # The pods of this window have arrived, so their shapes are known before they are placed.
             if online.due() and isinstance(policy, FgdPolicy):
