@@ -1,4 +1,4 @@
-"""The job path under chaos for as long as asked: the driver of tests/runners/test_job_chaos.py, longer.
+"""The job path under chaos for as long as asked: the driver of tests/jobs/test_job_chaos.py, longer.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/portal CELERY_BROKER_URL=redis://127.0.0.1:6379/0 \\
         .venv/bin/python bench/jobs_chaos.py [--seconds 300] [--seed 1] [--max-delay-ms 40] [--no-worker-kills] \\

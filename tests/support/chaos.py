@@ -17,7 +17,7 @@ borrowing, over whole, MIG and time-sliced flavors), cancels, environment delete
 environments in their place) and lost nodes (that come back), from a seeded RNG, and runs
 ``tests.support.invariants.check`` every ``check_every_s`` from a thread of its own. ``drain``
 then cancels what is left and waits for every job to end. The test
-(tests/runners/test_job_chaos.py) and the bench (bench/jobs_chaos.py) share it.
+(tests/jobs/test_job_chaos.py) and the bench (bench/jobs_chaos.py) share it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The suite runs a short form (8 clients x 10 jobs); the full run is a bench command:
 
-    LOAD_CLIENTS=32 LOAD_JOBS_PER_CLIENT=50 make test PYTEST_ARGS="-s tests/runners/test_job_load.py"
+    LOAD_CLIENTS=32 LOAD_JOBS_PER_CLIENT=50 make test PYTEST_ARGS="-s tests/jobs/test_job_load.py"
 
 Jobs run on `tests.support.backends.QuickJobs` (timers in place of trainers), since what is under
 test is admission and bookkeeping, not training. Mixed in: every client cancels some of its own
