@@ -108,16 +108,42 @@ class _Refused(Exception):
 
 
 def _addresses(host: str, port: int) -> list[str]:
-    """The host's addresses, every one of them global (public), or _Refused; OSError if it does not resolve.
+    """The host's addresses, every one of them public (_public), or _Refused; OSError if it does not resolve.
 
     NOTIFY_WEBHOOK_ALLOW_PRIVATE lets any address through (a receiver on the cluster's own network)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
-    if not settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE:
-        for address in addresses:
-            if not ipaddress.ip_address(address.split("%")[0]).is_global:
-                raise _Refused(f"{host} is a non-public address ({address}); webhooks go to public addresses only.")
+    for address in addresses:
+        _check_address(host, address)
     return addresses
+
+
+# NAT64 prefixes: the well-known one (its last 32 bits are the IPv4 address) and the local-use one, refused whole.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def _public(address: str) -> bool:
+    """Whether an address is global and unicast, an IPv6 one embedding IPv4 (IPv4-compatible, mapped, NAT64,
+    6to4) judged by the IPv4 address it carries as well."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if not ip.is_global or ip.is_multicast:
+        return False
+    if ip.version == 4:
+        return True
+    if ip in _NAT64_LOCAL:
+        return False
+    value = int(ip)
+    embedded = ip.ipv4_mapped or ip.sixtofour
+    if embedded is None and (ip in _NAT64 or value >> 32 == 0):  # NAT64, or IPv4-compatible (::a.b.c.d)
+        embedded = ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    return embedded is None or _public(str(embedded))
+
+
+def _check_address(host: str, address: str) -> None:
+    """_Refused unless the address is public (or NOTIFY_WEBHOOK_ALLOW_PRIVATE lets every address through)."""
+    if not settings.NOTIFY_WEBHOOK_ALLOW_PRIVATE and not _public(address):
+        raise _Refused(f"{host} is a non-public address ({address}); webhooks go to public addresses only.")
 
 
 def webhook_events_check(events) -> list[str]:
@@ -381,6 +407,11 @@ def _connection(parts: urllib.parse.SplitResult, address: str, deadline: float) 
             if left <= 0:
                 raise TimeoutError("Could not connect within NOTIFY_WEBHOOK_TIMEOUT_S.")
             sock = socket.create_connection((address, port), timeout=left)
+            try:  # the address the connection actually uses decides, whatever was resolved
+                _check_address(parts.hostname or "", sock.getpeername()[0])
+            except _Refused:
+                sock.close()
+                raise
             if https:
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
             self.sock = _DeadlineSocket(sock, deadline)
