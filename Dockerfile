@@ -81,12 +81,14 @@ COPY . /app
 
 # Static files are collected now, into the image (whitenoise serves them). Settings refuse
 # to load with DEBUG off and no SECRET_KEY, so a throwaway key is given for this one command;
-# it never reaches the image's environment. The broker and var folders go to a scratch
-# directory that is removed again. Bytecode is compiled now, since nothing can write it later.
+# it never reaches the image's environment, and neither do the server URLs, which nothing connects
+# to. The var folder goes to a scratch directory that is removed again. Bytecode is compiled now, since nothing can write it later.
 RUN set -eux; \
     DEBUG=false \
     SECRET_KEY=build-only-placeholder-never-used-at-run-time-0123456789abcdef \
     PORTAL_VAR_DIR=/tmp/build-var \
+    DATABASE_URL=postgres://collectstatic-needs-no-database@127.0.0.1/portal \
+    CELERY_BROKER_URL=redis://127.0.0.1:6379/0 \
     python manage.py collectstatic --noinput --verbosity 0; \
     rm -rf /tmp/build-var; \
     python -m compileall -q /app > /dev/null; \

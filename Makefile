@@ -7,9 +7,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 AXE_CORE_VERSION := 4.14.1
 
-# Tests run against real services; these are the defaults on a developer machine.
+# Tests run against real services: DATABASE_URL and CELERY_BROKER_URL when set, else these when they
+# answer, else this checkout's embedded PostgreSQL and Redis under var/ (portal/embedded.py).
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/portal
 TEST_BROKER_URL ?= redis://127.0.0.1:6379/0
+EMBEDDED_OR_SYSTEM = $(BIN)/python -m portal.embedded exec --prefer-database $(TEST_DATABASE_URL) --prefer-broker $(TEST_BROKER_URL) --
 # pytest-xdist processes; each test file runs whole in one of them (its own test database and queue).
 # Most of the suite waits on workers, trainers and the browser, so three beat two cores' count.
 TEST_WORKERS ?= 3
@@ -19,7 +21,7 @@ TEST_WORKERS ?= 3
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,workloads]"
+	$(BIN)/python -m pip install --quiet -e ".[test,workloads,embedded]"
 	# axe-core for the accessibility test, pinned, from the npm registry; without npm the test uses the
 	# older axe-core that axe-playwright-python bundles, and says so.
 	if command -v npm >/dev/null; then npm install --prefix $(VENV)/axe --no-audit --no-fund --silent axe-core@$(AXE_CORE_VERSION); fi
@@ -34,15 +36,14 @@ run: $(STAMP)
 ## Lint, then the test suite on PostgreSQL and Redis.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	DATABASE_URL=$${DATABASE_URL:-$(TEST_DATABASE_URL)} \
-	CELERY_BROKER_URL=$${CELERY_BROKER_URL:-$(TEST_BROKER_URL)} \
-	API_LOGIN_RATE=10000/min \
+	API_LOGIN_RATE=10000/min $(EMBEDDED_OR_SYSTEM) \
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 ## What `manage.py check --deploy` says under production settings.
 check-deploy: $(STAMP)
 	DEBUG=false SECRET_KEY=$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(50))') \
-	ALLOWED_HOSTS=portal.example.com $(BIN)/python manage.py check --deploy --fail-level WARNING
+	ALLOWED_HOSTS=portal.example.com DATABASE_URL=postgres://check-reads-settings-only@127.0.0.1/portal \
+	CELERY_BROKER_URL=redis://127.0.0.1:6379/0 $(BIN)/python manage.py check --deploy --fail-level WARNING
 
 ## The Kubernetes manifests of deploy/overlays/default, rendered (kubectl's built-in kustomize), on stdout.
 deploy-render:

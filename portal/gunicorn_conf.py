@@ -4,8 +4,7 @@ Every value comes from the environment (listed in the README) with a default tha
 
 - where to listen: GUNICORN_BIND, else 0.0.0.0:$PORT when PORT is set (as platforms set it), else
   127.0.0.1:8000;
-- gthread workers: GUNICORN_WORKERS processes (default two a CPU core plus one, at most 8; at most 2
-  on the embedded SQLite database, where writers queue for one lock anyway), each with
+- gthread workers: GUNICORN_WORKERS processes (default two a CPU core plus one, at most 8), each with
   GUNICORN_THREADS threads (default 4), each thread its own database connection;
 - GUNICORN_TIMEOUT_S: a request running longer has its worker killed and restarted (default 60);
   GUNICORN_GRACEFUL_TIMEOUT_S: on a restart or stop, how long requests in flight may still finish;
@@ -28,13 +27,12 @@ from portal.logs import logging_config
 # Read as settings read them, without importing them: this runs in gunicorn's master process, and only
 # the workers load the portal (so a worker that fails to start is restarted, and the master stays up).
 _debug = env_bool("DEBUG", True)
-_sqlite = not env_str("DATABASE_URL", "").startswith(("postgres://", "postgresql://", "pgsql://"))
 
 _port = env_str("PORT", "")
 bind = env_str("GUNICORN_BIND", f"0.0.0.0:{_port}" if _port else "127.0.0.1:8000").split(",")
 
 worker_class = "gthread"
-workers = env_int("GUNICORN_WORKERS", min(2 * (os.cpu_count() or 1) + 1, 2 if _sqlite else 8), minimum=1)
+workers = env_int("GUNICORN_WORKERS", min(2 * (os.cpu_count() or 1) + 1, 8), minimum=1)
 threads = env_int("GUNICORN_THREADS", 4, minimum=1)
 timeout = env_int("GUNICORN_TIMEOUT_S", 60, minimum=1)
 graceful_timeout = env_int("GUNICORN_GRACEFUL_TIMEOUT_S", 30, minimum=0)

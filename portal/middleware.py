@@ -192,13 +192,23 @@ class PortalErrorMiddleware:
     """Answer the portal's own exceptions (common.errors) raised under a page view, and give every
     page a person can reach a friendly 403, 404 or 500, in every mode: never Django's debug pages
     (the URL list, a traceback), which `make run` would otherwise show. The API keeps its JSON
-    answers; a 500's traceback still goes to the log."""
+    answers, and a 500 there is JSON too, whatever DEBUG is; a 500's traceback still goes to the log,
+    and the answer names the request id its log lines carry."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
         response = self.get_response(request)
+        if (
+            response.status_code == 500
+            and request.path.startswith(("/api/", "/serve/"))
+            and not response.get("Content-Type", "").startswith("application/json")
+        ):
+            return JsonResponse(
+                {"detail": "Server error: it has been logged.", "request_id": getattr(request, "request_id", "")},
+                status=500,
+            )
         if (
             response.status_code in (403, 404, 500)
             and not getattr(response, "portal_friendly", False)
@@ -212,12 +222,13 @@ class PortalErrorMiddleware:
     def friendly(request, status: int) -> HttpResponse:
         if status == 500:
             # Standalone: no query, no session, nothing that may be what failed.
-            return render(request, "frontend/500.html", status=500)
+            return render(request, "frontend/500.html", {"request_id": getattr(request, "request_id", "")}, status=500)
         title, text = FRIENDLY_PAGES[status]
         try:
             return render(request, "frontend/error.html", {"status": status, "title": title, "text": text}, status=status)
         except Exception:  # the page itself failed (the database is down, say): the plain one
-            return render(request, "frontend/500.html", status=status)
+            return render(request, "frontend/500.html", {"request_id": getattr(request, "request_id", "")},
+                          status=status)
 
     def process_exception(self, request, exception):
         if isinstance(exception, NotFound):

@@ -1,9 +1,10 @@
 """Settings for the GPU portal, all driven by environment variables.
 
-With no variable set, the portal runs on one machine: an SQLite file and a
-filesystem broker under ``var/``, the local cluster backend and a demo secret
-key. Tests and production set ``DATABASE_URL`` (PostgreSQL) and
-``CELERY_BROKER_URL`` (Redis). Every variable is listed in the README.
+One database engine and one broker everywhere: PostgreSQL (``DATABASE_URL``) and Redis
+(``CELERY_BROKER_URL``). Production and the tests name them; a checkout that names neither gets
+embedded ones under ``var/``, started by ``manage.py`` (portal/embedded.py) before these settings load.
+With nothing else set, the portal runs on one machine with the local cluster backend and a demo
+secret key. Every variable is listed in docs/configuration.md.
 """
 
 import re
@@ -111,9 +112,17 @@ TEMPLATES = [
     },
 ]
 
-DATABASE_URL = env_url(
-    "DATABASE_URL", f"sqlite:///{VAR_DIR / 'portal.sqlite3'}", schemes=("sqlite", "postgres", "postgresql", "pgsql")
-)
+def _required_url(name: str, schemes: tuple[str, ...], what: str) -> str:
+    """A server's URL; unset, say how to get one instead of falling back to anything else."""
+    if not env_str(name, ""):
+        raise ImproperlyConfigured(
+            f"{name} is not set: name your {what} server ({schemes[0]}://...). `python manage.py` and "
+            "`make run` start an embedded one under var/ when it is unset and DEBUG is on (portal/embedded.py)."
+        )
+    return env_url(name, "", schemes=schemes)
+
+
+DATABASE_URL = _required_url("DATABASE_URL", ("postgres", "postgresql", "pgsql"), "PostgreSQL")
 try:
     DATABASES = {"default": environ.Env.db_url_config(DATABASE_URL)}
 except Exception as exc:  # django-environ raises several types for a bad URL.
@@ -125,10 +134,6 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # The database pytest creates; name it per checkout when several test runs share one server.
 if _raw_test_db := env_str("TEST_DATABASE_NAME", ""):
     DATABASES["default"]["TEST"] = {"NAME": _raw_test_db}
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # The worker, beat and web server share the file; wait for locks instead of failing.
-    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
-    DATABASES["default"]["CONN_MAX_AGE"] = 0
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -228,15 +233,13 @@ API_LOGIN_RATE = env_str("API_LOGIN_RATE", "30/min")
 if not re.fullmatch(r"\d+/(s|sec|m|min|h|hour|d|day)", API_LOGIN_RATE):
     raise ImproperlyConfigured(f"API_LOGIN_RATE={API_LOGIN_RATE!r} must look like 30/min (per s, min, hour or day).")
 
-# The cache holds login counters; use Redis when several web processes serve the portal.
-CACHE_URL = env_url("CACHE_URL", "locmem://", schemes=("locmem", "redis", "rediss"))
-CACHES = {
-    "default": (
-        {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
-        if CACHE_URL.startswith("locmem")
-        else {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": CACHE_URL}
-    )
-}
+# Celery's broker: Redis, the same server in `make run`, the tests and production.
+CELERY_BROKER_URL = _required_url("CELERY_BROKER_URL", ("redis", "rediss"), "Redis")
+
+# The cache holds login counters, which every web process must share: by default the broker's Redis.
+CACHE_URL = env_url("CACHE_URL", CELERY_BROKER_URL, schemes=("redis", "rediss"))
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": CACHE_URL,
+                      "KEY_PREFIX": env_str("CACHE_KEY_PREFIX", "portal")}}
 
 REST_KNOX = {
     "TOKEN_TTL": timedelta(hours=env_int("API_TOKEN_TTL_HOURS", 24 * 30, minimum=1)),
@@ -259,13 +262,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
-# Celery. The default broker is kombu's filesystem transport, which needs no
-# server; tests and production use Redis.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "filesystem://")
-if CELERY_BROKER_URL != "filesystem://" and not CELERY_BROKER_URL.startswith(("redis://", "rediss://", "amqp://")):
-    raise ImproperlyConfigured(
-        f"CELERY_BROKER_URL={CELERY_BROKER_URL!r} must be redis://..., rediss://..., amqp://... or filesystem://."
-    )
+# Celery.
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     # How long an unacknowledged message waits before Redis hands it to another
     # worker; this is how a task whose worker died is redelivered.
@@ -274,17 +271,6 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     "unacked_restore_interval": env_int("CELERY_UNACKED_RESTORE_INTERVAL_S", 10, minimum=1),
     "unacked_restore_throttle": 1,
 }
-if CELERY_BROKER_URL == "filesystem://":
-    _broker_dir = VAR_DIR / "broker"
-    for _sub in ("queue", "processed", "control"):
-        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
-    CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(_broker_dir / "queue"),
-        "data_folder_out": str(_broker_dir / "queue"),
-        "processed_folder": str(_broker_dir / "processed"),
-        "control_folder": str(_broker_dir / "control"),
-        "store_processed": False,
-    }
 # One queue name per deployment (tests use a fresh one per run, so runs never see each other's messages).
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "portal")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)

@@ -7,8 +7,14 @@ from urllib.parse import urlparse
 
 import pytest
 from django.conf import settings
+from django.test.utils import override_settings
 from rest_framework.test import APIClient
 
+from tests.support.tiers import (  # noqa: F401 (the tiers' hooks, run for every test)
+    pytest_collection_modifyitems,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
 from tests.support.worker import WorkerProcess, purge_queue
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,23 +31,20 @@ def _reachable(url: str, default_port: int) -> bool:
 
 
 def pytest_configure(config):
-    """Stop at once, saying what to start, when PostgreSQL or Redis is not there."""
-    database_url = settings.DATABASE_URL
-    if not database_url.startswith(("postgres://", "postgresql://")):
-        pytest.exit(f"Tests need PostgreSQL: set DATABASE_URL=postgres://... (it is {database_url!r}). `make test` does.", 2)
-    if not _reachable(database_url, 5432):
+    """Stop at once, saying what to start, when PostgreSQL or Redis is not there (settings already
+    refused any other kind of database or broker; `make test` falls back to the embedded ones)."""
+    if not _reachable(settings.DATABASE_URL, 5432):
         pytest.exit(
-            f"PostgreSQL at {database_url} is not answering. Start it with: "
-            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+            f"PostgreSQL at {settings.DATABASE_URL} is not answering. Start it with: "
+            "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start; or unset DATABASE_URL "
+            "and run `make test`, which then uses this checkout's embedded PostgreSQL.",
             2,
         )
-    broker = settings.CELERY_BROKER_URL
-    if not broker.startswith("redis://"):
-        pytest.exit(f"Tests need Redis: set CELERY_BROKER_URL=redis://... (it is {broker!r}). `make test` does.", 2)
-    if not _reachable(broker, 6379):
+    if not _reachable(settings.CELERY_BROKER_URL, 6379):
         pytest.exit(
-            f"Redis at {broker} is not answering. Start it with: redis-server --daemonize yes --bind 127.0.0.1 "
-            '-::1 --port 6379 --save "" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log',
+            f"Redis at {settings.CELERY_BROKER_URL} is not answering. Start it with: redis-server --daemonize yes "
+            '--bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no; or unset CELERY_BROKER_URL and run '
+            "`make test`, which then uses this checkout's embedded Redis.",
             2,
         )
 
@@ -225,7 +228,10 @@ def _fresh_queue():
     from portal.celery import app
 
     app.conf.task_default_queue = queue
-    yield queue
+    # The cache (login counters) is Redis too: this run's keys apart from any other run's.
+    caches = {"default": {**settings.CACHES["default"], "KEY_PREFIX": queue}}
+    with override_settings(CACHES=caches):
+        yield queue
     try:
         import redis
 

@@ -1,5 +1,7 @@
 """Run the whole portal in the foreground: web server (gunicorn, as in production), Celery worker and beat."""
 
+import fcntl
+import os
 import signal
 import subprocess
 import sys
@@ -7,7 +9,25 @@ import time
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+
+
+def _only_instance(addrport: str):
+    """Hold var/up.lock for as long as this process runs; a second `up` in the same checkout is refused."""
+    path = settings.VAR_DIR / "up.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CommandError(
+            f"The portal already runs from this checkout ({holder}). Stop it (Ctrl-C where it runs) first; "
+            "two at once would share one database and broker, and two beats would double every sweep."
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}, http://{addrport}/".encode(), 0)
+    return fd
 
 
 class Command(BaseCommand):
@@ -18,6 +38,7 @@ class Command(BaseCommand):
         parser.add_argument("--no-demo", action="store_true", help="Skip loading the demo tenants and users.")
 
     def handle(self, *args, addrport, no_demo, **options):
+        self._lock = _only_instance(addrport)
         call_command("migrate", interactive=False, verbosity=0)
         if not no_demo:
             call_command("demo")
