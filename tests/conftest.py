@@ -10,11 +10,6 @@ from django.conf import settings
 from django.test.utils import override_settings
 from rest_framework.test import APIClient
 
-from tests.support.tiers import (  # noqa: F401 (the tiers' hooks, run for every test)
-    pytest_collection_modifyitems,
-    pytest_runtest_setup,
-    pytest_runtest_teardown,
-)
 from tests.support.worker import WorkerProcess, purge_queue
 
 REPO = Path(__file__).resolve().parent.parent
