@@ -4,6 +4,12 @@ The Django side of the backends. Runners owns the inventory, so it writes down
 what quotas needs from it: after every change of the schedulable inventory
 (sync, cordon, uncordon) each flavor's ``capacity`` is recomputed here
 (``flavor_capacity_refresh``), with the one rule for how many units a GPU offers.
+
+A node's row is the seam between a cordon and the scheduler cycle. The cycle, before it commits,
+locks the rows of the nodes it placed on and re-reads them (``nodes_locked_unschedulable``); a
+cordon writes those rows before it asks what is placed there. So either the cordon waits for the
+cycle's commit and then sees its attempts, or the cycle sees the node cordoned and places nothing
+there. Whoever locks several nodes locks them in id order, so the two never deadlock.
 """
 
 import logging
@@ -46,6 +52,8 @@ def inventory_sync(*, nodes: list[NodeInfo] | None = None) -> dict[str, int]:
 
 def _inventory_write(nodes: list[NodeInfo], *, source: str) -> dict[str, int]:
     now = timezone.now()
+    # Every node row this writes, locked first in id order (a cycle in flight holds some: see the module's note).
+    list(Node.objects.select_for_update().order_by("id").values_list("id", flat=True))
     pools: dict[str, NodePool] = {}
     for info in nodes:
         if info.pool and info.pool not in pools:
@@ -361,9 +369,26 @@ def _uncordon_all(backend, nodes: list[str]) -> None:
 
 
 def _set_schedulable(nodes: list[str], schedulable: bool) -> None:
-    """Record a cordon or uncordon the backend just did, and the capacity it leaves."""
-    Node.objects.filter(name__in=nodes).update(schedulable=schedulable)
+    """Record a cordon or uncordon the backend just did, and the capacity it leaves.
+
+    The rows are locked first, in id order: a cycle that placed on one of them commits first, so
+    what it placed there is seen by whoever asks after this (see the module's note).
+    """
+    with transaction.atomic():
+        ids = list(Node.objects.select_for_update().filter(name__in=nodes).order_by("id").values_list("id", flat=True))
+        Node.objects.filter(id__in=ids).update(schedulable=schedulable)
     flavor_capacity_refresh()
+
+
+def nodes_locked_unschedulable(names) -> set[str]:
+    """Of these nodes, those cordoned or gone, read under their rows' locks (held until the caller's
+    transaction ends); the scheduler cycle asks this of the nodes it placed on, just before it commits."""
+    names = set(names)
+    if not names:
+        return set()
+    rows = (Node.objects.select_for_update(no_key=True).filter(name__in=names).order_by("id")
+            .values_list("name", "schedulable"))
+    return names - {name for name, schedulable in rows if schedulable}
 
 
 def partition_change_release(*, change_id: int) -> None:

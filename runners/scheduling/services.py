@@ -42,6 +42,7 @@ from common import metrics
 from common.dispatch import send_tasks
 from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
 from runners.clusters.models import Gpu, Node
+from runners.clusters.services import nodes_locked_unschedulable
 from runners.jobs.attempts import job_preempt_locked, open_attempts
 from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobEvent, JobState
 from runners.jobs.services import ALLOWED, gang_misfit, job_rows_update, send_job_stop, transition_locked
@@ -667,6 +668,13 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
 
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
         placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
+        # The nodes placed on, re-read under their row locks: a cordon that committed since the inventory was
+        # read wins, and one not yet committed waits for this commit (runners.clusters.services' note).
+        cordoned = nodes_locked_unschedulable(
+            {replica["node"] for job in admitted_jobs if not isinstance(placed[job.id], str) for replica in placed[job.id]})
+        for job in admitted_jobs:
+            if not isinstance(placed[job.id], str) and any(replica["node"] in cordoned for replica in placed[job.id]):
+                placed[job.id] = "Waiting: a node it was placed on was cordoned meanwhile; placed again next cycle."
         waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
         waiting_reasons.update({str(job_id): reason for job_id, reason in misfits.items()})
         starts = {reservation.gang_id: _moment(reservation.projected_start_s) for reservation in decisions.reservations}

@@ -1,0 +1,135 @@
+"""A partition change's cordon and a scheduler cycle in flight, forced into the one interleaving that matters.
+
+The cycle reads the schedulable inventory, decides and places, then commits; the change's first step
+cordons the pool's nodes, then asks what is placed there. Here the cycle is held between its placement
+and its commit (the job it admits is locked from another connection, so its commit waits on that row)
+while the cordon step runs, then both are let go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+from django.db import connection, transaction
+
+from runners.clusters import services as clusters
+from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
+from runners.jobs.models import Job, JobState
+from runners.scheduling import services as scheduling
+from tests.support.jobs import give_quota, ready_environment, submit
+
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
+
+ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
+
+
+class _Thread(threading.Thread):
+    """Runs fn() on its own database connection; outcome() joins and returns or raises."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the test by outcome()
+            self.error = exc
+        finally:
+            connection.close()
+
+    def outcome(self, timeout_s: float = 60):
+        self.join(timeout_s)
+        assert not self.is_alive(), f"{self.fn.__name__} did not finish in {timeout_s} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@contextlib.contextmanager
+def _row_locked(queryset):
+    """Hold these rows locked (SELECT ... FOR UPDATE) from another connection while the block runs."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold():
+        with transaction.atomic():
+            list(queryset.select_for_update())
+            locked.set()
+            release.wait(60)
+
+    holder = _Thread(hold)
+    assert locked.wait(10), "could not lock the rows"
+    try:
+        yield
+    finally:
+        release.set()
+        holder.outcome()
+
+
+def _lock_waiters() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        return cursor.fetchone()[0]
+
+
+def _wait(predicate, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+@pytest.fixture
+def borrowing_env(flavors, tenant, owner):
+    """acme on H100 with no guarantee, so re-cutting the pool strands none."""
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
+    return ready_environment(actor=owner, tenant=tenant)
+
+
+def test_a_cycle_committing_while_the_pool_is_cordoned_is_seen_by_the_cordon_step(owner, staff, borrowing_env):
+    """The cycle has placed a job on the H100 pool and is about to commit; the change's cordon step runs now.
+
+    Before the fix the cordon marked the nodes unschedulable and asked what was placed on them while the
+    cycle's attempt was not committed yet: it found nothing, went on to relabel, and the cycle then
+    committed the job onto a node being re-cut (the change ended succeeded with the job admitted there).
+    Now the cycle re-reads the nodes it placed on under their row locks before it commits, and the cordon
+    writes those rows before it asks: so the cordon waits for the cycle, sees its job and refuses.
+    """
+    pool = NodePool.objects.get(name="h100-pool")
+    profile = PartitionProfile.objects.create(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig",
+                                              layout=["4g.40gb", "3g.40gb"])
+    change = PartitionChange.objects.create(pool=pool, profile=profile, drain=PartitionChange.Drain.WAIT,
+                                            created_by=staff)
+    job = submit(owner, borrowing_env, **ONE_GPU)
+
+    with _row_locked(Job.objects.filter(id=job.id)):
+        cycle = _Thread(scheduling.cycle_run)
+        assert _wait(lambda: _lock_waiters() >= 1), "the cycle never reached its commit"
+        cordon = _Thread(lambda: clusters.partition_change_step(change_id=change.id))
+        # The cordon either finishes (nothing holds it) or waits on a lock the cycle holds.
+        assert _wait(lambda: not cordon.is_alive() or _lock_waiters() >= 2)
+    assert cycle.outcome()["admitted"] == [job.id]
+    state, delay_s, lease = cordon.outcome()
+    while delay_s is not None:  # the steps that follow, as the task's re-enqueued runs would take them
+        time.sleep(delay_s)
+        state, delay_s, lease = clusters.partition_change_step(change_id=change.id, lease=lease)
+
+    job.refresh_from_db()
+    assert job.state == JobState.ADMITTED
+    node = job.attempts.get(ended_at__isnull=True).placement[0]["node"]
+    assert Node.objects.get(name=node).pool_id == pool.id
+    change.refresh_from_db()
+    assert state == change.state == PartitionChange.State.REFUSED, change.message
+    assert f"job-{job.id}" in change.message
+    # The old partition is still in place and handed back: the job keeps what it was placed on.
+    assert all(Node.objects.filter(pool=pool).values_list("schedulable", flat=True))
+    assert Node.objects.get(name=node).gpu_resources == {"nvidia.com/gpu": 8}
+
