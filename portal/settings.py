@@ -339,6 +339,9 @@ NOTIFY_WEBHOOK_BACKOFF_S = env_float("NOTIFY_WEBHOOK_BACKOFF_S", 10.0, minimum=0
 # Webhooks reach public (global) addresses only, checked when added and at every try; on, any address
 # (loopback, private, link-local) is allowed: a receiver on the cluster's own network, or tests.
 NOTIFY_WEBHOOK_ALLOW_PRIVATE = env_bool("NOTIFY_WEBHOOK_ALLOW_PRIVATE", False)
+# How long a worker's claim on an event's mail holds: a worker that died mid-mail lets go after it and
+# the sweep mails it again. Longer than mailing an event's members takes (EMAIL_TIMEOUT bounds each step).
+NOTIFY_MAIL_CLAIM_S = env_float("NOTIFY_MAIL_CLAIM_S", 120.0, minimum=1.0)
 # How many webhooks one tenant may have.
 NOTIFY_WEBHOOK_MAX_PER_TENANT = env_int("NOTIFY_WEBHOOK_MAX_PER_TENANT", 10, minimum=1)
 # The portal's public address (https://portal.example.com): links in notifications are absolute when

@@ -74,11 +74,16 @@ class Event(models.Model):
     key = models.CharField(max_length=100, unique=True)
     payload = models.JSONField()
     occurred_at = models.DateTimeField()
-    # Set when the mail was claimed for sending: mail goes once per event. A try that fails lets go of
-    # the claim (the sweep tries again) until MAIL_MAX_ATTEMPTS; the last failure is kept here.
+    # Set when the mail was sent (or given up after MAIL_MAX_ATTEMPTS): mail goes once per event. A try
+    # claims it until email_claimed_until (NOTIFY_MAIL_CLAIM_S on): a worker that dies mid-mail lets go
+    # when it runs out. A try that fails lets go at once (the sweep tries again); the last failure is kept.
     emailed_at = models.DateTimeField(null=True, blank=True)
+    email_claimed_until = models.DateTimeField(null=True, blank=True)
     email_attempts = models.PositiveSmallIntegerField(default=0)
     email_error = models.CharField(max_length=1000, blank=True)
+    # How often the sweep sent its mail's message again, and not before when it sends it next.
+    sweeps = models.PositiveSmallIntegerField(default=0)
+    sweep_after = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -103,6 +108,9 @@ class Outbox(models.Model):
     at = models.CharField(max_length=40, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     processed_at = models.DateTimeField(null=True, blank=True)
+    # How often the sweep sent it again, and not before when it sends it next (its message may be queued).
+    sweeps = models.PositiveSmallIntegerField(default=0)
+    sweep_after = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]
@@ -131,6 +139,9 @@ class Delivery(models.Model):
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     error = models.CharField(max_length=1000, blank=True)
     delivered_at = models.DateTimeField(null=True, blank=True)
+    # How often the sweep sent it again since its last try, and not before when it sends it next.
+    sweeps = models.PositiveSmallIntegerField(default=0)
+    sweep_after = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

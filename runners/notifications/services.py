@@ -27,6 +27,7 @@ from django.core.exceptions import ValidationError
 from django.core.mail import EmailMessage, get_connection
 from django.core.validators import URLValidator
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
@@ -63,6 +64,9 @@ CLAIM_MARGIN_S = 5
 MAIL_MAX_ATTEMPTS = 3
 # Processed outbox rows are kept this long (to see what happened), then deleted by the sweep.
 OUTBOX_KEEP = timedelta(days=1)
+# After the sweep sends a message again it waits 2 x LOST_AFTER before the next, then 4 x, 8 x ... at
+# most this long: a broker with a backlog gets a few copies of a lost message, not one per sweep.
+SWEEP_WAIT_MAX = timedelta(minutes=10)
 _url_validator = URLValidator(schemes=["http", "https"], message="Enter an http:// or https:// URL.")
 
 
@@ -294,20 +298,36 @@ def events_of(source: str, ref, key: str = "", at: str = "") -> list[Event]:
 
 def event_send(event: Event) -> None:
     """Mail the event (once) and send each of its pending, due deliveries to a worker."""
-    if Event.objects.filter(id=event.id, emailed_at__isnull=True,
-                            email_attempts__lt=MAIL_MAX_ATTEMPTS).update(emailed_at=timezone.now()):
-        error = _mail(event)
-        if error:
-            # Let go of the claim so the sweep mails it again, until MAIL_MAX_ATTEMPTS are spent;
-            # the last error stays on the event (and in the admin) either way.
-            attempts = event.email_attempts + 1
-            Event.objects.filter(id=event.id).update(
-                email_attempts=attempts, email_error=error[:1000],
-                emailed_at=None if attempts < MAIL_MAX_ATTEMPTS else timezone.now(),
-            )
+    _event_mail(event)
     due = Delivery.objects.filter(event=event, state=DeliveryState.PENDING, next_try_at__lte=timezone.now())
     for delivery_id in due.values_list("id", flat=True):
         send_task(DELIVER_TASK, delivery_id)
+
+
+def _event_mail(event: Event) -> None:
+    """Mail the event unless it was mailed, given up, or claimed by a try whose claim still holds.
+
+    The claim (email_claimed_until, NOTIFY_MAIL_CLAIM_S on) makes two messages for one event send one
+    mail; a worker that dies between the claim and the mail lets go when the claim runs out, and the
+    sweep mails it then. The outcome is written only while this try's claim still holds."""
+    now = timezone.now()
+    claimed_until = now + timedelta(seconds=settings.NOTIFY_MAIL_CLAIM_S)
+    unclaimed = Q(email_claimed_until__isnull=True) | Q(email_claimed_until__lt=now)
+    if not Event.objects.filter(unclaimed, id=event.id, emailed_at__isnull=True, email_attempts__lt=MAIL_MAX_ATTEMPTS
+                                ).update(email_claimed_until=claimed_until, sweeps=0, sweep_after=None):
+        return
+    attempts = Event.objects.filter(id=event.id).values_list("email_attempts", flat=True).get()
+    error = _mail(event)
+    if error:
+        # Let go of the claim so the sweep mails it again, until MAIL_MAX_ATTEMPTS are spent;
+        # the last error stays on the event (and in the admin) either way.
+        fields = {"email_attempts": attempts + 1, "email_error": error[:1000],
+                  "emailed_at": None if attempts + 1 < MAIL_MAX_ATTEMPTS else timezone.now()}
+    else:
+        fields = {"emailed_at": timezone.now()}
+    if not Event.objects.filter(id=event.id, email_claimed_until=claimed_until).update(email_claimed_until=None,
+                                                                                       **fields):
+        logger.warning("Event %s: this mail outlived its claim; another try's outcome stands.", event.key)
 
 
 def _mail(event: Event) -> str:
@@ -460,7 +480,7 @@ def delivery_attempt(delivery_id: int) -> str:
     claimed_until = now + timedelta(seconds=settings.NOTIFY_WEBHOOK_TIMEOUT_S + CLAIM_MARGIN_S)
     claimed = Delivery.objects.filter(
         id=delivery_id, state=DeliveryState.PENDING, next_try_at__lte=now + timedelta(seconds=1)
-    ).update(next_try_at=claimed_until)
+    ).update(next_try_at=claimed_until, sweeps=0, sweep_after=None)
     if not claimed:
         return _state(delivery_id)
     delivery = Delivery.objects.select_related("webhook").get(id=delivery_id)
@@ -499,22 +519,39 @@ def _state(delivery_id: int) -> str:
     return Delivery.objects.filter(id=delivery_id).values_list("state", flat=True).first() or "missing"
 
 
+def _to_send_again(queryset, now: datetime) -> list[int]:
+    """The ids (at most 1000) of the rows the sweep sends again now: those not waiting after its last send.
+    Each is marked sent again, to wait twice as long as before (at most SWEEP_WAIT_MAX) before the next."""
+    waited = Q(sweep_after__isnull=True) | Q(sweep_after__lte=now)
+    rows = list(queryset.filter(waited).order_by("id").values_list("id", "sweeps")[:1000])
+    by_sweeps: dict[int, list[int]] = {}
+    for row_id, sweeps in rows:
+        by_sweeps.setdefault(sweeps, []).append(row_id)
+    for sweeps, ids in by_sweeps.items():
+        wait = min(LOST_AFTER * 2 ** min(sweeps + 1, 20), SWEEP_WAIT_MAX)
+        queryset.model.objects.filter(id__in=ids).update(sweeps=sweeps + 1, sweep_after=now + wait)
+    return [row_id for row_id, _ in rows]
+
+
 def deliveries_sweep() -> int:
     """Send again every pending delivery whose message must have been lost (well past due), every outbox
-    row left unprocessed and every event whose mail is still to go (a broker that was down, a worker
-    killed mid-task, a mail server down); delete outbox rows processed long ago. How many were sent."""
-    cutoff = timezone.now() - LOST_AFTER
-    overdue = Delivery.objects.filter(state=DeliveryState.PENDING, next_try_at__lte=cutoff)
-    ids = list(overdue.values_list("id", flat=True)[:1000])
+    row left unprocessed and every event whose mail is still to go and unclaimed (a broker that was down,
+    a worker killed mid-task, a mail server down); delete outbox rows processed long ago. How many were sent.
+
+    What it sent once waits before it is sent again (2, 4, 8 ... x LOST_AFTER): its message may only be
+    queued behind a backlog, which a copy at every sweep would make longer."""
+    now = timezone.now()
+    cutoff = now - LOST_AFTER
+    ids = _to_send_again(Delivery.objects.filter(state=DeliveryState.PENDING, next_try_at__lte=cutoff), now)
     for delivery_id in ids:
         send_task(DELIVER_TASK, delivery_id)
-    rows = list(Outbox.objects.filter(processed_at__isnull=True, created_at__lte=cutoff)
-                .order_by("id").values_list("id", flat=True)[:1000])
+    rows = _to_send_again(Outbox.objects.filter(processed_at__isnull=True, created_at__lte=cutoff), now)
     for outbox_id in rows:
         send_task(EVENT_TASK, "outbox", outbox_id)
-    unmailed = list(Event.objects.filter(emailed_at__isnull=True, email_attempts__lt=MAIL_MAX_ATTEMPTS,
-                                         created_at__lte=cutoff).values_list("id", flat=True)[:1000])
+    unclaimed = Q(email_claimed_until__isnull=True) | Q(email_claimed_until__lt=now)
+    unmailed = _to_send_again(Event.objects.filter(unclaimed, emailed_at__isnull=True,
+                                                   email_attempts__lt=MAIL_MAX_ATTEMPTS, created_at__lte=cutoff), now)
     for event_id in unmailed:
         send_task(EVENT_TASK, "event", event_id)
-    Outbox.objects.filter(processed_at__lte=timezone.now() - OUTBOX_KEEP).delete()
+    Outbox.objects.filter(processed_at__lte=now - OUTBOX_KEEP).delete()
     return len(ids) + len(rows) + len(unmailed)

@@ -127,3 +127,78 @@ class RawServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.sock.getsockname()[1]}/hooks/portal"
+
+
+class SmtpReceiver:
+    """``with SmtpReceiver(hold_first=True) as smtp``: a small SMTP server on loopback that keeps every message
+    (its recipients and data) in `messages`; with hold_first the first connection is held, never greeted,
+    until `release` is set (`held` says it came): a sender stuck between its claim and the mail."""
+
+    def __init__(self, hold_first: bool = False):
+        self.hold_first, self.messages = hold_first, []
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def __enter__(self) -> "SmtpReceiver":
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            if self.hold_first and not self.held.is_set():
+                self.held.set()
+                threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+                continue
+            threading.Thread(target=self._talk, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        with conn:
+            self.release.wait(120)
+
+    def _talk(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as reader:
+            conn.sendall(b"220 test ESMTP\r\n")
+            recipients: list[str] = []
+            while True:
+                line = reader.readline()
+                if not line:
+                    return
+                command = line.decode().strip().upper()
+                if command.startswith(("EHLO", "HELO")):
+                    conn.sendall(b"250 test\r\n")
+                elif command.startswith("RCPT TO:"):
+                    recipients.append(line.decode().strip()[8:].strip("<> "))
+                    conn.sendall(b"250 OK\r\n")
+                elif command == "DATA":
+                    conn.sendall(b"354 go on\r\n")
+                    data = b""
+                    while not data.endswith(b"\r\n.\r\n"):
+                        chunk = reader.readline()
+                        if not chunk:
+                            return
+                        data += chunk
+                    self.messages.append((recipients, data))
+                    recipients = []
+                    conn.sendall(b"250 queued\r\n")
+                elif command == "QUIT":
+                    conn.sendall(b"221 bye\r\n")
+                    return
+                else:  # MAIL FROM, RSET, NOOP
+                    conn.sendall(b"250 OK\r\n")
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.stopping.set()
+        self.thread.join(5)
+        self.sock.close()

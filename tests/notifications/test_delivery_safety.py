@@ -182,6 +182,26 @@ def test_the_sweep_processes_outbox_rows_whose_message_was_lost(submit, settings
     assert not Outbox.objects.exists(), "processed rows are deleted after a day"
 
 
+def test_the_sweep_sends_a_lost_message_again_once_not_at_every_sweep(submit, settings, tenant, owner, addresses):
+    """A broker with a backlog: the row, the delivery and the mail wait well past LOST_AFTER, their messages
+    still queued. The sweep sends each again once, then waits longer before the next (it used to send
+    every one of them again at every sweep, adding to the backlog each time)."""
+    services.webhook_create(actor=owner, tenant=tenant, url="http://127.0.0.1:9/h", events=["job_failed"])
+    job = _end(submit(), "failed")  # an outbox row, its message unprocessed
+    services.events_of("jobs", [job.id])  # its event and delivery recorded, neither mailed nor tried yet
+    long_ago = timezone.now() - timedelta(minutes=1)
+    Outbox.objects.update(created_at=long_ago)
+    Event.objects.update(created_at=long_ago)
+    Delivery.objects.update(next_try_at=long_ago)
+    assert tasks.notifications_sweep() == 3
+    assert tasks.notifications_sweep() == 0, "sent again already: not at every sweep"
+    # Past the wait the sweep set, they are sent again (once more).
+    for model in (Outbox, Event, Delivery):
+        model.objects.update(sweep_after=long_ago)
+    assert tasks.notifications_sweep() == 3
+    assert tasks.notifications_sweep() == 0
+
+
 # --- Mail: a timeout, and tried again ---------------------------------------------------------------
 
 
