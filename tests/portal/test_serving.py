@@ -1,13 +1,15 @@
 """gunicorn serves the portal in every mode: as production runs it, and under `make run` (`manage.py up`)
-on the embedded defaults (SQLite, the filesystem broker), static files included; /readyz says when
-migrations are missing."""
+on the embedded defaults (this checkout's own PostgreSQL and Redis under var/), static files included;
+/readyz says when migrations are missing."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -92,13 +94,16 @@ def test_gunicorn_serves_pages_static_files_and_json_access_lines(tmp_path):
 
 
 def test_make_run_serves_with_gunicorn_on_the_embedded_defaults(tmp_path):
-    """`manage.py up` (what `make run` runs) with no DATABASE_URL nor CELERY_BROKER_URL: SQLite and the
-    filesystem broker, DEBUG on, static files straight from the apps (no collectstatic)."""
+    """`manage.py up` (what `make run` runs) with no DATABASE_URL nor CELERY_BROKER_URL: the embedded
+    PostgreSQL and Redis, DEBUG on, static files straight from the apps (no collectstatic)."""
     port = _free_port()
     log_path = tmp_path / "up.log"
+    # Outside pytest's temporary root, which stays private to root; the embedded PostgreSQL runs as
+    # an unprivileged user when the tests run as root.
+    var_dir = tempfile.mkdtemp(prefix="portal-serving-var-")
     env = {key: value for key, value in os.environ.items()
-           if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_QUEUE", "DEBUG", "LOG_FORMAT")}
-    env.update(PORTAL_VAR_DIR=str(tmp_path / "var"), PYTHONUNBUFFERED="1", LOCAL_USE_NVML="false")
+           if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL", "CELERY_QUEUE", "DEBUG", "LOG_FORMAT")}
+    env.update(PORTAL_VAR_DIR=var_dir, PYTHONUNBUFFERED="1", LOCAL_USE_NVML="false")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "manage.py", "up", "--no-demo", "--addrport", f"127.0.0.1:{port}"],
@@ -125,6 +130,12 @@ def test_make_run_serves_with_gunicorn_on_the_embedded_defaults(tmp_path):
     time.sleep(0.5)
     with pytest.raises(OSError):
         _get(f"http://127.0.0.1:{port}/healthz")
+    # The embedded servers stopped with it.
+    status = subprocess.run([sys.executable, "-m", "portal.embedded", "status"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert json.loads(status.stdout)["postgres"] is None and json.loads(status.stdout)["redis"] is None
+    subprocess.run([sys.executable, "-m", "portal.embedded", "stop"], cwd=REPO, env=env, timeout=60)
+    shutil.rmtree(var_dir, ignore_errors=True)
 
 
 @pytest.mark.django_db
