@@ -1,21 +1,30 @@
-"""The README's promises that code can check."""
+"""The README: short, the two commands, and links that lead somewhere."""
 
 import re
 from pathlib import Path
 
-from runners.jobs import services as jobs
+import pytest
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+pytestmark = pytest.mark.unit
 
-
-def test_the_job_spec_table_names_every_field_the_check_takes_and_no_other():
-    table = README.split("**The job spec**", 1)[1].split("\n\n", 2)[1]
-    named = set(re.findall(r"`([a-z_]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()[2:])))
-    assert named == set(jobs.FIELDS)
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
 
 
-def test_the_curl_lines_use_the_portal_variable_and_define_every_token_they_send():
-    api = README.split("## The API", 1)[1].split("| endpoint |", 1)[0]
-    assert "127.0.0.1:8000/api" not in api
-    for name in set(re.findall(r"\$([A-Z_]+)", api)):
-        assert re.search(rf"^{name}=", api, re.M), f"${name} is used but never set"
+def test_the_readme_is_what_a_newcomer_reads_and_no_more():
+    assert len(README.splitlines()) < 200
+    for command in ("make run", "make test", "make test-fast"):
+        assert f"\n{command}" in README, f"the README does not give `{command}` in a code block"
+    assert "portal-demo" in README
+
+
+def test_every_link_of_the_readme_into_the_repository_names_a_file_and_an_anchor_it_has():
+    links = re.findall(r"\]\(((?!https?://)[^)#]+)(?:#([^)]+))?\)", README)
+    assert any(path.startswith("docs/") for path, _ in links)
+    for path, anchor in links:
+        target = REPO / path
+        assert target.exists(), f"README links to {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            slugs = {re.sub(r"[^\w\- ]", "", heading).strip().lower().replace(" ", "-") for heading in headings}
+            assert anchor in slugs, f"README links to {path}#{anchor}, which has no such heading"
