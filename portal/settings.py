@@ -311,6 +311,9 @@ ENDPOINT_RECONCILE_INTERVAL_S = env_float("ENDPOINT_RECONCILE_INTERVAL_S", 2.0, 
 ENDPOINT_TARGET_INFLIGHT = env_float("ENDPOINT_TARGET_INFLIGHT", 8.0, minimum=0.1)
 ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum=0.0)
 ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
+# The reconcile asks each replica's /readyz and /metrics with this timeout, this many replicas at once.
+ENDPOINT_PROBE_TIMEOUT_S = env_float("ENDPOINT_PROBE_TIMEOUT_S", 1.0, minimum=0.1)
+ENDPOINT_PROBE_CONCURRENCY = env_int("ENDPOINT_PROBE_CONCURRENCY", 16, minimum=1)
 # Utilization and cost: readings of every open attempt's devices this often; raw samples kept this
 # many days (then averaged per 5 minutes), 5-minute ones this many (then per hour), hourly ones this
 # many; an allocation under the idle threshold for the whole window is flagged idle; the currency of
@@ -324,6 +327,8 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "gpu-portal@localhost")
 EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=0.1)
 USAGE_SAMPLE_INTERVAL_S = env_float("USAGE_SAMPLE_INTERVAL_S", 30.0, minimum=1.0)
 USAGE_SETTLE_INTERVAL_S = env_float("USAGE_SETTLE_INTERVAL_S", 300.0, minimum=1.0)
+# A settle sweep stops after this long (at the end of a batch) and the next one goes on: well within the visibility timeout.
+USAGE_SETTLE_BUDGET_S = env_float("USAGE_SETTLE_BUDGET_S", 120.0, minimum=1.0)
 USAGE_RAW_RETENTION_DAYS = env_int("USAGE_RAW_RETENTION_DAYS", 1, minimum=1)
 USAGE_5M_RETENTION_DAYS = env_int("USAGE_5M_RETENTION_DAYS", 30, minimum=1)
 USAGE_RETENTION_DAYS = env_int("USAGE_RETENTION_DAYS", 400, minimum=1)

@@ -16,6 +16,7 @@ query adds, for items the sweep has not reached, their truth up to now less what
 from __future__ import annotations
 
 import bisect
+import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
@@ -23,7 +24,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, F, OuterRef, Q, Subquery, Sum, Value
+from django.db.models import Exists, F, Min, OuterRef, Q, Subquery, Sum, Value
 from django.db.models.functions import Extract, Greatest
 from django.utils import timezone
 
@@ -142,27 +143,30 @@ class AttemptRow:
     units: int
     endpoint_id: int | None
     start: datetime  # admitted, clipped to the previous attempt's end
-    end: datetime | None  # None while open; never before start
+    end: datetime | None  # None while open (no end and no later attempt); never before start
     ended_at: datetime | None  # as the attempt records it
 
 
 def attempt_rows(attempts: list[JobAttempt]) -> list[AttemptRow]:
     """The attempts as the ledger counts them (their job, flavor and endpoint read once)."""
     job_ids = {attempt.job_id for attempt in attempts}
-    previous_end = {
-        (row["job_id"], row["number"]): row["ended_at"]
-        for row in JobAttempt.objects.filter(job_id__in=job_ids).values("job_id", "number", "ended_at")
-    }
+    siblings: dict[int, list[tuple[int, datetime, datetime | None]]] = defaultdict(list)
+    for row in JobAttempt.objects.filter(job_id__in=job_ids).values("job_id", "number", "admitted_at", "ended_at"):
+        siblings[row["job_id"]].append((row["number"], row["admitted_at"], row["ended_at"]))
     endpoints = dict(Replica.objects.filter(job_id__in=job_ids).values_list("job_id", "endpoint_id"))
     rows = []
     for attempt in attempts:
         job = attempt.job
         start = attempt.admitted_at
-        ends_before = [previous_end.get((job.id, number)) for number in range(1, attempt.number)]
+        ends_before = [ended for number, _, ended in siblings[job.id] if number < attempt.number]
         latest_before = max((end for end in ends_before if end is not None), default=None)
         if latest_before is not None and latest_before > start:
             start = latest_before
-        end = attempt.ended_at if attempt.ended_at is None or attempt.ended_at > start else start
+        end = attempt.ended_at
+        if end is None:
+            # No end recorded, yet a later attempt was admitted: this one held its units until then.
+            end = min((admitted for number, admitted, _ in siblings[job.id] if number > attempt.number), default=None)
+        end = end if end is None or end > start else start
         rows.append(AttemptRow(attempt.id, job.id, job.tenant_id, job.flavor_id, job.units,
                                endpoints.get(job.id), start, end, attempt.ended_at))
     return rows
@@ -174,6 +178,8 @@ def attempt_pieces(row: AttemptRow, upto: datetime, prices: Prices) -> list[Piec
     for start, stop, card in prices.segments(row.flavor_id, row.start, end) if row.start < end else []:
         gpu_seconds = _seconds(start, stop) * row.units
         cloud = prices.cloud_at(row.flavor_id, start)
+        if cloud is not None and cloud.currency != (card.currency if card else _currency()):
+            cloud = None  # a reference in another currency is not summed beside the cost
         pieces.append(Piece(
             item=f"attempt:{row.id}", piece=f"{utc_day(start).isoformat()}/{card.id if card else '-'}",
             kind=EntryKind.GPU, tenant_id=row.tenant_id, flavor_id=row.flavor_id, job_id=row.job_id,
@@ -223,10 +229,14 @@ def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime
 
 
 def _written(items: list[str]) -> dict[tuple[str, str], dict]:
-    """What the ledger holds of these items, per piece."""
+    """What the ledger holds of these items, per piece (with what a piece's reversal names: one query)."""
     rows = (
         UsageEntry.objects.filter(item__in=items).values("item", "piece")
-        .annotate(gpu=Sum("gpu_seconds"), gb=Sum("gb_seconds"), cost=Sum("cost"), cloud=Sum("cloud_cost"))
+        .annotate(gpu=Sum("gpu_seconds"), gb=Sum("gb_seconds"), cost=Sum("cost"), cloud=Sum("cloud_cost"),
+                  kind=Min("kind"), tenant_id=Min("tenant_id"), flavor_id=Min("flavor_id"), job_id=Min("job_id"),
+                  endpoint_id=Min("endpoint_id"), day=Min("day"), price_card_id=Min("price_card_id"),
+                  currency=Min("currency"))
+        .order_by()
     )
     return {(row["item"], row["piece"]): row for row in rows}
 
@@ -240,7 +250,9 @@ def differences(truth: list[Piece], written: dict[tuple[str, str], dict], items:
         gpu = _q(piece.gpu_seconds, "0.001") - (seen["gpu"] if seen else 0)
         gb = _q(piece.gb_seconds, "0.001") - (seen["gb"] if seen else 0)
         cost = _q(piece.cost, "0.000001") - (seen["cost"] if seen else 0)
-        cloud = None if piece.cloud_cost is None else _q(piece.cloud_cost, "0.000001") - ((seen or {}).get("cloud") or 0)
+        written_cloud = (seen or {}).get("cloud")
+        cloud = (None if piece.cloud_cost is None and not written_cloud
+                 else _q(piece.cloud_cost or Decimal(0), "0.000001") - (written_cloud or 0))
         if gpu or gb or cost or cloud:
             out.append(Piece(**{**piece.__dict__, "gpu_seconds": gpu, "gb_seconds": gb, "cost": cost,
                                 "cloud_cost": cloud}))
@@ -252,12 +264,11 @@ def differences(truth: list[Piece], written: dict[tuple[str, str], dict], items:
 
 def _reversal(item: str, piece_key: str, seen: dict) -> Piece:
     """A piece that no longer belongs to an item's truth (its interval shrank), taken back."""
-    entry = UsageEntry.objects.filter(item=item, piece=piece_key).first()
     return Piece(
-        item=item, piece=piece_key, kind=entry.kind, tenant_id=entry.tenant_id, flavor_id=entry.flavor_id,
-        job_id=entry.job_id, endpoint_id=entry.endpoint_id, day=entry.day, gpu_seconds=-seen["gpu"],
-        gb_seconds=-seen["gb"], price_card_id=entry.price_card_id, cost=-seen["cost"],
-        cloud_cost=-seen["cloud"] if seen["cloud"] is not None else None, currency=entry.currency,
+        item=item, piece=piece_key, kind=seen["kind"], tenant_id=seen["tenant_id"], flavor_id=seen["flavor_id"],
+        job_id=seen["job_id"], endpoint_id=seen["endpoint_id"], day=seen["day"], gpu_seconds=-seen["gpu"],
+        gb_seconds=-seen["gb"], price_card_id=seen["price_card_id"], cost=-seen["cost"],
+        cloud_cost=-seen["cloud"] if seen["cloud"] is not None else None, currency=seen["currency"],
     )
 
 
@@ -300,13 +311,14 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
     work = []
     for row in attempt_rows(attempts):
         item, seen = f"attempt:{row.id}", settled.get(f"attempt:{row.id}")
-        if row.ended_at is None and seen is not None and not seen.closed:
+        if row.end is None and seen is not None and not seen.closed:
             tail = replace(row, start=max(row.start, seen.upto))
             work.append(_Work(item, attempt_pieces(tail, through, prices), True, through, False))
         else:
             # An ended attempt is counted to its end (today included); an open one through `through`.
-            work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, row.ended_at or through,
-                              row.ended_at is not None))
+            counted_to = row.ended_at or row.end or through
+            work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, counted_to,
+                              row.end is not None))
     for checkpoint in checkpoints:
         item, seen = f"checkpoint:{checkpoint.id}", settled.get(f"checkpoint:{checkpoint.id}")
         if checkpoint.deleted_at is None and seen is not None and not seen.closed:
@@ -327,9 +339,30 @@ def _changes(work: list[_Work]) -> list[Piece]:
     return tails + differences(truth, written, compared)
 
 
-def _write(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices) -> int:
-    """Settle a batch of items in one transaction, each item locked so two sweeps never add the same piece."""
-    items = sorted([f"attempt:{a.id}" for a in attempts] + [f"checkpoint:{c.id}" for c in checkpoints])
+# The lock a flavor's repricing takes alone and each batch that counts its attempts takes shared (the
+# two-key advisory locks, a space apart from the items' one-key locks): "usage" in ASCII, and the flavor.
+FLAVOR_LOCK_CLASS = 0x75736167
+
+
+def _lock_flavors(flavor_ids, *, shared: bool) -> None:
+    if not flavor_ids:
+        return
+    function = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {function}(%s, flavor) FROM (SELECT unnest(%s::int[]) AS flavor ORDER BY 1) AS flavors",
+            [FLAVOR_LOCK_CLASS, sorted(flavor_ids)],
+        )
+
+
+def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime) -> int:
+    """Settle a batch of items in one transaction, each item locked so two sweeps never add the same piece.
+
+    Everything the plan depends on is read under the locks: the items themselves (one found open
+    may have ended and been settled since), their settlements and the prices (a card added for the
+    past forgets its flavor's settlements under the flavor's lock, which waits for this batch).
+    """
+    items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids])
     if not items:
         return 0
     with transaction.atomic():
@@ -338,7 +371,10 @@ def _write(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: d
                 "SELECT pg_advisory_xact_lock(hashtext('usage:' || item)) FROM (SELECT unnest(%s::text[]) AS item "
                 "ORDER BY 1) AS items", [items],
             )
-        work = _plan(attempts, checkpoints, through, prices)
+        attempts = list(JobAttempt.objects.select_related("job").filter(id__in=attempt_ids).order_by("id"))
+        checkpoints = list(Checkpoint.objects.select_related("job").filter(id__in=checkpoint_ids).order_by("id"))
+        _lock_flavors({attempt.job.flavor_id for attempt in attempts}, shared=True)
+        work = _plan(attempts, checkpoints, through, Prices())
         written_before = set(_written([entry.item for entry in work]))
         changes = _changes(work)
         UsageEntry.objects.bulk_create([
@@ -360,17 +396,18 @@ def _write(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: d
     return len(changes)
 
 
-def _stale(model, item_prefix: str, end_field: str, start_field: str, through: datetime, tenant_ids=None,
-           counted_since: datetime | None = None, job_ids=None):
+def _stale_query(model, end_field: str, start_field: str, through: datetime, tenant_ids=None,
+                 counted_since: datetime | None = None, job_ids=None):
     """Rows whose ledger is behind: ended since last counted, or open with time before `through` uncounted.
 
     `counted_since`: leave out open rows already counted from that moment on (the caller sums them itself).
+    An open row settled closed (an attempt with no end whose job went on to a later attempt) is counted.
     """
     fields = {JobAttempt: ["number", "admitted_at", "ended_at", "job__tenant_id", "job__flavor_id", "job__replicas",
                            "job__gpus_per_replica"],
               Checkpoint: ["bytes", "created_at", "deleted_at", "job__tenant_id"]}[model]
     rows = model.objects.select_related("job").only("id", "job_id", *fields)
-    kind = item_prefix.rstrip(":")
+    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint"}[model]
     settlement = Settlement.objects.filter(kind=kind, object_id=OuterRef("id"))
     rows = rows.annotate(settled_upto=Subquery(settlement.values("upto")[:1]),
                          settled_closed=Subquery(settlement.values("closed")[:1]))
@@ -379,19 +416,26 @@ def _stale(model, item_prefix: str, end_field: str, start_field: str, through: d
     if job_ids is not None:
         rows = rows.filter(job_id__in=job_ids)
     counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
-    counted_through = settlement.filter(closed=False, upto__gte=min(through, counted_since or through))
-    ended = rows.filter(**{f"{end_field}__isnull": False}).exclude(Exists(counted_to_end))
-    running = rows.filter(**{f"{end_field}__isnull": True, f"{start_field}__lt": through}).exclude(Exists(counted_through))
-    return [*ended.order_by("id"), *running.order_by("id")]
+    counted_through = settlement.filter(
+        Q(closed=True) | Q(upto__gte=min(through, counted_since or through))
+    )
+    ended = Q(**{f"{end_field}__isnull": False}) & ~Exists(counted_to_end)
+    running = Q(**{f"{end_field}__isnull": True, f"{start_field}__lt": through}) & ~Exists(counted_through)
+    return rows.filter(ended | running)
+
+
+def _stale(model, end_field: str, start_field: str, through: datetime, tenant_ids=None,
+           counted_since: datetime | None = None, job_ids=None) -> list:
+    return list(_stale_query(model, end_field, start_field, through, tenant_ids, counted_since, job_ids).order_by("id"))
 
 
 def _stale_attempts(through: datetime, tenant_ids=None, job_ids=None) -> list[JobAttempt]:
-    return _stale(JobAttempt, "attempt:", "ended_at", "admitted_at", through, tenant_ids, job_ids=job_ids)
+    return _stale(JobAttempt, "ended_at", "admitted_at", through, tenant_ids, job_ids=job_ids)
 
 
 def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: datetime | None = None,
                        job_ids=None) -> list[Checkpoint]:
-    return _stale(Checkpoint, "checkpoint:", "deleted_at", "created_at", through, tenant_ids, counted_since, job_ids)
+    return _stale(Checkpoint, "deleted_at", "created_at", through, tenant_ids, counted_since, job_ids)
 
 
 def _kept_checkpoints_today(now: datetime, tenant_ids=None, job_ids=None) -> list[Piece]:
@@ -430,10 +474,15 @@ def reprice_from(flavor_id: int, moment: datetime) -> int:
     """A price or cloud reference of a flavor changed from `moment` on: have the sweep count its attempts since again.
 
     Their settlements are forgotten, so the next sweep compares each one's whole truth with what is
-    written and appends the differences as corrections; returns how many.
+    written and appends the differences as corrections; returns how many. Done under the flavor's
+    lock, held to the end of the caller's transaction (the new price's): a batch counting the
+    flavor's attempts with the old prices commits first and its settlements are forgotten here; one
+    that starts after reads the new price.
     """
-    touched = JobAttempt.objects.filter(job__flavor_id=flavor_id).exclude(ended_at__lte=moment).values("id")
-    return Settlement.objects.filter(kind="attempt", object_id__in=touched).delete()[0]
+    with transaction.atomic():
+        _lock_flavors({flavor_id}, shared=False)
+        touched = JobAttempt.objects.filter(job__flavor_id=flavor_id).exclude(ended_at__lte=moment).values("id")
+        return Settlement.objects.filter(kind="attempt", object_id__in=touched).delete()[0]
 
 
 def _capacity_history_started(now: datetime) -> None:
@@ -445,26 +494,39 @@ def _capacity_history_started(now: datetime) -> None:
     ])
 
 
-def settle_run(now: datetime | None = None) -> dict:
-    """Write what has ended and every whole day of what runs; returns how many items and entries."""
+def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget_s: float | None = None) -> dict:
+    """Write what has ended and every whole day of what runs; returns how many items and entries.
+
+    The stale items are read a batch at a time. After `budget_s` (USAGE_SETTLE_BUDGET_S) the sweep
+    stops at the end of a batch and says `more`: the next one goes on, so a sweep ends well within
+    the broker's visibility timeout and is never handed to a second worker while it runs.
+    """
     now = now or timezone.now()
     through = midnight(utc_day(now))
+    budget_s = settings.USAGE_SETTLE_BUDGET_S if budget_s is None else budget_s
+    started = time.monotonic()
     _capacity_history_started(now)
-    prices = Prices()
-    attempts, checkpoints = _stale_attempts(through), _stale_checkpoints(through)
-    entries = 0
-    for i in range(0, len(attempts), SETTLE_BATCH):
-        entries += _write(attempts[i : i + SETTLE_BATCH], [], through, prices)
-    for i in range(0, len(checkpoints), SETTLE_BATCH):
-        entries += _write([], checkpoints[i : i + SETTLE_BATCH], through, prices)
-    return {"items": len(attempts) + len(checkpoints), "entries": entries}
+    items = entries = 0
+    for model, end_field, start_field in ((JobAttempt, "ended_at", "admitted_at"),
+                                          (Checkpoint, "deleted_at", "created_at")):
+        after = 0
+        while True:
+            ids = list(_stale_query(model, end_field, start_field, through).filter(id__gt=after)
+                       .order_by("id").values_list("id", flat=True)[:batch])
+            if not ids:
+                break
+            entries += _write(ids, [], through) if model is JobAttempt else _write([], ids, through)
+            items, after = items + len(ids), ids[-1]
+            if time.monotonic() - started >= budget_s:
+                return {"items": items, "entries": entries, "more": True}
+    return {"items": items, "entries": entries, "more": False}
 
 
 def settle_jobs(job_ids: list[int], now: datetime | None = None) -> int:
     """Settle the ended attempts of these jobs now (an attempt just ended); returns entries written."""
     through = midnight(utc_day(now or timezone.now()))
-    attempts = list(JobAttempt.objects.select_related("job").filter(job_id__in=job_ids, ended_at__isnull=False))
-    return _write(attempts, [], through, Prices())
+    ids = list(JobAttempt.objects.filter(job_id__in=job_ids, ended_at__isnull=False).values_list("id", flat=True))
+    return _write(ids, [], through)
 
 
 def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: list[int] | None = None) -> list[Piece]:
