@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
@@ -18,6 +18,7 @@ from quotas.models import ResourceFlavor
 from runners.inference.selectors import endpoint_get
 from runners.jobs.selectors import job_get
 from runners.usage import ledger, sampling, services
+from runners.usage.currencies import is_currency
 from runners.usage.models import Budget, CloudPrice
 from runners.usage.selectors import GROUPS, budget_alerts, usage_rows, visible_tenants
 from tenants.selectors import tenant_get
@@ -141,7 +142,10 @@ class UtilizationQuery(_QueryParameters):
         if ("job" in data) == ("endpoint" in data):
             raise serializers.ValidationError({"job": "Name a job or an endpoint (one of them)."})
         data.setdefault("end", timezone.now())
-        data.setdefault("start", data["end"] - timedelta(days=1))
+        if "start" not in data:
+            if data["end"] - datetime.min.replace(tzinfo=UTC) < timedelta(days=1):
+                raise serializers.ValidationError({"end": "end is too early to start a day before it; give start."})
+            data["start"] = data["end"] - timedelta(days=1)
         if data["start"] >= data["end"]:
             raise serializers.ValidationError({"start": "start is not before end."})
         if data["end"] - data["start"] > timedelta(days=MAX_RANGE_DAYS):
@@ -193,8 +197,10 @@ IdleRow = inline_serializer("IdleAllocation", many=True, fields={
     "tenant": serializers.CharField(), "job": serializers.IntegerField(), "name": serializers.CharField(),
     "endpoint": serializers.IntegerField(allow_null=True), "attempt": serializers.IntegerField(),
     "flavor": serializers.CharField(), "units": serializers.IntegerField(),
-    "average_util_pct": serializers.FloatField(), "peak_util_pct": serializers.FloatField(),
-    "samples": serializers.IntegerField(), "simulated": serializers.BooleanField(),
+    "average_util_pct": serializers.FloatField(allow_null=True, help_text="Null: no reading in the window."),
+    "peak_util_pct": serializers.FloatField(allow_null=True, help_text="Null: no reading in the window."),
+    "samples": serializers.IntegerField(help_text="0: the workload stopped reporting (counted idle)."),
+    "simulated": serializers.BooleanField(),
 })
 
 
@@ -216,7 +222,8 @@ class IdleView(APIView):
         return Response([{
             "tenant": item.job.tenant.slug, "job": item.job.id, "name": item.job.name, "endpoint": item.endpoint_id,
             "attempt": item.attempt, "flavor": item.job.flavor.name, "units": item.units,
-            "average_util_pct": round(item.average_util_pct, 2), "peak_util_pct": round(item.peak_util_pct, 2),
+            "average_util_pct": None if item.average_util_pct is None else round(item.average_util_pct, 2),
+            "peak_util_pct": None if item.peak_util_pct is None else round(item.peak_util_pct, 2),
             "samples": item.samples, "simulated": item.simulated,
         } for item in idle])
 
@@ -244,8 +251,13 @@ class BudgetAlertView(APIView):
         } for alert in budget_alerts(tenants)[:200]])
 
 
+def _iso_4217(value: str) -> None:
+    if not is_currency(value):
+        raise serializers.ValidationError(f"{value} is not an ISO 4217 currency code (USD, EUR, JPY, ...).")
+
+
 def _currency_field() -> serializers.RegexField:
-    return serializers.RegexField(r"^[A-Z]{3}$", default="USD",
+    return serializers.RegexField(r"^[A-Z]{3}$", default="USD", validators=[_iso_4217],
                                   error_messages={"invalid": "Use a 3-letter ISO 4217 code in capitals."})
 
 

@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Avg, Count, Max, Min
+from django.db.models import Avg, Count, Max
 from django.utils import timezone
 
 from runners.backends.base import BackendError
@@ -148,8 +148,8 @@ class IdleAllocation:
     endpoint_id: int | None
     attempt: int
     units: int
-    average_util_pct: float
-    peak_util_pct: float
+    average_util_pct: float | None  # None: no reading in the window (the workload stopped reporting)
+    peak_util_pct: float | None
     samples: int
     simulated: bool
 
@@ -158,9 +158,11 @@ def idle_allocations(*, tenant_ids: set[int] | None = None, threshold_pct: float
                      window_s: float | None = None, now: datetime | None = None) -> list[IdleAllocation]:
     """Open attempts that held their GPUs for the whole window with every device's utilization under the threshold.
 
-    Judged on the window's samples only: an attempt started within the window, or read fewer than
-    twice in it, or whose devices report no utilization (a MIG instance read through NVML), is never
-    flagged. The peak decides, so an attempt busy at any moment of the window is not idle.
+    Judged on the window's samples only: an attempt started within the window, or whose devices
+    report no utilization (a MIG instance read through NVML), is never flagged. The peak decides,
+    so an attempt busy at any moment of the window is not idle. An attempt that gave no reading in
+    the whole window is idle: a workload that stopped reporting (a hung trainer holding its GPU)
+    is exactly what this is for.
     """
     now = now or timezone.now()
     threshold = settings.USAGE_IDLE_THRESHOLD_PCT if threshold_pct is None else threshold_pct
@@ -171,23 +173,26 @@ def idle_allocations(*, tenant_ids: set[int] | None = None, threshold_pct: float
     attempts = {(attempt.job_id, attempt.number): attempt for attempt in attempts}
     if not attempts:
         return []
-    figures = (
-        UtilizationSample.objects.filter(job_id__in={job_id for job_id, _ in attempts}, at__gte=since, at__lte=now,
-                                         gpu_util_pct__isnull=False)
+    figures = {
+        (row["job_id"], row["attempt"]): row
+        for row in UtilizationSample.objects.filter(job_id__in={job_id for job_id, _ in attempts}, at__gte=since,
+                                                    at__lte=now)
         .values("job_id", "attempt")
-        .annotate(average=Avg("gpu_util_pct"), peak=Max("gpu_util_pct"), samples=Count("id"),
-                  first=Min("at"), simulated=Max("source"))
-    )
+        .annotate(average=Avg("gpu_util_pct"), peak=Max("gpu_util_pct"), samples=Count("gpu_util_pct"),
+                  readings=Count("id"), simulated=Max("source"))
+        .order_by()
+    }
     endpoints = dict(Replica.objects.filter(job_id__in={job_id for job_id, _ in attempts})
                      .values_list("job_id", "endpoint_id"))
     idle = []
-    for row in figures:
-        attempt = attempts.get((row["job_id"], row["attempt"]))
-        if attempt is None or row["samples"] < 2 or row["peak"] >= threshold:
-            continue
+    for key, attempt in attempts.items():
+        row = figures.get(key)
+        if row is not None and (not row["samples"] or row["peak"] >= threshold):
+            continue  # read, but busy at some moment, or with no utilization to judge by
         idle.append(IdleAllocation(
             job=attempt.job, endpoint_id=endpoints.get(attempt.job_id), attempt=attempt.number,
-            units=attempt.job.units, average_util_pct=row["average"], peak_util_pct=row["peak"],
-            samples=row["samples"], simulated=row["simulated"] == Source.SIMULATED,
+            units=attempt.job.units, average_util_pct=row["average"] if row else None,
+            peak_util_pct=row["peak"] if row else None, samples=row["samples"] if row else 0,
+            simulated=bool(row) and row["simulated"] == Source.SIMULATED,
         ))
-    return sorted(idle, key=lambda item: -item.units)
+    return sorted(idle, key=lambda item: (-item.units, item.job.id))

@@ -132,7 +132,9 @@ def _places(value: Decimal, places: str) -> str:
 def idle_capacity(start: date, end: date, pending: list, now: datetime) -> dict[tuple, tuple[Decimal, Decimal]]:
     """Per flavor, day and currency: unit-seconds of capacity no attempt held, and what they cost."""
     prices = ledger.Prices()
-    window_start, window_end = ledger.midnight(start), min(now, ledger.midnight(end + timedelta(days=1)))
+    # A range that ends after today ends now (9999-12-31 has no day after it to take the midnight of).
+    window_start = ledger.midnight(start)
+    window_end = now if end >= ledger.utc_day(now) else min(now, ledger.midnight(end + timedelta(days=1)))
     allocated: dict[tuple, Decimal] = defaultdict(Decimal)
     for row in (
         UsageEntry.objects.filter(kind=EntryKind.GPU, day__gte=start, day__lte=end)

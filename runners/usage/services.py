@@ -14,14 +14,21 @@ from common.errors import Invalid
 from quotas.models import ResourceFlavor
 from quotas.services import require_staff
 from runners.usage import ledger
+from runners.usage.currencies import is_currency
 from runners.usage.models import Budget, CloudPrice
 from tenants.models import Tenant
+
+
+def _check_currency(currency: str) -> None:
+    if not is_currency(currency.upper()):
+        raise Invalid("currency", f"{currency} is not an ISO 4217 currency code (USD, EUR, JPY, ...).")
 
 
 def budget_set(*, actor: AbstractBaseUser, tenant: Tenant, monthly_amount: Decimal, currency: str,
                stop_borrowing: bool) -> Budget:
     """Set a tenant's monthly budget; the next settle checks it (and lifts or sets the borrowing pause)."""
     require_staff(actor)
+    _check_currency(currency)
     budget, _ = Budget.objects.update_or_create(
         tenant=tenant,
         defaults={"monthly_amount": monthly_amount, "currency": currency.upper(), "stop_borrowing": stop_borrowing},
@@ -38,6 +45,7 @@ def cloud_price_add(*, actor: AbstractBaseUser, flavor: ResourceFlavor, price_pe
                     provider: str = "", effective_from: datetime | None = None) -> CloudPrice:
     """Add a cloud reference price from a moment on; earlier ones stay, so past usage keeps its reference."""
     require_staff(actor)
+    _check_currency(currency)
     effective_from = effective_from or timezone.now()
     try:
         with transaction.atomic():
