@@ -5,9 +5,9 @@ the tenant page and the API change them through services that tell the environme
 from django.contrib import admin
 from django.db import transaction
 
-from audit.services import record
 from common.admin import ReadOnlyAdmin
 from tenants.models import Membership, Tenant, TokenInfo
+from tenants.signals import audited
 
 
 class MembershipInline(admin.TabularInline):
@@ -34,12 +34,12 @@ class TenantAdmin(admin.ModelAdmin):
             before = Tenant.objects.filter(pk=obj.pk).values("slug", "name").first()
         with transaction.atomic():
             super().save_model(request, obj, form, change)
-            record("tenant.updated" if change else "tenant.created", actor=request.user, tenant=obj, obj=obj,
-                   before=before, after={"slug": obj.slug, "name": obj.name})
+            audited("tenant.updated" if change else "tenant.created", actor=request.user, tenant=obj, obj=obj,
+                    before=before, after={"slug": obj.slug, "name": obj.name})
 
     def delete_model(self, request, obj):
         with transaction.atomic():
-            record("tenant.deleted", actor=request.user, tenant=obj, obj=obj, before={"slug": obj.slug, "name": obj.name})
+            audited("tenant.deleted", actor=request.user, tenant=obj, obj=obj, before={"slug": obj.slug, "name": obj.name})
             super().delete_model(request, obj)
 
 

@@ -14,11 +14,10 @@ from django.db import IntegrityError, transaction
 from knox.models import AuthToken
 from knox.settings import knox_settings
 
-from audit.services import record
 from common.errors import Invalid, NotAllowed, NotFound
 from tenants.models import Membership, Role, Tenant, TokenInfo, role_at_least
 from tenants.selectors import token_get, user_has_role, user_role
-from tenants.signals import member_removed, members_changed
+from tenants.signals import audited, member_removed, members_changed
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ def tenant_create(*, actor: AbstractBaseUser, slug: str, name: str) -> Tenant:
     try:
         with transaction.atomic():
             tenant.save()
-            record("tenant.created", actor=actor, tenant=tenant, obj=tenant, after={"slug": slug, "name": name})
+            audited("tenant.created", actor=actor, tenant=tenant, obj=tenant, after={"slug": slug, "name": name})
     except IntegrityError:
         raise Invalid("slug", f"A tenant with slug {slug!r} already exists.") from None
     return tenant
@@ -65,8 +64,8 @@ def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, ro
             membership = Membership.objects.create(tenant=tenant, user=user, role=role)
     except IntegrityError:
         raise duplicate from None  # a concurrent add won
-    record("member.added", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
-           after={"username": username, "role": role})
+    audited("member.added", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
+            after={"username": username, "role": role})
     members_changed.send(sender=Tenant, tenant=tenant)
     return membership
 
@@ -86,8 +85,8 @@ def membership_remove(*, actor: AbstractBaseUser, tenant: Tenant, username: str)
         id=membership.id
     ).exists():
         raise Invalid("username", f"{username} is the last owner of {tenant.slug}; add another owner first.")
-    record("member.removed", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
-           before={"username": username, "role": membership.role})
+    audited("member.removed", actor=actor, tenant=tenant, obj=membership, object_repr=f"{username} in {tenant.slug}",
+            before={"username": username, "role": membership.role})
     membership.delete()
     members_changed.send(sender=Tenant, tenant=tenant)
     member_removed.send(sender=Tenant, tenant=tenant, username=username)
@@ -118,8 +117,8 @@ def token_create(*, user: AbstractBaseUser, name: str, expires_in_days: int | No
     with transaction.atomic():
         instance, secret = AuthToken.objects.create(user, expiry=ttl)
         info = TokenInfo.objects.create(token=instance, name=name)
-        record("token.created", actor=user, obj=info, object_repr=f"{name} of {user.get_username()}",
-               after=token_audit_fields(info))
+        audited("token.created", actor=user, obj=info, object_repr=f"{name} of {user.get_username()}",
+                after=token_audit_fields(info))
     return info, secret
 
 
@@ -137,8 +136,8 @@ def token_revoke(*, actor: AbstractBaseUser, token_id: int) -> TokenInfo:
         # The TokenInfo goes with it. Of two revokes at once, the second deletes nothing: a 404, no entry.
         if not AuthToken.objects.filter(pk=info.token.pk).delete()[0]:
             raise NotFound("This token no longer exists.")
-        record("token.revoked", actor=actor, obj=info, object_repr=f"{info.name} of {info.token.user.get_username()}",
-               before=before)
+        audited("token.revoked", actor=actor, obj=info, object_repr=f"{info.name} of {info.token.user.get_username()}",
+                before=before)
     return info
 
 
@@ -152,9 +151,9 @@ def token_revoke_own(*, token: AuthToken) -> None:
             return
         if info is None:  # a token made outside the portal's services (the Django admin): no name to show
             # Its key is the hash of its secret: kept out of the log.
-            record("token.revoked", actor=token.user, obj=token, object_id="",
-                   object_repr=f"token of {token.user.get_username()}",
-                   before={"user": token.user.get_username(), "expiry": token.expiry})
+            audited("token.revoked", actor=token.user, obj=token, object_id="",
+                    object_repr=f"token of {token.user.get_username()}",
+                    before={"user": token.user.get_username(), "expiry": token.expiry})
         else:
-            record("token.revoked", actor=token.user, obj=info, object_repr=f"{info.name} of {token.user.get_username()}",
-                   before=before)
+            audited("token.revoked", actor=token.user, obj=info, object_repr=f"{info.name} of {token.user.get_username()}",
+                    before=before)

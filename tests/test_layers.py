@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.unit
+
 PURE_PACKAGES = ["runners/scheduler", "runners/backends", "runners/nvidia", "runners/workloads"]
 PORTAL_APPS = {"common", "portal", "tenants", "quotas", "runners", "audit", "frontend"}
 PURE_MODULE_PREFIXES = tuple(path.replace("/", ".") for path in PURE_PACKAGES)
@@ -74,19 +76,20 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
 
 
 # Apps from the bottom up. An app may import those below it, the pure libraries and the ground
-# floor (common); never one above it, at module level or inside a function. The apps inside
-# runners/ are layers of their own: the inventory, then environments on it, jobs in them, inference
-# endpoints whose replicas are jobs, the cycle that schedules jobs (training gangs and replicas), the
-# metering of all of it (utilization, usage and cost), which listens to the others' signals, and the
-# notifications (mail and webhooks), which listen to them too.
+# floor (common); never one above it, at module level or inside a function. The audit log sits on
+# tenants (whose changes it hears through tenants.signals) and below every app whose changes it
+# records. The apps inside runners/ are layers of their own: the inventory, then environments on it,
+# jobs in them, inference endpoints whose replicas are jobs, the cycle that schedules jobs (training
+# gangs and replicas), the metering of all of it (utilization, usage and cost), which listens to the
+# others' signals, and the notifications (mail and webhooks), which listen to them too.
 LAYERS = [
-    "common", "tenants", "quotas",
+    "common", "tenants", "audit", "quotas",
     "runners.clusters", "runners.environments", "runners.jobs", "runners.inference", "runners.scheduling",
     "runners.usage", "runners.notifications", "frontend", "portal",
 ]
 # runners itself holds only the migration history from before the split (and its pure libraries).
-PROJECT_PACKAGES = ["common", "portal", "tenants", "quotas", "runners", "frontend"]
-MODEL_APP_LABELS = {"tenants": "tenants", "quotas": "quotas", "clusters": "runners.clusters",
+PROJECT_PACKAGES = ["common", "portal", "tenants", "audit", "quotas", "runners", "frontend"]
+MODEL_APP_LABELS = {"tenants": "tenants", "audit": "audit", "quotas": "quotas", "clusters": "runners.clusters",
                     "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
                     "inference": "runners.inference", "usage": "runners.usage",
                     "notifications": "runners.notifications", "runners": "runners"}
@@ -201,6 +204,38 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def test_every_app_of_the_project_has_its_layer():
+    """Each installed app of the project, and each top-level package, is in LAYERS (or is runners itself)."""
+    from django.conf import settings
+
+    ours = {app for app in settings.INSTALLED_APPS if app.split(".")[0] in PORTAL_APPS}
+    packages = {path.parent.name for path in REPO.glob("*/apps.py")} | {"common"}
+    missing = sorted((ours | packages) - set(LAYERS) - {"runners"})
+    assert not missing, f"Give these apps a layer in LAYERS: {missing}"
+    assert set(PROJECT_PACKAGES) == {layer.split(".")[0] for layer in LAYERS}
+    assert PORTAL_APPS == set(PROJECT_PACKAGES)
+
+
+def _app_graph() -> dict[str, set[str]]:
+    """app layer -> the app layers it imports or names a model of."""
+    graph: dict[str, set[str]] = {}
+    for path in _project_files():
+        layer = _layer_of(_module_name(path))
+        if layer is None:
+            continue
+        edges = graph.setdefault(layer, set())
+        edges |= {_layer_of(module) for _line, module in _imports(path)}
+        edges |= {target for _line, target in _model_references(path)}
+        edges -= {None, layer}
+    return graph
+
+
+def test_no_circle_among_the_apps():
+    """An app reaching another that reaches back (through an import or a model's name) is a circle."""
+    circles = _circles(_app_graph())
+    assert not circles, "App circles:\n" + "\n".join(" <-> ".join(circle) for circle in circles)
 
 
 def test_no_import_circle_among_the_projects_modules():
