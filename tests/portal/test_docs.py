@@ -1,6 +1,7 @@
 """docs/: it builds strictly (a broken link or anchor fails), reads offline, and says what the code does."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,18 @@ def test_the_api_page_uses_the_portal_variable_and_defines_every_variable_it_sen
     block = re.search(r"^```sh\n(.*?)^```$", api, re.S | re.M).group(1)
     for name in set(re.findall(r"\$([A-Z_]+)", block)):
         assert re.search(rf"^{name}=|\b{name}=\$\(", block, re.M) or name == "PORT", f"${name} is used but never set"
+
+
+def test_the_receivers_signature_check_in_the_notifications_page_accepts_what_the_portal_signs():
+    from runners.notifications.services import signature
+
+    code = re.search(r"```python\n(.*?)```", (DOCS / "notifications.md").read_text(), re.S).group(1)
+    namespace: dict = {}
+    exec(code, namespace)
+    genuine = namespace["genuine"]
+    secret, body, now = "0f" * 32, b'{"event":"job_finished"}', str(int(time.time()))
+    headers = {"X-Portal-Timestamp": now, "X-Portal-Signature": signature(secret, body, now)}
+    assert genuine(secret, headers, body)
+    assert not genuine(secret, headers, body + b" ")
+    old = str(int(time.time()) - 3600)
+    assert not genuine(secret, {"X-Portal-Timestamp": old, "X-Portal-Signature": signature(secret, body, old)}, body)
