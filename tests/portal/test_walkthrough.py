@@ -52,7 +52,7 @@ def test_the_walkthrough_runs_as_written_against_a_portal_started_by_manage_py_u
             try:
                 result = subprocess.run(
                     ["bash", "-c", PREAMBLE + block], cwd=work, env={**os.environ, "PORT": port},
-                    capture_output=True, text=True, timeout=900,
+                    capture_output=True, text=True, timeout=600,
                 )
             except subprocess.TimeoutExpired as exc:
                 output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
