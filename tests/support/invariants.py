@@ -28,6 +28,12 @@ The rules:
 6. Deleted environments: no job of an environment being deleted (or deleted) waits in the
    queue or got an attempt after the delete, and no environment is deleted while an attempt of
    its jobs is open.
+7. The ledger (``check_ledger``, also part of ``check``): for every attempt, the entries written
+   plus what the ledger has not settled yet (``ledger.unwritten``) equal the hand formula: units x
+   seconds x the price card in force, cut at UTC midnights and card starts, from its admission
+   (clipped to the latest recorded end of the job's earlier attempts) to its end (none recorded:
+   the next attempt's admission, else now); and no second is counted twice across a job's
+   attempts (their GPU-seconds never exceed units x the union of their intervals).
 """
 
 from __future__ import annotations
@@ -36,12 +42,15 @@ import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Sum
 from django.utils import timezone
 
-from quotas.models import PartitionKind, Quota, ResourceFlavor
+from quotas.models import PartitionKind, PriceCard, Quota, ResourceFlavor
 from runners.clusters.models import Gpu
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobAttempt, JobState
@@ -301,14 +310,123 @@ def _deleted_environments_hold_nothing(snap: _Snapshot) -> list[str]:
     return found
 
 
+# --- 7. The ledger -------------------------------------------------------------------------
+
+# What rounding may leave between the ledger (each piece kept to 0.001 GPU-second and 0.000001 of
+# money) and the formula: far below anything a miscount would show (a second of one unit).
+GPU_SECONDS_SLACK = Decimal("0.05")
+COST_SLACK = Decimal("0.0001")
+
+
+def _hand_interval(attempt: dict, siblings: list[dict], now) -> tuple:
+    """[start, end) the formula counts an attempt for, written out here, not taken from the ledger."""
+    start = attempt["admitted_at"]
+    for earlier in siblings:
+        if earlier["number"] < attempt["number"] and earlier["ended_at"] is not None:
+            start = max(start, earlier["ended_at"])
+    end = attempt["ended_at"]
+    if end is None:
+        later = [other["admitted_at"] for other in siblings if other["number"] > attempt["number"]]
+        end = min(later) if later else now
+    end = min(max(end, start), now)
+    return start, end
+
+
+def _hand_cost(units: int, start, end, cards: list[tuple]) -> tuple[Decimal, dict[str, Decimal]]:
+    """Units x seconds, and per currency units x seconds x the card in force, cut at midnights and card starts."""
+    cuts = {start, end}
+    day = datetime(start.year, start.month, start.day, tzinfo=UTC) + timedelta(days=1)
+    while day < end:
+        cuts.add(day)
+        day += timedelta(days=1)
+    cuts |= {effective for effective, _, _ in cards if start < effective < end}
+    bounds = sorted(cuts)
+    gpu_seconds, cost = Decimal(0), defaultdict(Decimal)
+    for a, b in zip(bounds, bounds[1:]):
+        seconds = Decimal((b - a) // timedelta(microseconds=1)) / Decimal(10**6) * units
+        gpu_seconds += seconds
+        in_force = [card for card in cards if card[0] <= a]
+        if in_force:
+            _, price, currency = max(in_force, key=lambda card: card[0])
+            cost[currency] += seconds * price / 3600
+    return gpu_seconds, dict(cost)
+
+
+def _union_seconds(intervals: list[tuple]) -> Decimal:
+    total, reach = Decimal(0), None
+    for start, end in sorted(intervals):
+        start = start if reach is None else max(start, reach)
+        if end > start:
+            total += Decimal((end - start) // timedelta(microseconds=1)) / Decimal(10**6)
+            reach = end
+    return total
+
+
+def check_ledger() -> list[str]:
+    """Rule 7, read in one REPEATABLE READ snapshot: every attempt's ledger against the formula."""
+    from runners.usage import ledger
+    from runners.usage.models import UsageEntry
+
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        now = timezone.now()
+        attempts = list(JobAttempt.objects.values(
+            "id", "job_id", "number", "admitted_at", "ended_at", "job__replicas", "job__gpus_per_replica",
+            "job__flavor_id", "job__tenant__slug", "job__name"))
+        cards: dict[int, list[tuple]] = defaultdict(list)
+        for flavor_id, effective, price, currency in PriceCard.objects.values_list(
+                "flavor_id", "effective_from", "price_per_hour", "currency"):
+            cards[flavor_id].append((effective, price, currency))
+        counted: dict[str, list] = defaultdict(lambda: [Decimal(0), defaultdict(Decimal)])
+        for item, currency, gpu, cost in (
+            UsageEntry.objects.filter(item__startswith="attempt:").values_list("item", "currency")
+            .annotate(gpu=Sum("gpu_seconds"), cost=Sum("cost")).order_by().values_list("item", "currency", "gpu", "cost")
+        ):
+            counted[item][0] += gpu
+            counted[item][1][currency] += cost
+        for piece in ledger.unwritten(now):
+            if piece.item.startswith("attempt:"):
+                counted[piece.item][0] += piece.gpu_seconds
+                counted[piece.item][1][piece.currency] += piece.cost
+    by_job: dict[int, list[dict]] = defaultdict(list)
+    for attempt in attempts:
+        by_job[attempt["job_id"]].append(attempt)
+    found = []
+    for job_id, siblings in sorted(by_job.items()):
+        units = siblings[0]["job__replicas"] * siblings[0]["job__gpus_per_replica"]
+        intervals, job_seconds = [], Decimal(0)
+        for attempt in sorted(siblings, key=lambda a: a["number"]):
+            start, end = _hand_interval(attempt, siblings, now)
+            want_gpu, want_cost = _hand_cost(units, start, end, cards[attempt["job__flavor_id"]])
+            got_gpu, got_cost = counted.get(f"attempt:{attempt['id']}", (Decimal(0), {}))
+            name = (f"attempt {job_id}/{attempt['number']} (id {attempt['id']}, "
+                    f"{attempt['job__tenant__slug']}/{attempt['job__name']}, {start:%m-%d %H:%M:%S} to {end:%m-%d %H:%M:%S})")
+            if abs(got_gpu - want_gpu) > GPU_SECONDS_SLACK:
+                found.append(f"{name} is counted {got_gpu:.3f} GPU-seconds; the formula says {want_gpu:.3f}")
+            for currency in sorted(set(want_cost) | {c for c, v in got_cost.items() if v}):
+                got, want = got_cost.get(currency, Decimal(0)), want_cost.get(currency, Decimal(0))
+                if abs(got - want) > COST_SLACK:
+                    found.append(f"{name} costs {got:.6f} {currency} in the ledger; the formula says {want:.6f}")
+            job_seconds += got_gpu
+            if attempt["admitted_at"] < end:
+                intervals.append((attempt["admitted_at"], end))
+        held = _union_seconds(intervals) * units
+        if job_seconds > held + GPU_SECONDS_SLACK * len(siblings):
+            found.append(f"job {job_id} is counted {job_seconds:.3f} GPU-seconds over its attempts, more than the "
+                         f"{held:.3f} its units held: a second is counted twice")
+    return found
+
+
 def check(backend=None, *, stuck_after_s: float = 60.0, slack_s: float = 5.0, baseline: Baseline | None = None,
-          horizon_s: float = 3600.0) -> list[str]:
+          horizon_s: float = 3600.0, ledger: bool = True) -> list[str]:
     """Every violation of the rules above, now; empty when all hold.
 
     ``backend``: the portal's backend (local, QuickJobs) or a KubernetesStandIn, for rule 2;
     None skips it. ``baseline``: from ``baseline()`` at the start (capacities, time-slice share
     counts); without one, today's capacities and GPUs are the measure. ``horizon_s``: how far back
-    ended attempts are looked at for rule 2.
+    ended attempts are looked at for rule 2. ``ledger``: rule 7 too (its own snapshot).
     """
     snap = _read(horizon_s)
     base = baseline or Baseline(capacities={})
@@ -320,6 +438,7 @@ def check(backend=None, *, stuck_after_s: float = 60.0, slack_s: float = 5.0, ba
         *_within_max_and_capacity(snap, base),
         *_nothing_stuck(snap, stuck_after_s),
         *_deleted_environments_hold_nothing(snap),
+        *(check_ledger() if ledger else []),
     ]
 
 
