@@ -108,7 +108,6 @@ def test_mig_and_time_slice_jobs_take_existing_slices(flavors, tenant, owner, ac
 
 @pytest.mark.django_db(transaction=True)
 def test_two_cycles_at_once_never_admit_the_same_capacity_twice(flavors, tenant, owner, acme_env):
-    assert connection.vendor == "postgresql"
     give_quota(tenant, flavors["h100-80gb"], guaranteed=16, max=64)
     for index in range(6):
         submit(owner, acme_env, name=f"job-{index}", replicas=1, gpus_per_replica=8)
@@ -255,7 +254,7 @@ def test_the_cycles_own_write_leaves_a_job_that_left_the_queue_meanwhile(flavors
     jobs.job_cancel(actor=owner, job=waiting)
     for position, job in enumerate(stale, start=1):
         job.reason, job.queue_position = "Waiting: something.", position
-    scheduling._job_rows_write(stale, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED)
+    jobs.job_rows_update(stale, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED)
     waiting.refresh_from_db(), other.refresh_from_db()
     assert waiting.state == "cancelled" and waiting.reason.startswith("Cancelled by") and waiting.queue_position is None
     assert other.reason == "Waiting: something." and other.queue_position == 2
