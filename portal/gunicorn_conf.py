@@ -1,6 +1,6 @@
 """gunicorn's settings for the portal's web process: `python -m gunicorn -c python:portal.gunicorn_conf portal.wsgi`.
 
-Every value comes from the environment (listed in the README) with a default that suits one machine:
+Every value comes from the environment (listed in docs/configuration.md) with a default that suits one machine:
 
 - where to listen: GUNICORN_BIND, else 0.0.0.0:$PORT when PORT is set (as platforms set it), else
   127.0.0.1:8000;
