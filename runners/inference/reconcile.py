@@ -1,8 +1,11 @@
 """The endpoints' reconcile: read every replica, record a sample, autoscale, roll out, drain, and say where each stands.
 
-One pass per endpoint: first, outside any transaction, each running replica's address (a backend
-read) and its server's /readyz and /metrics (HTTP, with a short timeout); then, under the
-endpoint's row lock, what follows from them: the replicas' readiness, a sample for the page,
+One pass at a time, cluster-wide (a session-level advisory lock; a pass started while another
+runs returns at once, skipped). First, outside any transaction, every endpoint's running replicas
+are read together, ENDPOINT_PROBE_CONCURRENCY at once: each one's address (a backend read) and its
+server's /readyz and /metrics (HTTP, ENDPOINT_PROBE_TIMEOUT_S each), so hung replicas cost about
+one timeout, not one each. Then, endpoint by endpoint, under the endpoint's row lock, what follows
+from them: the replicas' readiness, a sample for the page,
 the autoscaler's decision (recorded with its reason when it changes anything), the replicas to
 start or retire, and the endpoint's state. A replica is retired by cancelling its job with the
 grace period: its server gets SIGTERM and answers everything it admitted before it exits.
@@ -13,21 +16,25 @@ is retired only once a new one is ready in its place, one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.errors import TooMany
 from quotas.models import Quota
 from runners.backends.base import BackendError
 from runners.clusters.registry import get_backend
-from runners.environments.models import Environment, EnvironmentState
+from runners.environments.models import EnvironmentState
 from runners.inference import autoscale
 from runners.inference.models import (
     EndpointSample,
@@ -37,12 +44,17 @@ from runners.inference.models import (
     ScaleEvent,
 )
 from runners.inference.services import replica_retire, replica_start, set_state
+from runners.jobs import services as jobs
 from runners.jobs.attempts import open_attempts
 from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobState
 
 logger = logging.getLogger(__name__)
 
-PROBE_TIMEOUT_S = 1.0
+# A replica whose server has not answered /readyz (a timeout, or the connection refused) this many passes in a row
+# is not ready: a hung server leaves the router's choices, while one slow answer on a busy machine does not.
+MISSES_BEFORE_NOT_READY = 2
+# pg_try_advisory_lock's key for the pass: "endpts" in ASCII.
+PASS_LOCK_KEY = 0x656E64707473
 # How long a rollout's new replica may wait for capacity before an old replica makes way for it.
 ROLLOUT_SURGE_WAIT_S = 60.0
 # Samples older than this are deleted as the reconcile goes (the page shows the last hour).
@@ -61,17 +73,18 @@ class Probe:
 
 
 def probe(address: str) -> Probe | None:
-    """/readyz and /metrics of one server; None when it does not answer."""
+    """/readyz and /metrics of one server; None when it does not answer (a timeout, the connection refused)."""
     found = Probe()
+    timeout_s = settings.ENDPOINT_PROBE_TIMEOUT_S
     try:
-        with urllib.request.urlopen(f"{address}/readyz", timeout=PROBE_TIMEOUT_S) as answer:
+        with urllib.request.urlopen(f"{address}/readyz", timeout=timeout_s) as answer:
             found.ready = answer.status == 200
     except urllib.error.HTTPError:
         found.ready = False
     except (OSError, ValueError):
         return None
     try:
-        with urllib.request.urlopen(f"{address}/metrics", timeout=PROBE_TIMEOUT_S) as answer:
+        with urllib.request.urlopen(f"{address}/metrics", timeout=timeout_s) as answer:
             text = answer.read().decode()
     except (OSError, ValueError):
         return found
@@ -102,23 +115,37 @@ def _quantile_ms(buckets: list[tuple[str, float]], q: float) -> float | None:
     return None
 
 
-def _read_replicas(endpoint: InferenceEndpoint, backend) -> dict[int, tuple[str, Probe | None]]:
-    """{replica id: (address, probe)} of the endpoint's running replicas; outside any transaction."""
-    replicas = list(endpoint.replicas.filter(retiring=False, job__state=JobState.RUNNING).select_related("job"))
+# What one replica read: (its address, its server's probe or None when it did not answer, whether it was asked).
+Read = tuple[str, Probe | None, bool]
+
+
+def _read_one(backend, replica: Replica, attempt_number: int) -> Read:
+    try:
+        address = backend.serving_address(replica.job_id, attempt_number)
+    except BackendError as exc:
+        # Where it answers is unknown this time (the API unreachable): that says nothing of the replica.
+        logger.warning("Could not read where replica %s of %s answers: %s", replica.id, replica.endpoint_id, exc)
+        return "", None, False
+    if not address:
+        return "", Probe(ready=False), True
+    return address, probe(address), True
+
+
+def _read_replicas(endpoints: list[int], backend) -> dict[int, dict[int, Read]]:
+    """{endpoint id: {replica id: read}} of these endpoints' running replicas, read together (at most
+    ENDPOINT_PROBE_CONCURRENCY at once); outside any transaction. The probes touch no database."""
+    replicas = list(Replica.objects.filter(endpoint_id__in=endpoints, retiring=False, job__state=JobState.RUNNING)
+                    .select_related("job"))
     attempts = open_attempts([replica.job for replica in replicas])
-    read = {}
-    for replica in replicas:
-        attempt = attempts.get(replica.job_id)
-        if attempt is None:
-            continue
-        try:
-            address = backend.serving_address(replica.job_id, attempt.number)
-        except BackendError as exc:
-            logger.warning("Could not read where replica %s of %s answers: %s", replica.id, endpoint, exc)
-            read[replica.id] = ("", None)
-            continue
-        found = probe(address) if address else Probe(ready=False)
-        read[replica.id] = (address or "", found)
+    asked = [(replica, attempts[replica.job_id].number) for replica in replicas if replica.job_id in attempts]
+    read: dict[int, dict[int, Read]] = {endpoint_id: {} for endpoint_id in endpoints}
+    if not asked:
+        return read
+    with ThreadPoolExecutor(max_workers=min(len(asked), settings.ENDPOINT_PROBE_CONCURRENCY),
+                            thread_name_prefix="endpoint-probe") as pool:
+        found = list(pool.map(lambda item: _read_one(backend, *item), asked))
+    for (replica, _), one in zip(asked, found):
+        read[replica.endpoint_id][replica.id] = one
     return read
 
 
@@ -130,7 +157,7 @@ def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -
     totals, answered, shed, expired = {}, 0.0, 0.0, 0.0
     bucket_delta: dict[str, float] = {}
     queue = running = 0
-    for replica_id, (_, found) in read.items():
+    for replica_id, (_, found, _asked) in read.items():
         if found is None:
             continue
         if replica_id in ready_ids:
@@ -190,14 +217,16 @@ def _non_preemptible_units(endpoint: InferenceEndpoint) -> int:
     held = Job.objects.filter(
         tenant=endpoint.tenant, flavor=endpoint.flavor, preemptible=False, state__in=JOB_HOLDING_STATES + [JobState.QUEUED]
     )
-    return sum(job.replicas * job.gpus_per_replica for job in held)
+    return held.aggregate(units=Sum(F("replicas") * F("gpus_per_replica")))["units"] or 0
 
 
-def _set_preemptible(replica: Replica, value: bool) -> None:
-    job = replica.job
-    job.preemptible = value
-    job.spec["preemptible"] = value
-    Job.objects.filter(id=job.id).update(preemptible=value, spec=job.spec)
+def _set_preemptible(replica: Replica, value: bool) -> bool:
+    """Move a replica's job into or out of the guarantee through the jobs app (under its row lock); True if done."""
+    if not jobs.job_preemptible_set(replica.job_id, value):
+        return False
+    replica.job.preemptible = value
+    replica.job.spec["preemptible"] = value
+    return True
 
 
 def _failed_to_start(endpoint: InferenceEndpoint, replicas: list[Replica]) -> list[Replica]:
@@ -207,8 +236,9 @@ def _failed_to_start(endpoint: InferenceEndpoint, replicas: list[Replica]) -> li
             and r.ready_since is None]
 
 
-def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
-    """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them."""
+def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> str:
+    """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them.
+    Returns why a replica that should start did not ("" if none)."""
     replicas = list(endpoint.replicas.select_related("job").order_by("slot", "id"))
     live = [r for r in replicas if not r.retiring and r.job.state not in JOB_FINAL_STATES]
     current = [r for r in live if r.generation == endpoint.generation]
@@ -219,38 +249,54 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
     # A generation whose replicas fail to start starts nothing more until a rollout asks for another.
     blocked = bool(failed) and not any(r.ready for r in current) and len(failed) >= endpoint.max_replicas
 
+    # The rows this pass may write, locked in the order every writer takes them: the quota's (a
+    # promotion), the tenant's then the environment's (a start, as a submit and an environment's
+    # delete take them), then the replicas' jobs, in id order (as the cycle takes them).
+    promoting = [r for r in current if r.job.preemptible and r.slot < endpoint.min_replicas
+                 and not any(old.slot == r.slot for old in stale)]
+    guaranteed = None
+    if promoting:
+        # The quota's row, locked: two endpoints of one tenant reconciled at once never both promote.
+        quota = Quota.objects.select_for_update().filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
+        guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
+    starting = len(current) < desired and not blocked
+    if starting:
+        # Read again under its lock (as a submit does), so no replica slips into an environment being deleted.
+        environment = jobs.queue_locks(endpoint.tenant, endpoint.environment)
+        blocked = environment is None or environment.state != EnvironmentState.READY
+    fresh = jobs.jobs_locked(r.job_id for r in live)
+    for replica in live:
+        if replica.job_id in fresh:
+            fresh[replica.job_id].tenant = replica.job.tenant  # the same row: keep what was read with it
+            replica.job = fresh[replica.job_id]
+
     # Preemptibility follows the slot: below min_replicas a replica is never preempted. A replica
     # started beside its slot's old one (a rollout) borrows until that one is gone, then is promoted
-    # if the tenant's guarantee holds it.
-    guaranteed = None
+    # if the tenant's guarantee holds it. The jobs app re-checks the job's state under its row lock.
     for replica in current:
         want = replica.slot >= endpoint.min_replicas
-        if replica.job.preemptible and not want and not any(r.slot == replica.slot for r in stale):
-            if guaranteed is None:
-                # The quota's row, locked: two endpoints of one tenant reconciled at once never both promote.
-                quota = Quota.objects.select_for_update().filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
-                guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
-            if guaranteed >= replica.job.units:
-                _set_preemptible(replica, False)
+        if replica in promoting and replica.job.preemptible:
+            if guaranteed >= replica.job.units and _set_preemptible(replica, False):
                 guaranteed -= replica.job.units
         elif not replica.job.preemptible and want:
             _set_preemptible(replica, True)
 
-    # Start what is missing; during a rollout only one new replica is starting at a time. The environment's
-    # row is locked and read again first (as a submit does), so no replica slips into one being deleted.
-    if len(current) < desired and not blocked:
-        environment = Environment.objects.select_for_update(of=("self",)).get(id=endpoint.environment_id)
-        blocked = environment.state != EnvironmentState.READY
-    while len(current) < desired and not blocked:
+    # Start what is missing; during a rollout only one new replica is starting at a time. Each replica's
+    # job is queued by the jobs app's rules (the tenant's budget of waiting jobs among them).
+    refused = ""
+    while starting and len(current) < desired and not blocked:
         if stale and any(not r.ready for r in current):
             break
         used = {r.slot for r in current}
         slot = next(n for n in range(endpoint.max_replicas + len(current) + 1) if n not in used)
         stale_here = any(r.slot == slot for r in stale)
-        replica = replica_start(endpoint, slot, "the endpoint wants " + (
-            f"{desired} replicas." if not stale else f"generation {endpoint.generation} (rollout)."))
-        if stale_here and not replica.job.preemptible:
-            _set_preemptible(replica, True)  # borrows until the old one of its slot is gone
+        try:
+            replica = replica_start(endpoint, slot, "the endpoint wants " + (
+                f"{desired} replicas." if not stale else f"generation {endpoint.generation} (rollout)."),
+                borrowing=stale_here)  # borrows until the old one of its slot is gone
+        except TooMany as exc:
+            refused = f"A replica waits to be queued: {exc}"
+            break
         current.append(replica)
 
     # Retire: stale replicas as soon as they are not serving, or once enough new ones are ready;
@@ -285,9 +331,11 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
             reason = "Stopping: draining." if stopping else f"Scale in to {desired}: draining."
             replica_retire(replica, reason)
             ready = [r for r in ready if r.id != replica.id]
+    return refused
 
 
-def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
+def _state(endpoint: InferenceEndpoint, stopping: bool, refused: str = "") -> None:
+    """The endpoint's state and reason from its replicas; ``refused``: why a replica could not be started."""
     replicas = list(endpoint.replicas.select_related("job"))
     holding = [r for r in replicas if r.job.state not in JOB_FINAL_STATES]
     if stopping:
@@ -306,7 +354,7 @@ def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
         newest = max(failed, key=lambda r: r.id)
         set_state(endpoint, EndpointState.FAILED, f"Its replicas fail to start: {newest.job.reason}")
     elif not endpoint.replicas.filter(ready_since__isnull=False).exists() and desired > 0:
-        waiting = next((r.job.reason for r in current if r.job.state == JobState.QUEUED), "")
+        waiting = refused or next((r.job.reason for r in current if r.job.state == JobState.QUEUED), "")
         set_state(endpoint, EndpointState.DEPLOYING,
                   f"Starting {desired} replica(s)." + (f" {waiting}" if waiting else ""))
     elif len(ready) == desired and len(holding) == len(current):
@@ -315,16 +363,19 @@ def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
     else:
         rolling = any(r.generation != endpoint.generation for r in holding)
         what = f"rolling out generation {endpoint.generation}" if rolling else f"scaling to {desired}"
-        set_state(endpoint, EndpointState.SCALING, f"{len(ready)} of {desired} replica(s) ready, {what}.")
+        set_state(endpoint, EndpointState.SCALING, f"{len(ready)} of {desired} replica(s) ready, {what}."
+                  + (f" {refused}" if refused else ""))
 
 
-def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
+def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None, read: dict[int, Read] | None = None) -> str:
+    """One endpoint's step; `read` is what the pass read of its replicas (read here when not given)."""
     backend = backend or get_backend()
     endpoint = InferenceEndpoint.objects.select_related("tenant", "environment").get(id=endpoint_id)
     if endpoint.state == EndpointState.STOPPED:
         return "stopped"
     now = now or timezone.now()  # when this pass's read started: its sample's time
-    read = _read_replicas(endpoint, backend)
+    if read is None:
+        read = _read_replicas([endpoint_id], backend)[endpoint_id]
     with transaction.atomic():
         endpoint = InferenceEndpoint.objects.select_for_update(of=("self",), skip_locked=True).filter(
             id=endpoint_id).select_related("tenant", "environment", "flavor").first()
@@ -340,12 +391,21 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
             endpoint.desired_replicas = 0
         stopping = endpoint.stop_requested_at is not None
         ready_ids = set()
+        misses = endpoint.autoscale_state.get("misses", {})  # replica id -> passes in a row its server did not answer
+        endpoint.autoscale_state["misses"] = {}
         for replica in endpoint.replicas.filter(retiring=False):
             if replica.id in read:
-                address, found = read[replica.id]
-                # Not answering this once (a timeout, the API unreachable) is not "not ready": only the server's
-                # own /readyz answer, or its job no longer running, changes that.
-                ready = found.ready if found is not None else replica.ready
+                address, found, asked = read[replica.id]
+                if found is not None:
+                    ready = found.ready
+                elif asked:
+                    # Its server did not answer /readyz: once may be a busy machine; MISSES_BEFORE_NOT_READY passes
+                    # in a row is a hung (or gone) server, no longer ready, so the router stops choosing it.
+                    missed = misses.get(str(replica.id), 0) + 1
+                    endpoint.autoscale_state["misses"][str(replica.id)] = missed
+                    ready = replica.ready and missed < MISSES_BEFORE_NOT_READY
+                else:
+                    ready = replica.ready  # where it answers could not be read (the API unreachable): no news
             else:
                 address, ready = "", False  # its job is not running
             changed = {"ready": ready, "address": address or replica.address}
@@ -360,20 +420,56 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None) -> str:
         if not stopping:
             _autoscale(endpoint, sample, now)
         endpoint.save(update_fields=["autoscale_state", "desired_replicas", "stop_requested_at", "reason"])
-        _replicas(endpoint, stopping)
-        _state(endpoint, stopping)
+        refused = _replicas(endpoint, stopping)
+        _state(endpoint, stopping, refused)
         return endpoint.state
 
 
-def endpoints_reconcile_run() -> dict[str, int]:
-    """One pass over every endpoint not stopped; one failing never blocks the rest."""
-    backend = get_backend()
-    outcomes: dict[str, int] = {}
-    for endpoint_id in InferenceEndpoint.objects.exclude(state=EndpointState.STOPPED).values_list("id", flat=True):
-        try:
-            outcome = endpoint_reconcile(endpoint_id, backend)
-        except Exception:  # noqa: BLE001 - one endpoint's failure is logged, the others go on
-            logger.exception("Reconciling endpoint %s failed", endpoint_id)
-            outcome = "error"
-        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    return outcomes
+def _unlock() -> None:
+    """Let go of the pass's session-level lock; when that cannot be done (the connection broke mid-pass:
+    it took the lock with it) the connection is closed, which frees whatever it held."""
+    released = False
+    with contextlib.suppress(Exception), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK_KEY])
+        released = bool(cursor.fetchone()[0])
+    if not released:
+        logger.warning("The endpoints reconcile's lock was not released on its connection; closing the connection.")
+        with contextlib.suppress(Exception):
+            connection.close()
+
+
+@contextlib.contextmanager
+def _one_pass_at_a_time():
+    """True while this process holds the cluster-wide pass lock; False when another pass runs."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [PASS_LOCK_KEY])
+        held = cursor.fetchone()[0]
+    try:
+        yield held
+    finally:
+        if held:
+            _unlock()
+
+
+def endpoints_reconcile_run() -> dict:
+    """One pass over every endpoint not stopped; one failing never blocks the rest.
+
+    Returns the count of each endpoint's outcome, or ``{"skipped": "busy"}`` when another pass runs.
+    """
+    with _one_pass_at_a_time() as held:
+        if not held:
+            logger.info("Endpoints reconcile skipped: another pass runs.")
+            return {"skipped": "busy"}
+        backend = get_backend()
+        endpoints = list(InferenceEndpoint.objects.exclude(state=EndpointState.STOPPED).values_list("id", flat=True))
+        now = timezone.now()  # when this pass's read started: its samples' time
+        read = _read_replicas(endpoints, backend)
+        outcomes: dict[str, int] = {}
+        for endpoint_id in endpoints:
+            try:
+                outcome = endpoint_reconcile(endpoint_id, backend, now=now, read=read[endpoint_id])
+            except Exception:  # noqa: BLE001 - one endpoint's failure is logged, the others go on
+                logger.exception("Reconciling endpoint %s failed", endpoint_id)
+                outcome = "error"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        return outcomes

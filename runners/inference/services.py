@@ -17,14 +17,14 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from audit.services import record, snapshot
+from audit.services import SYSTEM, record, snapshot
 from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota
 from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs import services as jobs
-from runners.jobs.models import JOB_FINAL_STATES, NOT_YET_SEEN_REASON, Checkpoint, Job, JobEvent, JobState
+from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobState
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
 from tenants.services import require_role
@@ -78,7 +78,7 @@ def _source(value, tenant: Tenant) -> dict:
             raise Invalid("source", "An image source takes no job or step.")
         if settings.CLUSTER_BACKEND != "kubernetes":
             raise Invalid("source.image", "Custom images run on the Kubernetes backend only; serve a job's checkpoint.")
-        image, _ = jobs._image(value["image"], ["serve"])
+        image, _ = jobs.image_check(value["image"], ["serve"])
         return {"image": image}
     job_id = value.get("job")
     if isinstance(job_id, bool) or not isinstance(job_id, int) or not 0 < job_id < 2**31:
@@ -137,9 +137,8 @@ def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
             "max_replicas",
             f"{spec['max_replicas']} x {units} units of {flavor.name} is past tenant {tenant.slug}'s max of {quota.max}.",
         )
-    jobs._fits_the_cluster(
-        {"replicas": 1, "gpus_per_replica": units, "topology": {"level": "none", "mode": "preferred"}}, flavor
-    )
+    jobs.gang_fits_the_cluster(flavor, replicas=1, gpus_per_replica=units,
+                               topology={"level": "none", "mode": "preferred"})
     return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor}
 
 
@@ -313,8 +312,9 @@ def kick_reconcile() -> None:
 # --- Replicas: one serving job each -----------------------------------------------------
 
 
-def replica_job_spec(endpoint: InferenceEndpoint, slot: int) -> dict:
-    """The spec of one replica's job, built here from the endpoint's validated spec only."""
+def replica_job_spec(endpoint: InferenceEndpoint, slot: int, *, borrowing: bool = False) -> dict:
+    """The spec of one replica's job, built here from the endpoint's validated spec only. ``borrowing``: preemptible
+    whatever its slot (started beside its slot's old replica in a rollout)."""
     spec = endpoint.spec
     source = spec["source"]
     return {
@@ -323,7 +323,7 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int) -> dict:
         "flavor": endpoint.flavor.name, "gpus_per_replica": endpoint.gpus_per_replica,
         "cpu_milli_per_replica": REPLICA_CPU_MILLI, "memory_mib_per_replica": REPLICA_MEMORY_MIB,
         "topology": {"level": "none", "mode": "preferred"}, "priority": 0,
-        "preemptible": slot >= endpoint.min_replicas, "steps": 1, "checkpoint_every_steps": 0,
+        "preemptible": borrowing or slot >= endpoint.min_replicas, "steps": 1, "checkpoint_every_steps": 0,
         "max_runtime_s": jobs.MAX_RUNTIME_S, "max_retries": REPLICA_MAX_RETRIES, "env": {}, "hyperparameters": {},
         "image": source.get("image"), "command": None,
         "serving": {
@@ -335,16 +335,15 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int) -> dict:
     }
 
 
-def replica_start(endpoint: InferenceEndpoint, slot: int, reason: str) -> Replica:
-    """Queue one replica's job (the caller holds the endpoint's row); the cycle is kicked after commit."""
-    spec = replica_job_spec(endpoint, slot)
-    job = Job.objects.create(
-        tenant=endpoint.tenant, environment=endpoint.environment, name=spec["name"], kind=Job.Kind.SERVING,
-        spec=spec, flavor=endpoint.flavor, replicas=1, gpus_per_replica=endpoint.gpus_per_replica, priority=0,
-        preemptible=spec["preemptible"], submitted_by=endpoint.created_by, reason=NOT_YET_SEEN_REASON,
+def replica_start(endpoint: InferenceEndpoint, slot: int, reason: str, *, borrowing: bool = False) -> Replica:
+    """Queue one replica's job through the jobs app, as a submit is queued (the caller holds the endpoint's row,
+    then `jobs.queue_locks`); TooMany past the tenant's budget of waiting jobs. The cycle is kicked after commit."""
+    spec = replica_job_spec(endpoint, slot, borrowing=borrowing)
+    job = jobs.job_queue_locked(
+        tenant=endpoint.tenant, environment=endpoint.environment, flavor=endpoint.flavor, spec=spec,
+        submitted_by=endpoint.created_by, actor=SYSTEM, kind=Job.Kind.SERVING,
+        event_reason=f"Replica of endpoint {endpoint.name}: {reason}",
     )
-    JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Replica of endpoint {endpoint.name}: {reason}")
-    transaction.on_commit(jobs.kick_cycle)
     return Replica.objects.create(endpoint=endpoint, job=job, slot=slot, generation=endpoint.generation)
 
 

@@ -3,13 +3,15 @@
 from django.db import transaction
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.exceptions import Throttled
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 
 from common import nulls
+from common.errors import TooMany
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.filters import JobFilter
@@ -248,17 +250,27 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
             "Idempotency-Key", str, location=OpenApiParameter.HEADER, required=False,
             description="Retry safely: the same key and body within a day answer the job the first request made "
                         "(200), never a second job; the same key with another body is a 400.",
+        ), OpenApiParameter(
+            "Retry-After", int, location=OpenApiParameter.HEADER, response=[429],
+            description="Seconds until the next scheduling cycle, which may start some of the waiting jobs.",
         )],
-        responses={201: JobSerializer, 200: JobSerializer},
+        responses={201: JobSerializer, 200: JobSerializer, 429: OpenApiResponse(
+            response=inline_serializer("QueuedBudgetReached", {"detail": serializers.CharField()}),
+            description="The tenant already has JOB_QUEUED_MAX_PER_TENANT jobs waiting; nothing was saved. Try "
+                        "again after the number of seconds in Retry-After, or once some have started.",
+        )},
     )
     def create(self, request):
         # The answer is built inside the transaction that writes the job: once it commits, nothing
         # is left to read that could fail and turn a created job into an error for the client.
-        with transaction.atomic():
-            job, created = jobs.job_submit_keyed(
-                actor=request.user, data=request.data, idempotency_key=request.headers.get("Idempotency-Key"),
-            )
-            data = JobSerializer(self.get_queryset().get(id=job.id)).data
+        try:
+            with transaction.atomic():
+                job, created = jobs.job_submit_keyed(
+                    actor=request.user, data=request.data, idempotency_key=request.headers.get("Idempotency-Key"),
+                )
+                data = JobSerializer(self.get_queryset().get(id=job.id)).data
+        except TooMany as exc:
+            raise Throttled(detail=str(exc), wait=getattr(exc, "retry_after_s", None)) from exc
         return Response(data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(request=None, responses={202: JobSerializer})

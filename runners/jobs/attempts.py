@@ -31,7 +31,7 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Max, Q
 from django.utils import timezone
 
 from audit.services import SYSTEM, record
@@ -56,7 +56,14 @@ from runners.jobs.models import (
     JobMetric,
     JobState,
 )
-from runners.jobs.services import TRAINER_KEEP_CHECKPOINTS, kick_cycle, send_job_stop, transition
+from runners.jobs.services import (
+    TRAINER_KEEP_CHECKPOINTS,
+    kick_cycle,
+    rows_insert,
+    send_job_stop,
+    transition,
+    transition_locked,
+)
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_OK
 
 logger = logging.getLogger(__name__)
@@ -264,14 +271,18 @@ def _kill_and_forget(job_id: int, attempt_number: int) -> None:
 # --- Preempting and stopping from the portal's side -------------------------------------
 
 
-def job_preempt_locked(job: Job, reason: str, *, now=None) -> str | None:
+def job_preempt_locked(job: Job, reason: str, *, now=None, only_preemptible: bool = False) -> str | None:
     """Preempt a job whose row the caller holds locked (fresh from select_for_update).
 
     Returns "requeued" (admitted, never launched: its attempt ended here), "stopping" (it runs
     or launches: preempted with the grace period; send_job_stop after commit), or None when it
-    is in no state to preempt.
+    is in no state to preempt. ``only_preemptible``: a reclaim of capacity (the cycle's victims),
+    which leaves a job that is no longer preemptible (a replica promoted into its tenant's
+    guarantee since the cycle read it); a node taken away preempts whatever runs on it.
     """
     now = now or timezone.now()
+    if only_preemptible and not job.preemptible:
+        return None
     if job.state == JobState.ADMITTED:
         # No launch is in flight: a claim moves the job to launching under this same row lock.
         if JobAttempt.objects.open().filter(job=job).update(
@@ -283,6 +294,35 @@ def job_preempt_locked(job: Job, reason: str, *, now=None) -> str | None:
         deadline = now + timezone.timedelta(seconds=settings.PREEMPTION_GRACE_PERIOD_S)
         return "stopping" if transition(job, JobState.PREEMPTED, reason, stop_deadline=deadline) else None
     return None
+
+
+def jobs_admit_locked(admitted: list[Job], placed: dict[int, list[dict]]) -> list[tuple[int, int]]:
+    """Admit these jobs with their placements in a few statements (attempts, states, events); returns
+    (job id, attempt number) of each to launch after commit.
+
+    The rows are locked (in id order; the cycle holds them already) and read fresh: only a job still
+    queued, and as preemptible as the cycle read it (the instance's ``preemptible``), is admitted, so a cancel
+    or a promotion into the guarantee that committed meanwhile wins and the next cycle decides again.
+    """
+    if not admitted:
+        return []
+    locked = Job.objects.select_for_update(of=("self",)).filter(id__in=[job.id for job in admitted]).order_by("id")
+    fresh = {job_id: (state, flag) for job_id, state, flag in locked.values_list("id", "state", "preemptible")}
+    admitted = [job for job in admitted if fresh.get(job.id) == (JobState.QUEUED, job.preemptible)]
+    numbers = dict(
+        JobAttempt.objects.filter(job__in=admitted).values("job_id").annotate(top=Max("number"))
+        .values_list("job_id", "top")
+    )
+    new_attempts, reasons, launches = [], {}, []
+    for job in admitted:
+        number = numbers.get(job.id, 0) + 1
+        where = ", ".join(sorted({replica["node"] for replica in placed[job.id]}))
+        reasons[job.id] = f"Admitted and placed on {where}."
+        new_attempts.append(JobAttempt(job=job, number=number, placement=placed[job.id]))
+        launches.append((job.id, number))
+    rows_insert(JobAttempt, new_attempts)
+    transition_locked(admitted, JobState.ADMITTED, reasons)
+    return launches
 
 
 def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
@@ -297,7 +337,7 @@ def jobs_preempt_on_nodes(nodes: list[str], *, reason: str) -> set[str]:
     names = set()
     for job_id in job_ids:
         with transaction.atomic():
-            job = Job.objects.select_for_update(of=("self",)).get(id=job_id)
+            job = Job.objects.select_for_update(of=("self",)).select_related("tenant").get(id=job_id)
             before = job.state
             outcome = job_preempt_locked(job, reason)
             if outcome is not None:

@@ -2,7 +2,11 @@
 
 A job's state changes only through ``transition`` (or its bulk form ``transition_locked``),
 which checks the move is allowed, writes the new state and reason, and records a JobEvent in
-the same transaction.
+the same transaction. This app owns the Job rows: every job is queued by ``job_queue_locked``
+(a submit, an endpoint's replica), and other apps write them only through its functions
+(``job_rows_update``, ``job_preemptible_set``, ``runners.jobs.attempts``), each of which re-reads
+state and ``preemptible`` under the row lock. Rows held together are locked in id order
+(``jobs_locked``).
 Scheduling is ``runners.scheduling.services``; an attempt's life is ``runners.jobs.attempts`` and the reconcile ``runners.jobs.reconcile``.
 """
 
@@ -10,8 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
+from datetime import datetime
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -22,6 +28,7 @@ from audit.services import record
 from common.dispatch import send_task, send_task_at_most_every
 from common.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
+from runners.clusters.models import Node
 from runners.clusters.services import flavor_units_per_node
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs import signals
@@ -153,7 +160,8 @@ def _topology(value) -> dict[str, str]:
     return {"level": level, "mode": mode}
 
 
-def _image(image, command) -> tuple[str, list[str]]:
+def image_check(image, command) -> tuple[str, list[str]]:
+    """A custom image and command as a spec gives them, checked (Invalid names ``image`` or ``command``)."""
     if not isinstance(image, str) or not image:
         raise Invalid("image", "A custom job names its image.")
     registries = settings.ALLOWED_IMAGE_REGISTRIES
@@ -226,7 +234,7 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     if spec["template"] == "custom":
         if settings.CLUSTER_BACKEND != "kubernetes":
             raise Invalid("template", "Custom images run on the Kubernetes backend only; this portal runs pytorch-ddp.")
-        spec["image"], spec["command"] = _image(spec["image"], spec["command"])
+        spec["image"], spec["command"] = image_check(spec["image"], spec["command"])
     elif spec["image"] is not None or spec["command"] is not None:
         raise Invalid("image" if spec["image"] is not None else "command", "Only custom jobs take an image and command.")
     _integer(spec, "replicas")
@@ -242,7 +250,8 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     trainer_floor = TRAINER_MIN_MEMORY_MIB if spec["template"] == "pytorch-ddp" else None
     _integer(spec, "memory_mib_per_replica", low=trainer_floor)
     spec["topology"] = _topology(spec["topology"])
-    _fits_the_cluster(spec, flavor)
+    gang_fits_the_cluster(flavor, replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
+                          topology=spec["topology"])
     _integer(spec, "priority")
     if spec["priority"] > quota.max_priority:
         raise Invalid("priority", f"At most {quota.max_priority} for tenant {tenant.slug} on {flavor.name}.")
@@ -324,17 +333,85 @@ def transition_locked(jobs: list[Job], to: str, reasons: dict[int, str]) -> None
         if to != JobState.QUEUED:
             job.queue_position = job.projected_start = None
     job_rows_update(jobs, ["state", "reason", "queue_position", "projected_start", "state_changed_at"])
-    JobEvent.objects.bulk_create(events, batch_size=1000)
+    rows_insert(JobEvent, events)
 
 
-def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | None = None) -> None:
-    """Write these fields of many jobs in one statement per 1,000 (PostgreSQL: UPDATE ... FROM VALUES).
+def jobs_locked(job_ids) -> dict[int, Job]:
+    """Lock these jobs' rows, in id order, in one statement, and read them fresh (with their tenants), by id.
+
+    Every writer that holds more than one job's row takes them in id order (the cycle its victims
+    and admissions, an endpoint's reconcile its replicas), so two of them never deadlock.
+    """
+    locked = Job.objects.select_for_update(of=("self",)).select_related("tenant").filter(id__in=list(job_ids))
+    return {job.id: job for job in locked.order_by("id")}
+
+
+# Rows per statement when many are written at once (one JSON parameter each).
+ROWS_PER_STATEMENT = 20_000
+
+# The field types whose values pass through json.dumps and jsonb_to_recordset unchanged (a datetime
+# as its ISO text). Another type (a Decimal, a UUID, a JSONField with its own encoder) would need
+# Django's own conversion: the bulk writers refuse it rather than write it wrong on PostgreSQL only.
+_JSON_SAFE_FIELDS = {
+    "AutoField", "BigAutoField", "BigIntegerField", "BooleanField", "CharField", "DateTimeField", "ForeignKey",
+    "IntegerField", "JSONField", "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField", "TextField",
+}
+
+
+def _json_safe(fields) -> None:
+    for column in fields:
+        kind = column.get_internal_type()
+        if kind not in _JSON_SAFE_FIELDS or getattr(column, "encoder", None) is not None:
+            raise TypeError(f"{column.model.__name__}.{column.name} ({kind}) cannot be written by the bulk writers")
+
+
+def _json_value(value):
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def rows_insert(model, objects: list) -> None:
+    """INSERT these new rows of the jobs app (jobs' events, attempts): on PostgreSQL a statement per
+    20,000, the rows as one JSON parameter (jsonb_to_recordset); elsewhere bulk_create. The fields are
+    filled as bulk_create fills them (`pre_save`: an auto_now_add time is set on the instance). No ids
+    come back.
+
+    bulk_create builds and binds a parameter per field and row, which cost seconds for the
+    10,000 attempts and events of one cycle on a large cluster.
+    """
+    if not objects:
+        return
+    if connection.vendor != "postgresql":
+        model.objects.bulk_create(objects, batch_size=1000)
+        return
+    fields = [column for column in model._meta.concrete_fields if not column.primary_key]
+    _json_safe(fields)
+    columns = ", ".join(f'"{column.column}"' for column in fields)
+    types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in fields)
+    with connection.cursor() as cursor:
+        for start in range(0, len(objects), ROWS_PER_STATEMENT):
+            rows = [
+                {column.column: _json_value(column.pre_save(instance, True)) for column in fields}
+                for instance in objects[start:start + ROWS_PER_STATEMENT]
+            ]
+            cursor.execute(
+                f'INSERT INTO "{model._meta.db_table}" ({columns}) SELECT {columns} '
+                f"FROM jsonb_to_recordset(%s::jsonb) AS v({types})",
+                [json.dumps(rows)],
+            )
+
+
+def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | None = None,
+                    skip_locked: bool = False) -> None:
+    """Write these fields of many jobs: on PostgreSQL one statement per 20,000, the rows as one JSON
+    parameter; elsewhere bulk_update.
 
     ``only_in_state``: leave alone a job that has meanwhile left that state (say, a waiting job
-    cancelled while the cycle ran: its reason must stay the cancel's).
+    cancelled while the cycle ran: its reason must stay the cancel's). ``skip_locked``: leave
+    alone, and never wait for, a row another transaction holds (PostgreSQL), for writes that the
+    next cycle makes again anyway; the rows written are locked in id order.
 
-    Django's bulk_update builds a CASE per field and row, which costs seconds for a cycle that
-    admits or re-explains a thousand jobs; other databases still get it.
+    Django's bulk_update builds a CASE per field and row, and UPDATE ... FROM VALUES a parameter per
+    field and job: a cycle that re-explains 100,000 waiting jobs spent seconds building either.
     """
     if not jobs:
         return
@@ -345,30 +422,38 @@ def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | 
             jobs = [job for job in jobs if job.id in current]
         Job.objects.bulk_update(jobs, fields, batch_size=500)
         return
-    table = Job._meta.db_table
     columns = [Job._meta.get_field(name) for name in fields]
-    casts = [column.db_type(connection) for column in columns]
+    _json_safe(columns)
+    table = Job._meta.db_table
     assignments = ", ".join(f'"{column.column}" = v."{column.column}"' for column in columns)
-    names = ", ".join(f'"{column.column}"' for column in columns)
+    types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in columns)
+    condition, tail = "", []
+    if only_in_state is not None:
+        condition, tail = " AND j.state = %s", [only_in_state]
     with connection.cursor() as cursor:
-        for start in range(0, len(jobs), 1000):
-            chunk = jobs[start:start + 1000]
-            rows = ", ".join(
-                "(%s::bigint, " + ", ".join(f"%s::{cast}" for cast in casts) + ")" for _ in chunk
-            )
-            params = []
-            for job in chunk:
-                params.append(job.id)
-                params.extend(column.get_db_prep_save(getattr(job, column.attname), connection) for column in columns)
-            condition = ""
-            if only_in_state is not None:
-                condition = " AND j.state = %s"
-                params.append(only_in_state)
-            cursor.execute(
-                f'UPDATE "{table}" AS j SET {assignments} FROM (VALUES {rows}) AS v(id, {names}) '
-                f"WHERE j.id = v.id{condition}",
-                params,
-            )
+        for start in range(0, len(jobs), ROWS_PER_STATEMENT):
+            rows = json.dumps([
+                {"id": job.id, **{column.column: _json_value(getattr(job, column.attname)) for column in columns}}
+                for job in jobs[start:start + ROWS_PER_STATEMENT]
+            ])
+            if skip_locked:
+                # The rows to write, locked first in id order (so this never deadlocks with another
+                # writer that locks in id order), those another transaction holds left out.
+                cursor.execute(
+                    f'WITH l AS MATERIALIZED (SELECT "id" FROM "{table}" WHERE "id" IN '
+                    f"(SELECT (r->>'id')::bigint FROM jsonb_array_elements(%s::jsonb) AS r) "
+                    f'ORDER BY "id" FOR UPDATE SKIP LOCKED) '
+                    f'UPDATE "{table}" AS j SET {assignments} '
+                    f'FROM jsonb_to_recordset(%s::jsonb) AS v("id" bigint, {types}), l '
+                    f"WHERE j.id = v.id AND l.id = j.id{condition}",
+                    [rows, rows, *tail],
+                )
+            else:
+                cursor.execute(
+                    f'UPDATE "{table}" AS j SET {assignments} '
+                    f'FROM jsonb_to_recordset(%s::jsonb) AS v("id" bigint, {types}) WHERE j.id = v.id{condition}',
+                    [rows, *tail],
+                )
 
 
 # --- Submit, cancel, read -----------------------------------------------------------
@@ -380,14 +465,21 @@ def units_text(flavor: ResourceFlavor, count: int) -> str:
     return f"{count} {flavor.name} {word}{'' if count == 1 else 's'}"
 
 
+# The topology levels whose domains group nodes (a required gang fits in one domain), and the node field naming them.
+DOMAIN_FIELDS = {"nvlink": "nvlink_domain", "rack": "rack"}
+_DOMAIN_WORDS = {"node": "on one node", "nvlink": "in one NVLink domain", "rack": "in one rack"}
+
+
 def gang_misfit(flavor: ResourceFlavor, *, replicas: int, gpus_per_replica: int, topology: dict,
-                per_node: dict[str, int] | None = None) -> tuple[str, str] | None:
+                per_node: dict[str, int] | None = None, domains: dict[str, str] | None = None) -> tuple[str, str] | None:
     """Why a gang could not be placed on the cluster as it is now even were the cluster empty, or None.
 
     Returns (the spec field to lower, a sentence naming the largest that fits). The submit check
     refuses with it; the scheduler cycle gives it as the reason of a queued job the cluster shrank
     under (nodes removed or cordoned, a re-partitioning). ``per_node``: the flavor's units per
-    schedulable node, when the caller has them.
+    schedulable node, when the caller has them; ``domains``: for a required nvlink or rack
+    topology, each of those nodes' NVLink domain or rack (read when not given; a node in none
+    holds no replica of such a gang, as placement has it).
     """
     per_node = flavor_units_per_node(flavor) if per_node is None else per_node
     nodes = f"{len(per_node)} node{'' if len(per_node) == 1 else 's'} with {flavor.name} left"
@@ -399,10 +491,20 @@ def gang_misfit(flavor: ResourceFlavor, *, replicas: int, gpus_per_replica: int,
             f"Each replica needs {units_text(flavor, gpus_per_replica)} on one node, and the largest node now has "
             f"{largest} ({nodes}); the most one replica can have is {largest}."
         )
-    if topology["mode"] == "required" and topology["level"] == "node":
-        fits, where = max(units // gpus_per_replica for units in per_node.values()), "on one node"
+    level = topology["level"] if topology["mode"] == "required" else "none"
+    if level == "node":
+        fits = max(units // gpus_per_replica for units in per_node.values())
+    elif level in DOMAIN_FIELDS:
+        if domains is None:
+            domains = dict(Node.objects.filter(name__in=list(per_node)).values_list("name", DOMAIN_FIELDS[level]))
+        by_domain: dict[str, int] = {}
+        for name, units in per_node.items():
+            if domains.get(name):
+                by_domain[domains[name]] = by_domain.get(domains[name], 0) + units // gpus_per_replica
+        fits = max(by_domain.values(), default=0)
     else:
-        fits, where = sum(units // gpus_per_replica for units in per_node.values()), "in the cluster"
+        fits, level = sum(units // gpus_per_replica for units in per_node.values()), "none"
+    where = _DOMAIN_WORDS.get(level, "in the cluster")
     if replicas > fits:
         return "replicas", (
             f"It needs {replicas} replicas of {units_text(flavor, gpus_per_replica)} {where}, and at most {fits} fit "
@@ -411,10 +513,9 @@ def gang_misfit(flavor: ResourceFlavor, *, replicas: int, gpus_per_replica: int,
     return None
 
 
-def _fits_the_cluster(spec: dict, flavor: ResourceFlavor) -> None:
+def gang_fits_the_cluster(flavor: ResourceFlavor, *, replicas: int, gpus_per_replica: int, topology: dict) -> None:
     """Refuse a gang that could never be placed on the cluster as it is now, naming the largest that fits."""
-    misfit = gang_misfit(flavor, replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
-                         topology=spec["topology"])
+    misfit = gang_misfit(flavor, replicas=replicas, gpus_per_replica=gpus_per_replica, topology=topology)
     if misfit is not None:
         raise Invalid(*misfit)
 
@@ -458,31 +559,15 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
                     if earlier.request_hash != digest:
                         raise Invalid("Idempotency-Key", "This key was used for a different job; use a new key.")
                     return earlier.job, False
-            # Tenant, then environment (as environment_delete takes them), each row alone.
-            Tenant.objects.select_for_update().filter(id=checked["tenant"].id).order_by("id").first()
-            environment = Environment.objects.select_for_update(of=("self",)).filter(
-                id=checked["environment"].id).order_by("id").first()
+            environment = queue_locks(checked["tenant"], checked["environment"])
             if environment is None or environment.state != EnvironmentState.READY:
                 raise Invalid("environment", f"Environment {checked['environment'].name} is no longer ready.")
-            waiting = Job.objects.filter(tenant=checked["tenant"], state=JobState.QUEUED).count()
-            if waiting >= settings.JOB_QUEUED_MAX_PER_TENANT:
-                raise TooMany(f"Tenant {checked['tenant'].slug} already has {waiting} jobs waiting "
-                              f"(JOB_QUEUED_MAX_PER_TENANT is {settings.JOB_QUEUED_MAX_PER_TENANT}); "
-                              f"submit more once some have started.")
-            job = Job.objects.create(
-                tenant=checked["tenant"], environment=environment, name=spec["name"], spec=spec,
-                flavor=checked["flavor"], replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"],
-                priority=spec["priority"], preemptible=spec["preemptible"], submitted_by=actor,
-                reason=NOT_YET_SEEN_REASON,
+            job = job_queue_locked(
+                tenant=checked["tenant"], environment=environment, flavor=checked["flavor"], spec=spec,
+                submitted_by=actor, actor=actor, event_reason=f"Submitted by {actor.get_username()}.",
             )
-            JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=f"Submitted by {actor.get_username()}.")
-            record("job.submitted", actor=actor, tenant=job.tenant, obj=job, object_repr=f"{job.name} #{job.id}",
-                   after={"state": job.state, "flavor": job.flavor.name, "replicas": job.replicas,
-                          "gpus_per_replica": job.gpus_per_replica, "priority": job.priority,
-                          "preemptible": job.preemptible, "environment": environment.name})
             if key is not None:
                 IdempotencyKey.objects.create(user=actor, key=key, request_hash=digest, job=job)
-            transaction.on_commit(kick_cycle)
     except IntegrityError:
         # The same key, submitted at the same moment by another request: that one made the job.
         earlier = IdempotencyKey.objects.filter(user=actor, key=key).select_related("job").first() if key else None
@@ -492,6 +577,62 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
             raise Invalid("Idempotency-Key", "This key was used for a different job; use a new key.") from None
         return earlier.job, False
     return job, True
+
+
+def queue_locks(tenant: Tenant, environment: Environment) -> Environment | None:
+    """Lock the tenant's row, then the environment's (the order environment_delete takes them), each
+    alone, before a job is queued in it; returns the environment read fresh (None if it is gone)."""
+    Tenant.objects.select_for_update().filter(id=tenant.id).order_by("id").first()
+    return Environment.objects.select_for_update(of=("self",)).filter(id=environment.id).order_by("id").first()
+
+
+def queued_retry_after_s() -> int:
+    """When a submit refused past JOB_QUEUED_MAX_PER_TENANT may try again: the next cycle, in whole seconds."""
+    return max(1, math.ceil(settings.SCHEDULER_CYCLE_INTERVAL_S))
+
+
+def job_queue_locked(*, tenant: Tenant, environment: Environment, flavor: ResourceFlavor, spec: dict, submitted_by,
+                     actor, event_reason: str, kind: str = Job.Kind.TRAINING) -> Job:
+    """Queue a checked job, the caller holding `queue_locks`: the tenant's budget of waiting jobs, the
+    row, its first event and its audit entry; the cycle is kicked after commit. Every job is queued
+    here, a training job or an endpoint's replica. TooMany past JOB_QUEUED_MAX_PER_TENANT (its
+    ``retry_after_s`` says when to try again)."""
+    waiting = Job.objects.filter(tenant=tenant, state=JobState.QUEUED).count()
+    if waiting >= settings.JOB_QUEUED_MAX_PER_TENANT:
+        refused = TooMany(f"Tenant {tenant.slug} already has {waiting} jobs waiting "
+                          f"(JOB_QUEUED_MAX_PER_TENANT is {settings.JOB_QUEUED_MAX_PER_TENANT}); "
+                          f"submit more once some have started.")
+        refused.retry_after_s = queued_retry_after_s()
+        raise refused
+    job = Job.objects.create(
+        tenant=tenant, environment=environment, name=spec["name"], kind=kind, spec=spec, flavor=flavor,
+        replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"], priority=spec["priority"],
+        preemptible=spec["preemptible"], submitted_by=submitted_by, reason=NOT_YET_SEEN_REASON,
+    )
+    JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=event_reason[:1000])
+    record("job.submitted", actor=actor, tenant=tenant, obj=job, object_repr=f"{job.name} #{job.id}",
+           after={"state": job.state, "kind": job.kind, "flavor": flavor.name, "replicas": job.replicas,
+                  "gpus_per_replica": job.gpus_per_replica, "priority": job.priority,
+                  "preemptible": job.preemptible, "environment": environment.name})
+    transaction.on_commit(kick_cycle)
+    return job
+
+
+def job_preemptible_set(job_id: int, value: bool) -> bool:
+    """Make a job preemptible or not (an endpoint's replica moving into or out of its tenant's guarantee),
+    under the job's row lock; the caller has checked the guarantee. Only a job that waits or runs
+    changes: one being stopped (preempted, cancelling) or over is left as it is. True if the job
+    now is as asked."""
+    job = Job.objects.select_for_update(of=("self",)).filter(id=job_id).first()
+    if job is None:
+        return False
+    if job.preemptible == value:
+        return True
+    if job.state not in (JobState.QUEUED, JobState.ADMITTED, JobState.LAUNCHING, JobState.RUNNING):
+        return False
+    spec = {**job.spec, "preemptible": value}
+    Job.objects.filter(id=job.id).update(preemptible=value, spec=spec)
+    return True
 
 
 def job_cancel(*, actor: AbstractBaseUser, job: Job) -> Job:

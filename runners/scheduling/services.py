@@ -23,7 +23,6 @@ scheduler, and writes every decision.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter, defaultdict
@@ -34,7 +33,7 @@ from datetime import timezone as dt_timezone
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, Max
+from django.db.models import F
 from django.utils import timezone
 
 from audit.services import SCHEDULER, record
@@ -43,9 +42,9 @@ from common.dispatch import send_tasks
 from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
 from runners.clusters.models import Gpu, Node
 from runners.clusters.services import nodes_locked_unschedulable
-from runners.jobs.attempts import job_preempt_locked, open_attempts
-from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobEvent, JobState
-from runners.jobs.services import ALLOWED, gang_misfit, job_rows_update, send_job_stop, transition_locked
+from runners.jobs.attempts import job_preempt_locked, jobs_admit_locked, open_attempts
+from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
+from runners.jobs.services import DOMAIN_FIELDS, gang_misfit, job_rows_update, jobs_locked, send_job_stop
 from runners.scheduler import model as placement_model
 from runners.scheduler.admission import (
     AdmissionSnapshot,
@@ -345,140 +344,7 @@ def _place(admitted: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage]) 
     return results
 
 
-# --- The cycle's writes ---------------------------------------------------------------
-
-# Rows per statement when many are written at once (one JSON parameter each).
-_ROWS_PER_STATEMENT = 20_000
-
-
-# The field types whose values pass through json.dumps and jsonb_to_recordset unchanged (a datetime
-# as its ISO text). Another type (a Decimal, a UUID, a JSONField with its own encoder) would need
-# Django's own conversion: the bulk writers refuse it rather than write it wrong on PostgreSQL only.
-_JSON_SAFE_FIELDS = {
-    "AutoField", "BigAutoField", "BigIntegerField", "BooleanField", "CharField", "DateTimeField", "ForeignKey",
-    "IntegerField", "JSONField", "PositiveIntegerField", "PositiveSmallIntegerField", "SmallIntegerField", "TextField",
-}
-
-
-def _json_safe(fields) -> None:
-    for column in fields:
-        kind = column.get_internal_type()
-        if kind not in _JSON_SAFE_FIELDS or getattr(column, "encoder", None) is not None:
-            raise TypeError(f"{column.model.__name__}.{column.name} ({kind}) cannot be written by the cycle's bulk writer")
-
-
-def _json_value(value):
-    return value.isoformat() if isinstance(value, datetime) else value
-
-
-def _rows_insert(model, objects: list) -> None:
-    """INSERT these new model instances: on PostgreSQL a statement per 20,000, the rows as one JSON
-    parameter (jsonb_to_recordset); elsewhere bulk_create. The fields are filled as bulk_create
-    fills them (`pre_save`: an auto_now_add time is set on the instance). No ids come back.
-
-    bulk_create builds and binds a parameter per field and row, which cost seconds for the
-    10,000 attempts and events of one cycle on a large cluster.
-    """
-    if not objects:
-        return
-    if connection.vendor != "postgresql":
-        model.objects.bulk_create(objects, batch_size=1000)
-        return
-    fields = [column for column in model._meta.concrete_fields if not column.primary_key]
-    _json_safe(fields)
-    columns = ", ".join(f'"{column.column}"' for column in fields)
-    types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in fields)
-    with connection.cursor() as cursor:
-        for start in range(0, len(objects), _ROWS_PER_STATEMENT):
-            rows = [
-                {column.column: _json_value(column.pre_save(instance, True)) for column in fields}
-                for instance in objects[start:start + _ROWS_PER_STATEMENT]
-            ]
-            cursor.execute(
-                f'INSERT INTO "{model._meta.db_table}" ({columns}) SELECT {columns} '
-                f"FROM jsonb_to_recordset(%s::jsonb) AS v({types})",
-                [json.dumps(rows)],
-            )
-
-
-def _job_rows_write(jobs: list[Job], fields: list[str], *, only_in_state: str | None = None) -> None:
-    """`job_rows_update` (these fields of many jobs; ``only_in_state`` leaves alone a job that has left
-    that state meanwhile), on PostgreSQL with the rows as one JSON parameter per 20,000 jobs.
-
-    UPDATE ... FROM VALUES binds a parameter per field and job; a cycle that re-explains 100,000
-    waiting jobs spent seconds building that statement.
-    """
-    if not jobs or connection.vendor != "postgresql":
-        job_rows_update(jobs, fields, only_in_state=only_in_state)
-        return
-    columns = [Job._meta.get_field(name) for name in fields]
-    _json_safe(columns)
-    assignments = ", ".join(f'"{column.column}" = v."{column.column}"' for column in columns)
-    types = ", ".join(f'"{column.column}" {column.db_type(connection)}' for column in columns)
-    condition, tail = "", []
-    if only_in_state is not None:
-        condition, tail = " AND j.state = %s", [only_in_state]
-    with connection.cursor() as cursor:
-        for start in range(0, len(jobs), _ROWS_PER_STATEMENT):
-            rows = [
-                {"id": job.id, **{column.column: _json_value(getattr(job, column.attname)) for column in columns}}
-                for job in jobs[start:start + _ROWS_PER_STATEMENT]
-            ]
-            cursor.execute(
-                f'UPDATE "{Job._meta.db_table}" AS j SET {assignments} '
-                f'FROM jsonb_to_recordset(%s::jsonb) AS v("id" bigint, {types}) WHERE j.id = v.id{condition}',
-                [json.dumps(rows), *tail],
-            )
-
-
-def _admitted_write(jobs: list[Job], reasons: dict[int, str]) -> None:
-    """`transition_locked(jobs, ADMITTED, reasons)`: the same checks, rows and events, written by
-    `_job_rows_write` and `_rows_insert` (PostgreSQL; elsewhere transition_locked itself)."""
-    if connection.vendor != "postgresql":
-        transition_locked(jobs, JobState.ADMITTED, reasons)
-        return
-    now = timezone.now()
-    events = []
-    for job in jobs:
-        if JobState.ADMITTED not in ALLOWED.get(job.state, set()):
-            raise ValueError(f"Job {job.id}: {job.state} -> {JobState.ADMITTED} is not a transition")
-        reason = reasons[job.id][:1000]
-        events.append(JobEvent(job=job, from_state=job.state, to_state=JobState.ADMITTED, reason=reason))
-        job.state, job.reason, job.state_changed_at = JobState.ADMITTED, reason, now
-        job.queue_position = job.projected_start = None
-    _job_rows_write(jobs, ["state", "reason", "queue_position", "projected_start", "state_changed_at"])
-    _rows_insert(JobEvent, events)
-
-
 # --- The cycle ---------------------------------------------------------------------
-
-
-def _admit(admitted: list[Job], placed: dict) -> list[tuple[int, int]]:
-    """Write the admissions in a few statements: attempts, states and events; returns (job, attempt) to launch.
-
-    The jobs are locked first and only those still queued are admitted, so a cancel that
-    committed meanwhile (it takes the job's row lock, not the cycle's) wins.
-    """
-    if not admitted:
-        return []
-    still_queued = set(
-        Job.objects.select_for_update().filter(id__in=[job.id for job in admitted], state=JobState.QUEUED)
-        .values_list("id", flat=True)
-    )
-    admitted = [job for job in admitted if job.id in still_queued]
-    numbers = dict(
-        JobAttempt.objects.filter(job__in=admitted).values("job_id").annotate(top=Max("number")).values_list("job_id", "top")
-    )
-    attempts, reasons, launches = [], {}, []
-    for job in admitted:
-        number = numbers.get(job.id, 0) + 1
-        where = ", ".join(sorted({replica["node"] for replica in placed[job.id]}))
-        reasons[job.id] = f"Admitted and placed on {where}."
-        attempts.append(JobAttempt(job=job, number=number, placement=placed[job.id]))
-        launches.append((job.id, number))
-    _rows_insert(JobAttempt, attempts)
-    _admitted_write(admitted, reasons)
-    return launches
 
 
 def _epoch(moment) -> float:
@@ -539,6 +405,7 @@ def _misfits(queued: list[Job], nodes: list[_NodeRow]) -> dict[int, str]:
     """
     per_flavor: dict[int, dict[str, int]] = {}
     seen: dict[tuple, tuple[str, str] | None] = {}
+    domains: dict[str, dict[str, str]] = {}  # each node's NVLink domain or rack, by level, once a gang requires one
     reasons = {}
     for job in queued:
         topology = job.spec["topology"]
@@ -546,8 +413,12 @@ def _misfits(queued: list[Job], nodes: list[_NodeRow]) -> dict[int, str]:
         if key not in seen:
             if job.flavor_id not in per_flavor:
                 per_flavor[job.flavor_id] = _units_per_node(job.flavor, nodes)
+            level = topology["level"]
+            if level in DOMAIN_FIELDS and level not in domains:
+                domains[level] = {node.name: getattr(node, DOMAIN_FIELDS[level]) for node in nodes}
             seen[key] = gang_misfit(job.flavor, replicas=job.replicas, gpus_per_replica=job.gpus_per_replica,
-                                    topology=topology, per_node=per_flavor[job.flavor_id])
+                                    topology=topology, per_node=per_flavor[job.flavor_id],
+                                    domains=domains.get(topology["level"]))
         if seen[key] is not None:
             reasons[job.id] = (
                 f"Blocked: it cannot fit the cluster as it is now. {seen[key][1]} Cancel it and submit a smaller job, "
@@ -639,24 +510,30 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         decisions = decide(snapshot, now.timestamp(), grace_period_s=float(settings.PREEMPTION_GRACE_PERIOD_S))
         by_id = {str(job.id): job for job in [*holding, *queued]}
 
-        stops, preempted = [], Counter()
-        victims = {
-            job.id: job for job in Job.objects.select_for_update(of=("self",)).filter(
-                id__in=[int(preemption.workload_id) for preemption in decisions.preemptions]
-            ).order_by("id")
-        }
+        stops, preempted, spared = [], Counter(), set()
+        # Every row this cycle will move, victims and admissions alike, locked at once in id order (as
+        # every writer of several jobs takes them), read fresh.
+        victims = jobs_locked(
+            [int(preemption.workload_id) for preemption in decisions.preemptions]
+            + [int(admission.gang_id) for admission in decisions.admitted]
+        )
         for preemption in decisions.preemptions:
             # The victim's row, locked and read fresh: a launch claims an attempt under this lock,
-            # so what the victim is doing now is known, and what is written depends on it.
+            # so what the victim is doing now is known, and what is written depends on it. A victim
+            # made non-preemptible meanwhile (promoted into its tenant's guarantee) is left alone,
+            # and its claimant waits for the next cycle to decide again.
             victim = victims.get(int(preemption.workload_id))
             if victim is None:
+                continue
+            if not victim.preemptible:
+                spared.add(preemption.for_gang_id)
                 continue
             claimant = by_id[preemption.for_gang_id]
             before = victim.state
             reason = _preemption_reason(victim, claimant, preemption.reason)
-            outcome = job_preempt_locked(victim, reason, now=now)
+            outcome = job_preempt_locked(victim, reason, now=now, only_preemptible=True)
             if outcome is not None:
-                preempted[by_id[preemption.workload_id].tenant.slug] += 1
+                preempted[victim.tenant.slug] += 1
                 record("job.preempted", actor=SCHEDULER, tenant=victim.tenant, obj=victim,
                        object_repr=f"{victim.name} #{victim.id}", before={"state": before},
                        # Whose job it made room for, as the victim's own reason names it (no id: the
@@ -675,13 +552,18 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         for job in admitted_jobs:
             if not isinstance(placed[job.id], str) and any(replica["node"] in cordoned for replica in placed[job.id]):
                 placed[job.id] = "Waiting: a node it was placed on was cordoned meanwhile; placed again next cycle."
+        for gang_id in spared:
+            # Its room was to come from a victim that stays: it is not admitted on this cycle's count.
+            if int(gang_id) in placed:
+                placed[int(gang_id)] = ("Waiting: a job it was to take the place of has joined its tenant's guarantee "
+                                        "meanwhile; the next cycle decides again.")
         waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
         waiting_reasons.update({str(job_id): reason for job_id, reason in misfits.items()})
         starts = {reservation.gang_id: _moment(reservation.projected_start_s) for reservation in decisions.reservations}
         for job in admitted_jobs:
             if isinstance(placed[job.id], str):
                 waiting_reasons[str(job.id)] = placed[job.id]
-        launches = _admit([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
+        launches = jobs_admit_locked([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
         # Jobs that cannot fit the cluster now are in no line until it grows back: no place, no start.
@@ -700,7 +582,9 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
             ):
                 job.reason, job.queue_position, job.projected_start = reason, position, start
                 updates.append(job)
-        _job_rows_write(updates, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED)
+        # Never waited for: a row another writer holds (a cancel, a replica retired) is left to the next cycle.
+        job_rows_update(updates, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED,
+                        skip_locked=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
         SchedulerCycle.objects.filter(id=1).update(
             last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),
