@@ -8,7 +8,11 @@ names the bad field, sheds with 429 / 503 and ``Retry-After``, and answers withi
 
 An endpoint scaled to zero is woken by its first request: the request waits for a replica to be
 ready within its own deadline, or gets a 503 with ``Retry-After``. A replica that refuses the
-connection (it is draining and has closed its port) is skipped for the next one.
+connection (it is draining and has closed its port) is skipped for the next one. So is one that
+hangs: while a replica has not answered, the router asks its /readyz every HUNG_CHECK_S, and one
+that answers neither (MISSES_BEFORE_NOT_READY times in a row) is left for another ready replica,
+the request sent again with what is left of its deadline. With no other replica it waits on, up
+to the deadline (and the server's margin), then answers 504.
 
 The outstanding counts are per portal process: with several gunicorn workers each spreads its
 own requests, which evens out over many requests.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import select
 import threading
 import time
 from urllib.parse import urlsplit
@@ -31,6 +36,7 @@ from rest_framework.parsers import BaseParser
 from rest_framework.views import APIView
 
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica
+from runners.inference.reconcile import MISSES_BEFORE_NOT_READY
 from runners.inference.selectors import endpoint_serving
 from runners.inference.services import kick_reconcile, max_deadline_ms
 from runners.jobs.models import JobState
@@ -44,6 +50,10 @@ COLD_START_POLL_S = 0.25
 # Headers of the server's answer passed through to the caller.
 PASSED_HEADERS = ("Retry-After", "X-Time-To-First-Token-Ms")
 MAX_BODY_BYTES = 64 * 1024
+# While a replica has not answered a request, its /readyz is asked this often (each with this timeout).
+HUNG_CHECK_S = 1.0
+# How long past the request's deadline the router waits for the server's own answer (its 504) before its own.
+ANSWER_GRACE_S = 5.0
 
 _outstanding: dict[int, int] = {}
 _lock = threading.Lock()
@@ -114,12 +124,44 @@ def _note_request(endpoint: InferenceEndpoint) -> None:
             kick_reconcile()
 
 
-def _forward(address: str, body: bytes, content_type: str, timeout_s: float):
-    """(status, headers, body) from one replica; raises OSError when it cannot be reached."""
+class Hung(OSError):
+    """The replica stopped answering: neither the request nor its /readyz."""
+
+
+def _answers(address: str) -> bool:
+    """Whether the server answers /readyz at all (any status: a draining one still answers what it admitted)."""
     parts = urlsplit(address)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=HUNG_CHECK_S)
+    try:
+        connection.request("GET", "/readyz")
+        connection.getresponse().read()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def _forward(address: str, body: bytes, content_type: str, give_up_at: float, *, may_leave: bool):
+    """(status, headers, body) from one replica; raises OSError when it cannot be reached or answers too late,
+    and Hung when `may_leave` (another replica could answer) and it stopped answering altogether."""
+    parts = urlsplit(address)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port,
+                                             timeout=max(0.1, give_up_at + ANSWER_GRACE_S - time.monotonic()))
     try:
         connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": content_type})
+        misses = 0
+        while True:
+            left_s = give_up_at + ANSWER_GRACE_S - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError("no answer by the deadline")
+            if select.select([connection.sock], [], [], min(HUNG_CHECK_S, left_s))[0]:
+                break  # the answer is coming
+            if may_leave:
+                misses = 0 if _answers(address) else misses + 1
+                if misses >= MISSES_BEFORE_NOT_READY:
+                    raise Hung(f"{address} answers neither the request nor /readyz")
+        connection.sock.settimeout(max(0.1, give_up_at + ANSWER_GRACE_S - time.monotonic()))
         answer = connection.getresponse()
         return answer.status, {name: answer.getheader(name) for name in PASSED_HEADERS}, answer.read()
     finally:
@@ -202,10 +244,13 @@ class GenerateView(APIView):
                 # or the connection budget, not the replicas, would bound how many are in flight.
                 connection.close()
             try:
-                left_s = max(0.1, give_up_at - time.monotonic())
-                status, headers, answer = _forward(address, body, content_type, timeout_s=left_s + 5.0)
+                status, headers, answer = _forward(address, body, content_type, give_up_at, may_leave=len(choices) > 1)
             except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
                 tried.add(replica_id)
+                continue
+            except Hung:
+                tried.add(replica_id)
+                waited = True  # the next one is sent what is left of the deadline
                 continue
             except OSError as exc:
                 return JsonResponse({"detail": f"The replica did not answer in time: {exc}."}, status=504)
