@@ -3,7 +3,10 @@
 Every change a service makes to tenants, members, quotas, flavors, prices, partitions, tokens,
 environments, jobs and endpoints adds one entry, in the same transaction as the change
 (audit.services.record). Nothing edits or deletes an entry: the model and its queryset refuse it,
-and a trigger in the database (migration 0001) refuses an UPDATE or DELETE from anywhere else.
+and a trigger in the database (migrations 0001, 0002) refuses an UPDATE, DELETE or TRUNCATE from
+anywhere else. The portal runs as a role that does not own the table (DATABASE_APP_ROLE), so it
+cannot turn the trigger off; each entry carries the hash of the one before it (audit.chain), so
+`manage.py audit_verify` finds an entry missing, changed or forged.
 
 The actor and the tenant are kept twice: as a key (to filter by) and as a name written down when
 the entry was made. The keys carry no database constraint and nothing cascades along them, so
@@ -60,6 +63,9 @@ class AuditEntry(models.Model):
     before = models.JSONField(null=True, blank=True)
     after = models.JSONField(null=True, blank=True)
     request_id = models.CharField(max_length=100, blank=True)
+    # The hash chain (audit.chain): the previous entry's hash ("" for the first), and this entry's.
+    prev_hash = models.CharField(max_length=64, blank=True, editable=False)
+    hash = models.CharField(max_length=64, blank=True, editable=False)
 
     objects = AuditEntryQuerySet.as_manager()
 

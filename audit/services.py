@@ -10,8 +10,9 @@ import uuid
 from decimal import Decimal
 
 import structlog
-from django.db import models
+from django.db import models, transaction
 
+from audit.chain import HASHED_FIELDS, chain_next, entry_hash
 from audit.models import AuditEntry
 
 # The names written for work the portal does by itself.
@@ -80,7 +81,7 @@ def record(
     before: dict | None = None,
     after: dict | None = None,
 ) -> AuditEntry:
-    """Add one entry to the audit log, in the caller's transaction.
+    """Add one entry to the audit log, in the caller's transaction, chained to the entry before it.
 
     ``actor`` is the user who made the change, or a string for the portal's own work
     (SCHEDULER, SYSTEM). ``obj`` names what changed (its type, id and text); give
@@ -104,5 +105,10 @@ def record(
         after=_json_safe(after),
         request_id=_request_id(),
     )
-    entry.save()  # no savepoint: an insert that fails must fail the change with it
+    # No savepoint: an insert that fails must fail the change with it. The append lock is held until the
+    # change's transaction ends, so the next entry chains to this one.
+    with transaction.atomic(savepoint=False):
+        entry.id, entry.prev_hash = chain_next(AuditEntry._meta.db_table)
+        entry.hash = entry_hash({field: getattr(entry, field) for field in HASHED_FIELDS})
+        entry.save()
     return entry

@@ -123,6 +123,13 @@ def _required_url(name: str, schemes: tuple[str, ...], what: str) -> str:
 
 
 DATABASE_URL = _required_url("DATABASE_URL", ("postgres", "postgresql", "pgsql"), "PostgreSQL")
+# Set only where migrations run (the migrate Job): the URL of the role that owns the tables, used instead
+# of DATABASE_URL, so the role the portal runs as owns none (it cannot empty or unhook the audit log).
+if env_str("MIGRATE_DATABASE_URL", ""):
+    DATABASE_URL = env_url("MIGRATE_DATABASE_URL", "", schemes=("postgres", "postgresql", "pgsql"))
+# The role the portal runs as (DATABASE_URL's user) when migrations run as the owner: after `migrate`
+# it is granted what the portal needs, and on the audit log only to read and add (audit.roles).
+DATABASE_APP_ROLE = env_str("DATABASE_APP_ROLE", "")
 try:
     DATABASES = {"default": environ.Env.db_url_config(DATABASE_URL)}
 except Exception as exc:  # django-environ raises several types for a bad URL.

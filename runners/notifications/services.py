@@ -31,12 +31,14 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
+from audit.services import record
 from common.dispatch import send_task
 from common.errors import Invalid, NotFound
 from quotas.models import Quota
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs.models import AttemptOutcome, Job, JobAttempt, JobState
 from runners.notifications.models import (
+    EMAIL_DEFAULTS,
     Delivery,
     DeliveryState,
     Event,
@@ -74,13 +76,23 @@ _url_validator = URLValidator(schemes=["http", "https"], message="Enter an http:
 
 
 def preferences_set(*, user: AbstractBaseUser, tenant: Tenant, choices: dict[str, bool]) -> None:
-    """Write the member's mail choice for each event kind named; a non-member's tenant is NotFound."""
+    """Write the member's mail choice for each event kind named, all or none, with an audit entry of those
+    that changed; a non-member's tenant is NotFound."""
     if not Membership.objects.filter(user=user, tenant=tenant).exists():
         raise NotFound("No such tenant.")
-    for kind, email in choices.items():
+    for kind in choices:
         if kind not in EventKind.values:
             raise Invalid(kind, f"Not an event; the events are {', '.join(EventKind.values)}.")
-        Preference.objects.update_or_create(user=user, tenant=tenant, event=kind, defaults={"email": bool(email)})
+    with transaction.atomic():
+        rows = Preference.objects.select_for_update().filter(user=user, tenant=tenant)
+        now = {kind: EMAIL_DEFAULTS[kind] for kind in EventKind.values} | dict(rows.values_list("event", "email"))
+        for kind, email in choices.items():
+            Preference.objects.update_or_create(user=user, tenant=tenant, event=kind, defaults={"email": bool(email)})
+        changed = [kind for kind in EventKind.values if kind in choices and bool(choices[kind]) != now[kind]]
+        if changed:
+            record("preferences.changed", actor=user, tenant=tenant, object_type="preference", object_id=user.pk,
+                   object_repr=f"{user.get_username()} in {tenant.slug}",
+                   before={kind: now[kind] for kind in changed}, after={kind: bool(choices[kind]) for kind in changed})
 
 
 # --- Webhooks ------------------------------------------------------------------------------------
@@ -170,16 +182,29 @@ def webhook_create(*, actor: AbstractBaseUser, tenant: Tenant, url: str, events:
         limit = settings.NOTIFY_WEBHOOK_MAX_PER_TENANT
         if Webhook.objects.filter(tenant=tenant).count() >= limit:
             raise Invalid("url", f"A tenant has at most {limit} webhooks; delete one before adding another.")
-        return Webhook.objects.create(
+        webhook = Webhook.objects.create(
             tenant=tenant, url=url, events=events,
             secret=secrets.token_hex(32), created_by=actor if actor.is_authenticated else None,
         )
+        record("webhook.created", actor=actor, tenant=tenant, obj=webhook, after=_webhook_audit_fields(webhook))
+        return webhook
+
+
+def _webhook_audit_fields(webhook: Webhook) -> dict:
+    """What the audit log keeps of a webhook: never its secret."""
+    return {"url": webhook.url, "events": webhook.events, "active": webhook.active}
 
 
 def webhook_delete(*, actor: AbstractBaseUser, webhook: Webhook) -> None:
-    """Delete a webhook and its delivery log (owners); pending deliveries are never tried again."""
+    """Delete a webhook and its delivery log (owners); pending deliveries are never tried again. Of two
+    deletes at once, the second deletes nothing: NotFound, and no second audit entry."""
     require_role(user=actor, tenant=webhook.tenant, at_least=Role.OWNER)
-    webhook.delete()
+    with transaction.atomic():
+        _total, deleted = Webhook.objects.filter(id=webhook.id).delete()
+        if not deleted.get(Webhook._meta.label):
+            raise NotFound("No such webhook.")
+        record("webhook.deleted", actor=actor, tenant=webhook.tenant, obj=webhook, object_id=webhook.id,
+               before=_webhook_audit_fields(webhook))
 
 
 # --- Events --------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ PORTAL_NAMESPACE = "gpu-portal"
 SERVICE_ACCOUNT = "gpu-portal"
 SECRET_NAME = "gpu-portal-secrets"
 # Settings that hold credentials: they may reach a pod only through a secretKeyRef.
-SECRET_SETTINGS = {"SECRET_KEY", "DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL", "METRICS_SCRAPE_TOKEN", "SENTRY_DSN"}
-REQUIRED_SECRET_KEYS = {"SECRET_KEY", "DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL"}
+SECRET_SETTINGS = {"SECRET_KEY", "DATABASE_URL", "MIGRATE_DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL",
+                   "METRICS_SCRAPE_TOKEN", "SENTRY_DSN"}
+REQUIRED_SECRET_KEYS = {"SECRET_KEY", "DATABASE_URL", "MIGRATE_DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL"}
 
 # The ClusterRole, rule by rule: (apiGroups, resources, verbs, resourceNames). A change to the
 # ClusterRole has to change this too, in the same review.
