@@ -14,6 +14,7 @@ from runners.jobs.models import Job, JobAttempt
 from runners.usage import ledger, sampling
 from runners.usage.models import CloudPrice, Settlement, UsageEntry, UtilizationSample
 from runners.usage.selectors import usage_rows
+from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, ready_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -150,3 +151,15 @@ def test_a_workload_that_stopped_reporting_is_idle(world):
     assert set(idle) == {hung.id, quiet.id}
     assert (idle[hung.id].samples, idle[hung.id].peak_util_pct, idle[hung.id].average_util_pct) == (0, None, None)
     assert (idle[quiet.id].samples, idle[quiet.id].peak_util_pct) == (1, 2.0)
+
+
+def test_the_invariant_checker_names_an_attempt_counted_twice(world):
+    made = job(world, "checked", 1, [(at(8), at(10))])
+    ledger.settle_run(now=LATER)
+    assert invariants.check_ledger() == []
+    entry = UsageEntry.objects.get(job=made)
+    entry.pk = None
+    entry.save()  # the same piece written a second time
+    found = invariants.check_ledger()
+    assert any(line.startswith(f"attempt {made.id}/1 ") and "14400.000 GPU-seconds" in line for line in found), found
+    assert any(line.startswith(f"job {made.id} ") and "counted twice" in line for line in found), found

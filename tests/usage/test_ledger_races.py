@@ -19,6 +19,7 @@ from runners.jobs.models import Job, JobAttempt
 from runners.usage import ledger
 from runners.usage.models import Settlement, UsageEntry
 from runners.usage.selectors import usage_rows
+from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, ready_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
@@ -120,6 +121,7 @@ def test_a_past_price_card_added_while_a_sweep_waits_on_the_item_is_billed(world
     ledger.settle_run(now=LATER)
     assert tenant_cost(tenant) == Decimal("3.75")
     assert ledger.settle_run(now=LATER)["entries"] == 0
+    assert invariants.check_ledger() == []
 
 
 def test_a_price_card_committed_while_a_sweep_writes_the_item_is_billed(world, tenant, staff):
@@ -171,3 +173,4 @@ def test_a_sweep_that_read_an_attempt_open_leaves_its_settled_end_alone(world, t
     assert not entries.filter(gpu_seconds__lt=0).exists()
     settlement = Settlement.objects.get(kind="attempt", object_id=ending.id)
     assert (settlement.closed, settlement.upto) == (True, at(9, days=1))
+    assert invariants.check_ledger() == []
