@@ -421,12 +421,13 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
     )
     ended = Q(**{f"{end_field}__isnull": False}) & ~Exists(counted_to_end)
     running = Q(**{f"{end_field}__isnull": True, f"{start_field}__lt": through}) & ~Exists(counted_through)
-    return rows.filter(ended | running)
+    return rows, ended, running
 
 
 def _stale(model, end_field: str, start_field: str, through: datetime, tenant_ids=None,
            counted_since: datetime | None = None, job_ids=None) -> list:
-    return list(_stale_query(model, end_field, start_field, through, tenant_ids, counted_since, job_ids).order_by("id"))
+    rows, ended, running = _stale_query(model, end_field, start_field, through, tenant_ids, counted_since, job_ids)
+    return [*rows.filter(ended).order_by("id"), *rows.filter(running).order_by("id")]
 
 
 def _stale_attempts(through: datetime, tenant_ids=None, job_ids=None) -> list[JobAttempt]:
@@ -511,8 +512,8 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
                                           (Checkpoint, "deleted_at", "created_at")):
         after = 0
         while True:
-            ids = list(_stale_query(model, end_field, start_field, through).filter(id__gt=after)
-                       .order_by("id").values_list("id", flat=True)[:batch])
+            rows, ended, running = _stale_query(model, end_field, start_field, through)
+            ids = list(rows.filter(ended | running, id__gt=after).order_by("id").values_list("id", flat=True)[:batch])
             if not ids:
                 break
             entries += _write(ids, [], through) if model is JobAttempt else _write([], ids, through)
