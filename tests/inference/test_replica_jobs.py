@@ -200,3 +200,51 @@ def test_a_replicas_job_is_queued_by_the_submits_rules_and_recorded(tenant, owne
     assert replica.state == JobState.QUEUED and replica.kind == Job.Kind.SERVING
     entry = AuditEntry.objects.get(action="job.submitted", object_id=str(replica.id))
     assert entry.tenant_id == tenant.id and entry.after["preemptible"] is True
+
+
+def test_the_cycle_never_waits_on_a_row_to_explain_why_a_replica_waits(tenant, owner, acme_env, flavors):
+    """Slot 0's replica waits (the guarantee is full, and it may not borrow); slot 1's, newer, is admitted by
+    the cycle while a stop retires both.
+
+    Forced order: slot 0's row is held from outside; the reconcile (retiring, in id order) waits on it; the
+    cycle locks slot 1's row to admit it and writes the waiting one's reason; then the row is let go. Before
+    the fix the cycle's write of reasons waited on slot 0's row behind the reconcile, which then wanted slot
+    1's, held by the cycle: a deadlock, one of them rolled back. Now that write skips rows another
+    transaction holds (the next cycle writes them), and both finish.
+    """
+    give_quota(tenant, flavors["h100-80gb"], guaranteed=1, max=4)
+    trained = trained_job(actor=owner, environment=acme_env)
+    holder_of_the_guarantee = submit(owner, acme_env, name="guaranteed", replicas=1, preemptible=False,
+                                     topology=ANYWHERE)
+    scheduling.cycle_run()
+    play_launch(holder_of_the_guarantee)
+    endpoint = _endpoint(owner, acme_env, trained, min_replicas=1, max_replicas=2, warm_replicas=1)
+    endpoint_reconcile.endpoint_reconcile(endpoint.id)
+    waiting, borrowing = endpoint.replicas.get(slot=0).job, endpoint.replicas.get(slot=1).job
+    assert waiting.id < borrowing.id and not waiting.preemptible and borrowing.preemptible
+    inference.endpoint_stop(actor=owner, endpoint=endpoint)
+
+    locked, release = threading.Event(), threading.Event()
+
+    def hold():
+        with transaction.atomic():
+            list(Job.objects.select_for_update().filter(id=waiting.id))
+            locked.set()
+            assert release.wait(60)
+
+    holder = _Thread(hold)
+    assert locked.wait(10)
+    stopping = _Thread(endpoint_reconcile.endpoint_reconcile, endpoint_id=endpoint.id)
+    assert _wait(lambda: _lock_waiters() >= 1), "the reconcile should wait for slot 0's row"
+    the_cycle = _Thread(scheduling.cycle_run)
+    # Before the fix the cycle waits here too; now it finishes on its own.
+    _wait(lambda: _lock_waiters() >= 2 or not the_cycle.is_alive())
+    release.set()
+    holder.outcome()
+    stopping.outcome()
+    result = the_cycle.outcome()
+
+    assert result["admitted"] == [borrowing.id]
+    waiting.refresh_from_db(), borrowing.refresh_from_db()
+    assert waiting.state == borrowing.state == JobState.CANCELLED
+    assert not waiting.attempts.exists() and borrowing.attempts.get().ended_at is not None
