@@ -89,3 +89,14 @@ class AuditEntry(models.Model):
 
     def delete(self, *args, **kwargs):
         raise AppendOnlyError(APPEND_ONLY_MESSAGE)
+
+
+class AuditChainHead(models.Model):
+    """One row: the hash of the last entry appended. Appending locks it (audit.chain), so two transactions
+    append one after the other; `audit_verify` finds entries removed from the log's end by it."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    hash = models.CharField(max_length=64, blank=True)
+
+    def __str__(self) -> str:
+        return self.hash or "(empty log)"

@@ -12,8 +12,8 @@ from decimal import Decimal
 import structlog
 from django.db import models, transaction
 
-from audit.chain import HASHED_FIELDS, chain_next, entry_hash
-from audit.models import AuditEntry
+from audit.chain import HASHED_FIELDS, chain_moved, chain_next, entry_hash
+from audit.models import AuditChainHead, AuditEntry
 
 # The names written for work the portal does by itself.
 SYSTEM = "system"
@@ -108,7 +108,8 @@ def record(
     # No savepoint: an insert that fails must fail the change with it. The append lock is held until the
     # change's transaction ends, so the next entry chains to this one.
     with transaction.atomic(savepoint=False):
-        entry.id, entry.prev_hash = chain_next(AuditEntry._meta.db_table)
+        entry.id, entry.prev_hash = chain_next(AuditEntry._meta.db_table, AuditChainHead._meta.db_table)
         entry.hash = entry_hash({field: getattr(entry, field) for field in HASHED_FIELDS})
         entry.save()
+        chain_moved(AuditChainHead._meta.db_table, entry.hash)
     return entry

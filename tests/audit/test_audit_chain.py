@@ -110,6 +110,19 @@ def test_a_deleted_entry_is_a_gap_audit_verify_finds(app_role):
 
 
 @pytest.mark.django_db
+def test_entries_removed_from_the_end_are_found_by_audit_verify():
+    """No entry follows the last, so no link breaks: the chain's head still names it."""
+    entries = _entries(3)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE audit_auditentry DISABLE TRIGGER audit_entry_append_only")
+        cursor.execute("DELETE FROM audit_auditentry WHERE id = %s", [entries[-1].id])
+        cursor.execute("ALTER TABLE audit_auditentry ENABLE TRIGGER audit_entry_append_only")
+    with pytest.raises(CommandError) as broken:
+        _verify()
+    assert f"the log ends at entry {entries[1].id}" in str(broken.value) and "removed from its end" in str(broken.value)
+
+
+@pytest.mark.django_db
 def test_a_changed_entry_is_found_by_audit_verify():
     entries = _entries(3)
     with connection.cursor() as cursor:
