@@ -120,14 +120,26 @@ def send_tasks(name: str, calls: Sequence[tuple]) -> int:
     return sent
 
 
-def send_task_at_most_every(window_s: float, name: str, *args) -> bool:
-    """Send a task unless one was sent under this name in the last ``window_s`` seconds (a shared
-    cache key), so a burst of asks costs one message; a cache that is down sends anyway."""
+def send_task_at_most_every(window_s: float, name: str, asked_at: float, *args) -> bool:
+    """A kick: ask for a run of the task registered under ``name``, a burst of asks costing at most two
+    messages per ``window_s`` seconds (a shared cache key); a cache that is down sends anyway.
+
+    The task takes the time of the ask first (``asked_at``: a run that started after it has seen
+    what was asked for). The window's first ask sends at once. The first ask after it in the same
+    window sends one more message, to run when the window ends, with that end as its time: the
+    first message's run may already have started when a later ask came, and dropping that ask
+    left its work for the beat. Later asks of the window are covered by that message.
+    """
+    key = f"portal:dispatch:once:{name}"
     try:
-        first = cache.add(f"portal:dispatch:once:{name}", 1, timeout=window_s)
+        if cache.add(key, 1, timeout=window_s):
+            return send_task(name, asked_at, *args)
+        if not cache.add(f"{key}:trailing", 1, timeout=window_s):
+            return False
     except Exception:
-        first = True
-    return send_task(name, *args) if first else False
+        return send_task(name, asked_at, *args)
+    ends_at = max(asked_at, time.time()) + window_s
+    return send_task(name, ends_at, *args, countdown=window_s)
 
 
 def enqueue_on_commit(name: str, *args, before_send: Callable[[], bool] | None = None,
