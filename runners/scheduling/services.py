@@ -510,12 +510,22 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         decisions = decide(snapshot, now.timestamp(), grace_period_s=float(settings.PREEMPTION_GRACE_PERIOD_S))
         by_id = {str(job.id): job for job in [*holding, *queued]}
 
+        admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
+        placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
+        # The nodes placed on, re-read under their row locks: a cordon that committed since the inventory was
+        # read wins, and one not yet committed waits for this commit (runners.clusters.services' note).
+        cordoned = nodes_locked_unschedulable(
+            {replica["node"] for job in admitted_jobs if not isinstance(placed[job.id], str) for replica in placed[job.id]})
+        for job in admitted_jobs:
+            if not isinstance(placed[job.id], str) and any(replica["node"] in cordoned for replica in placed[job.id]):
+                placed[job.id] = "Waiting: a node it was placed on was cordoned meanwhile; placed again next cycle."
+
         stops, preempted, spared = [], Counter(), set()
-        # Every row this cycle will move, victims and admissions alike, locked at once in id order (as
-        # every writer of several jobs takes them), read fresh.
+        # Every job row this cycle will move, victims and admissions alike, locked at once in id order (as
+        # every writer of several jobs takes them; after the nodes, as a cordon takes them), read fresh.
         victims = jobs_locked(
             [int(preemption.workload_id) for preemption in decisions.preemptions]
-            + [int(admission.gang_id) for admission in decisions.admitted]
+            + [job.id for job in admitted_jobs if not isinstance(placed[job.id], str)]
         )
         for preemption in decisions.preemptions:
             # The victim's row, locked and read fresh: a launch claims an attempt under this lock,
@@ -543,15 +553,6 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
             if outcome == "stopping":
                 stops.append(victim.id)
 
-        admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
-        placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
-        # The nodes placed on, re-read under their row locks: a cordon that committed since the inventory was
-        # read wins, and one not yet committed waits for this commit (runners.clusters.services' note).
-        cordoned = nodes_locked_unschedulable(
-            {replica["node"] for job in admitted_jobs if not isinstance(placed[job.id], str) for replica in placed[job.id]})
-        for job in admitted_jobs:
-            if not isinstance(placed[job.id], str) and any(replica["node"] in cordoned for replica in placed[job.id]):
-                placed[job.id] = "Waiting: a node it was placed on was cordoned meanwhile; placed again next cycle."
         for gang_id in spared:
             # Its room was to come from a victim that stays: it is not admitted on this cycle's count.
             if int(gang_id) in placed:
