@@ -6,53 +6,25 @@ from django.conf import settings
 from django.db import migrations, models
 
 # The database refuses to change or delete an audit entry, whoever asks: the model refuses too, but
-# a trigger also stops raw SQL, a shell, or a future bug. TRUNCATE is left alone: the test suite
-# empties every table with it between transactional tests. PostgreSQL is the portal's database;
-# SQLite (the embedded defaults of `make run`) gets the same refusal in its own dialect.
-APPEND_ONLY_SQL = {
-    "postgresql": [
-        """
-        CREATE FUNCTION audit_entry_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            RAISE EXCEPTION 'audit_auditentry is append-only: % refused', TG_OP;
-        END;
-        $$
-        """,
-        """
-        CREATE TRIGGER audit_entry_append_only
-            BEFORE UPDATE OR DELETE ON audit_auditentry
-            FOR EACH ROW EXECUTE FUNCTION audit_entry_append_only()
-        """,
-    ],
-    "sqlite": [
-        """
-        CREATE TRIGGER audit_entry_no_update BEFORE UPDATE ON audit_auditentry
-        BEGIN SELECT RAISE(ABORT, 'audit_auditentry is append-only: UPDATE refused'); END
-        """,
-        """
-        CREATE TRIGGER audit_entry_no_delete BEFORE DELETE ON audit_auditentry
-        BEGIN SELECT RAISE(ABORT, 'audit_auditentry is append-only: DELETE refused'); END
-        """,
-    ],
-}
-DROP_APPEND_ONLY_SQL = {
-    "postgresql": [
-        "DROP TRIGGER IF EXISTS audit_entry_append_only ON audit_auditentry",
-        "DROP FUNCTION IF EXISTS audit_entry_append_only()",
-    ],
-    "sqlite": [
-        "DROP TRIGGER IF EXISTS audit_entry_no_update",
-        "DROP TRIGGER IF EXISTS audit_entry_no_delete",
-    ],
-}
-
-
-def _run(statements):
-    def run(apps, schema_editor):
-        for statement in statements.get(schema_editor.connection.vendor, []):
-            schema_editor.execute(statement, params=None)
-
-    return run
+# a trigger also stops raw SQL, a shell, or a future bug. TRUNCATE is left alone here (0002 refuses it).
+APPEND_ONLY_SQL = [
+    """
+    CREATE FUNCTION audit_entry_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'audit_auditentry is append-only: % refused', TG_OP;
+    END;
+    $$
+    """,
+    """
+    CREATE TRIGGER audit_entry_append_only
+        BEFORE UPDATE OR DELETE ON audit_auditentry
+        FOR EACH ROW EXECUTE FUNCTION audit_entry_append_only()
+    """,
+]
+DROP_APPEND_ONLY_SQL = [
+    "DROP TRIGGER IF EXISTS audit_entry_append_only ON audit_auditentry",
+    "DROP FUNCTION IF EXISTS audit_entry_append_only()",
+]
 
 
 class Migration(migrations.Migration):
@@ -88,5 +60,5 @@ class Migration(migrations.Migration):
                 'indexes': [models.Index(fields=['tenant', 'at'], name='audit_tenant_at'), models.Index(fields=['at'], name='audit_at'), models.Index(fields=['action', 'at'], name='audit_action_at')],
             },
         ),
-        migrations.RunPython(_run(APPEND_ONLY_SQL), _run(DROP_APPEND_ONLY_SQL), elidable=False),
+        migrations.RunSQL(APPEND_ONLY_SQL, DROP_APPEND_ONLY_SQL, elidable=False),
     ]
