@@ -1,8 +1,10 @@
 """The usage ledger: attempts' allocations and checkpoints' keeping, cut per day and per price, priced.
 
 An attempt holds its GPU units from its admission (the cycle reserved them) until it ended, or
-until now while it runs; its start is clipped to the end of the job's previous attempt, so a
-preemption and its resume never count the same second twice. A piece is one day (UTC) and one
+until now while it runs (with no end recorded but a later attempt admitted: until that admission);
+its start is clipped to the end of the job's previous attempts, so a preemption and its resume
+never count the same second twice, and an attempt is always counted beside the other attempts of
+its job (one's end, recorded late, moves the others'). A piece is one day (UTC) and one
 price card of one attempt: units x seconds, priced at the card in force, and at the flavor's
 cloud reference price beside it. A checkpoint is charged per GB-month (30 days) from its writing to
 its deletion.
@@ -145,6 +147,7 @@ class AttemptRow:
     start: datetime  # admitted, clipped to the previous attempt's end
     end: datetime | None  # None while open (no end and no later attempt); never before start
     ended_at: datetime | None  # as the attempt records it
+    alone: bool = True  # the job's only attempt (else an earlier or later one can move its start or end)
 
 
 def attempt_rows(attempts: list[JobAttempt]) -> list[AttemptRow]:
@@ -168,7 +171,7 @@ def attempt_rows(attempts: list[JobAttempt]) -> list[AttemptRow]:
             end = min((admitted for number, admitted, _ in siblings[job.id] if number > attempt.number), default=None)
         end = end if end is None or end > start else start
         rows.append(AttemptRow(attempt.id, job.id, job.tenant_id, job.flavor_id, job.units,
-                               endpoints.get(job.id), start, end, attempt.ended_at))
+                               endpoints.get(job.id), start, end, attempt.ended_at, len(siblings[job.id]) == 1))
     return rows
 
 
@@ -311,7 +314,9 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
     work = []
     for row in attempt_rows(attempts):
         item, seen = f"attempt:{row.id}", settled.get(f"attempt:{row.id}")
-        if row.end is None and seen is not None and not seen.closed:
+        # Only new days to add, when nothing else can have changed: an open attempt alone in its job
+        # (a sibling's end recorded late moves this one's start) counted up to a midnight.
+        if row.end is None and row.alone and seen is not None and not seen.closed:
             tail = replace(row, start=max(row.start, seen.upto))
             work.append(_Work(item, attempt_pieces(tail, through, prices), True, through, False))
         else:
@@ -356,12 +361,18 @@ def _lock_flavors(flavor_ids, *, shared: bool) -> None:
 
 
 def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime) -> int:
-    """Settle a batch of items in one transaction, each item locked so two sweeps never add the same piece.
+    """Settle a batch of items (with the other attempts of their jobs) in one transaction, each item
+    locked so two sweeps never add the same piece.
 
     Everything the plan depends on is read under the locks: the items themselves (one found open
     may have ended and been settled since), their settlements and the prices (a card added for the
     past forgets its flavor's settlements under the flavor's lock, which waits for this batch).
     """
+    if attempt_ids:
+        # Every attempt of their jobs: one's end (recorded late, or none) moves where the others start and end.
+        jobs = JobAttempt.objects.filter(id__in=attempt_ids).values("job_id")
+        attempt_ids = sorted(set(attempt_ids) | set(JobAttempt.objects.filter(job_id__in=jobs)
+                                                     .values_list("id", flat=True)))
     items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids])
     if not items:
         return 0
@@ -427,7 +438,11 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
 def _stale(model, end_field: str, start_field: str, through: datetime, tenant_ids=None,
            counted_since: datetime | None = None, job_ids=None) -> list:
     rows, ended, running = _stale_query(model, end_field, start_field, through, tenant_ids, counted_since, job_ids)
-    return [*rows.filter(ended).order_by("id"), *rows.filter(running).order_by("id")]
+    stale = [*rows.filter(ended).order_by("id"), *rows.filter(running).order_by("id")]
+    if model is JobAttempt and stale:
+        # The other attempts of their jobs too: one's end moves where the others start and end.
+        stale += rows.filter(job_id__in={row.job_id for row in stale}).exclude(id__in=[row.id for row in stale])
+    return stale
 
 
 def _stale_attempts(through: datetime, tenant_ids=None, job_ids=None) -> list[JobAttempt]:

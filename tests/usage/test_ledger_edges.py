@@ -163,3 +163,17 @@ def test_the_invariant_checker_names_an_attempt_counted_twice(world):
     found = invariants.check_ledger()
     assert any(line.startswith(f"attempt {made.id}/1 ") and "14400.000 GPU-seconds" in line for line in found), found
     assert any(line.startswith(f"job {made.id} ") and "counted twice" in line for line in found), found
+
+
+def test_an_end_recorded_late_on_an_earlier_attempt_is_counted_once_beside_its_successor(world):
+    # Attempt 1 from 08:00 lost its end; attempt 2 ran 10:00-12:00 and was settled. A cancel then ends
+    # every open attempt of the job at 14:00: attempt 1 held its unit 08:00-14:00, attempt 2's hours within it.
+    made = job(world, "late", 1, [(at(8), None), (at(10), at(12))])
+    ledger.settle_run(now=LATER)
+    assert gpu_hours(made) == "4.0000"
+    JobAttempt.objects.filter(job=made, ended_at__isnull=True).update(ended_at=at(14))
+    assert gpu_hours(made) == "6.0000"
+    ledger.settle_jobs([made.id], now=LATER)
+    assert gpu_hours(made) == "6.0000"
+    assert sum(e.gpu_seconds for e in UsageEntry.objects.filter(job=made)) == 6 * 3600
+    assert invariants.check_ledger() == []

@@ -1,5 +1,6 @@
-"""The ledger under a random run: price cards for the past and the future, preemptions, resumes, attempts
-that lost their end, and sweeps by two real workers at once, the money invariant checked after every step.
+"""The ledger under a random run: price cards for the past and the future, preemptions, cancels, resumes,
+attempts that lost their end, and sweeps by two real workers at once, the money invariant checked after
+every step.
 
 USAGE_RANDOM_OPS (default 40) sets the run's length and USAGE_RANDOM_SEED its seed (a failure names
 both); `USAGE_RANDOM_OPS=400` is the long form.
@@ -21,6 +22,7 @@ from quotas.models import PriceCard
 from quotas.services import price_set
 from runners.jobs.models import Job, JobAttempt
 from runners.usage import ledger
+from runners.usage.models import Settlement, UsageEntry
 from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, ready_environment
 from tests.support.worker import wait_for
@@ -49,7 +51,19 @@ def test_the_ledger_matches_the_formula_through_a_random_run_with_two_sweeping_w
         found = invariants.check_ledger()
         counts["checks"] += 1
         assert not found, (f"seed {SEED}, after {len(done)} operations (last: {done[-3:]}):\n"
-                           + "\n".join(found[:10]))
+                           + "\n".join(found[:10]) + "\n" + ledger_of(found))
+
+    def ledger_of(found) -> str:
+        """The attempts, settlements and entries of the jobs a violation names."""
+        job_ids = {int(line.split()[1].split("/")[0]) for line in found}
+        lines = []
+        for attempt in JobAttempt.objects.filter(job_id__in=job_ids).order_by("job_id", "number"):
+            settled = Settlement.objects.filter(kind="attempt", object_id=attempt.id).first()
+            lines.append(f"{attempt.job_id}/{attempt.number} id {attempt.id}: {attempt.admitted_at} to "
+                         f"{attempt.ended_at}, settled {settled and (settled.upto, settled.closed)}")
+            for entry in UsageEntry.objects.filter(item=f"attempt:{attempt.id}").order_by("id"):
+                lines.append(f"  {entry.piece} {entry.gpu_seconds} {entry.cost} at {entry.recorded_at}")
+        return "\n".join(lines)
 
     def moment(earliest, latest):
         """A random moment in [earliest, latest], to the microsecond."""
@@ -79,6 +93,17 @@ def test_the_ledger_matches_the_formula_through_a_random_run_with_two_sweeping_w
         JobAttempt.objects.filter(id=attempt.id).update(ended_at=ended, outcome="preempted")
         send_task("runners.tasks.usage_settle", [attempt.job_id])
         return f"end {attempt.job_id}/{attempt.number}"
+
+    def cancel():
+        # A cancel ends every open attempt of its job at one moment (a lost end among them too).
+        jobs_open = sorted({a.job_id for a in JobAttempt.objects.filter(job__tenant=tenant, ended_at__isnull=True)})
+        if not jobs_open:
+            return new_job()
+        job_id = rng.choice(jobs_open)
+        JobAttempt.objects.filter(job_id=job_id, ended_at__isnull=True).update(ended_at=timezone.now(),
+                                                                               outcome="cancelled")
+        send_task("runners.tasks.usage_settle", [job_id])
+        return f"cancel {job_id}"
 
     def resume():
         latest = list(last_attempts().values())
@@ -121,7 +146,7 @@ def test_the_ledger_matches_the_formula_through_a_random_run_with_two_sweeping_w
         counts["sweeps"] += 1
         return "sweep here"
 
-    operations = [(new_job, 3), (preempt, 3), (resume, 3), (card, 2), (sweeps, 3), (sweep_here, 1)]
+    operations = [(new_job, 3), (preempt, 3), (cancel, 1), (resume, 3), (card, 2), (sweeps, 3), (sweep_here, 1)]
     for _ in range(OPS):
         operation = rng.choices([op for op, _ in operations], weights=[w for _, w in operations])[0]
         done.append(operation())
@@ -132,6 +157,8 @@ def test_the_ledger_matches_the_formula_through_a_random_run_with_two_sweeping_w
     # is then written in full, and a further sweep finds nothing to write.
     queue = redis.Redis.from_url(settings.CELERY_BROKER_URL)
     wait_for(lambda: queue.llen(settings.CELERY_TASK_DEFAULT_QUEUE) == 0, timeout_s=120, message="the queue to drain")
+    wait_for(lambda: all(w.output().count("] received") == w.output().count("] succeeded in ") for w in workers),
+             timeout_s=120, message="the workers to finish their tasks")
     for worker in workers:
         worker.stop()
     check()
