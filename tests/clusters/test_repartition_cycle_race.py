@@ -133,3 +133,39 @@ def test_a_cycle_committing_while_the_pool_is_cordoned_is_seen_by_the_cordon_ste
     assert all(Node.objects.filter(pool=pool).values_list("schedulable", flat=True))
     assert Node.objects.get(name=node).gpu_resources == {"nvidia.com/gpu": 8}
 
+
+
+
+def test_a_cordon_under_way_when_the_cycle_comes_to_commit_leaves_the_job_queued(owner, borrowing_env):
+    """A cordon has the pool's node rows (locked, about to mark them unschedulable) when the cycle, having
+    placed a job there on the inventory it read at its start, comes to commit.
+
+    Before the fix the cycle did not look at the nodes again: it committed the job onto the pool's nodes
+    while they were being cordoned. Now it re-reads them under their row locks, so it waits for the
+    cordon, finds them cordoned and leaves the job queued, saying why.
+    """
+    pool = NodePool.objects.get(name="h100-pool")
+    names = list(pool.nodes.order_by("id").values_list("name", flat=True))
+    job = submit(owner, borrowing_env, **ONE_GPU)  # H100: only h100-pool has them
+    locked, go = threading.Event(), threading.Event()
+
+    def cordon():
+        with transaction.atomic():
+            list(Node.objects.select_for_update().filter(name__in=names).order_by("id"))
+            locked.set()
+            go.wait(60)
+            clusters._set_schedulable(names, False)  # what the cordon step writes, in the transaction that locked
+
+    holder = _Thread(cordon)
+    assert locked.wait(10), "could not lock the nodes"
+    cycle = _Thread(scheduling.cycle_run)
+    _wait(lambda: not cycle.is_alive() or _lock_waiters() >= 1)
+    go.set()
+    holder.outcome()
+    result = cycle.outcome()
+
+    job.refresh_from_db()
+    placed_on = {replica["node"] for attempt in job.attempts.all() for replica in attempt.placement}
+    assert not placed_on & set(names), f"job {job.id} was admitted onto {sorted(placed_on)}, being cordoned"
+    assert job.id not in result["admitted"]
+    assert job.state == JobState.QUEUED and "cordoned" in job.reason, job.reason
