@@ -151,12 +151,14 @@ def _forward(address: str, body: bytes, content_type: str, give_up_at: float, *,
     try:
         connection.request("POST", "/v1/generate", body=body, headers={"Content-Type": content_type})
         misses = 0
+        waiting = select.poll()  # not select(): a busy process's descriptors may be past FD_SETSIZE
+        waiting.register(connection.sock, select.POLLIN)
         while True:
             left_s = give_up_at + ANSWER_GRACE_S - time.monotonic()
             if left_s <= 0:
                 raise TimeoutError("no answer by the deadline")
-            if select.select([connection.sock], [], [], min(HUNG_CHECK_S, left_s))[0]:
-                break  # the answer is coming
+            if waiting.poll(1000 * min(HUNG_CHECK_S, left_s)):
+                break  # the answer is coming (or the connection closed: getresponse says which)
             if may_leave:
                 misses = 0 if _answers(address) else misses + 1
                 if misses >= MISSES_BEFORE_NOT_READY:
@@ -235,7 +237,7 @@ class GenerateView(APIView):
                 body = _with_deadline(body, (give_up_at - time.monotonic()) * 1000.0)
                 waited = False
                 if body is None:
-                    return _unavailable("The cold start took the whole deadline; try again.", retry_after=1)
+                    return _unavailable("Waiting for a replica took the whole deadline; try again.", retry_after=1)
             with _lock:
                 replica_id, address = min(choices, key=lambda choice: (_outstanding.get(choice[0], 0), choice[0]))
                 _outstanding[replica_id] = _outstanding.get(replica_id, 0) + cost
