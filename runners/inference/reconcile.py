@@ -26,13 +26,15 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.errors import TooMany
 from quotas.models import Quota
 from runners.backends.base import BackendError
 from runners.clusters.registry import get_backend
-from runners.environments.models import Environment, EnvironmentState
+from runners.environments.models import EnvironmentState
 from runners.inference import autoscale
 from runners.inference.models import (
     EndpointSample,
@@ -42,6 +44,7 @@ from runners.inference.models import (
     ScaleEvent,
 )
 from runners.inference.services import replica_retire, replica_start, set_state
+from runners.jobs import services as jobs
 from runners.jobs.attempts import open_attempts
 from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobState
 
@@ -214,14 +217,16 @@ def _non_preemptible_units(endpoint: InferenceEndpoint) -> int:
     held = Job.objects.filter(
         tenant=endpoint.tenant, flavor=endpoint.flavor, preemptible=False, state__in=JOB_HOLDING_STATES + [JobState.QUEUED]
     )
-    return sum(job.replicas * job.gpus_per_replica for job in held)
+    return held.aggregate(units=Sum(F("replicas") * F("gpus_per_replica")))["units"] or 0
 
 
-def _set_preemptible(replica: Replica, value: bool) -> None:
-    job = replica.job
-    job.preemptible = value
-    job.spec["preemptible"] = value
-    Job.objects.filter(id=job.id).update(preemptible=value, spec=job.spec)
+def _set_preemptible(replica: Replica, value: bool) -> bool:
+    """Move a replica's job into or out of the guarantee through the jobs app (under its row lock); True if done."""
+    if not jobs.job_preemptible_set(replica.job_id, value):
+        return False
+    replica.job.preemptible = value
+    replica.job.spec["preemptible"] = value
+    return True
 
 
 def _failed_to_start(endpoint: InferenceEndpoint, replicas: list[Replica]) -> list[Replica]:
@@ -231,8 +236,9 @@ def _failed_to_start(endpoint: InferenceEndpoint, replicas: list[Replica]) -> li
             and r.ready_since is None]
 
 
-def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
-    """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them."""
+def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> str:
+    """Start and retire replicas towards the wanted number, one at a time where a rollout replaces them.
+    Returns why a replica that should start did not ("" if none)."""
     replicas = list(endpoint.replicas.select_related("job").order_by("slot", "id"))
     live = [r for r in replicas if not r.retiring and r.job.state not in JOB_FINAL_STATES]
     current = [r for r in live if r.generation == endpoint.generation]
@@ -243,38 +249,52 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
     # A generation whose replicas fail to start starts nothing more until a rollout asks for another.
     blocked = bool(failed) and not any(r.ready for r in current) and len(failed) >= endpoint.max_replicas
 
+    # The rows this pass may write, locked in the order every writer takes them: the quota's (a
+    # promotion), the tenant's then the environment's (a start, as a submit and an environment's
+    # delete take them), then the replicas' jobs, in id order (as the cycle takes them).
+    promoting = [r for r in current if r.job.preemptible and r.slot < endpoint.min_replicas
+                 and not any(old.slot == r.slot for old in stale)]
+    guaranteed = None
+    if promoting:
+        # The quota's row, locked: two endpoints of one tenant reconciled at once never both promote.
+        quota = Quota.objects.select_for_update().filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
+        guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
+    starting = len(current) < desired and not blocked
+    if starting:
+        # Read again under its lock (as a submit does), so no replica slips into an environment being deleted.
+        environment = jobs.queue_locks(endpoint.tenant, endpoint.environment)
+        blocked = environment is None or environment.state != EnvironmentState.READY
+    fresh = jobs.jobs_locked(r.job_id for r in live)
+    for replica in live:
+        replica.job = fresh.get(replica.job_id, replica.job)
+
     # Preemptibility follows the slot: below min_replicas a replica is never preempted. A replica
     # started beside its slot's old one (a rollout) borrows until that one is gone, then is promoted
-    # if the tenant's guarantee holds it.
-    guaranteed = None
+    # if the tenant's guarantee holds it. The jobs app re-checks the job's state under its row lock.
     for replica in current:
         want = replica.slot >= endpoint.min_replicas
-        if replica.job.preemptible and not want and not any(r.slot == replica.slot for r in stale):
-            if guaranteed is None:
-                # The quota's row, locked: two endpoints of one tenant reconciled at once never both promote.
-                quota = Quota.objects.select_for_update().filter(tenant=endpoint.tenant, flavor=endpoint.flavor).first()
-                guaranteed = (quota.guaranteed if quota else 0) - _non_preemptible_units(endpoint)
-            if guaranteed >= replica.job.units:
-                _set_preemptible(replica, False)
+        if replica in promoting and replica.job.preemptible:
+            if guaranteed >= replica.job.units and _set_preemptible(replica, False):
                 guaranteed -= replica.job.units
         elif not replica.job.preemptible and want:
             _set_preemptible(replica, True)
 
-    # Start what is missing; during a rollout only one new replica is starting at a time. The environment's
-    # row is locked and read again first (as a submit does), so no replica slips into one being deleted.
-    if len(current) < desired and not blocked:
-        environment = Environment.objects.select_for_update(of=("self",)).get(id=endpoint.environment_id)
-        blocked = environment.state != EnvironmentState.READY
-    while len(current) < desired and not blocked:
+    # Start what is missing; during a rollout only one new replica is starting at a time. Each replica's
+    # job is queued by the jobs app's rules (the tenant's budget of waiting jobs among them).
+    refused = ""
+    while starting and len(current) < desired and not blocked:
         if stale and any(not r.ready for r in current):
             break
         used = {r.slot for r in current}
         slot = next(n for n in range(endpoint.max_replicas + len(current) + 1) if n not in used)
         stale_here = any(r.slot == slot for r in stale)
-        replica = replica_start(endpoint, slot, "the endpoint wants " + (
-            f"{desired} replicas." if not stale else f"generation {endpoint.generation} (rollout)."))
-        if stale_here and not replica.job.preemptible:
-            _set_preemptible(replica, True)  # borrows until the old one of its slot is gone
+        try:
+            replica = replica_start(endpoint, slot, "the endpoint wants " + (
+                f"{desired} replicas." if not stale else f"generation {endpoint.generation} (rollout)."),
+                borrowing=stale_here)  # borrows until the old one of its slot is gone
+        except TooMany as exc:
+            refused = f"A replica waits to be queued: {exc}"
+            break
         current.append(replica)
 
     # Retire: stale replicas as soon as they are not serving, or once enough new ones are ready;
@@ -309,9 +329,11 @@ def _replicas(endpoint: InferenceEndpoint, stopping: bool) -> None:
             reason = "Stopping: draining." if stopping else f"Scale in to {desired}: draining."
             replica_retire(replica, reason)
             ready = [r for r in ready if r.id != replica.id]
+    return refused
 
 
-def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
+def _state(endpoint: InferenceEndpoint, stopping: bool, refused: str = "") -> None:
+    """The endpoint's state and reason from its replicas; ``refused``: why a replica could not be started."""
     replicas = list(endpoint.replicas.select_related("job"))
     holding = [r for r in replicas if r.job.state not in JOB_FINAL_STATES]
     if stopping:
@@ -330,7 +352,7 @@ def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
         newest = max(failed, key=lambda r: r.id)
         set_state(endpoint, EndpointState.FAILED, f"Its replicas fail to start: {newest.job.reason}")
     elif not endpoint.replicas.filter(ready_since__isnull=False).exists() and desired > 0:
-        waiting = next((r.job.reason for r in current if r.job.state == JobState.QUEUED), "")
+        waiting = refused or next((r.job.reason for r in current if r.job.state == JobState.QUEUED), "")
         set_state(endpoint, EndpointState.DEPLOYING,
                   f"Starting {desired} replica(s)." + (f" {waiting}" if waiting else ""))
     elif len(ready) == desired and len(holding) == len(current):
@@ -339,7 +361,8 @@ def _state(endpoint: InferenceEndpoint, stopping: bool) -> None:
     else:
         rolling = any(r.generation != endpoint.generation for r in holding)
         what = f"rolling out generation {endpoint.generation}" if rolling else f"scaling to {desired}"
-        set_state(endpoint, EndpointState.SCALING, f"{len(ready)} of {desired} replica(s) ready, {what}.")
+        set_state(endpoint, EndpointState.SCALING, f"{len(ready)} of {desired} replica(s) ready, {what}."
+                  + (f" {refused}" if refused else ""))
 
 
 def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None, read: dict[int, Read] | None = None) -> str:
@@ -395,8 +418,8 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None, read: dict[i
         if not stopping:
             _autoscale(endpoint, sample, now)
         endpoint.save(update_fields=["autoscale_state", "desired_replicas", "stop_requested_at", "reason"])
-        _replicas(endpoint, stopping)
-        _state(endpoint, stopping)
+        refused = _replicas(endpoint, stopping)
+        _state(endpoint, stopping, refused)
         return endpoint.state
 
 
