@@ -1,8 +1,10 @@
 """One login throttle for the API token endpoint, the login page and the admin's login.
 
-Counters live in the shared cache (``CACHE_URL``) as the times of recent
-events, a sliding window of the ``API_LOGIN_RATE`` period, and are shared by
-all three doors, so using another one buys no extra guesses.
+Counters live in the shared cache's Redis (``CACHE_URL``, the broker's by default:
+one store for every web process) as the times of recent events, a sliding
+window of the ``API_LOGIN_RATE`` period, checked and counted in one atomic step
+(attempts in flight together in several processes each count), and are shared
+by all three doors, so using another one buys no extra guesses.
 
 - **Per address**, every attempt counts: more than the rate from one address
   is refused (429) until the window ends.
@@ -16,6 +18,7 @@ all three doors, so using another one buys no extra guesses.
 
 import hashlib
 import math
+import secrets
 import time
 
 from django.conf import settings
@@ -54,47 +57,62 @@ def _keys(request, username: str | None) -> dict[str, str]:
     return keys
 
 
-def _recent(histories: dict, key: str, now: float) -> list[float]:
-    """The times of the events under a key within the last window, oldest first (a sliding window)."""
-    _limit, window = rate()
-    return [at for at in histories.get(key, []) if at > now - window]
+# One attempt, atomically in Redis (so attempts in flight together in several processes each count):
+# drop the events older than the window, refuse (the seconds to wait) when the address has made
+# `limit` attempts, or when the username has `limit` failures and the address has failed too;
+# otherwise record the attempt and answer -1. KEYS: attempts, address failures[, user failures].
+_ATTEMPT_LUA = """
+local now, window, limit, member = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+for _, key in ipairs(KEYS) do redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window) end
+local function wait_s(key)
+  local oldest = redis.call('ZRANGE', key, -limit, -limit, 'WITHSCORES')[2]
+  return math.max(1, math.ceil(tonumber(oldest) + window - now))
+end
+if redis.call('ZCARD', KEYS[1]) >= limit then return wait_s(KEYS[1]) end
+if KEYS[3] and redis.call('ZCARD', KEYS[3]) >= limit and redis.call('ZCARD', KEYS[2]) > 0 then
+  return wait_s(KEYS[3])
+end
+redis.call('ZADD', KEYS[1], now, member)
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -limit - 1)
+redis.call('PEXPIRE', KEYS[1], math.ceil((window + 1) * 1000))
+return -1
+"""
 
 
-def _wait_s(history: list[float], now: float) -> int:
-    _limit, window = rate()
-    return max(1, math.ceil(history[0] + window - now)) if history else 1
+def _redis(keys: list[str]):
+    """The shared cache's Redis client, and the keys as the cache names them (its prefix and version)."""
+    names = [cache.make_and_validate_key(key) for key in keys]
+    return cache._cache.get_client(names[0], write=True), names
 
 
-def _append(key: str, history: list[float], now: float) -> None:
-    limit, window = rate()
-    cache.set(key, [*history, now][-limit:], timeout=window + 1)
+def _member(now: float) -> str:
+    return f"{now:.6f}:{secrets.token_hex(4)}"
 
 
 def attempt(request, username: str | None) -> int | None:
     """Count one login attempt; the seconds to wait when it must be refused, else None."""
-    limit, _window = rate()
+    limit, window = rate()
     now = time.time()
     keys = _keys(request, username)
-    histories = cache.get_many(list(keys.values()))
-    attempts = _recent(histories, keys["attempts"], now)
-    if len(attempts) >= limit:
-        return _wait_s(attempts[-limit:], now)
-    if "user_failures" in keys:
-        user_failures = _recent(histories, keys["user_failures"], now)
-        if len(user_failures) >= limit and _recent(histories, keys["address_failures"], now):
-            return _wait_s(user_failures[-limit:], now)
-    _append(keys["attempts"], attempts, now)
-    return None
+    order = [keys["attempts"], keys["address_failures"], *([keys["user_failures"]] if "user_failures" in keys else [])]
+    client, names = _redis(order)
+    wait_s = int(client.eval(_ATTEMPT_LUA, len(names), *names, now, window, limit, _member(now)))
+    return None if wait_s < 0 else wait_s
 
 
 def failed(request, username: str | None) -> None:
     """Record a wrong password (or unknown user) for the address and the username."""
+    limit, window = rate()
     now = time.time()
     keys = _keys(request, username)
-    histories = cache.get_many(list(keys.values()))
-    for name in ("address_failures", "user_failures"):
-        if name in keys:
-            _append(keys[name], _recent(histories, keys[name], now), now)
+    client, names = _redis([keys[name] for name in ("address_failures", "user_failures") if name in keys])
+    with client.pipeline(transaction=True) as pipe:
+        for name in names:
+            pipe.zremrangebyscore(name, "-inf", now - window)
+            pipe.zadd(name, {_member(now): now})
+            pipe.zremrangebyrank(name, 0, -limit - 1)
+            pipe.pexpire(name, math.ceil((window + 1) * 1000))
+        pipe.execute()
 
 
 def throttled_message(wait_s: int) -> str:
