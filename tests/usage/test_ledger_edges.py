@@ -5,6 +5,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+import redis
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -177,3 +178,18 @@ def test_an_end_recorded_late_on_an_earlier_attempt_is_counted_once_beside_its_s
     assert gpu_hours(made) == "6.0000"
     assert sum(e.gpu_seconds for e in UsageEntry.objects.filter(job=made)) == 6 * 3600
     assert invariants.check_ledger() == []
+
+
+def test_a_sweep_cut_short_by_its_budget_sends_the_next_one_at_once(world, settings):
+    from runners.usage.tasks import usage_settle
+    from tests.support.worker import purge_queue
+
+    settings.USAGE_SETTLE_BUDGET_S = 0
+    job(world, "backlog", 1, [(at(8), at(9))])
+    queue = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    purge_queue()
+    try:
+        usage_settle()
+        assert queue.llen(settings.CELERY_TASK_DEFAULT_QUEUE) == 1  # the follow-up sweep
+    finally:
+        purge_queue()
