@@ -10,6 +10,7 @@ from django.conf import settings
 from django.test.utils import override_settings
 from rest_framework.test import APIClient
 
+from tests.support.portal_up import kill_job_processes
 from tests.support.worker import WorkerProcess, purge_queue
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,19 +58,14 @@ def _isolated_workspaces(settings, tmp_path):
     get_backend.cache_clear()
     yield
     get_backend.cache_clear()
-    _kill_job_processes(tmp_path / "jobs")
+    kill_job_processes(tmp_path / "jobs")
 
 
-def _kill_job_processes(jobs_dir) -> None:
-    """Job processes outlive workers by design; a test's own (say, after it failed) must not outlive the test."""
-    import os
-    import signal
-
-    for pid_file in jobs_dir.glob("*/attempts/*/supervisor.pid"):
-        try:
-            os.killpg(int(pid_file.read_text().split()[1]), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, ValueError, IndexError):
-            pass
+@pytest.fixture(autouse=True)
+def _fast_password_hasher(settings):
+    """Users made in tests get MD5 hashes (the real hashers still check any other): PBKDF2's
+    second or so per user was a large share of the suite; no test is about the hash's strength."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher", *settings.PASSWORD_HASHERS]
 
 
 # --- Personas ---------------------------------------------------------------

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from tests.support.crawl import DEBUG_MARKS, crawl
+from tests.support.portal_up import kill_job_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -144,6 +145,8 @@ def portal(tmp_path):
     portal = Portal(var_dir, tmp_path / "make-run.log")
     yield portal
     portal.kill()
+    # The local backend's job processes (the endpoint's replica) live in sessions of their own.
+    kill_job_processes(var_dir / "jobs")
     shutil.rmtree(var_dir, ignore_errors=True)
 
 

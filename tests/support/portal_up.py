@@ -62,7 +62,7 @@ def _ready(url: str) -> bool:
         return False
 
 
-def _kill_job_processes(jobs_dir: Path) -> None:
+def kill_job_processes(jobs_dir: Path) -> None:
     """The local backend's job processes live in sessions of their own; a finished run must leave none."""
     for pid_file in jobs_dir.glob("*/attempts/*/supervisor.pid"):
         try:
@@ -122,4 +122,4 @@ def started_portal(env_overrides: dict[str, str], var_dir: Path, *, timeout_s: f
         raise
     finally:
         _stop(process, timeout_s=30)
-        _kill_job_processes(Path(env.get("LOCAL_JOBS_DIR") or var_dir / "jobs"))
+        kill_job_processes(Path(env.get("LOCAL_JOBS_DIR") or var_dir / "jobs"))
