@@ -29,7 +29,7 @@ from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, 
 from tests.support.k8s import gpu_node, portal_pod
 from tests.support.prometheus import DcgmDevice, DcgmExporter, running_prometheus
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ from runners.usage.models import Budget, BudgetAlert, CloudPrice, UsageEntry
 from runners.usage.selectors import usage_rows
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
+pytestmark = pytest.mark.integration
+
 DAY = datetime(2026, 11, 2, tzinfo=UTC)
 LATER = datetime(2026, 12, 1, tzinfo=UTC)  # "now" for the scenario: everything has ended
 

@@ -20,7 +20,7 @@ from runners.usage.models import Resolution, UtilizationSample
 from tests.support.endpoints import drive, trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
