@@ -91,7 +91,9 @@ def wait_for_waiters(count: int, *, unless=lambda: False) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+            # This database's sessions only: other test runs share the server.
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND wait_event_type = 'Lock'")
             if cursor.fetchone()[0] >= count or unless():
                 return
         time.sleep(0.05)
