@@ -15,6 +15,13 @@ by the time it gets here: the ``got_request_exception`` signal marks such a requ
 is replaced. Either way the broken connection is closed, so the next request on this thread
 opens a fresh one (with CONN_HEALTH_CHECKS, a connection that died between requests is noticed
 and replaced before it is used, with no error at all).
+
+Before answering 503, a request whose connection died before it wrote anything is run once more,
+on a fresh connection (one log line says so): a read, or a request whose writes were all in a
+transaction that never committed (the server rolled it back). A write committed before the loss,
+or one sent outside a transaction whose answer was lost (it may have been committed), rules the
+second run out; so does a body Django would not read. The client then gets its answer, not a
+503 to retry, under connections dropped every fraction of a second.
 """
 
 from __future__ import annotations
@@ -68,14 +75,81 @@ def _mark_request(sender, request=None, **kwargs) -> None:
 got_request_exception.connect(_mark_request, dispatch_uid="portal.db_errors.mark_request")
 
 
+# Statements that write nothing; any other counts as a write (WITH too: it may hold one).
+_READS = ("SELECT", "SHOW", "SET", "SAVEPOINT", "RELEASE", "ROLLBACK", "BEGIN", "START", "DECLARE", "FETCH", "CLOSE")
+
+
+class _Watch:
+    """Watches a request's queries (``execute_wrapper``): whether a statement found the connection
+    lost, and whether anything the request wrote may have been committed before that.
+
+    A write in autocommit mode may be committed even when its answer was lost, so it counts at
+    once; one inside a transaction counts when the transaction commits (``on_commit``). A
+    transaction whose statement failed on a lost connection never committed: the server rolled
+    it back, so its writes do not count.
+    """
+
+    def __init__(self):
+        self.lost = False
+        self.wrote = False
+
+    def __call__(self, execute, sql, params, many, context):
+        connection = context["connection"]
+        write = not sql.lstrip(" (\n\t").upper().startswith(_READS)
+        autocommitted = write and not connection.in_atomic_block
+        if write and not autocommitted:
+            connection.on_commit(self._committed)
+        try:
+            result = execute(sql, params, many, context)
+        except (OperationalError, InterfaceError):
+            # An autocommitted write whose answer was lost may have been committed all the same.
+            self.wrote = self.wrote or autocommitted
+            if not self.lost and not self.wrote and (connection.connection is None or not connection.is_usable()):
+                self.lost = True
+            raise
+        if autocommitted and context["cursor"].rowcount != 0:  # (an UPDATE that matched no row wrote nothing)
+            self.wrote = True
+        return result
+
+    def _committed(self) -> None:
+        self.wrote = True
+
+    @property
+    def retry_safe(self) -> bool:
+        return self.lost and not self.wrote
+
+
+def _keep_body(request) -> bool:
+    """Read the body now (bounded by BodySizeLimitMiddleware), so that a second run can read it again."""
+    try:
+        request.body  # noqa: B018
+    except Exception:  # a body Django will not read: the view answers for it, and there is no second run
+        return False
+    return True
+
+
 class DatabaseUnavailableMiddleware:
-    """503 with Retry-After for a request whose database connection was lost (see the module's text)."""
+    """503 with Retry-After for a request whose database connection was lost (see the module's text),
+    after one more run on a fresh connection when the connection died before the request had
+    written anything (a read, or a write whose transaction never committed)."""
 
     def __init__(self, get_response):
         self.get_response = get_response
 
     def __call__(self, request):
-        response = self.get_response(request)
+        replayable = _keep_body(request)
+        watch = _Watch()
+        with contextlib.ExitStack() as stack:
+            for conn in connections.all():
+                stack.enter_context(conn.execute_wrapper(watch))
+            response = self.get_response(request)
+        if response.status_code in (500, 503) and replayable and watch.retry_safe:
+            logger.warning("Database connection lost serving %s %s before it wrote anything; running it again "
+                           "on a fresh connection", request.method, request.path)
+            _close_broken()
+            if hasattr(request, _MARK):
+                delattr(request, _MARK)
+            response = self.get_response(request)
         if response.status_code == 500 and getattr(request, _MARK, False):
             _close_broken()
             return unavailable(request)
