@@ -4,7 +4,7 @@
 from django.contrib import admin
 
 from common.admin import ReadOnlyAdmin
-from runners.jobs.models import Checkpoint, IdempotencyKey, Job, JobAttempt, JobEvent, JobMetric, ReconcileLease
+from runners.jobs.models import Checkpoint, IdempotencyKey, Job, JobAttempt, JobEvent, JobMetric
 
 
 class JobAttemptInline(admin.TabularInline):
@@ -62,8 +62,3 @@ class JobEventAdmin(ReadOnlyAdmin):
 class IdempotencyKeyAdmin(ReadOnlyAdmin):
     list_display = ["key", "user", "job", "created_at"]
     search_fields = ["key"]
-
-
-@admin.register(ReconcileLease)
-class ReconcileLeaseAdmin(ReadOnlyAdmin):
-    list_display = ["id", "until"]

@@ -229,10 +229,3 @@ class JobEvent(models.Model):
     class Meta:
         db_table = "runners_jobevent"  # the table kept its name when the model moved here
         ordering = ["job_id", "at", "id"]
-
-
-class ReconcileLease(models.Model):
-    """One row: the reconcile's one-pass-at-a-time lease on databases without advisory locks
-    (PostgreSQL uses pg_try_advisory_lock instead)."""
-
-    until = models.DateTimeField(null=True, blank=True)

@@ -33,7 +33,6 @@ from runners.jobs.models import (
     Job,
     JobAttempt,
     JobState,
-    ReconcileLease,
 )
 from runners.jobs.services import transition
 
@@ -66,27 +65,14 @@ def _unlock() -> None:
 @contextlib.contextmanager
 def _one_pass_at_a_time():
     """True while this process holds the cluster-wide reconcile lock; False when another pass runs."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", [RECONCILE_LOCK_KEY])
-            held = cursor.fetchone()[0]
-        try:
-            yield held
-        finally:
-            if held:
-                _unlock()
-        return
-    # Elsewhere (the SQLite default) a lease on the one ReconcileLease row, taken by a conditional update.
-    ReconcileLease.objects.get_or_create(id=1)
-    now = timezone.now()
-    held = bool(ReconcileLease.objects.filter(id=1).filter(
-        Q(until__isnull=True) | Q(until__lt=now)
-    ).update(until=now + timezone.timedelta(seconds=60)))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [RECONCILE_LOCK_KEY])
+        held = cursor.fetchone()[0]
     try:
         yield held
     finally:
         if held:
-            ReconcileLease.objects.filter(id=1).update(until=None)
+            _unlock()
 
 
 def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:

@@ -370,18 +370,14 @@ def _json_value(value):
 
 
 def rows_insert(model, objects: list) -> None:
-    """INSERT these new rows of the jobs app (jobs' events, attempts): on PostgreSQL a statement per
-    20,000, the rows as one JSON parameter (jsonb_to_recordset); elsewhere bulk_create. The fields are
-    filled as bulk_create fills them (`pre_save`: an auto_now_add time is set on the instance). No ids
+    """INSERT these new rows of the jobs app (jobs' events, attempts): a statement per 20,000, the rows
+    as one JSON parameter (jsonb_to_recordset). The fields are filled as bulk_create fills them (`pre_save`: an auto_now_add time is set on the instance). No ids
     come back.
 
     bulk_create builds and binds a parameter per field and row, which cost seconds for the
     10,000 attempts and events of one cycle on a large cluster.
     """
     if not objects:
-        return
-    if connection.vendor != "postgresql":
-        model.objects.bulk_create(objects, batch_size=1000)
         return
     fields = [column for column in model._meta.concrete_fields if not column.primary_key]
     _json_safe(fields)
@@ -402,25 +398,17 @@ def rows_insert(model, objects: list) -> None:
 
 def job_rows_update(jobs: list[Job], fields: list[str], *, only_in_state: str | None = None,
                     skip_locked: bool = False) -> None:
-    """Write these fields of many jobs: on PostgreSQL one statement per 20,000, the rows as one JSON
-    parameter; elsewhere bulk_update.
+    """Write these fields of many jobs: one statement per 20,000, the rows as one JSON parameter.
 
     ``only_in_state``: leave alone a job that has meanwhile left that state (say, a waiting job
     cancelled while the cycle ran: its reason must stay the cancel's). ``skip_locked``: leave
-    alone, and never wait for, a row another transaction holds (PostgreSQL), for writes that the
+    alone, and never wait for, a row another transaction holds, for writes that the
     next cycle makes again anyway; the rows written are locked in id order.
 
     Django's bulk_update builds a CASE per field and row, and UPDATE ... FROM VALUES a parameter per
     field and job: a cycle that re-explains 100,000 waiting jobs spent seconds building either.
     """
     if not jobs:
-        return
-    if connection.vendor != "postgresql":
-        if only_in_state is not None:
-            current = set(Job.objects.filter(id__in=[job.id for job in jobs], state=only_in_state)
-                          .values_list("id", flat=True))
-            jobs = [job for job in jobs if job.id in current]
-        Job.objects.bulk_update(jobs, fields, batch_size=500)
         return
     columns = [Job._meta.get_field(name) for name in fields]
     _json_safe(columns)

@@ -1,10 +1,8 @@
 """The scheduler cycle: one transaction that snapshots the queue, quotas and inventory, asks the pure
 scheduler, and writes every decision.
 
-- One cycle at a time, cluster-wide: a transaction-level advisory lock on PostgreSQL; elsewhere
-  (the SQLite default) the first statement is an UPDATE of the SchedulerCycle row, which takes
-  the database's write lock. A cycle that waits for the lock runs after the first commits and
-  sees its admissions, so the same capacity is never admitted twice. The beat's periodic cycle
+- One cycle at a time, cluster-wide: a transaction-level advisory lock. A cycle that waits for
+  the lock runs after the first commits and sees its admissions, so the same capacity is never admitted twice. The beat's periodic cycle
   does not wait: it tries the lock and, when another cycle holds it, skips (logged, and the task
   says so); the next period's cycle does the same work. So two beats, or many workers, never
   line up behind one slow cycle. A kick (a submit, a finish) waits, since the cycle running may
@@ -76,14 +74,13 @@ def _lock(*, wait: bool = True, unless_ran_since: float | None = None) -> str:
     or why it does not: "busy" (``wait`` False and another cycle holds the lock) or "ran" (once the
     lock is ours, a cycle that started at or after ``unless_ran_since`` had committed meanwhile).
     """
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            if wait:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
-            else:
-                cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
-                if not cursor.fetchone()[0]:
-                    return "busy"
+    with connection.cursor() as cursor:
+        if wait:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+        else:
+            cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [CYCLE_LOCK_KEY])
+            if not cursor.fetchone()[0]:
+                return "busy"
     if unless_ran_since is not None and cycle_ran_since(unless_ran_since):
         return "ran"
     SchedulerCycle.objects.get_or_create(id=1)

@@ -222,7 +222,7 @@ def test_make_run_on_a_fresh_checkout_serves_every_page_to_every_persona(portal,
         missing = {path for path in must_see.get(username, ()) if seen.get(path) != 200}
         assert missing == set(), f"{username} did not reach {missing} (seen: {sorted(seen)})"
 
-    # The API as alice: usage in JSON and CSV (these answered 500 on the SQLite make run).
+    # The API as alice: usage in JSON and CSV (these answered 500 when make run had its own database engine).
     assert alice.get(f"{base}/api/v1/usage/?group_by=tenant,day", timeout=60).status_code == 200
     assert alice.get(f"{base}/api/v1/usage/?group_by=job&format=csv", timeout=60).status_code == 200
 
