@@ -1,6 +1,6 @@
 """The login throttle holds when several gunicorn workers serve the portal, as `make run` does.
 
-Its counters live in Django's cache; when that was ``locmem://`` (the default then) each worker
+Its counters live in Django's cache; when that was a per-process memory cache (the default then) each worker
 process counted alone, and wrong passwords spread over the workers were never throttled. The
 gunicorn here runs with CACHE_URL unset, as `make run` does, so the default is what is tested: the
 cache is the broker's Redis (a Redis of the test's own), one store for every worker.

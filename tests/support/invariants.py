@@ -2,7 +2,7 @@
 
 ``check(backend)`` returns the violations it finds (an empty list when every rule holds); each
 message names the job, attempt, tenant, flavor or GPU it is about. The database is read in one
-REPEATABLE READ snapshot (on PostgreSQL), so rows written while the check runs cannot make two of
+REPEATABLE READ snapshot, so rows written while the check runs cannot make two of
 its reads disagree; the backend is read after it, and only for attempts that ended long enough
 ago that no write in flight can explain what it shows.
 
@@ -94,9 +94,8 @@ class _Snapshot:
 
 def _read(horizon_s: float) -> _Snapshot:
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         now = timezone.now()
         jobs = {job.id: job for job in Job.objects.exclude(state__in=JOB_FINAL_STATES).select_related("tenant", "flavor")}
         open_attempts: dict[int, list[JobAttempt]] = defaultdict(list)
@@ -369,7 +368,7 @@ def check_ledger() -> list[str]:
 
     nested = connection.in_atomic_block  # a test's own transaction: its view is one already
     with transaction.atomic():
-        if connection.vendor == "postgresql" and not nested:
+        if not nested:
             with connection.cursor() as cursor:
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         now = timezone.now()
