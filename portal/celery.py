@@ -1,10 +1,11 @@
 """The Celery application; configuration comes from Django settings (CELERY_*)."""
 
 import contextlib
+import logging
 import os
 
 from celery import Celery
-from celery.signals import task_failure
+from celery.signals import beat_init, task_failure
 from celery.utils.threads import bound_open_broker_sockets
 from celery.worker.consumer import Consumer
 from celery.worker.consumer.consumer import COLLECT_SOCKET_TIMEOUT
@@ -41,8 +42,57 @@ class PortalConsumer(Consumer):
                 channel._brpop_read()
         super().on_connection_error_after_connected(exc)
 
+    def ensure_connected(self, conn):
+        """Connect to the broker, trying again every BROKER_RECONNECT_INTERVAL_S for as long as it takes.
+
+        Celery's own waits grow by 2 s a try (2, 4, 6 ... up to 30 s): a worker whose broker was
+        down for 13 s came back 7 s after it, behind the beat's messages sent meanwhile. (Its
+        broker_connection_max_retries, 100 tries, would be under two minutes at this pace: a worker
+        keeps trying instead, as the beat and the web processes do.)
+        """
+        ensure = conn.ensure_connection
+
+        def steady(errback=None, max_retries=None, **kwargs):
+            return ensure(errback, None, interval_start=BROKER_RECONNECT_INTERVAL_S, interval_step=0,
+                          interval_max=BROKER_RECONNECT_INTERVAL_S, **kwargs)
+
+        conn.ensure_connection = steady  # for this call only
+        try:
+            return super().ensure_connected(conn)
+        finally:
+            del conn.ensure_connection
+
+
+# How often a worker that lost the broker tries it again.
+BROKER_RECONNECT_INTERVAL_S = 1
+
 
 app.conf.worker_consumer = f"{__name__}:PortalConsumer"
+
+
+class OneLineSendErrors(logging.Filter):
+    """The beat's "Message Error" (a due task it could not send) as one line: the error, no traceback.
+
+    Celery logs the whole stack and the exception's traceback with it; rendered with its locals
+    that came to thousands of lines per failed send, written while the broker was down, every
+    period, by the one process that sends the periodic work.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Message Error:") and record.args:
+            record.msg, record.args = "Message Error: %s (the beat sends it again next period)", (record.args[0],)
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def _one_line_send_errors(**kwargs) -> None:
+    beat_logger = logging.getLogger("celery.beat")
+    if not any(isinstance(existing, OneLineSendErrors) for existing in beat_logger.filters):
+        beat_logger.addFilter(OneLineSendErrors())
+
+
+_one_line_send_errors()
+beat_init.connect(_one_line_send_errors, weak=False)  # again once logging is set up (LOGGING may replace it)
 
 
 @task_failure.connect
