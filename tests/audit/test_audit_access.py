@@ -12,7 +12,7 @@ from audit.models import AppendOnlyError, AuditEntry
 from audit.services import SCHEDULER, record
 from tenants.models import Membership, Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from runners.scheduling import services as scheduling
 from tenants.models import Membership, TokenInfo
 from tests.support.jobs import give_quota, job_data, play_launch, submit
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 class Trail:

@@ -18,6 +18,8 @@ from runners.nvidia import names
 from tests.support.k8s import gpu_node
 from tests.support.prometheus import DcgmDevice, DcgmExporter, running_prometheus
 
+pytestmark = pytest.mark.e2e
+
 NAMESPACE = "acme-train"
 OTHER_NAMESPACE = "globex-train"
 

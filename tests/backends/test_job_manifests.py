@@ -16,6 +16,8 @@ from runners.backends.job_manifests import (
 )
 from runners.nvidia import names
 
+pytestmark = pytest.mark.unit
+
 KUBERNETES_VERSIONS = ("1.30.0", latest_version())
 OPTIONS = dict(trainer_image="registry.example/portal/trainer:1", scheduler_name="gpu-portal", grace_period_s=120)
 

@@ -1,8 +1,12 @@
 """Reading the inventory from Kubernetes Node objects and GPU feature discovery labels."""
 
+import pytest
+
 from runners.backends.k8s_inventory import node_info as _node_info
 from runners.backends.k8s_inventory import parse_quantity_mib, parse_quantity_milli
 from runners.clusters.registry import kubernetes_backend_options
+
+pytestmark = pytest.mark.unit
 
 
 def node_info(node: dict):

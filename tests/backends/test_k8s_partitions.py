@@ -1,9 +1,12 @@
 """The GPU Operator side of a partition change: labels, ConfigMap entries, and when it is done."""
 
+import pytest
 import yaml
 
 from runners.backends.base import PartitionSpec
 from runners.backends.k8s_partitions import partition_done, partition_failed, partition_request
+
+pytestmark = pytest.mark.unit
 
 MIG = PartitionSpec(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig", layout=("4g.40gb", "3g.40gb"))
 SHARED = PartitionSpec(name="t4-share-4", gpu_model="T4", kind="timeslice", replicas=4)

@@ -25,6 +25,8 @@ from runners.clusters.registry import kubernetes_backend_options
 from tests.support.k8s import kubectl, make_spec, portal_kubeconfig, portal_pod
 from tests.support.k8s_standin import KubernetesStandIn
 
+pytestmark = pytest.mark.e2e
+
 KUBERNETES_VERSIONS = ("1.30.0", latest_version())
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 ACCOUNTS = "gpu-portal-members"  # KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE's default

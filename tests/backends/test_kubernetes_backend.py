@@ -14,6 +14,8 @@ from runners.clusters.registry import kubernetes_backend_from_settings, kubernet
 from tests.support.k8s import client_for, make_spec
 from tests.support.k8s_standin import APPLY_PATCH, KubernetesStandIn
 
+pytestmark = pytest.mark.e2e
+
 PLURALS = {
     "Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "ResourceQuota": "resourcequotas",
     "LimitRange": "limitranges", "NetworkPolicy": "networkpolicies", "Role": "roles", "RoleBinding": "rolebindings",

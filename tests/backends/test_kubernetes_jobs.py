@@ -23,6 +23,8 @@ from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
 from tests.support.k8s import gpu_node, training_pod
 from tests.support.k8s_standin import KubernetesStandIn
 
+pytestmark = pytest.mark.e2e
+
 NAMESPACE = "acme-train"
 PLACEMENT = {0: "gpu-b", 1: "gpu-a", 2: "gpu-b"}
 

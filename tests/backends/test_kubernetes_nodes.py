@@ -7,6 +7,8 @@ from runners.backends.base import PartitionSpec, PermanentBackendError
 from tests.support.k8s import gpu_node, portal_pod
 from tests.support.k8s_standin import DEVICE_PLUGIN_CONFIG_MAP, GPU_OPERATOR_NAMESPACE, MIG_PARTED_CONFIG_MAP
 
+pytestmark = pytest.mark.e2e
+
 MIG = PartitionSpec(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig", layout=("4g.40gb", "3g.40gb"))
 SHARED = PartitionSpec(name="h100-share-4", gpu_model="H100-80GB", kind="timeslice", replicas=4)
 

@@ -17,6 +17,8 @@ from runners.nvidia import names
 from tests.support.k8s import gpu_node
 from tests.support.k8s_standin import KubernetesStandIn
 
+pytestmark = pytest.mark.e2e
+
 NAMESPACE = "acme-serve"
 
 

@@ -23,6 +23,8 @@ from runners.nvidia import names
 from runners.workloads import activity, progress, supervise
 from tests.backends.test_local_jobs import exited, make_launch, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def backend(tmp_path) -> LocalBackend:

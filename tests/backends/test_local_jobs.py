@@ -24,6 +24,8 @@ from runners.nvidia import names
 from runners.workloads import progress, supervise
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 
+pytestmark = pytest.mark.e2e
+
 MIB = 1024 * 1024
 
 

@@ -16,6 +16,8 @@ from runners.backends.manifests import (
 )
 from tests.support.k8s import make_spec
 
+pytestmark = pytest.mark.unit
+
 # The oldest Kubernetes the portal supports, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.30.0", latest_version())
 

@@ -16,6 +16,8 @@ from runners.backends.serve_manifests import (
 )
 from runners.nvidia import names
 
+pytestmark = pytest.mark.unit
+
 KUBERNETES_VERSIONS = ("1.30.0", latest_version())
 OPTIONS = dict(server_image="registry.example/portal/portal:1", scheduler_name="gpu-portal")
 

@@ -6,6 +6,8 @@ import pytest
 
 from runners.backends.cluster_file import ClusterFileError, load_cluster_file
 
+pytestmark = pytest.mark.unit
+
 OPENB_NODES = Path(__file__).resolve().parents[1] / "data" / "openb" / "openb_node_list_gpu_node.csv"
 
 

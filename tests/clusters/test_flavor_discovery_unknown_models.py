@@ -6,6 +6,8 @@ from quotas.models import ResourceFlavor
 from runners.clusters.models import Gpu
 from runners.clusters.services import flavors_discover, inventory_sync
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.django_db
 def test_discovery_skips_an_unknown_model_and_still_names_the_rest(settings, tmp_path, caplog):

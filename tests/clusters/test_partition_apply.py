@@ -10,7 +10,7 @@ from runners.clusters.models import Gpu, Node, NodePool, PartitionChange, Partit
 from runners.clusters.registry import get_backend
 from tests.support.partitions import drive_partition_change
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

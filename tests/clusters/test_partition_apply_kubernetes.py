@@ -7,7 +7,7 @@ from runners.clusters.models import Node, NodePool, PartitionChange, PartitionPr
 from tests.support.k8s import gpu_node, portal_pod
 from tests.support.partitions import drive_partition_change
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ from runners.clusters.models import Node, NodePool, PartitionChange, PartitionPr
 from runners.clusters.registry import get_backend
 from tests.support.worker import wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def h100_mig(db):

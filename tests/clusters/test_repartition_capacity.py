@@ -6,7 +6,7 @@ from quotas.models import GuaranteeReduction, Quota, ResourceFlavor
 from runners.clusters.models import NodePool, PartitionChange
 from tests.support.partitions import drive_partition_change
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 # One 3g.40gb and two 2g.20gb per H100: the 16 whole H100s of the demo cluster become 48 slices.
 LAYOUT = ["3g.40gb", "2g.20gb", "2g.20gb"]

@@ -16,7 +16,7 @@ from runners.environments import services as environments
 from runners.environments.models import Environment
 from tenants import services
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

@@ -30,6 +30,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("default", "production")
 # The oldest Kubernetes the manifests promise to work on, and the newest schema available.

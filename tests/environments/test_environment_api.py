@@ -4,7 +4,7 @@ import pytest
 
 from runners.environments.models import Environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 def test_a_member_requests_an_environment(client_for, teammate, tenant, django_capture_on_commit_callbacks):

@@ -20,7 +20,7 @@ from tests.support.jobs import ready_environment
 from tests.support.k8s import kubectl, portal_kubeconfig, portal_on_standin, portal_pod
 from tests.support.worker import wait_for
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 UNAUTHORIZED = "You must be logged in to the server"
 

@@ -12,7 +12,7 @@ from tenants import services
 from tenants.models import Membership
 from tests.support.backends import FailingBackend, SomethingHappensWhileBuilding, use_backend
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

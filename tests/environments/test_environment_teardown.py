@@ -7,6 +7,8 @@ from runners.environments.models import Environment
 from runners.environments.tasks import teardown_countdown_s
 from tests.support.worker import wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 def _deletes(standin, namespace):
     return [r for r in standin.requests if r.method == "DELETE" and r.path == f"/api/v1/namespaces/{namespace}"]

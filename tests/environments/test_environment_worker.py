@@ -7,7 +7,7 @@ import pytest
 from runners.environments.models import Environment
 from tests.support.worker import wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
 def _state(environment_id):

@@ -14,7 +14,7 @@ from portal.db_errors import RETRY_AFTER_S
 from runners.environments import selectors as environment_selectors
 from tests.faults import support
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 def _lose_the_connection() -> None:

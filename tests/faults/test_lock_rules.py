@@ -20,7 +20,7 @@ from runners.scheduling.models import SchedulerCycle
 from runners.scheduling.services import CYCLE_LOCK_KEY
 from tests.faults import support
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 
 def _runs() -> int:

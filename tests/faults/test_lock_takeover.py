@@ -30,7 +30,7 @@ from tests.support import invariants
 from tests.support.jobs import job_data
 from tests.support.worker import WorkerProcess, wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 PERIOD_S = 1
 

@@ -23,7 +23,7 @@ from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, give_quota
 from tests.support.worker import WorkerProcess, wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
 def test_the_broker_lost_and_back_loses_nothing_and_doubles_nothing(settings, tmp_path, tenant, owner):

@@ -34,6 +34,8 @@ from tests.support import invariants
 from tests.support.jobs import give_quota, job_data, submit
 from tests.support.worker import WorkerProcess, wait_for
 
+pytestmark = pytest.mark.e2e
+
 RAW_OLD = 6  # raw samples aged past retention, in one 5-minute bucket
 
 

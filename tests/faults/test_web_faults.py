@@ -32,7 +32,7 @@ from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 from tests.support.worker import purge_queue
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 RUN_S = 10
 

@@ -22,7 +22,7 @@ from tests.support.jobs import demo_with_jobs
 
 axe_playwright = pytest.importorskip("axe_playwright_python.sync_playwright")
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 # The axe-core `make install` takes from the npm registry (pinned there); without it, the older one
 # axe-playwright-python bundles.

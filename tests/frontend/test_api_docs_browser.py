@@ -5,7 +5,7 @@ import pytest
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def test_api_docs_render_with_nothing_but_the_portal_reachable(page, live_server, screenshot_dir):

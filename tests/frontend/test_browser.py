@@ -13,7 +13,7 @@ from tests.frontend.conftest import mark_loaded as _mark_loaded
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 @pytest.fixture
 def provisioning_worker(settings, celery_worker_factory):

@@ -16,7 +16,7 @@ from runners.scheduling import services as scheduling
 from tenants.models import Tenant
 from tests.support.jobs import give_quota, play_launch, submit
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 STAFF_PAGES = ["/cockpit/", "/cockpit/live/", "/queue/", "/queue/live/", "/cockpit/tenants/new/", "/flavors/"]
 

@@ -8,7 +8,7 @@ from tenants.models import Tenant
 from tests.support.crawl import crawl
 from tests.support.jobs import demo_with_jobs
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

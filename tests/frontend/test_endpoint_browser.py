@@ -17,7 +17,7 @@ from tests.support.worker import wait_for
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 TRAIN_TIMEOUT_S = 180
 READY_TIMEOUT_MS = 120_000

@@ -12,7 +12,7 @@ from runners.scheduling import services as scheduling
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from runners.environments.models import Environment
 from tests.support.jobs import give_quota, job_data
 from tests.support.k8s import portal_on_standin
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 def page_of(client, user, environment):

@@ -13,7 +13,7 @@ playwright_sync = pytest.importorskip("playwright.sync_api")
 axe_playwright = pytest.importorskip("axe_playwright_python.sync_playwright")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def _serious(page) -> list[str]:

@@ -11,7 +11,7 @@ from runners.jobs.models import Job
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 SUMMARY = re.compile(r'<div class="error-summary"[^>]*data-testid="error-summary">(.*?)</div>', re.S)
 

@@ -9,7 +9,7 @@ from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_envi
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 RUN_TIMEOUT_MS = 90_000
 

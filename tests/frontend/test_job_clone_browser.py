@@ -13,7 +13,7 @@ from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 RUN_TIMEOUT_MS = 90_000
 AT_BOTTOM = "el => el.scrollHeight > el.clientHeight && el.scrollTop + el.clientHeight >= el.scrollHeight - 2"

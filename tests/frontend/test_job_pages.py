@@ -5,7 +5,7 @@ import pytest
 from runners.jobs.models import Job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from runners.jobs.models import Job, JobAttempt
 from runners.scheduling import services as scheduling
 from tests.support.jobs import give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 METRIC = 'PORTAL_METRIC {"step": 3, "loss": 2.5}'
 CHECKPOINT = 'PORTAL_CHECKPOINT {"step": 3, "uri": "step-3.pt"}'

@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 
 from tests.conftest import PASSWORD
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,7 @@ from tests.support.worker import wait_for
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
 def test_an_owner_adds_a_webhook_and_a_finished_job_is_delivered_signed_and_logged(

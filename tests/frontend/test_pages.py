@@ -8,6 +8,8 @@ from runners.environments.models import Environment, EnvironmentState
 from tenants.models import Membership
 from tests.conftest import PASSWORD
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def environment(owner, tenant):

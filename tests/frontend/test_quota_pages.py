@@ -9,7 +9,7 @@ from quotas.models import PriceCard, Quota
 from runners.clusters.models import NodePool, PartitionChange, PartitionProfile
 from runners.clusters.registry import get_backend
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

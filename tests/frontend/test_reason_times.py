@@ -7,6 +7,8 @@ import pytest
 
 from frontend.templatetags.reasons import moment
 
+pytestmark = pytest.mark.unit
+
 NOW = datetime(2026, 12, 4, 13, 45, tzinfo=dt_timezone.utc)
 
 

@@ -8,7 +8,7 @@ from tests.frontend.test_usage_pages import RANGE, idle_job, scenario  # noqa: F
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
 
-pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def _drawn(chart) -> int:

@@ -30,7 +30,7 @@ from tenants.models import Membership
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 DAY = datetime(2026, 11, 2, tzinfo=UTC)
 NOVEMBER = {"start": date(2026, 11, 1), "end": date(2026, 11, 30)}

@@ -1,6 +1,10 @@
 """The autoscaler's rule on its own: out on sustained load, in only after a quiet window, warm on top, zero when idle."""
 
+import pytest
+
 from runners.inference.autoscale import Bounds, Load, Policy, decide
+
+pytestmark = pytest.mark.unit
 
 POLICY = Policy(target_inflight=8, scale_in_after_s=30, idle_after_s=120)
 

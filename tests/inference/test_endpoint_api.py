@@ -6,7 +6,7 @@ from runners.inference.models import InferenceEndpoint
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

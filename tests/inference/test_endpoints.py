@@ -13,7 +13,7 @@ from runners.jobs.models import Job
 from tests.support.endpoints import drive, ready_count, trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pytest
 from runners.jobs.models import Job, JobEvent
 from tests.support.jobs import give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

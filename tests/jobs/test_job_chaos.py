@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.chaos import FACTORY_QUICK, ChaosRun, ChaosSettings, StandInCluster, Workers
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 SEED = int(os.environ.get("CHAOS_SEED", "20261"))
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))

@@ -28,6 +28,8 @@ from runners.scheduling import services as scheduling
 from tests.support.backends import Faulty, use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
+pytestmark = pytest.mark.integration
+
 ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
 
 # Every call the ClusterBackend protocol has for jobs (runners/backends/base.py).

@@ -17,7 +17,7 @@ from runners.workloads.progress import CHECKPOINT_TAG, tagged_line
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 from tests.support.k8s import gpu_node
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from runners.jobs.models import Job, JobState
 from runners.scheduling import services as scheduling
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from tests.support.backends import use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 CLIENTS = int(os.environ.get("LOAD_CLIENTS", "8"))
 JOBS_PER_CLIENT = int(os.environ.get("LOAD_JOBS_PER_CLIENT", "10"))

@@ -39,6 +39,8 @@ from tests.support.backends import Faulty, Gate, Gated, use_backend
 from tests.support.jobs import give_quota, job_data, ready_environment, submit
 from tests.support.partitions import drive_partition_change
 
+pytestmark = pytest.mark.e2e
+
 ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
 # A trainer that keeps running until it is stopped (the conftest kills what a test leaves).
 LONG = {"steps": 1_000_000, "checkpoint_every_steps": 0, "max_runtime_s": 3600}

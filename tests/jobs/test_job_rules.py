@@ -13,7 +13,7 @@ from runners.jobs.models import Checkpoint, Job, JobAttempt, JobMetric
 from runners.scheduling import services as scheduling
 from tests.support.jobs import give_quota, job_data, ready_environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

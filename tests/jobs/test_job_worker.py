@@ -15,7 +15,7 @@ from runners.jobs.models import Job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for as _wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 WORKER = dict(beat=True, SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1)
 

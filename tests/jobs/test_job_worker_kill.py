@@ -28,7 +28,7 @@ from tests.support.chaos import FACTORY_QUICK
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import WorkerProcess, wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 DEFAULT_LEASE_S = 15
 

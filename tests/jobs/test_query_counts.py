@@ -20,7 +20,7 @@ from runners.jobs.models import Checkpoint, Job, JobAttempt, JobEvent
 from tenants.models import Membership, Tenant
 from tests.support.jobs import give_quota, job_data
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 ROWS = 25
 TOKEN_QUERIES = 3

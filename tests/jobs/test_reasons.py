@@ -18,7 +18,7 @@ from runners.jobs.models import Job
 from runners.scheduling import services as scheduling
 from tests.support.jobs import give_quota, play_launch, submit
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 # "t=1796324575s" as the scheduler used to print its clock, or a bare epoch in seconds.
 EPOCH = re.compile(r"\bt=\d+(\.\d+)?s\b|\b1[5-9]\d{8}\b")

@@ -5,7 +5,7 @@ import pytest
 from runners.notifications import services
 from runners.notifications.models import Delivery, Event, Preference, Webhook
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 HOOK = "https://hooks.example.test/portal"
 

@@ -23,7 +23,7 @@ from tests.notifications import test_events
 from tests.notifications.hooks import HookReceiver, RawServer, signed_by
 from tests.notifications.test_events import _end
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 # The same fixtures as the events' tests: members with addresses, and a job submitted and admitted.
 addresses = test_events.addresses

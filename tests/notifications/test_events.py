@@ -22,7 +22,7 @@ from tests.notifications.hooks import HookReceiver, signed_by
 from tests.support.backends import use_backend
 from tests.support.jobs import give_quota, job_data
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from tests.support.backends import use_backend
 from tests.support.jobs import give_quota, job_data
 from tests.support.worker import wait_for
 
-pytestmark = [pytest.mark.worker, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 BACKOFF_S = 0.4
 

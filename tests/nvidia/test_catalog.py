@@ -12,6 +12,8 @@ from runners.nvidia.catalog import (
 )
 from runners.nvidia.mig import LayoutError, MigNotSupportedError, UnknownGpuModelError
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_catalog_builds_on_the_geometry_without_re_exporting_it():
     assert "fit_layout" not in catalog.__all__ and "GPU_MODELS" not in catalog.__all__

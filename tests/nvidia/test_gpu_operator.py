@@ -21,6 +21,8 @@ from runners.nvidia.gpu_operator import (
 )
 from runners.nvidia.names import DEFAULT_MIG_PARTED_CONFIG_MAP
 
+pytestmark = pytest.mark.unit
+
 # NVIDIA/mig-parted examples/config.yaml, verbatim.
 MIG_PARTED_EXAMPLE = """
 version: v1

@@ -19,6 +19,8 @@ from runners.nvidia.mig import (
     valid_placement,
 )
 
+pytestmark = pytest.mark.unit
+
 # NVIDIA's tables, written out here independently of the module under test.
 # `nvidia-smi mig -lgipp` on A100/H100 (MIG User Guide), one line per profile ID:
 #   19 {0,1,2,3,4,5,6}:1   20 {0,1,2,3,4,5,6}:1   15 {0,2,4,6}:2   14 {0,2,4}:2

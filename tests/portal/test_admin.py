@@ -8,7 +8,7 @@ from django.test import Client
 
 from tests.support.jobs import demo_with_jobs
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 PORTAL_APPS = {"tenants", "quotas", "clusters", "environments", "jobs", "scheduling"}
 

@@ -8,7 +8,7 @@ from runners.environments import services as environments
 from runners.environments.models import Environment
 from tests.support.worker import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 UNREACHABLE = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there
 

@@ -7,7 +7,7 @@ from django.conf import settings
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.mark.parametrize("path", ["/login/", "/api/v1/flavors/", "/api/docs/", "/healthz"])

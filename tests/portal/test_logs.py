@@ -19,7 +19,7 @@ from runners.environments.models import Environment
 from tests.conftest import REPO
 from tests.support.worker import wait_for
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ from runners.scheduling import services as scheduling
 from tests.support.jobs import give_quota, submit
 from tests.support.worker import wait_for
 
+pytestmark = pytest.mark.e2e
+
 UNREACHABLE = "redis://127.0.0.1:9/0"  # the discard port: nothing listens there
 SCRAPE_TOKEN = "scrape-token-for-the-metrics-tests"
 

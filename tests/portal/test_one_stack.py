@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 OTHER_STACKS = re.compile(r"sqlite|filesystem://|locmem://|connection\.vendor|\.vendor\s*[!=]=", re.IGNORECASE)

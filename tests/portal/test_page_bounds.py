@@ -15,7 +15,7 @@ from common.pagination import MAX_PAGE_SIZE, PageNumberPagination
 from runners.notifications.models import Webhook
 from tenants.models import Membership, Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 # GET operations that answer a bare array, and what bounds it. A new one fails the test below: paginate it
 # (a ListModelMixin or GenericViewSet list gets the default pagination), or add it here with its bound.

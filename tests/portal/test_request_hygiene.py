@@ -19,7 +19,7 @@ from quotas.models import Quota
 from runners.clusters.models import NodePool, PartitionProfile
 from runners.environments.models import Environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 DEEP = "[" * 1000 + "]" * 1000
 

@@ -43,6 +43,8 @@ from schemathesis.specs.openapi.checks import (
 
 from portal.wsgi import application
 
+pytestmark = pytest.mark.integration
+
 SEED = int(os.environ.get("SCHEMATHESIS_SEED", "20260101"))
 # The short form `make test` runs; the long form is the same test with more examples and another seed:
 #   SCHEMATHESIS_MAX_EXAMPLES=500 SCHEMATHESIS_SEED=7 make test PYTEST_ARGS=tests/portal/test_schemathesis.py

@@ -21,6 +21,8 @@ from portal import health
 from tests.conftest import REPO
 from tests.support.worker import wait_for, worker_environment
 
+pytestmark = pytest.mark.e2e
+
 STATIC_FILE = "/static/frontend/portal.css"
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.e2e
+
 
 def _manage(*args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "SECRET_KEY", "ALLOWED_HOSTS")}

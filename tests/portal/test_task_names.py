@@ -11,6 +11,8 @@ from django.conf import settings
 
 from portal.celery import app
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parent.parent.parent
 NAMES_FILE = REPO / "tests" / "data" / "task_names.txt"
 

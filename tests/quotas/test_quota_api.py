@@ -8,7 +8,7 @@ from quotas.models import Quota, ResourceFlavor
 from runners.clusters.models import PartitionProfile
 from runners.environments.models import Environment
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from runners.environments import services as environments
 from runners.environments.models import Environment
 from tests.support.k8s import gpu_node
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 
 def test_a_quota_change_reaches_each_environments_resource_quota(kubernetes_cluster, staff, owner, tenant, flavor_factory):

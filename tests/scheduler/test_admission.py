@@ -12,6 +12,8 @@ from runners.scheduler.admission.types import (
     TenantQuota,
 )
 
+pytestmark = pytest.mark.unit
+
 H100 = "H100-80GB"
 MIG = "H100-80GB/mig-1g.10gb"
 NOW_S = 1000.0

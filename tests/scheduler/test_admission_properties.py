@@ -8,6 +8,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,8 @@ from runners.scheduler.admission.types import (
     RunningWorkload,
     TenantQuota,
 )
+
+pytestmark = pytest.mark.e2e
 
 H100 = "H100-80GB"
 MIG = "H100-80GB/mig-1g.10gb"

@@ -16,6 +16,8 @@ from runners.scheduler.replay import replay
 from tests.scheduler.test_placement import _check_capacity, clusters, gangs
 from tests.scheduler.test_replay import OPENB
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -4,6 +4,8 @@ import pytest
 
 from runners.scheduler.fairshare import dominant_share, gang_order_key, weighted_dominant_share
 
+pytestmark = pytest.mark.unit
+
 H100 = "H100-80GB"
 MIG = "H100-80GB/mig-1g.10gb"
 

@@ -28,6 +28,8 @@ from runners.scheduler.policies import POLICY_NAMES
 from runners.scheduler.replay import replay
 from tests.scheduler.test_replay import OPENB
 
+pytestmark = pytest.mark.unit
+
 
 def _digest(value) -> str:
     """sha256 of a value's repr: ints, floats, strings, None and tuples of them print the same in every process."""

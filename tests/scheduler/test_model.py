@@ -8,6 +8,8 @@ from runners.scheduler.model import ClusterState, Gang, Gpu, MigInstance, Node, 
 from runners.scheduler.placement import place_gangs
 from runners.scheduler.policies import FragModel, make_policy, typical_pods
 
+pytestmark = pytest.mark.e2e
+
 
 def _cluster():
     return ClusterState(

@@ -12,6 +12,8 @@ from runners.scheduler.model import ClusterState, Gang, Gpu, MigInstance, Node, 
 from runners.scheduler.placement import place_gangs, place_pods
 from runners.scheduler.policies import POLICY_NAMES, FragModel, make_policy, typical_pods
 
+pytestmark = pytest.mark.e2e
+
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

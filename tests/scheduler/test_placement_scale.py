@@ -28,6 +28,8 @@ from runners.scheduler.model import (
 from runners.scheduler.placement import place_gangs
 from runners.scheduler.policies import make_policy, typical_pods
 
+pytestmark = pytest.mark.unit
+
 # --- Random clusters and gangs, larger than the property tests' -----------------------------------
 
 

@@ -11,6 +11,8 @@ import pytest
 from runners.scheduler.openb import TraceError, load_nodes, load_pods
 from runners.scheduler.replay import inflate, replay
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 # The part of Alibaba's openb trace these tests replay, shipped in the repository (see its README).
 OPENB = REPO / "tests" / "data" / "openb"

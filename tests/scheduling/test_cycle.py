@@ -12,6 +12,8 @@ from runners.scheduling import services as scheduling
 from runners.scheduling.models import SchedulerCycle
 from tests.support.jobs import give_quota, play_launch, submit
 
+pytestmark = pytest.mark.integration
+
 
 def _placed(job):
     return job.attempts.order_by("-number").first().placement

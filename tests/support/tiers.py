@@ -11,6 +11,8 @@ tests/test_tiers.py checks the files themselves.
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import sys
 import threading
 
@@ -70,6 +72,33 @@ def pytest_collection_modifyitems(config, items):
                                        item.get_closest_marker("django_db") is not None)
             found = [f"is marked {tiers[0]} but {what}: {_advice(tiers[0])}" for what in found]
         item.stash[_violations] = found
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under -m, skip importing a test file whose tier (read from its source) the expression rules out."""
+    expression = config.getoption("markexpr", "")
+    if not expression or not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
+        return None
+    try:
+        tiers, _ = declared_tiers(collection_path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if len(tiers) != 1 or _could_select(expression, tiers[0]):
+        return None
+    return True
+
+
+def _could_select(expression: str, tier: str) -> bool:
+    """Whether `-m expression` selects some test of a file in `tier`, whatever its other marks."""
+    from _pytest.mark.expression import Expression
+
+    compiled = Expression.compile(expression)
+    others = sorted(set(re.findall(r"[A-Za-z_][\w.]*", expression)) - {"and", "or", "not", *TIERS})
+    for chosen in itertools.product((False, True), repeat=len(others)):
+        marks = {name for name, on in zip(others, chosen) if on} | {tier}
+        if compiled.evaluate(lambda name, **kwargs: name in marks):
+            return True
+    return False
 
 
 class _Watch:

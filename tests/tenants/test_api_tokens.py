@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 from tenants.models import TokenInfo
 from tests.conftest import PASSWORD
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 def token_client(token: str) -> APIClient:

@@ -5,7 +5,7 @@ import pytest
 from runners.environments.models import Environment
 from tenants.models import Membership
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 
 from tenants.models import Membership, Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 def test_staff_create_tenants(client_for, staff):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from runners.environments.models import Environment
 from tenants.models import DNS_LABEL_RE, NAMESPACE_MAX, Membership, Tenant, environment_namespace
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 label = st.from_regex(DNS_LABEL_RE, fullmatch=True).filter(lambda s: len(s) <= 32)
 

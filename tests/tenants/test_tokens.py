@@ -9,7 +9,7 @@ from rest_framework.test import APIClient
 
 from tests.conftest import PASSWORD
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
 
 def test_it_issues_a_token_for_a_correct_password(owner):

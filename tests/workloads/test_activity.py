@@ -5,6 +5,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from runners.workloads.activity import (
     STALE_AFTER_S,
     ActivityMeter,
@@ -12,6 +14,8 @@ from runners.workloads.activity import (
     read_activity,
     trainer_activity_file,
 )
+
+pytestmark = pytest.mark.unit
 
 
 class Clock:

@@ -5,6 +5,8 @@ import pytest
 from runners.workloads import env_policy
 from runners.workloads.env_policy import REFUSED, refusal
 
+pytestmark = pytest.mark.unit
+
 # One name for every row of the table, each expected to be refused by that very row.
 EXAMPLES = {
     "TRAIN_*": "TRAIN_KEEP_CHECKPOINTS",

@@ -5,7 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runners.workloads import progress
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 

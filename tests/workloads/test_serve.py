@@ -20,6 +20,8 @@ from runners.workloads.progress import read_checkpoints
 from runners.workloads.serve import LISTENING_TAG, Engine, PrefixCache, Refused, Settings, check_request, load_model
 from runners.workloads.train import DEFAULT_CORPUS, CharModel, save_checkpoint
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 PRINTABLE = bytes(range(32, 127)) + b"\n"
 SYSTEM = b"You are the portal's assistant. Answer briefly and kindly. "  # 59 bytes, shared by many prompts

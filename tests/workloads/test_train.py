@@ -14,6 +14,8 @@ import pytest
 from runners.workloads import progress
 from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_FAILED, EXIT_OK
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[2]
 # What the launcher sets; cleared so that a developer's shell can't change what a test runs.
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PORTAL_ATTEMPT"}
