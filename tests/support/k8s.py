@@ -124,3 +124,28 @@ def training_pod(job_id: int, attempt: int, rank: int, node: str | None, namespa
         "spec": spec,
         "status": status,
     }
+
+
+def api_call(api, method: str, path: str, body: dict | None = None, *, content_type: str = "application/json",
+             token: str = "") -> tuple[int, dict | str]:
+    """One raw HTTP request to the stand-in: (status, the JSON body, or the text where it is not JSON)."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(api.url + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+    if body is not None:
+        request.add_header("Content-Type", content_type)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    context = ssl.create_default_context(cadata=api.ca_pem.decode()) if api.ca_pem else None
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=context) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, payload = error.code, error.read()
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, payload.decode()

@@ -220,7 +220,7 @@ class KubernetesStandIn:
     def __init__(
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
-        admin_tokens: Iterable[str] | None = None,
+        admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -254,6 +254,10 @@ class KubernetesStandIn:
         self._stopping_pods: dict[tuple[str, str], float] = {}
         self._job_indexes: dict[tuple[str, str], set[int]] = {}  # indexes the Job controller made a pod for
         self._job_done: dict[tuple[str, str], dict[int, str]] = {}
+        # StorageClasses with allowVolumeExpansion: a bound claim of another class cannot grow (403).
+        self.expandable_storage_classes: set[str | None] = set(expandable_storage_classes)
+        self._job_started: dict[tuple[str, str], float] = {}  # time.monotonic() the controller first saw the Job
+        self._job_expire_at: dict[tuple[str, str], float] = {}  # when the TTL controller deletes a finished Job
         self.requests: list[RecordedRequest] = []
         self.discovery_requests: list[RecordedRequest] = []
         self.faults: list[Fault] = []
@@ -565,6 +569,49 @@ class KubernetesStandIn:
         self._check_schema(obj)
         return metadata["name"]
 
+    def _check_update(self, resource, name: str, existing: dict, updated: dict) -> None:
+        """Update validation and admission for fields that cannot change, as the real server refuses them:
+        422 Invalid (FieldValueInvalid "field is immutable", FieldValueForbidden for a PVC's spec), or 403
+        from the PersistentVolumeClaimResize admission plugin for a claim whose class cannot expand."""
+        group = resource.api_version.rpartition("/")[0]
+        qualified = f"{resource.kind}.{group}" if group else resource.kind
+        old_spec, new_spec = existing.get("spec") or {}, updated.get("spec") or {}
+
+        def invalid(path: str, value, cause: str, detail: str) -> ApiError:
+            text = f"Invalid value: {json.dumps(value, sort_keys=True)}: {detail}" if cause == "FieldValueInvalid" \
+                else f"Forbidden: {detail}"
+            return ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {path}: {text}', name=name,
+                            group=group, kind=resource.kind,
+                            causes=[{"reason": cause, "message": text, "field": path}])
+
+        for path in _IMMUTABLE.get(resource.kind, ()):
+            before, after = _at(existing, path), _at(updated, path)
+            if before != after:
+                raise invalid(path, after, "FieldValueInvalid", "field is immutable")
+        if resource.kind == "PersistentVolumeClaim":
+            old_size = _at(existing, "spec.resources.requests.storage")
+            new_size = _at(updated, "spec.resources.requests.storage")
+            others = [k for k in set(old_spec) | set(new_spec) if k not in ("resources", "volumeAttributesClassName")
+                      and old_spec.get(k) != new_spec.get(k)]
+            if others:
+                raise invalid("spec", None, "FieldValueForbidden", "spec is immutable after creation except "
+                              "resources.requests and volumeAttributesClassName for bound claims")
+            if old_size and new_size and _quantity(new_size) < _quantity(old_size):
+                raise invalid("spec.resources.requests.storage", None, "FieldValueForbidden",
+                              "field can not be less than previous value")
+            if old_size and new_size and _quantity(new_size) > _quantity(old_size) and (
+                new_spec.get("storageClassName") not in self.expandable_storage_classes
+            ):
+                raise ApiError(403, "Forbidden", f'persistentvolumeclaims "{name}" is forbidden: only dynamically '
+                               "provisioned pvc can be resized and the storageclass that provisions the pvc must "
+                               "support resize", name=name, kind="persistentvolumeclaims")
+        if resource.kind == "Pod" and _pod_spec_mutable_part(old_spec) != _pod_spec_mutable_part(new_spec):
+            raise invalid("spec", None, "FieldValueForbidden",
+                          "pod updates may not change fields other than `spec.containers[*].image`, "
+                          "`spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, `spec.tolerations` "
+                          "(only additions to existing tolerations), `spec.terminationGracePeriodSeconds` "
+                          "(allow it to be set to 1 if it was previously negative)")
+
     def _bump(self) -> str:
         self._state.resource_version += 1
         return str(self._state.resource_version)
@@ -594,6 +641,11 @@ class KubernetesStandIn:
             metadata.setdefault("labels", {})["kubernetes.io/metadata.name"] = name
             stored["spec"] = {"finalizers": ["kubernetes"]}
             stored["status"] = {"phase": "Active"}
+        if resource.kind == "PersistentVolumeClaim":
+            # Bound at once (a provisioner made its volume), so resize rules are those of a bound claim.
+            spec = stored.get("spec") or {}
+            stored["status"] = {"phase": "Bound", "accessModes": spec.get("accessModes") or [],
+                                "capacity": dict((spec.get("resources") or {}).get("requests") or {})}
         self._state.objects[key] = stored
         self._record_event("ADDED", resource, stored)
         return copy.deepcopy(stored)
@@ -618,7 +670,10 @@ class KubernetesStandIn:
             return 201, created
         if resource.kind == "RoleBinding" and "roleRef" in applied and applied["roleRef"] != existing.get("roleRef"):
             raise ApiError(422, "Invalid", f'RoleBinding.rbac.authorization.k8s.io "{name}" is invalid: '
-                                           "roleRef: Invalid value: cannot change roleRef", kind="RoleBinding")
+                                           "roleRef: Invalid value: cannot change roleRef", name=name,
+                           group="rbac.authorization.k8s.io", kind="RoleBinding",
+                           causes=[{"reason": "FieldValueInvalid", "message": "Invalid value: cannot change roleRef",
+                                    "field": "roleRef"}])
         updated = copy.deepcopy(existing)
         metadata = updated["metadata"]
         # Labels this manager applied before but dropped now are removed; other managers' labels stay.
@@ -634,6 +689,7 @@ class KubernetesStandIn:
         for field_name, value in applied.items():
             if field_name not in ("apiVersion", "kind", "metadata", "status"):
                 updated[field_name] = copy.deepcopy(value)
+        self._check_update(resource, name, existing, updated)
         managers = [entry for entry in metadata.get("managedFields", []) if entry["manager"] != manager]
         metadata["managedFields"] = managers + [{"manager": manager, "operation": "Apply", "apiVersion": resource.api_version}]
         self._state.applied_labels[labels_key] = set(applied_labels)
@@ -662,6 +718,8 @@ class KubernetesStandIn:
                     self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
             self._job_indexes.pop((namespace, name), None)
             self._job_done.pop((namespace, name), None)
+            self._job_started.pop((namespace, name), None)
+            self._job_expire_at.pop((namespace, name), None)
         if resource.kind in ("Deployment", "ReplicaSet"):
             # apps/v1 cascades in the background by default; Orphan leaves the dependents ownerless.
             dependents = "replicasets" if resource.kind == "Deployment" else "pods"
@@ -692,6 +750,7 @@ class KubernetesStandIn:
         if existing is None:
             raise self._not_found(resource, name)
         updated = _merge_patch(existing, patch)
+        self._check_update(resource, name, existing, updated)
         if _content(updated) != _content(existing):
             updated["metadata"]["resourceVersion"] = self._bump()
             self._record_event("MODIFIED", resource, updated)
@@ -711,6 +770,7 @@ class KubernetesStandIn:
         if sent and sent != existing["metadata"]["resourceVersion"]:
             raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {resource.plural} "{name}": the object '
                                             "has been modified; please apply your changes to the latest version and try again")
+        self._check_update(resource, name, existing, obj)
         updated = copy.deepcopy(obj)
         for kept in ("uid", "creationTimestamp", "managedFields"):
             updated["metadata"][kept] = existing["metadata"].get(kept)
@@ -968,6 +1028,17 @@ class KubernetesStandIn:
             ):
                 yield key, obj
 
+    def _expire_jobs(self) -> None:
+        """The TTL-after-finished controller: a finished Job goes `ttlSecondsAfterFinished` after it finished,
+        deleted with Background propagation (its pods follow through the garbage collector)."""
+        now = time.monotonic()
+        for (namespace, name), due in list(self._job_expire_at.items()):
+            if due > now:
+                continue
+            del self._job_expire_at[(namespace, name)]
+            if ("jobs", namespace, name) in self._state.objects:
+                self._delete(RESOURCE_TYPES["jobs"], namespace, name, propagation="Background")
+
     def _run_jobs(self) -> None:
         """The Job controller, for what the portal's Jobs use: Indexed, parallelism = completions, backoffLimit 0."""
         for key, job in list(self._state.objects.items()):
@@ -990,14 +1061,31 @@ class KubernetesStandIn:
             # An index whose pod failed, or vanished before it succeeded, fails the Job (backoffLimit 0).
             failed = [i for i in made if done.get(i) == "Failed" or (i not in pods and i not in done)]
             before = copy.deepcopy(status)
-            if failed:
+            # activeDeadlineSeconds counts from the Job's start (when the controller first saw it),
+            # before any pod is bound, pulled or started.
+            started = self._job_started.setdefault((namespace, name), time.monotonic())
+            status.setdefault("startTime", job["metadata"].get("creationTimestamp") or _now())
+            deadline = job["spec"].get("activeDeadlineSeconds")
+            if deadline is not None and not failed and succeeded < completions and (
+                time.monotonic() - started >= int(deadline)
+            ):
+                status["conditions"] = [{"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+                                         "message": "Job was active longer than specified deadline",
+                                         "lastTransitionTime": _now()}]
+                for pod_key, pod in pods.values():
+                    if pod["status"].get("phase") not in ("Succeeded", "Failed"):
+                        failed.append(int(pod["metadata"]["annotations"][COMPLETION_INDEX]))
+                        self._delete_pod(pod_key, pod, None)
+            elif failed:
                 status["conditions"] = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                                         "message": "Job has reached the specified backoff limit"}]
+                                         "message": "Job has reached the specified backoff limit",
+                                         "lastTransitionTime": _now()}]
                 for pod_key, pod in pods.values():
                     if pod["status"].get("phase") not in ("Succeeded", "Failed"):
                         self._delete_pod(pod_key, pod, None)
             elif succeeded == completions:
-                status["conditions"] = [{"type": "Complete", "status": "True"}]
+                status["conditions"] = [{"type": "Complete", "status": "True", "lastTransitionTime": _now()}]
+                status["completionTime"] = _now()
             else:
                 for index in range(completions):
                     if index not in made:
@@ -1006,8 +1094,13 @@ class KubernetesStandIn:
                         except ApiError:
                             continue  # the namespace is going away: its Jobs go with it
                         made.add(index)
-            status["succeeded"], status["failed"] = succeeded, len(failed)
-            status["active"] = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") in ("Pending", "Running"))
+            status["succeeded"], status["failed"] = succeeded, len(set(failed))
+            status["active"] = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") in ("Pending", "Running")
+                                   and not pod["metadata"].get("deletionTimestamp"))
+            if any(c["type"] in ("Complete", "Failed") for c in status.get("conditions", [])):
+                ttl = job["spec"].get("ttlSecondsAfterFinished")
+                if ttl is not None:
+                    self._job_expire_at[(namespace, name)] = time.monotonic() + int(ttl)
             if status != before:
                 job["metadata"]["resourceVersion"] = self._bump()
                 self._record_event("MODIFIED", RESOURCE_TYPES["jobs"], job)
@@ -1218,6 +1311,7 @@ class KubernetesStandIn:
         self._reconfigure_nodes()
         self._collect_garbage()
         self._stop_pods()
+        self._expire_jobs()
         self._run_jobs()
         self._run_deployments()
         self._run_replica_sets()
@@ -1226,6 +1320,9 @@ class KubernetesStandIn:
             if gone_at > now:
                 continue
             del self._state.namespace_gone_at[namespace]
+            for timers in (self._job_started, self._job_expire_at, self._job_indexes, self._job_done):
+                for gone in [k for k in timers if k[0] == namespace]:
+                    del timers[gone]
             for key in [key for key in self._state.objects if key[1] == namespace or key == ("namespaces", "", namespace)]:
                 obj = self._state.objects.pop(key)
                 obj["metadata"]["resourceVersion"] = self._bump()
@@ -1275,6 +1372,46 @@ def _count_param(query: dict[str, list[str]], name: str, *, minimum: int) -> int
         bound = "must be greater than or equal to 0" if minimum == 0 else f"must be greater than {minimum - 1}"
         raise ApiError(422, "Invalid", f"PodLogOptions is invalid: {name}: Invalid value: {value}: {bound}")
     return value
+
+
+# Fields a validated update refuses to change (FieldValueInvalid "field is immutable"), by kind.
+_IMMUTABLE = {
+    "Job": ("spec.selector", "spec.template", "spec.completionMode"),
+    "Deployment": ("spec.selector",),
+    "ReplicaSet": ("spec.selector",),
+    "PodDisruptionBudget": (),
+    "Service": ("spec.clusterIP",),
+}
+_QUANTITY = re.compile(r"^([0-9.]+)([a-zA-Z]*)$")
+_SUFFIXES = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "Ki": 2**10, "Mi": 2**20,
+             "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+
+
+def _quantity(text) -> float:
+    """A resource.Quantity's value ("10Gi", "500m", 4)."""
+    match = _QUANTITY.match(str(text).strip())
+    if not match or match[2] not in _SUFFIXES:
+        raise ApiError(400, "BadRequest", f"quantities must match the regular expression, not {text!r}")
+    return float(match[1]) * _SUFFIXES[match[2]]
+
+
+def _at(obj: dict, path: str):
+    for part in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _pod_spec_mutable_part(spec: dict) -> dict:
+    """A pod's spec without what an update may change (images, the deadline, tolerations, the grace)."""
+    fixed = copy.deepcopy(spec)
+    for name in ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds"):
+        fixed.pop(name, None)
+    for key in ("containers", "initContainers"):
+        for container in fixed.get(key) or []:
+            container.pop("image", None)
+    return fixed
 
 
 def _content(obj: dict) -> dict:
