@@ -15,8 +15,14 @@ EMBEDDED_OR_SYSTEM = $(BIN)/python -m portal.embedded exec --prefer-database $(T
 # pytest-xdist processes; each test file runs whole in one of them (its own test database and queue).
 # Most of the suite waits on workers, trainers and the browser, so three beat two cores' count.
 TEST_WORKERS ?= 3
+# Files whole, longest first (tests/durations.json) rather than xdist's most-tests-first.
+PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# The fast tiers wait on nothing, so one process a core.
+FAST_TEST_WORKERS ?= 2
+# The loop fuzzes every API operation with fewer examples than `make test`'s 50.
+FAST_SCHEMATHESIS_EXAMPLES ?= 10
 
-.PHONY: run test install check-deploy deploy-render clean
+.PHONY: run test test-fast test-durations install check-deploy deploy-render clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,11 +39,23 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python manage.py up --addrport 127.0.0.1:$(PORT)
 
-## Lint, then the test suite on PostgreSQL and Redis.
+## Lint, then the whole test suite (unit, integration and e2e, as CI runs it) on PostgreSQL and Redis.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	API_LOGIN_RATE=10000/min $(EMBEDDED_OR_SYSTEM) \
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+## Lint, then the unit and integration tiers only: no workers, browsers, stand-in or trainers.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	API_LOGIN_RATE=10000/min $(EMBEDDED_OR_SYSTEM) \
+	SCHEMATHESIS_MAX_EXAMPLES=$(FAST_SCHEMATHESIS_EXAMPLES) \
+	$(BIN)/python -m pytest -n $(FAST_TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "unit or integration" $(PYTEST_ARGS)
+
+## The whole suite, writing each file's seconds into tests/durations.json (commit it: xdist starts the longest first).
+test-durations: $(STAMP)
+	API_LOGIN_RATE=10000/min $(EMBEDDED_OR_SYSTEM) \
+	$(BIN)/python -m pytest $(PYTEST_XDIST) --write-durations $(PYTEST_ARGS)
 
 ## What `manage.py check --deploy` says under production settings.
 check-deploy: $(STAMP)

@@ -13,8 +13,8 @@ from rest_framework.test import APIClient
 from tests.support.portal_up import kill_job_processes
 from tests.support.worker import WorkerProcess, purge_queue
 
-# Each test kept to its file's tier (tests/support/tiers.py).
-pytest_plugins = ["tests.support.tiers"]
+# Each test kept to its file's tier (tests/support/tiers.py); files handed out longest first (tests/durations.json).
+pytest_plugins = ["tests.support.tiers", "tests.support.durations"]
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "correct-horse-battery"

@@ -62,7 +62,7 @@ class WorkerProcess:
                 raise RuntimeError(f"Worker exited early; see {self.log_path}:\n{self.log_path.read_text()[-3000:]}")
             if b"ready." in self.log_path.read_bytes():
                 return self
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"Worker did not become ready in {timeout_s}s; see {self.log_path}")
 
     def kill(self) -> None:
