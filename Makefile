@@ -48,8 +48,7 @@ test: $(STAMP)
 ## Lint, then the unit and integration tiers only: no workers, browsers, stand-in or trainers.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	API_LOGIN_RATE=10000/min $(EMBEDDED_OR_SYSTEM) \
-	SCHEMATHESIS_MAX_EXAMPLES=$(FAST_SCHEMATHESIS_EXAMPLES) \
+	API_LOGIN_RATE=10000/min SCHEMATHESIS_MAX_EXAMPLES=$(FAST_SCHEMATHESIS_EXAMPLES) $(EMBEDDED_OR_SYSTEM) \
 	$(BIN)/python -m pytest -n $(FAST_TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "unit or integration" $(PYTEST_ARGS)
 
 ## The whole suite, writing each file's seconds into tests/durations.json (commit it: xdist starts the longest first).
