@@ -20,7 +20,7 @@ Who starts and stops them:
   ``make run`` stops them, unless a ``manage.py shell`` still uses them; then that shell stops them when
   it ends.
 
-``python -m portal.embedded status|stop|env`` tells, stops, or prints the variables for a shell.
+``python -m portal.embedded status|stop|exec`` tells, stops, or runs a command with the variables set.
 """
 
 from __future__ import annotations
