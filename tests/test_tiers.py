@@ -46,7 +46,8 @@ HEAD = "import pytest\n\n"
     (HEAD + "from tests.support.k8s_standin import KubernetesStandIn\npytestmark = pytest.mark.integration\n",
      "imports tests.support.k8s_standin.KubernetesStandIn"),
     (HEAD + "pytestmark = [pytest.mark.unit, pytest.mark.django_db]\n", "is unit but uses the django_db mark"),
-])
+], ids=["no-tier", "two-tiers", "django_db-only", "tier-on-a-function", "integration-subprocess",
+        "unit-worker-process", "integration-playwright", "integration-standin", "unit-django_db"])
 def test_a_file_that_lies_about_its_tier_is_caught(source, says):
     assert says in "; ".join(file_problems(source))
 
@@ -55,7 +56,7 @@ def test_a_file_that_lies_about_its_tier_is_caught(source, says):
     HEAD + "pytestmark = pytest.mark.unit\n",
     HEAD + "from tests.support.worker import wait_for\n\npytestmark = [pytest.mark.integration, pytest.mark.django_db]\n",
     HEAD + "import subprocess\n\npytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]\n",
-])
+], ids=["unit", "integration-wait_for", "e2e-subprocess"])
 def test_an_honest_file_passes(source):
     assert file_problems(source) == []
 
