@@ -1,5 +1,7 @@
 """Inventory, cordons, evictions and partitions through the Kubernetes backend and the stand-in."""
 
+import time
+
 import pytest
 import yaml
 
@@ -60,6 +62,11 @@ def test_only_unfinished_portal_pods_count_as_work(backend, standin, nodes):
 def test_evicting_uses_the_eviction_api(backend, standin, nodes):
     standin.put(portal_pod("job-7", "gpu-1"))
     backend.evict("gpu-1", "acme-train/job-7", grace_period_s=60)
+    # Eviction is a graceful delete: the pod is Terminating until its container stops, then goes.
+    assert standin.get("pods", "job-7", "acme-train")["metadata"]["deletionGracePeriodSeconds"] == 60
+    deadline = time.monotonic() + 10
+    while backend.node_workloads("gpu-1") and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert backend.node_workloads("gpu-1") == []
     assert any(r.path.endswith("/pods/job-7/eviction") and r.status == 201 for r in standin.requests)
     backend.evict("gpu-1", "acme-train/job-7", grace_period_s=60)  # already gone: fine

@@ -221,6 +221,7 @@ class KubernetesStandIn:
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
         admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
+        max_token_expiration_s: int | None = None,
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -248,7 +249,10 @@ class KubernetesStandIn:
         self.pod_stop_delay_s = pod_stop_delay_s
         self.sigterm_exit_code = 75
         # Each pod's log lines as (Unix time in nanoseconds, that time as served, text without its newline).
+        # A pod's first container's log is under (namespace, pod), another container's under (namespace, "pod/container").
         self.pod_logs: dict[tuple[str, str], list[tuple[int, str, str]]] = {}
+        # The log of each container's previous instance, kept when the kubelet restarts it (previous=true).
+        self.previous_logs: dict[tuple[str, str], list[tuple[int, str, str]]] = {}
         self.log_bytes_served: dict[tuple[str, str], int] = {}
         self.log_reads: dict[tuple[str, str], int] = {}
         self._stopping_pods: dict[tuple[str, str], float] = {}
@@ -266,6 +270,8 @@ class KubernetesStandIn:
         self.admin_tokens: set[str] | None = None if admin_tokens is None else set(admin_tokens)
         # Tokens minted through serviceaccounts/token, by their text.
         self.tokens: dict[str, MintedToken] = {}
+        # The API server's --service-account-max-token-expiration (None: not set).
+        self.max_token_expiration_s = max_token_expiration_s
         self._state = _State()
         self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
@@ -731,6 +737,11 @@ class KubernetesStandIn:
                 else:
                     self._collect_at[dependent_key] = time.monotonic() + self.gc_delay_s
         if resource.kind == "Namespace":
+            if obj["status"].get("phase") == "Terminating":
+                # Its finalizers still run: the real server refuses a second delete.
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on namespaces "{name}": The system is '
+                               "ensuring all content is removed from this namespace.  Upon completion, this namespace "
+                               "will automatically be purged by the system.", name=name, kind="namespaces")
             if obj["status"].get("phase") != "Terminating":
                 obj["status"]["phase"] = "Terminating"
                 obj["metadata"]["deletionTimestamp"] = _now()
@@ -781,16 +792,87 @@ class KubernetesStandIn:
         return copy.deepcopy(updated)
 
     def _evict(self, namespace, name, eviction) -> dict:
-        """The eviction subresource: the pod goes (no PodDisruptionBudgets here)."""
+        """The eviction subresource, as policy/v1 serves it: the one PodDisruptionBudget over the pod must allow
+        a disruption (429 with a DisruptionBudget cause otherwise); the pod gets the DisruptionTarget condition
+        and is deleted gracefully (the eviction's deleteOptions, else the pod's own grace period)."""
         key = ("pods", namespace, name)
-        if key not in self._state.objects:
+        pod = self._state.objects.get(key)
+        if pod is None:
             raise self._not_found(RESOURCE_TYPES["pods"], name)
-        if eviction.get("kind") != "Eviction":
+        if eviction.get("kind") != "Eviction" or eviction.get("apiVersion") not in ("policy/v1", "policy/v1beta1"):
             raise ApiError(400, "BadRequest", "the body must be a policy/v1 Eviction")
-        pod = self._state.objects.pop(key)
+        grace = (eviction.get("deleteOptions") or {}).get("gracePeriodSeconds")
+        success = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+        phase = (pod.get("status") or {}).get("phase")
+        if pod["metadata"].get("deletionTimestamp") or phase in ("Succeeded", "Failed", "Pending"):
+            # Terminating, finished or not yet running: no budget is consulted.
+            if not pod["metadata"].get("deletionTimestamp"):
+                self._delete_pod(key, pod, grace)
+            return success
+        budgets = [b for b in self._budgets_over(pod)]
+        if len(budgets) > 1:
+            raise ApiError(500, "InternalError", "This pod has more than one PodDisruptionBudget, which the eviction "
+                                                 "subresource does not support.")
+        if budgets:
+            budget = budgets[0]
+            status = self._budget_status(budget)
+            if status["disruptionsAllowed"] <= 0:
+                raise ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget.",
+                               causes=[{"reason": "DisruptionBudget",
+                                        "message": f"The disruption budget {budget['metadata']['name']} needs "
+                                                   f"{status['desiredHealthy']} healthy pods and has "
+                                                   f"{status['currentHealthy']} currently"}])
+            budget.setdefault("status", {}).setdefault("disruptedPods", {})[name] = _now()
+        conditions = [c for c in pod["status"].get("conditions", []) if c.get("type") != "DisruptionTarget"]
+        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+                           "message": "Eviction API: evicting", "lastTransitionTime": _now()})
+        pod["status"]["conditions"] = conditions
         pod["metadata"]["resourceVersion"] = self._bump()
-        self._record_event("DELETED", RESOURCE_TYPES["pods"], pod)
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+        self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+        self._delete_pod(key, pod, None if grace is None else int(grace))
+        return success
+
+    def _budgets_over(self, pod: dict):
+        labels = pod["metadata"].get("labels") or {}
+        namespace = pod["metadata"]["namespace"]
+        for (plural, ns, _name), budget in self._state.objects.items():
+            if plural == "poddisruptionbudgets" and ns == namespace and _label_selects(
+                (budget.get("spec") or {}).get("selector"), labels
+            ):
+                yield budget
+
+    def _budget_status(self, budget: dict) -> dict:
+        """What the disruption controller would write: healthy pods, how many must stay, how many may go."""
+        namespace = budget["metadata"]["namespace"]
+        spec = budget.get("spec") or {}
+        pods = [pod for (plural, ns, _n), pod in self._state.objects.items()
+                if plural == "pods" and ns == namespace and _label_selects(spec.get("selector"), pod["metadata"].get("labels") or {})]
+        healthy = sum(1 for pod in pods if not pod["metadata"].get("deletionTimestamp") and any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions", [])))
+        # The expected count is the scale of the pods' controllers (an integer minAvailable needs none).
+        owners, ownerless = {}, False
+        for pod in pods:
+            ref = next((r for r in pod["metadata"].get("ownerReferences", []) if r.get("controller")), None)
+            owner = ref and next((o for (plural, ns, _n), o in self._state.objects.items()
+                                  if ns == namespace and o["metadata"].get("uid") == ref.get("uid")), None)
+            if owner is None:
+                ownerless = True
+            else:
+                owners[ref["uid"]] = int((owner.get("spec") or {}).get("replicas", owner["spec"].get("parallelism", 1)))
+        expected = sum(owners.values())
+        min_available, max_unavailable = spec.get("minAvailable"), spec.get("maxUnavailable")
+        if isinstance(min_available, int):
+            desired, expected = min_available, len(pods)
+        elif ownerless:
+            desired = expected + 1  # the controller cannot tell the scale: no disruption allowed
+        elif min_available is not None:
+            desired = -(-expected * int(str(min_available).rstrip("%")) // 100)
+        else:
+            unavailable = max_unavailable if isinstance(max_unavailable, int) else (
+                expected * int(str(max_unavailable or "0").rstrip("%")) // 100)
+            desired = max(expected - unavailable, 0)
+        return {"currentHealthy": healthy, "desiredHealthy": desired, "expectedPods": expected,
+                "disruptionsAllowed": max(healthy - desired, 0)}
 
     # --- Discovery, as the dynamic client reads it -----------------------------
 
@@ -837,6 +919,13 @@ class KubernetesStandIn:
             raise ApiError(422, "Invalid", "TokenRequest.authentication.k8s.io is invalid: spec.expirationSeconds: "
                                            f"Invalid value: {seconds}: may not specify a duration less than 10 minutes",
                            kind="TokenRequest")
+        if seconds > 2**32:
+            raise ApiError(422, "Invalid", "TokenRequest.authentication.k8s.io is invalid: spec.expirationSeconds: "
+                                           f"Invalid value: {seconds}: may not specify a duration larger than 2^32 seconds",
+                           kind="TokenRequest")
+        if self.max_token_expiration_s is not None:
+            # --service-account-max-token-expiration: the server shortens the token and says so in its answer.
+            seconds = min(seconds, self.max_token_expiration_s)
         token = secrets.token_urlsafe(32)
         expires_at = time.time() + seconds
         self.tokens[token] = MintedToken(namespace, name, account["metadata"]["uid"], expires_at)
@@ -947,10 +1036,26 @@ class KubernetesStandIn:
         if since_text and since_seconds is not None:
             raise ApiError(422, "Invalid", "PodLogOptions is invalid: at most one of `sinceTime` or `sinceSeconds` "
                                            "may be specified")
+        names = [c["name"] for c in pod["spec"].get("containers") or []]
+        container = _one(query, "container")
+        if not container:
+            if len(names) > 1:
+                raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: "
+                                                  f"[{' '.join(names)}]")
+            container = names[0] if names else "trainer"
+        elif container not in names:
+            raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
         if (pod.get("status") or {}).get("phase", "Pending") == "Pending":
-            container = _one(query, "container") or "trainer"
             raise ApiError(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: '
                                               "ContainerCreating")
+        log_key = (namespace, name) if not names or container == names[0] else (namespace, f"{name}/{container}")
+        if _one(query, "previous") in ("true", "1"):
+            if log_key not in self.previous_logs:
+                raise ApiError(400, "BadRequest", f'previous terminated container "{container}" in pod "{name}" '
+                                                  "not found")
+            source = self.previous_logs[log_key]
+        else:
+            source = self.pod_logs.get(log_key, [])
         since_ns = 0
         if since_text:
             try:
@@ -961,7 +1066,7 @@ class KubernetesStandIn:
             since_ns = int(since.timestamp()) * 1_000_000_000
         elif since_seconds is not None:
             since_ns = time.time_ns() - since_seconds * 1_000_000_000
-        lines = self.pod_logs.get((namespace, name), [])
+        lines = source
         if tail is not None:
             lines = lines[-tail:] if tail else []
         stamped = _one(query, "timestamps") in ("true", "1")
@@ -1132,6 +1237,24 @@ class KubernetesStandIn:
             except ApiError:
                 continue  # the namespace is going away: its Deployments go with it
 
+    def _run_disruption(self) -> None:
+        """The disruption controller: each PodDisruptionBudget's status, and evicted pods forgotten once gone."""
+        for key, budget in list(self._state.objects.items()):
+            if key[0] != "poddisruptionbudgets":
+                continue
+            status = budget.setdefault("status", {})
+            before = copy.deepcopy(status)
+            disrupted = {pod: at for pod, at in (status.get("disruptedPods") or {}).items()
+                         if ("pods", key[1], pod) in self._state.objects}
+            status.update(self._budget_status(budget), observedGeneration=1)
+            if disrupted:
+                status["disruptedPods"] = disrupted
+            else:
+                status.pop("disruptedPods", None)
+            if status != before:
+                budget["metadata"]["resourceVersion"] = self._bump()
+                self._record_event("MODIFIED", RESOURCE_TYPES["poddisruptionbudgets"], budget)
+
     def _run_replica_sets(self) -> None:
         """The ReplicaSet controller: a new pod for each one missing from `replicas` active ones."""
         for key, replica_set in list(self._state.objects.items()):
@@ -1192,19 +1315,30 @@ class KubernetesStandIn:
         """The pod's container exits with this code and its kubelet restarts it in place (restartPolicy Always)."""
         with self._lock:
             pod = self._state.objects[("pods", namespace, name)]
+            first = (pod["spec"].get("containers") or [{}])[0].get("name")
             for container in pod["status"].get("containerStatuses", []):
+                log_key = (namespace, name) if container["name"] == first else (namespace, f"{name}/{container['name']}")
+                self.previous_logs[log_key] = self.pod_logs.pop(log_key, [])
                 container["lastState"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "finishedAt": _now()}}
                 container["restartCount"] = container.get("restartCount", 0) + 1
                 container["state"] = {"running": {"startedAt": _now()}}
             pod["metadata"]["resourceVersion"] = self._bump()
             self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
 
-    def write_log(self, namespace: str, name: str, text: str, *, at: datetime | int | None = None) -> None:
-        """The pod's container writes these lines, all at `at` (a datetime, or Unix nanoseconds), or now.
+    def write_log(self, namespace: str, name: str, text: str, *, at: datetime | int | None = None,
+                  container: str = "") -> None:
+        """The pod's container (its first, or the one named) writes these lines, all at `at` (a datetime, or
+        Unix nanoseconds), or now.
 
         Lines written now get increasing times, as a container runtime stamps them.
         """
-        self.append_log(namespace, name, [(at, line) for line in text.splitlines()])
+        pod_name = name
+        if container:
+            with self._lock:
+                pod = self._state.objects.get(("pods", namespace, name)) or {}
+                first = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("name")
+            pod_name = name if container == first else f"{name}/{container}"
+        self.append_log(namespace, pod_name, [(at, line) for line in text.splitlines()])
 
     def append_log(self, namespace: str, name: str, lines: Iterable[tuple[datetime | int | None, str]]) -> None:
         """Lines the pod's container writes, each with its time (None: now)."""
@@ -1315,6 +1449,7 @@ class KubernetesStandIn:
         self._run_jobs()
         self._run_deployments()
         self._run_replica_sets()
+        self._run_disruption()
         now = time.monotonic()
         for namespace, gone_at in list(self._state.namespace_gone_at.items()):
             if gone_at > now:
@@ -1331,7 +1466,7 @@ class KubernetesStandIn:
                 del self._state.applied_labels[labels_key]
 
 
-_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "AlreadyExists",
+_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
             410: "Expired", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
             504: "Timeout"}
 
@@ -1458,6 +1593,19 @@ def _parse_selector(selector: str) -> list[tuple[str, str]]:
         key, value = term.replace("==", "=").split("=", 1)
         pairs.append((key.strip(), value.strip()))
     return pairs
+
+
+def _label_selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector (matchLabels, and matchExpressions In/NotIn/Exists/DoesNotExist); empty selects all."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        if (operator == "In" and labels.get(key) not in values) or (operator == "NotIn" and labels.get(key) in values) \
+                or (operator == "Exists" and key not in labels) or (operator == "DoesNotExist" and key in labels):
+            return False
+    return True
 
 
 def _selects(selector: list[tuple[str, str]], labels: dict[str, str]) -> bool:
