@@ -11,6 +11,8 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
   each pod to the node the portal chose for its completion index, as a secondary scheduler
   does through the pods/binding subresource. The rank comes from the completion index; the
   Job never retries by itself (`backoffLimit: 0`): retries are the portal's, with a new attempt.
+  It has no `activeDeadlineSeconds` (see `training_job_manifest`): the runtime budget counts from
+  the trainer's first step, which a Job deadline cannot.
 
 What a pytorch-ddp pod runs is decided by the job's spec alone, as on the local backend: the
 trainer's settings are its flags (`args`), the memory limit is the container's
@@ -208,7 +210,10 @@ def training_job_manifest(
             "completions": replicas,
             "parallelism": replicas,
             "backoffLimit": 0,
-            "activeDeadlineSeconds": launch.max_runtime_s,
+            # No activeDeadlineSeconds: it counts from the Job's start, before binding, image pull and
+            # the trainer's first step, so it would fire before max_runtime_s (counted from that step)
+            # is used, and the requeued attempt would get a deadline as short as its start-up. The
+            # trainer ends itself at --max-runtime-s (a custom command is handed TRAIN_MAX_RUNTIME_S).
             # A finished attempt's pods stay this long, so their logs can still be read.
             "ttlSecondsAfterFinished": finished_ttl_s,
             "template": {
