@@ -234,8 +234,10 @@ class JobLaunch:
 
 
 # How an attempt stands, seen from outside: still starting or running; every replica ended
-# (exit codes by rank); or gone without a word (killed, its node lost, its processes vanished).
-AttemptPhase = Literal["running", "exited", "lost"]
+# (exit codes by rank); or gone without a word (killed, its node lost, its processes vanished);
+# or stopped by the cluster, not by its own failure (a replica evicted, or refused by its node's
+# kubelet): the reason says which, and the job is requeued.
+AttemptPhase = Literal["running", "exited", "lost", "preempted"]
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,9 @@ class ClusterBackend(Protocol):
 
     def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
         """Ask one workload to checkpoint and stop within the grace period."""
+
+    def workload_job(self, workload: str) -> str:
+        """The portal job (`job-<id>`) a workload of node_workloads belongs to, else the workload's own name."""
 
     def apply_partition(self, node_name: str, partition: PartitionSpec) -> None:
         """Start re-partitioning the node's GPUs; returns before it has taken effect."""

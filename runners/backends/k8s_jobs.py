@@ -67,14 +67,32 @@ class WatchedList:
 
     def sync(self) -> None:
         """Bring the objects up to date: the first call lists; later ones watch from where the last stopped."""
+        self.take(self.read())
+
+    def read(self) -> tuple[str, object]:
+        """The network half of a sync, changing nothing here: ("list", (items, version)) or ("events", [...]).
+
+        A watch answered with 410 (HTTP 410, or an ERROR event holding one) is followed by one list.
+        One reader at a time (the caller's lock); `take` applies the result, under the caller's other lock.
+        """
         if self.resource_version is None:
-            self._relist()
-            return
+            return "list", self.list_fn()
         try:
-            for event in self.watch_fn(self.resource_version):
-                self._apply(event)
+            events = list(self.watch_fn(self.resource_version))
         except WatchGone:
-            self._relist()
+            return "list", self.list_fn()
+        if any(event.get("type") == "ERROR" and (event.get("object") or {}).get("code") == 410 for event in events):
+            return "list", self.list_fn()
+        return "events", events
+
+    def take(self, read: tuple[str, object]) -> None:
+        """Apply what `read` brought: a list replaces the objects (reporting what changed), events apply in order."""
+        kind, payload = read
+        if kind == "list":
+            self._relist(payload)
+            return
+        for event in payload:
+            self._apply(event)
 
     def _apply(self, event: dict) -> None:
         kind, obj = event.get("type"), event.get("object") or {}
@@ -96,8 +114,8 @@ class WatchedList:
             self.on_change(old, obj)
         self.resource_version = version or self.resource_version
 
-    def _relist(self) -> None:
-        items, version = self.list_fn()
+    def _relist(self, listed: tuple[list[dict], str] | None = None) -> None:
+        items, version = listed if listed is not None else self.list_fn()
         fresh = {key_of(obj): obj for obj in items}
         for key, old in self.items.items():
             if key not in fresh:
@@ -153,8 +171,42 @@ def pod_exit_code(pod: dict) -> int | None:
     terminated = (status.get("state") or {}).get("terminated") or (status.get("lastState") or {}).get("terminated")
     if terminated is not None:
         return int(terminated.get("exitCode", 1))
+    if pod_refused(pod):
+        return None  # the kubelet never ran it: no exit of the workload's (see pod_disruption)
     phase = (pod.get("status") or {}).get("phase")
     return {"Succeeded": 0, "Failed": 1}.get(phase)
+
+
+def pod_refused(pod: dict) -> bool:
+    """Whether the pod failed with a reason before its workload container ever ran: the kubelet refused
+    it at admission (`OutOfnvidia.com/gpu`, `OutOfcpu`, `UnexpectedAdmissionError`, ...)."""
+    status = pod.get("status") or {}
+    workload = _workload_status(pod)
+    ran = (workload.get("state") or {}).get("terminated") or (workload.get("lastState") or {}).get("terminated")
+    return status.get("phase") == "Failed" and bool(status.get("reason")) and not ran
+
+
+def pod_disruption(pod: dict) -> str | None:
+    """Why the cluster, not the portal nor the workload, stopped this pod; None if it did not.
+
+    An eviction (the API's, through a PodDisruptionBudget; the kubelet's under node pressure;
+    a taint or a preemption) marks the pod with a DisruptionTarget condition, or (older kubelets)
+    fails it with reason Evicted; a pod the kubelet refused at admission fails with a reason
+    and no container ever run (see pod_refused).
+    """
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    name = metadata.get("name", "")
+    node = (pod.get("spec") or {}).get("nodeName") or "its node"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return f"Pod {name} was evicted from {node} ({condition.get('reason')}: {condition.get('message', '')})".strip() + "."
+    if status.get("phase") == "Failed" and status.get("reason") == "Evicted":
+        return f"Pod {name} was evicted from {node} (Evicted: {status.get('message', '')})".strip() + "."
+    if pod_refused(pod):
+        return (f"The kubelet on {node} refused pod {name} ({status.get('reason')}: "
+                f"{status.get('message', '')})").strip() + "."
+    return None
 
 
 def pod_finished(pod: dict) -> bool:
@@ -217,6 +269,8 @@ class PodTracker:
     replicas: dict[tuple[int, int], int] = field(default_factory=dict)
     # The node each vanished replica was on: pod GC force-deletes the pods of a deleted node.
     vanished_nodes: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
+    # Replicas the cluster stopped (evicted, or refused by the kubelet), with why, once their pod is over.
+    disrupted: dict[tuple[int, int], dict[int, str]] = field(default_factory=dict)
 
     def changed(self, old: dict | None, new: dict | None) -> None:
         pod = new or old
@@ -227,32 +281,37 @@ class PodTracker:
         placement = _placement(pod)
         if placement:
             self.replicas[attempt] = len(placement)
+        why = pod_disruption(pod)
+        if why is not None and (new is None or pod_finished(pod)):
+            self.disrupted.setdefault(attempt, {})[rank] = why
+            self.vanished.get(attempt, {}).pop(rank, None)
         code = pod_exit_code(pod)
         if code is not None:
             self.exits.setdefault(attempt, {})[rank] = code
             self.vanished.get(attempt, {}).pop(rank, None)
-        elif new is None and rank not in self.exits.get(attempt, {}):
+        elif new is None and rank not in self.exits.get(attempt, {}) and rank not in self.disrupted.get(attempt, {}):
             name = pod["metadata"]["name"]
             self.vanished.setdefault(attempt, {})[rank] = f"Pod {name} (replica {rank}) was deleted before it finished."
             node = (pod.get("spec") or {}).get("nodeName")
             if node:
                 self.vanished_nodes.setdefault(attempt, {})[rank] = node
 
+    def _tables(self) -> tuple[dict, ...]:
+        return self.exits, self.vanished, self.replicas, self.vanished_nodes, self.disrupted
+
     def forget(self, attempt: tuple[int, int]) -> None:
-        self.exits.pop(attempt, None)
-        self.vanished.pop(attempt, None)
-        self.replicas.pop(attempt, None)
-        self.vanished_nodes.pop(attempt, None)
+        for table in self._tables():
+            table.pop(attempt, None)
 
     def prune(self, keep: set[tuple[int, int]]) -> None:
         """Drop every attempt but these (the ones the portal holds open), whoever ended the others."""
-        for table in (self.exits, self.vanished, self.replicas, self.vanished_nodes):
+        for table in self._tables():
             for attempt in [attempt for attempt in table if attempt not in keep]:
                 del table[attempt]
 
     def attempts(self) -> set[tuple[int, int]]:
         """Every attempt something is remembered of."""
-        return set(self.exits) | set(self.vanished) | set(self.replicas) | set(self.vanished_nodes)
+        return set().union(*self._tables())
 
 
 def node_lost_reason(node_name: str, node: dict | None, *, lost_after_s: float, now: datetime) -> str | None:
@@ -293,6 +352,7 @@ def attempt_status(
     job: dict | None,
     lost_nodes: dict[str, str],
     vanished_nodes: dict[int, str] | None = None,
+    disrupted: dict[int, str] | None = None,
 ) -> AttemptStatus:
     """How one attempt stands, from its pods now, what its pods said before, its Job, and lost nodes.
 
@@ -308,6 +368,13 @@ def attempt_status(
     for rank, node in sorted((vanished_nodes or {}).items()):
         if rank in vanished and node in lost_nodes:
             return AttemptStatus("lost", exit_codes=dict(exits), reason=lost_nodes[node], node_lost=True)
+    signalled = (0, progress.EXIT_CHECKPOINTED_ON_SIGNAL)
+    if disrupted and all(code in signalled for code in exits.values()) and not (
+        replicas and all(exits.get(rank) == 0 for rank in range(replicas))
+    ):
+        # Evicted (its trainer checkpointed on SIGTERM, or was gone before it could say) or refused by
+        # the kubelet: the cluster stopped it, not a failure of the job's own. The gang cannot go on.
+        return AttemptStatus("preempted", exit_codes=dict(exits), reason=disrupted[min(disrupted)])
     if replicas and all(rank in exits for rank in range(replicas)):
         return AttemptStatus("exited", exit_codes=dict(exits))
     if vanished:

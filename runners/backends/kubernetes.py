@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -49,6 +50,7 @@ from datetime import datetime, timezone
 import urllib3
 from kubernetes import client, config, dynamic
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
+from kubernetes.utils import parse_quantity
 
 from runners.backends import dcgm, k8s_access, k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
@@ -67,6 +69,7 @@ from runners.backends.base import (
 )
 from runners.backends.job_manifests import (
     ATTEMPT_LABEL,
+    CHECKPOINT_CLAIM,
     JOB_LABEL,
     checkpoint_pvc_manifest,
     job_manifests,
@@ -145,11 +148,18 @@ class ApiStatusError(Exception):
         # A 409 other than AlreadyExists is an optimistic-concurrency conflict: someone wrote in between.
         if self.status == 409 and self.reason != "AlreadyExists":
             return TransientBackendError(str(self))
-        if self.status in (401, 403):
+        if self.status == 401 or (self.status == 403 and self.rbac_refusal):
             return PermanentBackendError(
                 f"{self}. Check the portal's Kubernetes credentials and the RBAC they are granted."
             )
+        # Any other 403 is the server's policy, not the caller's rights (a ResourceQuota exceeded,
+        # a volume whose class cannot expand, an admission webhook): its own message says what.
         return PermanentBackendError(str(self))
+
+    @property
+    def rbac_refusal(self) -> bool:
+        """Whether a 403 is RBAC's: `... is forbidden: User "..." cannot <verb> resource ...`."""
+        return bool(re.search(r'\bUser "[^"]*" cannot ', self.api_message)) or not self.api_message
 
 
 class KubernetesBackend:
@@ -215,6 +225,7 @@ class KubernetesBackend:
         self.pods = k8s_jobs.WatchedList(self._list_pods, self._watch_pods, on_change=self.tracker.changed)
         self._synced_at = 0.0
         self._sync_lock = threading.Lock()
+        self._watch_lock = threading.Lock()
         # Why each node counts as lost (None: it does not), read once per sync for all attempts.
         self._node_verdicts: dict[str, str | None] = {}
         # Status reads within this long of the last sync answer from the cache (one reconcile
@@ -229,6 +240,8 @@ class KubernetesBackend:
         self.log_bytes_read = 0
         # The cached pods by attempt, built on first use after each sync.
         self._pods_by_attempt: dict[tuple[int, int], list[dict]] | None = None
+        # The labels of the pods node_workloads last listed, per node, by "namespace/name".
+        self._workload_labels: dict[str, dict[str, dict]] = {}
 
     @classmethod
     def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
@@ -589,14 +602,20 @@ class KubernetesBackend:
         items = self._checked(
             "Pod", "list", field_selector=f"spec.nodeName={node_name}", label_selector=OWN
         )[1].get("items") or []
-        return sorted(
-            f"{item['metadata']['namespace']}/{item['metadata']['name']}"
+        found = {
+            f"{item['metadata']['namespace']}/{item['metadata']['name']}": item["metadata"].get("labels") or {}
             for item in items
             if (item.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-        )
+        }
+        self._workload_labels[node_name] = found  # what workload_job reads (a drain lists, then asks of each)
+        return sorted(found)
 
     def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
-        """Evict through the API, so PodDisruptionBudgets are honoured (429 means not yet: retried)."""
+        """Evict through the API, so PodDisruptionBudgets are honoured.
+
+        A 429 is the budget saying not yet (another pod of it is not ready): logged, and the drain
+        asks again on its next step rather than stopping. A pod already gone (404) is evicted.
+        """
         namespace, _, name = workload.partition("/")
         body = {
             "apiVersion": "policy/v1",
@@ -604,7 +623,27 @@ class KubernetesBackend:
             "metadata": {"name": name, "namespace": namespace},
             "deleteOptions": {"gracePeriodSeconds": grace_period_s},
         }
-        self._checked("Pod", "create", name, namespace, body=body, subresource="eviction", accept=(200, 201, 404))
+        try:
+            self._call("Pod", "create", name, namespace, body=body, subresource="eviction", accept=(200, 201, 404))
+        except ApiStatusError as exc:
+            if exc.status != 429:
+                raise exc.backend_error() from None
+            logger.info("Pod %s on %s cannot be evicted yet (%s); the drain asks again.", workload, node_name,
+                        exc.api_message or exc.reason)
+
+    def workload_job(self, workload: str) -> str:
+        """The portal job a workload of node_workloads belongs to (`job-<id>`, from the pod's labels), else its name.
+
+        Pods are named `job-<id>-<attempt>-<index>-<suffix>` by the Job controller (a Deployment's
+        pod by its ReplicaSet): only the label says whose a pod is.
+        """
+        namespace, _, name = workload.partition("/")
+        labels = next((found[workload] for found in self._workload_labels.values() if workload in found), None)
+        if labels is None:
+            status, pod = self._checked("Pod", "read", name, namespace, accept=(200, 404))
+            labels = ((pod.get("metadata") or {}).get("labels") or {}) if status == 200 else {}
+        job_id = labels.get(JOB_LABEL)
+        return f"job-{job_id}" if job_id else name
 
     def _update_config_map(self, name: str, change) -> None:
         """Read-modify-write one of the GPU Operator's ConfigMaps; a concurrent writer makes us read again."""
@@ -677,7 +716,7 @@ class KubernetesBackend:
             raise PermanentBackendError("A custom job needs an image and a command.")
         # Open from now on in this process, so its pods are bound at once (and by every later sync here).
         self._launched_since.add((launch.job_id, launch.attempt))
-        self._apply(self._checkpoint_pvc(launch))
+        self._ensure_checkpoint_volume(launch)
         for manifest in job_manifests(
             launch, trainer_image=self.trainer_image, scheduler_name=self.scheduler_name,
             grace_period_s=launch.grace_period_s, finished_ttl_s=self.finished_job_ttl_s,
@@ -687,11 +726,48 @@ class KubernetesBackend:
         # The trainer resumes from the newest checkpoint on the volume, which the portal recorded.
         return launch.resume_from_step
 
-    def _checkpoint_pvc(self, launch: JobLaunch) -> dict:
-        return checkpoint_pvc_manifest(
+    def _ensure_checkpoint_volume(self, launch: JobLaunch) -> None:
+        """The environment's checkpoint PVC: created once, then only ever grown.
+
+        A claim's storage class and access modes cannot change, nor can it shrink: after an operator
+        changes KUBERNETES_CHECKPOINT_STORAGE_CLASS or KUBERNETES_CHECKPOINT_VOLUME_SIZE, existing
+        environments keep their claim as it is (new ones get the new class), and a larger size is
+        asked for with a patch of the request alone. A refusal of that (a class without
+        allowVolumeExpansion) is logged saying so, and the launch goes on with the volume there is.
+        """
+        manifest = checkpoint_pvc_manifest(
             namespace=launch.namespace, tenant_slug=launch.tenant_slug,
             storage_class=self.checkpoint_storage_class, size=self.checkpoint_volume_size,
         )
+        namespace = launch.namespace
+        status, current = self._checked("PersistentVolumeClaim", "read", CHECKPOINT_CLAIM, namespace, accept=(200, 404))
+        if status == 404:
+            status, _ = self._checked("PersistentVolumeClaim", "create", namespace=namespace, body=manifest,
+                                      field_manager=self.field_manager, accept=(201, 409))
+            return  # 409: another launch made it meanwhile, from the same settings
+        spec = current.get("spec") or {}
+        have = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
+        want = self.checkpoint_volume_size
+        try:
+            if have and parse_quantity(want) <= parse_quantity(have):
+                return
+        except ValueError:
+            logger.warning("Checkpoint volume %s/%s: cannot compare its size %r with %r; leaving it as it is.",
+                           namespace, CHECKPOINT_CLAIM, have, want)
+            return
+        try:
+            self._call("PersistentVolumeClaim", "patch", CHECKPOINT_CLAIM, namespace,
+                       body={"spec": {"resources": {"requests": {"storage": want}}}}, content_type=MERGE_PATCH)
+        except ApiStatusError as exc:
+            error = exc.backend_error()
+            if isinstance(error, TransientBackendError):
+                raise error from None
+            storage_class = spec.get("storageClassName") or "the cluster's default"
+            logger.warning(
+                "Checkpoint volume %s/%s stays at %s, not %s: the cluster refused to grow it (%s). Growing a claim "
+                "needs a storage class with allowVolumeExpansion: true; %s is not one, it seems.",
+                namespace, CHECKPOINT_CLAIM, have, want, exc, storage_class,
+            )
 
     def _launch_serving(self, launch: JobLaunch) -> None:
         """Apply the replica's Deployment, then its endpoint's Service and PodDisruptionBudget; bind its pod.
@@ -702,7 +778,7 @@ class KubernetesBackend:
         manifests = serve_manifests(launch, server_image=self.trainer_image, scheduler_name=self.scheduler_name)
         self._launched_since.add((launch.job_id, launch.attempt))
         if launch.serving.source_job_id is not None:
-            self._apply(self._checkpoint_pvc(launch))
+            self._ensure_checkpoint_volume(launch)
         for manifest in manifests:
             self._apply(manifest)
         self._sync(force=True)
@@ -753,43 +829,67 @@ class KubernetesBackend:
         return attempt is not None and (attempt in self._open_attempts or attempt in self._launched_since)
 
     def _sync(self, *, force: bool = False) -> None:
-        """Bring the pod cache up to date (at most every min_sync_interval_s) and bind open attempts' pods still unbound."""
-        with self._sync_lock:
+        """Bring the pod cache up to date (at most every min_sync_interval_s) and bind open attempts' pods still unbound.
+
+        The watch (or list) runs under `_watch_lock` alone, one at a time: a caller that finds one
+        under way reads the cache as it is (a forced sync waits for that watch, then watches again).
+        `_sync_lock` is held only while what the watch brought is applied and the pods to bind
+        are picked; the bindings are sent after it is released. No lock of the cache's is held
+        across a network wait.
+        """
+        if not force and time.monotonic() - self._synced_at < self.min_sync_interval_s:
+            return
+        if not self._watch_lock.acquire(blocking=force):
+            return
+        try:
             if not force and time.monotonic() - self._synced_at < self.min_sync_interval_s:
                 return
-            self.pods.sync()
-            self._synced_at = time.monotonic()
-            self._node_verdicts = {}
-            self._pods_by_attempt = None
-            present = set()
-            for pod in list(self.pods.items.values()):
-                metadata = pod["metadata"]
-                present.add(metadata.get("uid", ""))
-                if not k8s_jobs.needs_binding(pod, self.scheduler_name):
-                    continue
-                attempt = k8s_jobs.attempt_of(pod)
-                if self.tracker.vanished.get(attempt):
-                    # A replacement (a Deployment's) for a pod that vanished: that attempt is over.
-                    if metadata.get("uid", "") not in self._unbound_noted:
-                        self._unbound_noted.add(metadata.get("uid", ""))
-                        logger.warning("Leaving pod %s/%s unbound: attempt %s lost a replica.",
-                                       metadata["namespace"], metadata["name"], attempt)
-                    continue
-                if not self._is_open(attempt):
-                    # A leftover of an attempt that ended (or never was): starting it would put it
-                    # on GPUs the portal has given to someone else.
-                    if metadata.get("uid", "") not in self._unbound_noted:
-                        self._unbound_noted.add(metadata.get("uid", ""))
-                        logger.warning("Leaving pod %s/%s unbound: its attempt %s is not open.",
-                                       metadata["namespace"], metadata["name"], attempt)
-                    continue
+            read = self.pods.read()
+            with self._sync_lock:
+                self.pods.take(read)
+                to_bind = self._to_bind()
+            for pod in to_bind:
                 try:
                     self._bind(pod)
                 except BackendError as exc:
                     # One pod the server will not bind (being deleted, refused) must not
                     # stop the others, nor the status reads this sync serves.
+                    metadata = pod["metadata"]
                     logger.warning("Could not bind pod %s/%s yet: %s", metadata["namespace"], metadata["name"], exc)
-            self._unbound_noted &= present
+        finally:
+            self._watch_lock.release()
+
+    def _to_bind(self) -> list[dict]:
+        """After a sync (under _sync_lock): reset what was read per sync, and pick the pods to bind."""
+        self._synced_at = time.monotonic()
+        self._node_verdicts = {}
+        self._pods_by_attempt = None
+        present = set()
+        to_bind = []
+        for pod in list(self.pods.items.values()):
+            metadata = pod["metadata"]
+            present.add(metadata.get("uid", ""))
+            if not k8s_jobs.needs_binding(pod, self.scheduler_name):
+                continue
+            attempt = k8s_jobs.attempt_of(pod)
+            if self.tracker.vanished.get(attempt) or self.tracker.disrupted.get(attempt):
+                # A replacement (a Deployment's) for a pod that vanished or was evicted: that attempt is over.
+                if metadata.get("uid", "") not in self._unbound_noted:
+                    self._unbound_noted.add(metadata.get("uid", ""))
+                    logger.warning("Leaving pod %s/%s unbound: attempt %s lost a replica.",
+                                   metadata["namespace"], metadata["name"], attempt)
+                continue
+            if not self._is_open(attempt):
+                # A leftover of an attempt that ended (or never was): starting it would put it
+                # on GPUs the portal has given to someone else.
+                if metadata.get("uid", "") not in self._unbound_noted:
+                    self._unbound_noted.add(metadata.get("uid", ""))
+                    logger.warning("Leaving pod %s/%s unbound: its attempt %s is not open.",
+                                   metadata["namespace"], metadata["name"], attempt)
+                continue
+            to_bind.append(pod)
+        self._unbound_noted &= present
+        return to_bind
 
     def _bind(self, pod: dict) -> None:
         node = k8s_jobs.placed_node(pod)
@@ -846,6 +946,7 @@ class KubernetesBackend:
         return k8s_jobs.attempt_status(
             replicas=replicas, pods=pods, exits=self.tracker.exits.get(key, {}),
             vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost, vanished_nodes=vanished_nodes,
+            disrupted=self.tracker.disrupted.get(key, {}),
         )
 
     def _read_controller(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:

@@ -201,6 +201,10 @@ class LocalBackend:
         with self._state(write=False) as state:
             return list(state["workloads"].get(node_name, []))
 
+    def workload_job(self, workload: str) -> str:
+        # A job of ours registers itself as `namespace/job-<id>` (JobLaunch.workload).
+        return workload.rsplit("/", 1)[-1]
+
     def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
         attempts = self.jobs.attempts_on(node_name, workload)
         if attempts:

@@ -314,7 +314,8 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
         ours = signals.drain(nodes, reason=f"Preempted: node pool {change.pool.name} is being re-partitioned.")
         for name, names in sorted(busy.items()):
             for workload in names:
-                if workload.rsplit("/", 1)[-1] not in ours:
+                # Whose a pod is comes from its labels (a Job's pod is job-<id>-<attempt>-<index>-<suffix>).
+                if backend.workload_job(workload) not in ours:
                     backend.evict(name, workload, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
             _record(
                 change.id, state=State.DRAINING, node=name,
@@ -326,7 +327,16 @@ def _partition_step(change: PartitionChange, backend, nodes: list[str]) -> float
         return 0
     if change.state == State.DRAINING:
         placed = signals.placed(nodes)
-        if any(backend.node_workloads(name) or placed.get(name) for name in nodes):
+        busy = False
+        for name in nodes:
+            held = {workload.rsplit("/", 1)[-1] for workload in placed.get(name, [])}
+            running = backend.node_workloads(name)
+            for workload in running:
+                if backend.workload_job(workload) not in held:
+                    # Not a job the portal is stopping: evicted again (a PodDisruptionBudget may have said not yet).
+                    backend.evict(name, workload, grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S)
+            busy = busy or bool(running or placed.get(name))
+        if busy:
             _check_timeout(change, State.DRAINING, "workloads to stop")
             return poll
         _move(change.id, State.RELABELING)

@@ -433,6 +433,10 @@ def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | Non
         return AttemptOutcome.PREEMPTED, job.reason, max(codes.values(), default=None)
     if status.phase == "exited" and codes and not failing and all(code == EXIT_OK for code in codes.values()):
         return AttemptOutcome.SUCCEEDED, "Every replica finished.", EXIT_OK
+    if status.phase == "preempted" and not failing:
+        # The cluster stopped a replica (evicted, or refused by its node's kubelet): requeued, saying why.
+        reason = job.reason if job.state == JobState.PREEMPTED else f"Preempted by the cluster: {status.reason}"
+        return AttemptOutcome.PREEMPTED, reason, max(codes.values(), default=None)
     if job.state == JobState.PREEMPTED:
         # Stopped as asked: checkpointed (75), or killed after the grace period (the steps since
         # the last checkpoint are lost, the job still resumes from it).
