@@ -361,10 +361,11 @@ class KubernetesStandIn:
         return self.objects().get((plural, namespace, name))
 
     def put(self, obj: dict) -> dict:
-        """Store an object directly, as if someone else had created it."""
+        """Store an object directly, as if someone else had created it (past admission, as a write to etcd)."""
         resource = next(r for r in RESOURCE_TYPES.values() if r.kind == obj["kind"])
         with self._lock:
-            return self._create(resource, obj.get("metadata", {}).get("namespace", ""), obj, manager="someone-else")
+            return self._create(resource, obj.get("metadata", {}).get("namespace", ""), obj, manager="someone-else",
+                                admit=False)
 
     def compact(self) -> None:
         """Forget the watch history, as etcd compaction does; older resourceVersions answer 410."""
@@ -575,6 +576,81 @@ class KubernetesStandIn:
         self._check_schema(obj)
         return metadata["name"]
 
+    def _admit_pod(self, namespace: str, name: str, pod: dict) -> None:
+        """The admission plugins a pod's creation goes through, in the API server's order: LimitRanger
+        (container defaults), PodSecurity (the namespace's enforce level), ResourceQuota (403 exceeded quota)."""
+        spec = pod.setdefault("spec", {})
+        for (plural, ns, _n), limit_range in self._state.objects.items():
+            if plural != "limitranges" or ns != namespace:
+                continue
+            for item in (limit_range.get("spec") or {}).get("limits") or []:
+                if item.get("type") != "Container":
+                    continue
+                for container in spec.get("containers") or []:
+                    resources = container.setdefault("resources", {})
+                    for field_name, default in (("limits", "default"), ("requests", "defaultRequest")):
+                        for key, value in (item.get(default) or {}).items():
+                            resources.setdefault(field_name, {}).setdefault(key, value)
+        for container in spec.get("containers") or []:
+            # A request left unset defaults to its limit, as the API server's defaulting does.
+            for key, value in ((container.get("resources") or {}).get("limits") or {}).items():
+                container["resources"].setdefault("requests", {}).setdefault(key, value)
+        labels = (self._state.objects.get(("namespaces", "", namespace)) or {}).get("metadata", {}).get("labels") or {}
+        if labels.get("pod-security.kubernetes.io/enforce") == "restricted":
+            problems = _restricted_violations(spec)
+            if problems:
+                raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: violates PodSecurity "restricted:'
+                               f'{labels.get("pod-security.kubernetes.io/enforce-version", "latest")}": '
+                               + ", ".join(problems), name=name, kind="pods")
+        usage = _pod_usage(pod)
+        for (plural, ns, quota_name), quota in sorted(self._state.objects.items()):
+            if plural != "resourcequotas" or ns != namespace:
+                continue
+            hard = (quota.get("spec") or {}).get("hard") or {}
+            missing = [key for key in hard if key.startswith(("requests.", "limits.")) and key not in usage
+                       and key.partition(".")[2] in ("cpu", "memory")]
+            if missing:
+                raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: failed quota: {quota_name}: must specify '
+                               + ",".join(sorted(missing)), name=name, kind="pods")
+            used = self._quota_used(namespace, hard)
+            over = sorted(key for key in hard if key in usage and used.get(key, 0) + usage[key] > _quantity(hard[key]))
+            if over:
+                requested = ",".join(f"{k}={_show(usage[k])}" for k in over)
+                taken = ",".join(f"{k}={_show(used.get(k, 0))}" for k in over)
+                limited = ",".join(f"{k}={hard[k]}" for k in over)
+                raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: exceeded quota: {quota_name}, '
+                               f"requested: {requested}, used: {taken}, limited: {limited}", name=name, kind="pods")
+
+    def _quota_used(self, namespace: str, hard: dict) -> dict[str, float]:
+        """What the namespace's pods that have not finished use of each quota'd resource."""
+        used: dict[str, float] = {}
+        for (plural, ns, _n), pod in self._state.objects.items():
+            if plural == "pods" and ns == namespace and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                for key, value in _pod_usage(pod).items():
+                    if key in hard:
+                        used[key] = used.get(key, 0) + value
+        return used
+
+    def _kubelet_admit(self, pod: dict, node: dict) -> tuple[str, str] | None:
+        """The kubelet's admission of a pod bound to its node: (reason, message) when it rejects it."""
+        selector = pod["spec"].get("nodeSelector") or {}
+        node_labels = node["metadata"].get("labels") or {}
+        if any(node_labels.get(k) != v for k, v in selector.items()):
+            return "NodeAffinity", "Pod was rejected: Predicate NodeAffinity failed: node(s) didn't match Pod's node affinity/selector"
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        used: dict[str, float] = {}
+        for (plural, _ns, _n), other in self._state.objects.items():
+            if plural == "pods" and other is not pod and other["spec"].get("nodeName") == node["metadata"]["name"] \
+                    and (other.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                for key, value in _pod_requests(other).items():
+                    used[key] = used.get(key, 0) + value
+        for key, value in sorted(_pod_requests(pod).items()):
+            capacity = _quantity(allocatable.get(key, 0))
+            if value and used.get(key, 0) + value > capacity:
+                return f"OutOf{key}", (f"Pod was rejected: Node didn't have enough resource: {key}, requested: "
+                                       f"{_show(value)}, used: {_show(used.get(key, 0))}, capacity: {_show(capacity)}")
+        return None
+
     def _check_update(self, resource, name: str, existing: dict, updated: dict) -> None:
         """Update validation and admission for fields that cannot change, as the real server refuses them:
         422 Invalid (FieldValueInvalid "field is immutable", FieldValueForbidden for a PVC's spec), or 403
@@ -625,7 +701,7 @@ class KubernetesStandIn:
     def _record_event(self, kind: str, resource: ResourceType, obj: dict) -> None:
         self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj)))
 
-    def _create(self, resource, namespace, obj, *, manager) -> dict:
+    def _create(self, resource, namespace, obj, *, manager, admit: bool = True) -> dict:
         name = self._check_identity(resource, namespace, obj)
         key = self._key(resource, namespace, name)
         if key in self._state.objects:
@@ -633,6 +709,8 @@ class KubernetesStandIn:
                            kind=resource.plural)
         self._check_namespace_open(resource, namespace)
         stored = copy.deepcopy(obj)
+        if resource.kind == "Pod" and admit:
+            self._admit_pod(namespace, name, stored)
         metadata = stored.setdefault("metadata", {})
         if resource.namespaced:
             metadata["namespace"] = namespace
@@ -1012,6 +1090,21 @@ class KubernetesStandIn:
             raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on pods/binding "{name}": pod {name} is '
                                             f"already assigned to node \"{pod['spec']['nodeName']}\"")
         pod["spec"]["nodeName"] = target["name"]
+        node = self._state.objects.get(("nodes", "", target["name"]))
+        if node is None:
+            # Bound to a node that does not exist: no kubelet runs it, and the pod garbage collector deletes it.
+            pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]}
+            pod["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+            self._collect_at[("pods", namespace, name)] = time.monotonic() + self.gc_delay_s
+            return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+        rejected = self._kubelet_admit(pod, node)
+        if rejected:
+            # The kubelet refuses it: Failed at once, no container ever made.
+            pod["status"] = {"phase": "Failed", "reason": rejected[0], "message": rejected[1], "startTime": _now()}
+            pod["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", RESOURCE_TYPES["pods"], pod)
+            return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
         pod["status"] = {
             "phase": "Running", "startTime": _now(), "podIP": f"10.0.0.{len(self._state.objects) % 250 + 1}",
             "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
@@ -1435,7 +1528,9 @@ class KubernetesStandIn:
             obj = self._state.objects.get(key)
             if obj is None or obj["metadata"].get("deletionTimestamp"):
                 continue
-            if key[0] == "pods":
+            if key[0] == "pods" and obj["spec"].get("nodeName") and ("nodes", "", obj["spec"]["nodeName"]) not in self._state.objects:
+                self._delete_pod(key, obj, 0)  # PodGC: its node is gone, so nothing waits for a kubelet
+            elif key[0] == "pods":
                 self._delete_pod(key, obj, None)
             else:
                 self._delete(RESOURCE_TYPES[key[0]], key[1], key[2], propagation="Background")
@@ -1547,6 +1642,80 @@ def _pod_spec_mutable_part(spec: dict) -> dict:
         for container in fixed.get(key) or []:
             container.pop("image", None)
     return fixed
+
+
+def _show(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{int(value * 1000)}m"
+
+
+def _pod_requests(pod: dict) -> dict[str, float]:
+    """A pod's requests by resource (a container's limit where it has no request), as the kubelet sums them."""
+    total: dict[str, float] = {}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        for key, value in ((resources.get("limits") or {}) | (resources.get("requests") or {})).items():
+            total[key] = total.get(key, 0) + _quantity(value)
+    return total
+
+
+def _pod_usage(pod: dict) -> dict[str, float]:
+    """What a pod counts against a ResourceQuota: requests.X, limits.X, cpu and memory (requests), pods."""
+    usage: dict[str, float] = {"pods": 1, "count/pods": 1}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        for field_name in ("requests", "limits"):
+            for key, value in (resources.get(field_name) or {}).items():
+                usage[f"{field_name}.{key}"] = usage.get(f"{field_name}.{key}", 0) + _quantity(value)
+                if field_name == "requests" and key in ("cpu", "memory", "ephemeral-storage"):
+                    usage[key] = usage.get(key, 0) + _quantity(value)
+    return usage
+
+
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                       "secret"}
+
+
+def _restricted_violations(spec: dict) -> list[str]:
+    """What the Pod Security "restricted" profile finds wrong in a pod spec, worded as the admission plugin words it."""
+    problems = []
+    pod_context = spec.get("securityContext") or {}
+    containers = (spec.get("initContainers") or []) + (spec.get("containers") or [])
+    if any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")):
+        problems.append("host namespaces (hostNetwork=true, hostPID=true or hostIPC=true)")
+    privileged = [c["name"] for c in containers if (c.get("securityContext") or {}).get("privileged")]
+    if privileged:
+        problems.append(f"privileged ({_containers(privileged)} must not set securityContext.privileged=true)")
+    escalating = [c["name"] for c in containers if (c.get("securityContext") or {}).get("allowPrivilegeEscalation") is not False]
+    if escalating:
+        problems.append(f"allowPrivilegeEscalation != false ({_containers(escalating)} must set "
+                        "securityContext.allowPrivilegeEscalation=false)")
+    capable = [c["name"] for c in containers
+               if "ALL" not in (((c.get("securityContext") or {}).get("capabilities") or {}).get("drop") or [])
+               or set(((c.get("securityContext") or {}).get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}]
+    if capable:
+        problems.append(f"unrestricted capabilities ({_containers(capable)} must set "
+                        'securityContext.capabilities.drop=["ALL"])')
+    volumes = sorted(v["name"] for v in spec.get("volumes") or [] if not (set(v) - {"name"}) <= _RESTRICTED_VOLUMES)
+    if volumes:
+        problems.append(f"restricted volume types (volumes {', '.join(repr(v) for v in volumes)} use restricted types)")
+    root = [c["name"] for c in containers if not (c.get("securityContext") or {}).get(
+        "runAsNonRoot", pod_context.get("runAsNonRoot"))]
+    if root:
+        problems.append(f"runAsNonRoot != true (pod or {_containers(root)} must set securityContext.runAsNonRoot=true)")
+    if pod_context.get("runAsUser") == 0 or any((c.get("securityContext") or {}).get("runAsUser") == 0 for c in containers):
+        problems.append("runAsUser=0 (pod and containers must not set runAsUser=0)")
+    seccomp = [c["name"] for c in containers if ((c.get("securityContext") or {}).get("seccompProfile") or
+                                                 pod_context.get("seccompProfile") or {}).get("type")
+               not in ("RuntimeDefault", "Localhost")]
+    if seccomp:
+        problems.append(f"seccompProfile (pod or {_containers(seccomp)} must set securityContext.seccompProfile.type "
+                        'to "RuntimeDefault" or "Localhost")')
+    return problems
+
+
+def _containers(names: list[str]) -> str:
+    quoted = ", ".join(f'"{n}"' for n in names)
+    return f"container {quoted}" if len(names) == 1 else f"containers {quoted}"
 
 
 def _content(obj: dict) -> dict:
