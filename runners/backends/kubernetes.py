@@ -240,8 +240,8 @@ class KubernetesBackend:
         self.log_bytes_read = 0
         # The cached pods by attempt, built on first use after each sync.
         self._pods_by_attempt: dict[tuple[int, int], list[dict]] | None = None
-        # The labels of the pods node_workloads last listed, per node, by "namespace/name".
-        self._workload_labels: dict[str, dict[str, dict]] = {}
+        # The pods node_workloads last listed, per node, by "namespace/name".
+        self._listed_workloads: dict[str, dict[str, dict]] = {}
 
     @classmethod
     def from_kubeconfig(cls, *, in_cluster: bool, kubeconfig: str | None, **options) -> "KubernetesBackend":
@@ -603,11 +603,11 @@ class KubernetesBackend:
             "Pod", "list", field_selector=f"spec.nodeName={node_name}", label_selector=OWN
         )[1].get("items") or []
         found = {
-            f"{item['metadata']['namespace']}/{item['metadata']['name']}": item["metadata"].get("labels") or {}
+            f"{item['metadata']['namespace']}/{item['metadata']['name']}": item
             for item in items
             if (item.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
         }
-        self._workload_labels[node_name] = found  # what workload_job reads (a drain lists, then asks of each)
+        self._listed_workloads[node_name] = found  # what workload_job and evict read (a drain lists, then asks of each)
         return sorted(found)
 
     def evict(self, node_name: str, workload: str, *, grace_period_s: int) -> None:
@@ -617,6 +617,8 @@ class KubernetesBackend:
         asks again on its next step rather than stopping. A pod already gone (404) is evicted.
         """
         namespace, _, name = workload.partition("/")
+        if ((self._listed(workload) or {}).get("metadata") or {}).get("deletionTimestamp"):
+            return  # already being deleted (evicted before): its grace period runs
         body = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
@@ -638,12 +640,15 @@ class KubernetesBackend:
         pod by its ReplicaSet): only the label says whose a pod is.
         """
         namespace, _, name = workload.partition("/")
-        labels = next((found[workload] for found in self._workload_labels.values() if workload in found), None)
-        if labels is None:
+        pod = self._listed(workload)
+        if pod is None:
             status, pod = self._checked("Pod", "read", name, namespace, accept=(200, 404))
-            labels = ((pod.get("metadata") or {}).get("labels") or {}) if status == 200 else {}
-        job_id = labels.get(JOB_LABEL)
+        job_id = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
         return f"job-{job_id}" if job_id else name
+
+    def _listed(self, workload: str) -> dict | None:
+        """The pod as node_workloads last listed it, if it did."""
+        return next((found[workload] for found in self._listed_workloads.values() if workload in found), None)
 
     def _update_config_map(self, name: str, change) -> None:
         """Read-modify-write one of the GPU Operator's ConfigMaps; a concurrent writer makes us read again."""
