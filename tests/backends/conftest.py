@@ -1,4 +1,12 @@
-"""A Kubernetes API stand-in per test, and a backend pointed at it."""
+"""A Kubernetes API stand-in per test, and a backend pointed at it; or a real cluster, for `real_cluster` tests.
+
+Tests marked `real_cluster` run against the cluster the KUBECONFIG environment variable names
+(its current context), a kind or k3s cluster the tests may create and delete namespaces on; they
+are skipped, saying why, when KUBECONFIG is unset or its cluster does not answer.
+"""
+
+import functools
+import os
 
 import pytest
 
@@ -41,3 +49,35 @@ def make_backend(standin):
 @pytest.fixture
 def backend(make_backend) -> KubernetesBackend:
     return make_backend()
+
+
+@functools.cache
+def _real_cluster_unavailable() -> str | None:
+    """Why there is no real cluster to run against (None: KUBECONFIG names one that answers)."""
+    path = os.environ.get("KUBECONFIG")
+    if not path:
+        return "KUBECONFIG is not set: point it at a kind or k3s cluster to run the real_cluster tests"
+    from kubernetes import client, config
+
+    try:
+        api_client = config.new_client_from_config(config_file=path)
+        version = client.VersionApi(api_client).get_code(_request_timeout=5)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no cluster to test against
+        return f"the cluster in KUBECONFIG={path} does not answer: {exc.__class__.__name__}: {exc}"[:300]
+    if "standin" in (version.git_version or ""):
+        return f"KUBECONFIG={path} points at the API stand-in, not a real cluster"
+    return None
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("real_cluster") is not None:
+        why = _real_cluster_unavailable()
+        if why:
+            pytest.skip(f"real_cluster: {why}")
+
+
+@pytest.fixture
+def real_backend() -> KubernetesBackend:
+    """A backend for the real cluster KUBECONFIG names (the real_cluster tests only)."""
+    options = kubernetes_backend_options() | dict(field_manager="gpu-portal-tests", request_timeout_s=15)
+    return KubernetesBackend.from_kubeconfig(in_cluster=False, kubeconfig=os.environ["KUBECONFIG"], **options)
