@@ -711,6 +711,7 @@ class KubernetesStandIn:
         stored = copy.deepcopy(obj)
         if resource.kind == "Pod" and admit:
             self._admit_pod(namespace, name, stored)
+            stored["status"] = {"phase": "Pending"}  # status is the kubelet's: a create's is dropped
         metadata = stored.setdefault("metadata", {})
         if resource.namespaced:
             metadata["namespace"] = namespace
@@ -926,7 +927,7 @@ class KubernetesStandIn:
         pods = [pod for (plural, ns, _n), pod in self._state.objects.items()
                 if plural == "pods" and ns == namespace and _label_selects(spec.get("selector"), pod["metadata"].get("labels") or {})]
         healthy = sum(1 for pod in pods if not pod["metadata"].get("deletionTimestamp") and any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in pod["status"].get("conditions", [])))
+            c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions", [])))
         # The expected count is the scale of the pods' controllers (an integer minAvailable needs none).
         owners, ownerless = {}, False
         for pod in pods:
