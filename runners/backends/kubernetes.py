@@ -641,8 +641,9 @@ class KubernetesBackend:
         """
         namespace, _, name = workload.partition("/")
         pod = self._listed(workload)
-        if pod is None:
-            status, pod = self._checked("Pod", "read", name, namespace, accept=(200, 404))
+        if pod is None:  # a list by name: the portal's role may list pods, not get them
+            items = self._checked("Pod", "list", namespace=namespace, field_selector=f"metadata.name={name}")[1]
+            pod = next(iter(items.get("items") or []), {})
         job_id = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_LABEL)
         return f"job-{job_id}" if job_id else name
 

@@ -50,7 +50,7 @@ EXPECTED_CLUSTER_ROLE_RULES = {
     (("",), ("namespaces",), ("create", "delete", "get", "patch"), ()),
     (("",), ("limitranges", "resourcequotas", "serviceaccounts", "services"), ("create", "delete", "list", "patch"), ()),
     (("networking.k8s.io",), ("networkpolicies",), ("create", "delete", "list", "patch"), ()),
-    (("",), ("persistentvolumeclaims",), ("create", "patch"), ()),
+    (("",), ("persistentvolumeclaims",), ("create", "get", "patch"), ()),
     (("batch",), ("jobs",), ("create", "delete", "get", "list", "patch"), ()),
     (("apps",), ("deployments",), ("create", "delete", "get", "list", "patch"), ()),
     (("apps",), ("replicasets",), ("delete", "list"), ()),
