@@ -12,9 +12,11 @@ say. That keeps the rules testable on plain dicts.
   resume from the last resourceVersion seen. A watch answered with 410 Gone
   (an ERROR event holding a 410 Status, or HTTP 410) means the history was
   compacted: it lists again and reports what changed meanwhile, pods that went
-  away included, so no change is lost.
-- `PodTracker` remembers, per attempt, each replica's exit code and replicas
-  whose pod vanished before it finished, beyond the life of the pod objects.
+  away included, so no change is lost. `read` is the network half of a sync and `take`
+  applies what it brought, so the backend holds its cache's lock only for the second.
+- `PodTracker` remembers, per attempt, each replica's exit code, replicas whose pod
+  vanished before it finished, and replicas the cluster stopped (evicted, or refused by
+  the kubelet: `pod_disruption`), beyond the life of the pod objects.
 - `attempt_status` turns that into the portal's `AttemptStatus`.
 - `read_progress` reads the tagged records of rank 0's log incrementally: the pod log
   API with `timestamps=true`, `sinceTime` and `limitBytes`, from a cursor the portal keeps

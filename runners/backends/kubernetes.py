@@ -710,7 +710,7 @@ class KubernetesBackend:
         return selector if attempt is None else f"{selector},{ATTEMPT_LABEL}={attempt}"
 
     def launch_job(self, launch: JobLaunch) -> int | None:
-        """Apply the checkpoint PVC, the rendezvous Service and the indexed Job, then bind what pods exist.
+        """Ensure the checkpoint PVC, apply the rendezvous Service and the indexed Job, then bind what pods exist.
 
         Applying again changes nothing, so a redelivered launch is harmless. The attempt counts
         as open in this process until the portal's next jobs_open; the pods the Job controller
