@@ -13,8 +13,11 @@ import pytest
 from runners.backends.base import EnvironmentSpec
 from runners.backends.kubernetes import KubernetesBackend
 from runners.clusters.registry import kubernetes_backend_options
-from tests.support.k8s import client_for, make_spec
+from tests.support.k8s import client_for, deploy_rbac, make_spec
 from tests.support.k8s_standin import KubernetesStandIn
+
+# The portal's own tokens: the one make_backend sends, and the one of test_from_settings_reads_the_kubeconfig.
+PORTAL_TOKENS = {"standin-token", "not-a-secret"}
 
 
 @pytest.fixture
@@ -24,7 +27,8 @@ def spec() -> EnvironmentSpec:
 
 @pytest.fixture
 def standin():
-    with KubernetesStandIn(termination_delay_s=0.2) as api:
+    # The portal's token may do only what deploy/'s RBAC grants it, so a verb missing there fails here.
+    with KubernetesStandIn(termination_delay_s=0.2, admin_tokens=PORTAL_TOKENS, portal_rbac=deploy_rbac()) as api:
         yield api
 
 
@@ -41,7 +45,7 @@ def make_backend(standin):
             request_timeout_s=5,
         )
         options.update(overrides)
-        return KubernetesBackend(client_for(url or standin.url), **options)
+        return KubernetesBackend(client_for(url or standin.url, token="standin-token"), **options)
 
     return make
 

@@ -1,6 +1,7 @@
 """Helpers for tests of the Kubernetes backend: API clients for the stand-in, specs, Node and Pod objects (training replicas too)."""
 
 import base64
+import functools
 import json
 import os
 import subprocess
@@ -14,9 +15,12 @@ from runners.backends.base import EnvironmentSpec, MemberBinding
 from runners.backends.job_manifests import ATTEMPT_LABEL, COMPLETION_INDEX_ANNOTATION, JOB_LABEL, PLACEMENT_ANNOTATION
 
 
-def client_for(url: str) -> client.ApiClient:
+def client_for(url: str, *, token: str = "") -> client.ApiClient:
     configuration = client.Configuration()
     configuration.host = url
+    if token:
+        configuration.api_key = {"authorization": token}
+        configuration.api_key_prefix = {"authorization": "Bearer"}
     return client.ApiClient(configuration)
 
 
@@ -33,6 +37,23 @@ def portal_kubeconfig(api, *, token: str = "standin-token") -> str:
     })
 
 
+RBAC_KINDS = ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+@functools.cache
+def _rendered_rbac(overlay: str) -> tuple[str, ...]:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(["kubectl", "kustomize", str(root / "deploy" / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return tuple(json.dumps(obj) for obj in yaml.safe_load_all(out.stdout) if obj and obj.get("kind") in RBAC_KINDS)
+
+
+def deploy_rbac(overlay: str = "default") -> list[dict]:
+    """The RBAC objects of deploy/ as an operator renders them (kubectl's built-in kustomize, as
+    `make deploy-render` and tests/deploy/ do): what the portal's own ServiceAccount may do."""
+    return [json.loads(text) for text in _rendered_rbac(overlay)]
+
+
 @contextmanager
 def portal_on_standin(settings, folder: Path, **standin_options):
     """CLUSTER_BACKEND=kubernetes against a stand-in (HTTPS unless told otherwise, since kubectl sends a
@@ -40,7 +61,7 @@ def portal_on_standin(settings, folder: Path, **standin_options):
     from runners.clusters.registry import get_backend
     from tests.support.k8s_standin import KubernetesStandIn
 
-    defaults = {"tls": True, "termination_delay_s": 0.1, "admin_tokens": {"standin-token"}}
+    defaults = {"tls": True, "termination_delay_s": 0.1, "admin_tokens": {"standin-token"}, "portal_rbac": deploy_rbac()}
     with KubernetesStandIn(**(defaults | standin_options)) as api:
         kubeconfig = folder / "portal-kubeconfig"
         kubeconfig.write_text(portal_kubeconfig(api))

@@ -221,7 +221,8 @@ class KubernetesStandIn:
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
         admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
-        max_token_expiration_s: int | None = None,
+        max_token_expiration_s: int | None = None, portal_rbac: Iterable[dict] | None = None,
+        portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal",
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -270,6 +271,11 @@ class KubernetesStandIn:
         self.admin_tokens: set[str] | None = None if admin_tokens is None else set(admin_tokens)
         # Tokens minted through serviceaccounts/token, by their text.
         self.tokens: dict[str, MintedToken] = {}
+        # The portal's own rights: with RBAC objects (deploy/'s ClusterRole, Roles and their bindings), a
+        # request with one of `admin_tokens` is `portal_user` and may do only what those bind to it.
+        self.portal_user = portal_user
+        self.portal_rbac: list[dict] | None = None if portal_rbac is None else [copy.deepcopy(o) for o in portal_rbac]
+        self._caller: object = None  # who the request being routed comes from (under the lock)
         # The API server's --service-account-max-token-expiration (None: not set).
         self.max_token_expiration_s = max_token_expiration_s
         self._state = _State()
@@ -429,7 +435,11 @@ class KubernetesStandIn:
                 self._reap()
                 if caller is not None:
                     self._authorize(caller, method, url.path, query)
-                code, answer = self._route(method, url.path, query, content_type, body)
+                self._caller = caller
+                try:
+                    code, answer = self._route(method, url.path, query, content_type, body)
+                finally:
+                    self._caller = None
         except ApiError as error:
             code, answer = error.code, error.body
         record.status = code
@@ -460,7 +470,10 @@ class KubernetesStandIn:
             if method == "GET":
                 return self._list(resource, namespace, query)
             if method == "POST":
-                return 201, self._create(resource, namespace, self._parse(body), manager=_one(query, "fieldManager"))
+                created = self._parse(body)
+                if isinstance(created.get("metadata"), dict) and created["metadata"].get("name"):
+                    self._check_portal_escalation(resource, namespace, created)
+                return 201, self._create(resource, namespace, created, manager=_one(query, "fieldManager"))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on a collection here")
         if method == "GET":
             return 200, self._read(resource, namespace, name)
@@ -747,7 +760,12 @@ class KubernetesStandIn:
         labels_key = (*key, manager)
         applied_labels = dict((applied.get("metadata") or {}).get("labels") or {})
         existing = self._state.objects.get(key)
+        self._check_portal_escalation(resource, namespace, applied)
         if existing is None:
+            if self._caller is PORTAL:
+                # An apply that creates is authorized as a create too.
+                self._check_portal("create", resource.api_version.rpartition("/")[0], resource.plural, namespace,
+                                   name, resource.plural)
             created = self._create(resource, namespace, applied, manager=manager)
             created["metadata"]["managedFields"][0]["operation"] = "Apply"
             self._state.objects[key]["metadata"]["managedFields"][0]["operation"] = "Apply"
@@ -1024,7 +1042,7 @@ class KubernetesStandIn:
         token = token.strip()
         bearer = scheme.lower() == "bearer"
         if bearer and token not in self.tokens and (self.admin_tokens is None or token in self.admin_tokens):
-            return None
+            return PORTAL if self.portal_rbac is not None and self.admin_tokens is not None else None
         minted = self.tokens.get(token) if bearer else None
         account = minted and self._state.objects.get(("serviceaccounts", minted.namespace, minted.service_account))
         if minted is None or minted.expires_at <= time.time() or account is None or (
@@ -1052,13 +1070,67 @@ class KubernetesStandIn:
             verb = "get"
         group = resource.api_version.rpartition("/")[0]
         plural = f"{resource.plural}/{sub}" if sub else resource.plural
+        if caller is PORTAL:
+            self._check_portal(verb, group, plural, namespace, name, resource.plural)
+            return
         if namespace and self._rbac_allows(caller, namespace, verb, group, plural):
             return
-        where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
-        details = {"kind": resource.plural, **({"name": name} if name else {})}
-        target = f'{plural} "{name}"' if name else plural
-        raise ApiError(403, "Forbidden", f'{target} is forbidden: User "{caller.user}" cannot {verb} resource '
-                                         f'"{plural}" in API group "{group}" {where}', **details)
+        raise _forbidden(caller.user, verb, group, plural, namespace, name, resource.plural)
+
+    def _portal_rules(self, namespace: str) -> list[dict]:
+        """The rules deploy/'s RBAC grants the portal's user in a namespace ("" : cluster-wide ones only)."""
+        objects = self.portal_rbac or []
+        user_namespace, _, user_name = self.portal_user.removeprefix("system:serviceaccount:").partition(":")
+
+        def names_portal(binding: dict) -> bool:
+            return any(s.get("kind") == "ServiceAccount" and s.get("name") == user_name
+                       and s.get("namespace", binding["metadata"].get("namespace")) == user_namespace
+                       or s.get("kind") == "User" and s.get("name") == self.portal_user
+                       for s in binding.get("subjects") or [])
+
+        def role(kind: str, name: str, role_namespace: str) -> list[dict]:
+            found = next((o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name
+                          and (kind == "ClusterRole" or o["metadata"].get("namespace") == role_namespace)), None)
+            return (found or {}).get("rules") or []
+
+        rules = []
+        for binding in objects:
+            if binding["kind"] == "ClusterRoleBinding" and names_portal(binding):
+                rules += role("ClusterRole", binding["roleRef"]["name"], "")
+            elif binding["kind"] == "RoleBinding" and namespace and binding["metadata"].get("namespace") == namespace \
+                    and names_portal(binding):
+                rules += role(binding["roleRef"]["kind"], binding["roleRef"]["name"], namespace)
+        return rules
+
+    def _portal_allows(self, verb: str, group: str, plural: str, namespace: str, name: str | None) -> bool:
+        return any(_matches(rule.get("verbs"), verb) and _matches(rule.get("apiGroups"), group)
+                   and _matches(rule.get("resources"), plural)
+                   and (not rule.get("resourceNames") or (name is not None and name in rule["resourceNames"]))
+                   for rule in self._portal_rules(namespace))
+
+    def _check_portal(self, verb, group, plural, namespace, name, kind_plural) -> None:
+        if not self._portal_allows(verb, group, plural, namespace, name):
+            raise _forbidden(self.portal_user, verb, group, plural, namespace, name, kind_plural)
+
+    def _check_portal_escalation(self, resource, namespace: str, obj: dict) -> None:
+        """RBAC's escalation checks for the portal's writes of a Role (escalate) or a RoleBinding (bind):
+        needed unless the portal itself holds every right the Role grants."""
+        if self._caller is not PORTAL or resource.kind not in ("Role", "RoleBinding"):
+            return
+        if resource.kind == "Role":
+            rules, role_name, verb = obj.get("rules") or [], obj["metadata"]["name"], "escalate"
+        else:
+            ref = obj.get("roleRef") or {}
+            stored = self._state.objects.get(("roles", namespace, ref.get("name", ""))) or {}
+            rules, role_name, verb = stored.get("rules") or [], ref.get("name", ""), "bind"
+        held = all(self._portal_allows(v, g, r, namespace, None)
+                   for rule in rules for v in rule.get("verbs") or [] for g in rule.get("apiGroups") or [""]
+                   for r in rule.get("resources") or [])
+        if not held and not self._portal_allows(verb, "rbac.authorization.k8s.io", "roles", namespace, role_name):
+            raise ApiError(403, "Forbidden", f'{resource.plural}.rbac.authorization.k8s.io "{obj["metadata"]["name"]}" '
+                           f'is forbidden: user "{self.portal_user}" (groups=["system:serviceaccounts" '
+                           '"system:authenticated"]) is attempting to grant RBAC permissions not currently held',
+                           name=obj["metadata"]["name"], group="rbac.authorization.k8s.io", kind=resource.plural)
 
     def _rbac_allows(self, caller: MintedToken, namespace: str, verb: str, group: str, plural: str) -> bool:
         subject = {"kind": "ServiceAccount", "name": caller.service_account, "namespace": caller.namespace}
@@ -1565,6 +1637,17 @@ class KubernetesStandIn:
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
             410: "Expired", 422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
             504: "Timeout"}
+
+
+PORTAL = object()  # The caller of a request made with the portal's own token, when its RBAC is modelled.
+
+
+def _forbidden(user: str, verb: str, group: str, plural: str, namespace: str, name: str | None, kind: str) -> ApiError:
+    """RBAC's 403, worded as the API server words it."""
+    where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
+    target = f'{plural} "{name}"' if name else plural
+    return ApiError(403, "Forbidden", f'{target} is forbidden: User "{user}" cannot {verb} resource "{plural}" in API '
+                                      f'group "{group}" {where}', kind=kind, **({"name": name} if name else {}))
 
 
 def _matches(allowed: list[str] | None, value: str) -> bool:
