@@ -49,6 +49,7 @@ def _file_of(item) -> str:
 SPLIT = {"tests/portal/test_schemathesis.py": 4}
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, but each file of SPLIT in parts."""
     if config.getoption("dist", None) != "loadfile":
