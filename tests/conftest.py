@@ -146,9 +146,12 @@ def kubernetes_cluster(settings, tmp_path):
     import yaml
 
     from runners.clusters.registry import get_backend
+    from tests.support.k8s import deploy_rbac
     from tests.support.k8s_standin import KubernetesStandIn
 
-    with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05) as api:
+    # The portal's token may do what deploy/'s RBAC grants it, no more.
+    with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05, admin_tokens={"standin-token"},
+                           portal_rbac=deploy_rbac(), watch_hold_s=0.1) as api:
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "standin",

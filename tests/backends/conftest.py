@@ -28,7 +28,9 @@ def spec() -> EnvironmentSpec:
 @pytest.fixture
 def standin():
     # The portal's token may do only what deploy/'s RBAC grants it, so a verb missing there fails here.
-    with KubernetesStandIn(termination_delay_s=0.2, admin_tokens=PORTAL_TOKENS, portal_rbac=deploy_rbac()) as api:
+    # Watches held 0.1 s, not the second the backend asks for, to keep these tests quick.
+    with KubernetesStandIn(termination_delay_s=0.2, admin_tokens=PORTAL_TOKENS, portal_rbac=deploy_rbac(),
+                           watch_hold_s=0.1) as api:
         yield api
 
 

@@ -61,7 +61,8 @@ def portal_on_standin(settings, folder: Path, **standin_options):
     from runners.clusters.registry import get_backend
     from tests.support.k8s_standin import KubernetesStandIn
 
-    defaults = {"tls": True, "termination_delay_s": 0.1, "admin_tokens": {"standin-token"}, "portal_rbac": deploy_rbac()}
+    defaults = {"tls": True, "termination_delay_s": 0.1, "admin_tokens": {"standin-token"}, "portal_rbac": deploy_rbac(),
+                "watch_hold_s": 0.1}
     with KubernetesStandIn(**(defaults | standin_options)) as api:
         kubeconfig = folder / "portal-kubeconfig"
         kubeconfig.write_text(portal_kubeconfig(api))

@@ -192,7 +192,7 @@ class MintedToken:
 class _State:
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # (plural, namespace, name)
     applied_labels: dict[tuple[str, str, str, str], set[str]] = field(default_factory=dict)  # + manager
-    events: list[tuple[int, str, str, dict]] = field(default_factory=list)  # (rv, type, plural, object)
+    events: list[tuple[int, str, str, dict, float]] = field(default_factory=list)  # (rv, type, plural, object, when)
     resource_version: int = 100
     oldest_watchable_rv: int = 0
     namespace_gone_at: dict[str, float] = field(default_factory=dict)
@@ -221,7 +221,8 @@ class KubernetesStandIn:
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
         admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
-        max_token_expiration_s: int | None = None, portal_rbac: Iterable[dict] | None = None,
+        max_token_expiration_s: int | None = None, watch_hold_s: float | None = None,
+        watch_window_s: float | None = 75.0, portal_rbac: Iterable[dict] | None = None,
         portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal",
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
@@ -271,6 +272,12 @@ class KubernetesStandIn:
         self.admin_tokens: set[str] | None = None if admin_tokens is None else set(admin_tokens)
         # Tokens minted through serviceaccounts/token, by their text.
         self.tokens: dict[str, MintedToken] = {}
+        # How long a watch stays open waiting for events: None for its timeoutSeconds, as a real server
+        # holds it; 0 answers the events so far at once. The watch cache's history: events older than
+        # `watch_window_s` are forgotten (a watch from before them is 410), as the API server's cache
+        # keeps about 75 s of them.
+        self.watch_hold_s = watch_hold_s
+        self.watch_window_s = watch_window_s
         # The portal's own rights: with RBAC objects (deploy/'s ClusterRole, Roles and their bindings), a
         # request with one of `admin_tokens` is `portal_user` and may do only what those bind to it.
         self.portal_user = portal_user
@@ -280,6 +287,7 @@ class KubernetesStandIn:
         self.max_token_expiration_s = max_token_expiration_s
         self._state = _State()
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # notified on every event, for open watches
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -532,21 +540,66 @@ class KubernetesStandIn:
         }
 
     def _watch(self, resource, namespace, query):
+        """A watch, as the API server's watch cache serves it: 410 for a version older than the cache keeps
+        (an ERROR event, or HTTP 410 with `gone_as="status"`); otherwise the events since that version, then
+        the stream stays open for new ones until `timeoutSeconds` (at most `watch_hold_s`), ending with a
+        BOOKMARK at the version reached when allowWatchBookmarks asks for bookmarks."""
         selector = _parse_selector(_one(query, "labelSelector"))
+        self._expire_history()
         since = int(_one(query, "resourceVersion") or self._state.resource_version)
         if since < self._state.oldest_watchable_rv:
             gone = ApiError(410, "Expired", f"too old resource version: {since} ({self._state.oldest_watchable_rv})")
             if self.gone_as == "status":
                 raise gone
             return 200, json.dumps({"type": "ERROR", "object": gone.body}) + "\n"
-        # One batch of events since the given version, then the stream ends (as on a timeoutSeconds).
-        lines = [
-            json.dumps({"type": kind, "object": obj})
-            for rv, kind, plural, obj in self._state.events
-            if rv > since and plural == resource.plural and (not namespace or obj["metadata"].get("namespace") == namespace)
-            and _selects(selector, obj["metadata"].get("labels") or {})
-        ]
-        return 200, "\n".join(lines) + ("\n" if lines else "")
+        timeout_s = float(_one(query, "timeoutSeconds") or 0) or self.watch_hold_s or 0.0
+        hold_s = min(timeout_s, self.watch_hold_s) if self.watch_hold_s is not None else timeout_s
+        bookmarks = _one(query, "allowWatchBookmarks") in ("true", "1")
+
+        def selected(since_rv: int) -> list[tuple[int, str]]:
+            return [
+                (rv, json.dumps({"type": kind, "object": obj}))
+                for rv, kind, plural, obj, _at in self._state.events
+                if rv > since_rv and plural == resource.plural
+                and (not namespace or obj["metadata"].get("namespace") == namespace)
+                and _selects(selector, obj["metadata"].get("labels") or {})
+            ]
+
+        def stream():
+            last, deadline = since, time.monotonic() + hold_s
+            while True:
+                with self._changed:
+                    self._reap()
+                    lines = selected(last)
+                    if lines:
+                        last = lines[-1][0]
+                    remaining = deadline - time.monotonic()
+                    if not lines and remaining > 0:
+                        self._changed.wait(min(remaining, 0.02))
+                    reached = self._state.resource_version
+                for _rv, line in lines:
+                    yield line + "\n"
+                if remaining <= 0:
+                    break
+            if bookmarks:
+                yield json.dumps({"type": "BOOKMARK", "object": {
+                    "kind": resource.kind, "apiVersion": resource.api_version,
+                    "metadata": {"resourceVersion": str(max(last, reached))}}}) + "\n"
+
+        if hold_s <= 0:
+            # Answer at once: the events so far (and the bookmark), the stream closed.
+            return 200, "".join(stream())
+        return 200, stream()
+
+    def _expire_history(self) -> None:
+        """The watch cache keeps `watch_window_s` of history; older resourceVersions answer 410."""
+        if self.watch_window_s is None:
+            return
+        horizon = time.monotonic() - self.watch_window_s
+        keep = next((i for i, event in enumerate(self._state.events) if event[4] >= horizon), len(self._state.events))
+        if keep:
+            self._state.oldest_watchable_rv = max(self._state.oldest_watchable_rv, self._state.events[keep - 1][0])
+            del self._state.events[:keep]
 
     def _check_namespace_open(self, resource, namespace) -> None:
         if not resource.namespaced:
@@ -712,7 +765,9 @@ class KubernetesStandIn:
         return str(self._state.resource_version)
 
     def _record_event(self, kind: str, resource: ResourceType, obj: dict) -> None:
-        self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj)))
+        self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj),
+                                   time.monotonic()))
+        self._changed.notify_all()
 
     def _create(self, resource, namespace, obj, *, manager, admit: bool = True) -> dict:
         name = self._check_identity(resource, namespace, obj)
@@ -1877,6 +1932,23 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         code, answer = self.api.handle(self.command, self.path, self.headers.get("Content-Type", ""), body,
                                        authorization=self.headers.get("Authorization", ""))
+        if not isinstance(answer, (bytes, str, dict, list)):
+            # An open watch: each event sent as it comes, chunked, until the stream ends.
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            try:
+                self.wfile.flush()  # the headers now: the client's call returns while the watch is open
+                for line in answer:
+                    data = line.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except OSError:
+                self.close_connection = True  # the client went away mid-watch
+            return
         if isinstance(answer, bytes):
             payload = answer
         else:
