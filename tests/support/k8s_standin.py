@@ -191,7 +191,6 @@ class MintedToken:
 @dataclass
 class _State:
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # (plural, namespace, name)
-    applied_labels: dict[tuple[str, str, str, str], set[str]] = field(default_factory=dict)  # + manager
     events: list[tuple[int, str, str, dict, float]] = field(default_factory=list)  # (rv, type, plural, object, when)
     resource_version: int = 100
     oldest_watchable_rv: int = 0
@@ -262,6 +261,8 @@ class KubernetesStandIn:
         self._job_done: dict[tuple[str, str], dict[int, str]] = {}
         # StorageClasses with allowVolumeExpansion: a bound claim of another class cannot grow (403).
         self.expandable_storage_classes: set[str | None] = set(expandable_storage_classes)
+        # Who owns which fields of each object: key -> manager -> (operation, apiVersion, field paths).
+        self._fields: dict[tuple[str, str, str], dict[str, tuple[str, str, set]]] = {}
         self._job_started: dict[tuple[str, str], float] = {}  # time.monotonic() the controller first saw the Job
         self._job_expire_at: dict[tuple[str, str], float] = {}  # when the TTL controller deletes a finished Job
         self.requests: list[RecordedRequest] = []
@@ -487,10 +488,10 @@ class KubernetesStandIn:
             return 200, self._read(resource, namespace, name)
         if method == "PATCH":
             if content_type.split(";")[0].strip() == MERGE_PATCH:
-                return 200, self._merge(resource, namespace, name, self._parse(body))
+                return 200, self._merge(resource, namespace, name, self._parse(body), _one(query, "fieldManager"))
             return self._apply(resource, namespace, name, content_type, query, self._parse(body))
         if method == "PUT":
-            return 200, self._replace(resource, namespace, name, self._parse(body))
+            return 200, self._replace(resource, namespace, name, self._parse(body), _one(query, "fieldManager"))
         if method == "DELETE":
             options = self._parse(body) if body else {}
             grace = _one(query, "gracePeriodSeconds") or options.get("gracePeriodSeconds")
@@ -769,7 +770,8 @@ class KubernetesStandIn:
                                    time.monotonic()))
         self._changed.notify_all()
 
-    def _create(self, resource, namespace, obj, *, manager, admit: bool = True) -> dict:
+    def _create(self, resource, namespace, obj, *, manager, admit: bool = True, operation: str = "Update",
+                fields: set | None = None) -> dict:
         name = self._check_identity(resource, namespace, obj)
         key = self._key(resource, namespace, name)
         if key in self._state.objects:
@@ -787,8 +789,11 @@ class KubernetesStandIn:
             uid=str(uuid.uuid4()),
             creationTimestamp=_now(),
             resourceVersion=self._bump(),
-            managedFields=[{"manager": manager or "unknown", "operation": "Update", "apiVersion": resource.api_version}],
         )
+        schema = _schema_of(resource)
+        self._fields[key] = {manager or "unknown": (operation, resource.api_version,
+                                                    set(_leaves(_applied_part(stored), schema)) if fields is None else fields)}
+        metadata["managedFields"] = self._managed_fields(key)
         if resource.kind == "Namespace":
             # The API server adds these itself, as it does on a real cluster.
             metadata.setdefault("labels", {})["kubernetes.io/metadata.name"] = name
@@ -804,58 +809,93 @@ class KubernetesStandIn:
         return copy.deepcopy(stored)
 
     def _apply(self, resource, namespace, name, content_type, query, applied):
+        """Server-side apply, as structured-merge-diff does it with the OpenAPI schema's list and map types:
+        the applied fields merge into the object (map lists by their keys, sets by value, atomic lists whole);
+        a field another manager owns with another value is a 409 conflict unless force=true (which takes it
+        over); a field this manager applied before and dropped now goes, unless another manager owns it."""
         if content_type.split(";")[0].strip() != APPLY_PATCH:
             raise ApiError(415, "UnsupportedMediaType", f"the stand-in only serves server-side apply, not {content_type}")
         manager = _one(query, "fieldManager")
         if not manager:
             raise ApiError(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: "
                                            "is required for apply patch")
+        force = _one(query, "force") in ("true", "1")
         self._check_identity(resource, namespace, applied, name)
         key = self._key(resource, namespace, name)
-        labels_key = (*key, manager)
-        applied_labels = dict((applied.get("metadata") or {}).get("labels") or {})
         existing = self._state.objects.get(key)
         self._check_portal_escalation(resource, namespace, applied)
+        schema = _schema_of(resource)
+        applied_fields = set(_leaves(_applied_part(applied), schema))
         if existing is None:
             if self._caller is PORTAL:
                 # An apply that creates is authorized as a create too.
                 self._check_portal("create", resource.api_version.rpartition("/")[0], resource.plural, namespace,
                                    name, resource.plural)
-            created = self._create(resource, namespace, applied, manager=manager)
-            created["metadata"]["managedFields"][0]["operation"] = "Apply"
-            self._state.objects[key]["metadata"]["managedFields"][0]["operation"] = "Apply"
-            self._state.applied_labels[labels_key] = set(applied_labels)
-            return 201, created
+            self._create(resource, namespace, applied, manager=manager, operation="Apply", fields=applied_fields)
+            return 201, copy.deepcopy(self._state.objects[key])
         if resource.kind == "RoleBinding" and "roleRef" in applied and applied["roleRef"] != existing.get("roleRef"):
             raise ApiError(422, "Invalid", f'RoleBinding.rbac.authorization.k8s.io "{name}" is invalid: '
                                            "roleRef: Invalid value: cannot change roleRef", name=name,
                            group="rbac.authorization.k8s.io", kind="RoleBinding",
                            causes=[{"reason": "FieldValueInvalid", "message": "Invalid value: cannot change roleRef",
                                     "field": "roleRef"}])
+        owners = self._fields.setdefault(key, {})
+        current_leaves = _leaves(_applied_part(existing), schema)
+        applied_leaves = _leaves(_applied_part(applied), schema)
+        conflicts = sorted({(other, path) for other, (_op, _version, paths) in owners.items() if other != manager
+                            for path in paths & applied_fields
+                            if path in current_leaves and current_leaves[path] != applied_leaves.get(path)}, key=str)
+        if conflicts and not force:
+            listed = [(other, _field_path(path)) for other, path in conflicts]
+            versions = {other: owners[other][1] for other, _path in conflicts}
+            text = "; ".join(f'conflict with "{other}" using {versions[other]}: {where}' for other, where in listed) \
+                if len(listed) == 1 else "\n".join(f'* {other} ({versions[other]}): {where}' for other, where in listed)
+            message = f"Apply failed with {len(listed)} conflict{'s' if len(listed) > 1 else ''}: {text}"
+            raise ApiError(409, "Conflict", message, name=name, group=resource.api_version.rpartition("/")[0],
+                           kind=resource.plural, causes=[
+                               {"reason": "FieldManagerConflict", "field": where,
+                                "message": f'conflict with "{other}" using {versions[other]}'}
+                               for other, where in listed])
+        for other, path in conflicts:
+            owners[other][2].discard(path)  # force: the applier takes these over
+        previous = owners.get(manager, ("Apply", resource.api_version, set()))[2]
+        others_paths = set().union(*(paths for other, (_op, _v, paths) in owners.items() if other != manager))
         updated = copy.deepcopy(existing)
-        metadata = updated["metadata"]
-        # Labels this manager applied before but dropped now are removed; other managers' labels stay.
-        labels = dict(metadata.get("labels") or {})
-        for dropped in self._state.applied_labels.get(labels_key, set()) - set(applied_labels):
-            labels.pop(dropped, None)
-        labels.update(applied_labels)
-        metadata["labels"] = labels
-        annotations = dict(metadata.get("annotations") or {})
-        annotations.update((applied.get("metadata") or {}).get("annotations") or {})
-        if annotations:
-            metadata["annotations"] = annotations
-        for field_name, value in applied.items():
-            if field_name not in ("apiVersion", "kind", "metadata", "status"):
-                updated[field_name] = copy.deepcopy(value)
+        for path in sorted(previous - applied_fields - others_paths, key=lambda p: -len(p)):
+            _remove_path(updated, path, schema)
+        _merge_applied(updated, _applied_part(applied), schema)
         self._check_update(resource, name, existing, updated)
-        managers = [entry for entry in metadata.get("managedFields", []) if entry["manager"] != manager]
-        metadata["managedFields"] = managers + [{"manager": manager, "operation": "Apply", "apiVersion": resource.api_version}]
-        self._state.applied_labels[labels_key] = set(applied_labels)
+        owners[manager] = ("Apply", resource.api_version, applied_fields)
+        for other in [other for other, (_op, _v, paths) in owners.items() if not paths and other != manager]:
+            del owners[other]
+        updated["metadata"]["managedFields"] = self._managed_fields(key)
         if _content(updated) != _content(existing):
-            metadata["resourceVersion"] = self._bump()
+            updated["metadata"]["resourceVersion"] = self._bump()
             self._record_event("MODIFIED", resource, updated)
         self._state.objects[key] = updated
         return 200, copy.deepcopy(updated)
+
+    def _managed_fields(self, key) -> list[dict]:
+        """metadata.managedFields as the API server writes them (FieldsV1 sets), from who owns what."""
+        return [{"manager": manager, "operation": operation, "apiVersion": version, "time": _now(),
+                 "fieldsType": "FieldsV1", "fieldsV1": _fields_v1(paths)}
+                for manager, (operation, version, paths) in self._fields.get(key, {}).items()]
+
+    def _take_fields(self, resource, key, manager: str, before: dict | None, after: dict) -> None:
+        """An update (create, merge patch, PUT) owns the fields it set or changed, taking them from others."""
+        schema = _schema_of(resource)
+        old, new = _leaves(_applied_part(before or {}), schema), _leaves(_applied_part(after), schema)
+        changed = {path for path, value in new.items() if old.get(path, _MISSING) != value}
+        owners = self._fields.setdefault(key, {})
+        for other, (_op, _v, paths) in list(owners.items()):
+            paths -= changed
+            paths &= set(new)
+            if not paths and other != manager:
+                del owners[other]
+        entry = owners.get(manager)
+        mine = (entry[2] if entry else set()) | changed
+        owners[manager] = ("Update" if not entry or entry[0] == "Update" else entry[0], resource.api_version, mine)
+        after["metadata"]["managedFields"] = self._managed_fields(key)
 
     def _delete(self, resource, namespace, name, *, grace_period_s: int | None = None, propagation: str = "") -> dict:
         key = self._key(resource, namespace, name)
@@ -906,7 +946,7 @@ class KubernetesStandIn:
         self._record_event("DELETED", resource, obj)
         return copy.deepcopy(obj)
 
-    def _merge(self, resource, namespace, name, patch) -> dict:
+    def _merge(self, resource, namespace, name, patch, manager: str = "") -> dict:
         """A JSON merge patch (RFC 7386), as `kubectl cordon` and label changes send."""
         key = self._key(resource, namespace, name)
         existing = self._state.objects.get(key)
@@ -914,6 +954,7 @@ class KubernetesStandIn:
             raise self._not_found(resource, name)
         updated = _merge_patch(existing, patch)
         self._check_update(resource, name, existing, updated)
+        self._take_fields(resource, key, manager or "unknown", existing, updated)
         if _content(updated) != _content(existing):
             updated["metadata"]["resourceVersion"] = self._bump()
             self._record_event("MODIFIED", resource, updated)
@@ -922,7 +963,7 @@ class KubernetesStandIn:
         self._state.objects[key] = updated
         return copy.deepcopy(updated)
 
-    def _replace(self, resource, namespace, name, obj) -> dict:
+    def _replace(self, resource, namespace, name, obj, manager: str = "") -> dict:
         """PUT: replace the whole object, refusing a stale resourceVersion with 409 Conflict."""
         self._check_identity(resource, namespace, obj, name)
         key = self._key(resource, namespace, name)
@@ -935,9 +976,10 @@ class KubernetesStandIn:
                                             "has been modified; please apply your changes to the latest version and try again")
         self._check_update(resource, name, existing, obj)
         updated = copy.deepcopy(obj)
-        for kept in ("uid", "creationTimestamp", "managedFields"):
+        for kept in ("uid", "creationTimestamp"):
             updated["metadata"][kept] = existing["metadata"].get(kept)
         updated["metadata"]["namespace"] = namespace
+        self._take_fields(resource, key, manager or "unknown", existing, updated)
         updated["metadata"]["resourceVersion"] = self._bump()
         self._state.objects[key] = updated
         self._record_event("MODIFIED", resource, updated)
@@ -1685,8 +1727,8 @@ class KubernetesStandIn:
                 obj = self._state.objects.pop(key)
                 obj["metadata"]["resourceVersion"] = self._bump()
                 self._record_event("DELETED", RESOURCE_TYPES[key[0]], obj)
-            for labels_key in [k for k in self._state.applied_labels if k[1] == namespace or k[:3] == ("namespaces", "", namespace)]:
-                del self._state.applied_labels[labels_key]
+            for owned in [k for k in self._fields if k[1] == namespace or k == ("namespaces", "", namespace)]:
+                del self._fields[owned]
 
 
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
@@ -1781,6 +1823,169 @@ def _pod_spec_mutable_part(spec: dict) -> dict:
         for container in fixed.get(key) or []:
             container.pop("image", None)
     return fixed
+
+
+# --- Server-side apply's field sets, typed by the OpenAPI schema kubernetes-validate ships --------
+
+_MISSING = object()
+_SCHEMA_VERSION = "1.30.0"
+
+
+@functools.cache
+def _definitions() -> dict:
+    import kubernetes_validate
+
+    folder = f"{kubernetes_validate.__path__[0]}/kubernetes-json-schema/v{_SCHEMA_VERSION}-local-strict"
+    with open(f"{folder}/_definitions.json") as definitions:
+        return json.load(definitions)["$defs"]
+
+
+def _resolve(schema) -> dict:
+    if not isinstance(schema, dict):
+        return {}
+    while "$ref" in schema:
+        schema = _definitions().get(schema["$ref"].rpartition("/")[2], {})
+    return schema
+
+
+@functools.cache
+def _schema_name(api_version: str, kind: str) -> str | None:
+    group, _, version = api_version.rpartition("/")
+    for name, definition in _definitions().items():
+        for gvk in definition.get("x-kubernetes-group-version-kind") or []:
+            if (gvk.get("group", ""), gvk.get("version"), gvk.get("kind")) == (group, version, kind):
+                return name
+    return None
+
+
+def _schema_of(resource: ResourceType) -> dict:
+    name = _schema_name(resource.api_version, resource.kind)
+    return _definitions()[name] if name else {}
+
+
+def _child(schema: dict, key: str) -> dict:
+    properties = schema.get("properties") or {}
+    if key in properties:
+        return _resolve(properties[key])
+    extra = schema.get("additionalProperties")
+    return _resolve(extra) if isinstance(extra, dict) else {}
+
+
+def _applied_part(obj: dict) -> dict:
+    """What apply manages of an object: all but its identity and status, of its metadata the labels and annotations."""
+    part = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+    metadata = {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("labels", "annotations") and v}
+    if metadata:
+        part["metadata"] = metadata
+    return part
+
+
+def _key_json(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _leaves(value, schema, prefix: tuple = ()) -> dict[tuple, object]:
+    """The field paths a value sets, each with its value: maps by key (unless atomic), lists by their type
+    (a map list by its keys, a set by value, any other list whole)."""
+    schema = _resolve(schema)
+    found: dict[tuple, object] = {}
+    if isinstance(value, dict) and value and schema.get("x-kubernetes-map-type") != "atomic":
+        for key, item in value.items():
+            found.update(_leaves(item, _child(schema, key), prefix + (key,)))
+        return found
+    list_type = schema.get("x-kubernetes-list-type")
+    if isinstance(value, list) and value and list_type in ("map", "set"):
+        items = _resolve(schema.get("items"))
+        for item in value:
+            if list_type == "map" and isinstance(item, dict):
+                keys = schema.get("x-kubernetes-list-map-keys") or []
+                ident = ("k", _key_json({k: item[k] for k in keys if k in item}))
+                found.update(_leaves(item, items, prefix + (ident,)) or {prefix + (ident,): item})
+            else:
+                found[prefix + (("v", _key_json(item)),)] = item
+        return found
+    found[prefix] = value
+    return found
+
+
+def _merge_applied(target: dict, applied: dict, schema) -> None:
+    """Merge an applied configuration into the object, in place, as its schema types each field."""
+    schema = _resolve(schema)
+    for key, value in applied.items():
+        child, current = _child(schema, key), target.get(key)
+        if isinstance(value, dict) and isinstance(current, dict) and child.get("x-kubernetes-map-type") != "atomic":
+            _merge_applied(current, value, child)
+        elif isinstance(value, list) and isinstance(current, list) and child.get("x-kubernetes-list-type") == "map":
+            keys = child.get("x-kubernetes-list-map-keys") or []
+            items = _resolve(child.get("items"))
+            for item in value:
+                same = next((c for c in current if isinstance(c, dict) and isinstance(item, dict)
+                             and all(c.get(k) == item.get(k) for k in keys)), None)
+                if same is None:
+                    current.append(copy.deepcopy(item))
+                else:
+                    _merge_applied(same, item, items)
+        elif isinstance(value, list) and isinstance(current, list) and child.get("x-kubernetes-list-type") == "set":
+            current.extend(copy.deepcopy(item) for item in value if item not in current)
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def _remove_path(obj: dict, path: tuple, schema) -> None:
+    """Remove the field at a path, and the maps, lists and list items left empty by it (never metadata itself)."""
+    chain, node = [], obj
+    for element in path:
+        if isinstance(element, tuple):
+            if not isinstance(node, list):
+                return
+            kind, text = element
+            wanted = json.loads(text)
+            index = next((i for i, item in enumerate(node) if (
+                kind == "k" and isinstance(item, dict) and all(item.get(k) == v for k, v in wanted.items())
+            ) or (kind == "v" and item == wanted)), None)
+            if index is None:
+                return
+            chain.append((node, index))
+            node = node[index]
+        else:
+            if not isinstance(node, dict) or element not in node:
+                return
+            chain.append((node, element))
+            node = node[element]
+    for container, element in reversed(chain):
+        if container is obj and element == "metadata":
+            break
+        del container[element]
+        if container:
+            break
+
+
+def _field_path(path: tuple) -> str:
+    """A field path as apply's conflict messages write it: .spec.template.spec.containers[name="trainer"].image."""
+    text = ""
+    for element in path:
+        if isinstance(element, tuple):
+            value = json.loads(element[1])
+            text += "[" + ",".join(f"{k}={json.dumps(v)}" for k, v in value.items()) + "]" if element[0] == "k" \
+                else f"[{element[1]}]"
+        else:
+            text += f".{element}"
+    return text
+
+
+def _fields_v1(paths) -> dict:
+    """A FieldsV1 set (f:, k:, v: keys) of field paths."""
+    root: dict = {}
+    for path in paths:
+        node = root
+        for element in path:
+            if isinstance(element, tuple):
+                node = node.setdefault(f"{element[0]}:{element[1]}", {})
+                if element[0] == "k":
+                    node.setdefault(".", {})
+            else:
+                node = node.setdefault(f"f:{element}", {})
+    return root
 
 
 def _show(value: float) -> str:
