@@ -97,7 +97,7 @@ class _Watch:
         connection = context["connection"]
         write = not sql.lstrip(" (\n\t").upper().startswith(_READS)
         autocommitted = write and not connection.in_atomic_block
-        if write and not autocommitted:
+        if write and not autocommitted and not self._waits_on(connection):
             connection.on_commit(self._committed)
         try:
             result = execute(sql, params, many, context)
@@ -113,6 +113,10 @@ class _Watch:
 
     def _committed(self) -> None:
         self.wrote = True
+
+    def _waits_on(self, connection) -> bool:
+        """Whether this transaction already tells us of its commit (one callback, not one per write)."""
+        return any(callback == self._committed for _, callback, _ in connection.run_on_commit)
 
     @property
     def retry_safe(self) -> bool:
