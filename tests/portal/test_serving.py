@@ -122,6 +122,12 @@ def test_make_run_serves_with_gunicorn_on_the_embedded_defaults(tmp_path):
             status, _, body = _get(f"{base}/readyz")
             assert status == 200, body
             assert json.loads(body)["checks"] == {"database": "ok", "migrations": "ok", "broker": "ok"}
+            # A worker that dies is started again; the rest of the portal goes on.
+            worker = _celery_worker_of(process.pid)
+            os.kill(worker, signal.SIGKILL)
+            wait_for(lambda: _celery_worker_of(process.pid) not in (None, worker), timeout_s=60,
+                     message="`up` to start the killed worker again")
+            assert process.poll() is None and _get(f"{base}/healthz")[0] == 200
         finally:
             # Ctrl-C, as a person stops it: gunicorn, the worker and beat all stop, and so does `up`.
             code = _stop(process, signal.SIGINT)
@@ -138,6 +144,17 @@ def test_make_run_serves_with_gunicorn_on_the_embedded_defaults(tmp_path):
     assert json.loads(status.stdout)["postgres"] is None and json.loads(status.stdout)["redis"] is None
     subprocess.run([sys.executable, "-m", "portal.embedded", "stop"], cwd=REPO, env=env, timeout=60)
     shutil.rmtree(var_dir, ignore_errors=True)
+
+
+def _celery_worker_of(pid: int) -> int | None:
+    """The pid of the Celery worker's main process that `up` (pid) started, or None."""
+    import psutil
+
+    for child in psutil.Process(pid).children():
+        command = child.cmdline()
+        if "celery" in command and "worker" in command:
+            return child.pid
+    return None
 
 
 @pytest.mark.django_db

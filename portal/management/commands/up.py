@@ -11,6 +11,10 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
+# A process of the portal that exits is started again, unless it exited this often within the window.
+RESTARTS_PER_WINDOW = 3
+RESTART_WINDOW_S = 60.0
+
 
 def _only_instance(addrport: str):
     """Hold var/up.lock for as long as this process runs; a second `up` in the same checkout is refused."""
@@ -59,12 +63,23 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGTERM, stop)
+        exits: dict[str, list[float]] = {name: [] for name in commands}
         try:
             while not stopping:
                 for name, process in processes.items():
-                    if process.poll() is not None:
-                        self.stderr.write(f"{name} exited with code {process.returncode}; stopping the others.")
+                    if process.poll() is None or stopping:
+                        continue
+                    # One process that ends (a worker that lost its broker, say) is started again, as a
+                    # process manager would; one that keeps ending stops the portal, saying so.
+                    now = time.monotonic()
+                    exits[name] = [at for at in exits[name] if now - at < RESTART_WINDOW_S] + [now]
+                    if len(exits[name]) > RESTARTS_PER_WINDOW:
+                        self.stderr.write(f"{name} exited {len(exits[name])} times within {RESTART_WINDOW_S:.0f} s "
+                                          f"(last code {process.returncode}); stopping the others.")
                         stopping = True
+                        continue
+                    self.stderr.write(f"{name} exited with code {process.returncode}; starting it again.")
+                    processes[name] = subprocess.Popen(commands[name], cwd=settings.BASE_DIR)
                 time.sleep(0.5)
         finally:
             for process in processes.values():
