@@ -51,9 +51,9 @@ def replica_pods(api, job_id=51, attempt=1) -> list[dict]:
     return api.pods(NAMESPACE, **{JOB_LABEL: str(job_id), ATTEMPT_LABEL: str(attempt)})
 
 
-def deployment(launch: JobLaunch) -> dict:
+def deployment(launch: JobLaunch, *, server_image: str = "x") -> dict:
     """The replica's Deployment, as another worker (or a racing apply) would have created it."""
-    return serving_deployment_manifest(launch, server_image="x", scheduler_name="gpu-portal")
+    return serving_deployment_manifest(launch, server_image=server_image, scheduler_name="gpu-portal")
 
 
 def launched(backend, api, launch=None):
@@ -96,7 +96,8 @@ def test_launching_again_changes_nothing_and_an_object_already_there_is_fine(bac
     assert len(replica_pods(cluster)) == 1
     # Another worker's launch got there first (or an apply raced this one's create): still one replica, no error.
     other = make_launch(job_id=52, node="gpu-a")
-    cluster.put(deployment(other))
+    # The same template the backend applies (another image would be a new template: a real rollout).
+    cluster.put(deployment(other, server_image=backend.trainer_image))
     launched(backend, cluster, other)
     assert [pod["spec"]["nodeName"] for pod in replica_pods(cluster, job_id=52)] == ["gpu-a"]
 

@@ -92,3 +92,57 @@ def test_finished_job_goes_after_its_ttl(standin):
     assert read_job(standin, "done")["status"]["completionTime"]
     wait_for(lambda: api_call(standin, "GET", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/done")[0] == 404, timeout_s=5)
     wait_for(lambda: not standin.pods(NAMESPACE))
+
+
+def deployment(image: str, strategy: str = "RollingUpdate") -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "serve", "namespace": NAMESPACE},
+            "spec": {"replicas": 1, "strategy": {"type": strategy}, "selector": {"matchLabels": {"app": "llm"}},
+                     "template": {"metadata": {"labels": {"app": "llm"}},
+                                  "spec": {"containers": [{"name": "server", "image": image}]}}}}
+
+
+def replica_sets(api) -> dict[str, int]:
+    """Image of each ReplicaSet -> its replicas."""
+    return {rs["spec"]["template"]["spec"]["containers"][0]["image"]: rs["spec"]["replicas"]
+            for (plural, _ns, _name), rs in api.objects().items() if plural == "replicasets"}
+
+
+def apply_deployment(api, body: dict) -> int:
+    return api_call(api, "PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/serve?fieldManager=portal&force=true",
+                    body, content_type="application/apply-patch+yaml")[0]
+
+
+def bind_all(api):
+    for pod in api.pods(NAMESPACE):
+        if not pod["spec"].get("nodeName"):
+            name = pod["metadata"]["name"]
+            api_call(api, "POST", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}/binding",
+                     {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                      "target": {"kind": "Node", "name": "gpu-a"}})
+
+
+def test_a_changed_template_rolls_out_a_new_replica_set(standin):
+    assert apply_deployment(standin, deployment("server:1")) == 201
+    wait_for(lambda: standin.pods(NAMESPACE))
+    bind_all(standin)
+    assert apply_deployment(standin, deployment("server:2")) == 200
+    # Rolling: the new ReplicaSet comes up beside the old one, which stays until the new pod is ready.
+    assert wait_for(lambda: replica_sets(standin) == {"server:1": 1, "server:2": 1} and len(standin.pods(NAMESPACE)) == 2)
+    bind_all(standin)
+    assert wait_for(lambda: replica_sets(standin) == {"server:1": 0, "server:2": 1})
+    wait_for(lambda: [p["spec"]["containers"][0]["image"] for p in standin.pods(NAMESPACE)] == ["server:2"])
+
+
+def test_recreate_stops_the_old_pods_before_the_new_ones(standin):
+    assert apply_deployment(standin, deployment("server:1", "Recreate")) == 201
+    wait_for(lambda: standin.pods(NAMESPACE))
+    bind_all(standin)
+    assert apply_deployment(standin, deployment("server:2", "Recreate")) == 200
+    images, deadline = [], time.monotonic() + 10
+    while images != ["server:2"]:
+        assert time.monotonic() < deadline, f"never rolled out: {images}"
+        pods = standin.pods(NAMESPACE)
+        images = sorted(p["spec"]["containers"][0]["image"] for p in pods)
+        assert images in ([], ["server:1"], ["server:2"]), images  # never both at once
+        time.sleep(0.01)
+    assert replica_sets(standin) == {"server:1": 0, "server:2": 1}

@@ -1474,12 +1474,33 @@ class KubernetesStandIn:
                 self._record_event("MODIFIED", RESOURCE_TYPES["jobs"], job)
 
     def _run_deployments(self) -> None:
-        """The Deployment controller, for what the portal's Deployments use: one ReplicaSet, never a rollout."""
+        """The Deployment controller: a ReplicaSet per pod template (named and labelled with its hash); a changed
+        template rolls out a new one and scales the old ones to 0 (Recreate: first, and the new one waits for
+        their pods to go; RollingUpdate: once the new one's pods are ready); `replicas` scales the current one."""
         for key, deployment in list(self._state.objects.items()):
-            if key[0] != "deployments" or any(self._owned("replicasets", key[1], deployment)):
+            if key[0] != "deployments":
                 continue
-            template = copy.deepcopy(deployment["spec"]["template"])
+            spec = deployment["spec"]
+            template = copy.deepcopy(spec["template"])
             template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+            owned = list(self._owned("replicasets", key[1], deployment))
+            current = next((rs for _k, rs in owned
+                            if (rs["metadata"].get("labels") or {}).get("pod-template-hash") == template_hash), None)
+            old = [rs for _k, rs in owned if rs is not current]
+            desired = spec.get("replicas", 1)
+            recreate = (spec.get("strategy") or {}).get("type") == "Recreate"
+            ready_new = 0 if current is None else sum(
+                1 for _k, pod in self._owned("pods", key[1], current)
+                if any(c.get("type") == "Ready" and c.get("status") == "True"
+                       for c in (pod.get("status") or {}).get("conditions", [])))
+            if recreate or ready_new >= desired:
+                for replica_set in old:
+                    self._scale(replica_set, 0)
+            if recreate and any(any(self._owned("pods", key[1], rs)) for rs in old):
+                continue  # Recreate: the new pods wait until the old ones are gone
+            if current is not None:
+                self._scale(current, desired)
+                continue
             labels = {**(template.get("metadata") or {}).get("labels", {}), "pod-template-hash": template_hash}
             template.setdefault("metadata", {})["labels"] = labels
             name = deployment["metadata"]["name"]
@@ -1489,9 +1510,8 @@ class KubernetesStandIn:
                              "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": name,
                                                   "uid": deployment["metadata"]["uid"], "controller": True}]},
                 "spec": {
-                    "replicas": deployment["spec"].get("replicas", 1),
-                    "selector": {"matchLabels": {**deployment["spec"]["selector"]["matchLabels"],
-                                                 "pod-template-hash": template_hash}},
+                    "replicas": desired,
+                    "selector": {"matchLabels": {**spec["selector"]["matchLabels"], "pod-template-hash": template_hash}},
                     "template": template,
                 },
             }
@@ -1499,6 +1519,12 @@ class KubernetesStandIn:
                 self._create(RESOURCE_TYPES["replicasets"], key[1], replica_set, manager="deployment-controller")
             except ApiError:
                 continue  # the namespace is going away: its Deployments go with it
+
+    def _scale(self, replica_set: dict, replicas: int) -> None:
+        if replica_set["spec"].get("replicas", 1) != replicas:
+            replica_set["spec"]["replicas"] = replicas
+            replica_set["metadata"]["resourceVersion"] = self._bump()
+            self._record_event("MODIFIED", RESOURCE_TYPES["replicasets"], replica_set)
 
     def _run_disruption(self) -> None:
         """The disruption controller: each PodDisruptionBudget's status, and evicted pods forgotten once gone."""
@@ -1523,9 +1549,11 @@ class KubernetesStandIn:
         for key, replica_set in list(self._state.objects.items()):
             if key[0] != "replicasets":
                 continue
-            active = [pod for _key, pod in self._owned("pods", key[1], replica_set)
+            active = [(pod_key, pod) for pod_key, pod in self._owned("pods", key[1], replica_set)
                       if not pod["metadata"].get("deletionTimestamp")
-                      and pod["status"].get("phase") not in ("Succeeded", "Failed")]
+                      and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+            for pod_key, pod in active[replica_set["spec"].get("replicas", 1):]:
+                self._delete_pod(pod_key, pod, None)  # scaled down: the extra pods go, with their grace
             for _missing in range(replica_set["spec"].get("replicas", 1) - len(active)):
                 template = replica_set["spec"]["template"]
                 name = replica_set["metadata"]["name"]
