@@ -1,64 +1,104 @@
-"""A local HTTP stand-in for the Kubernetes API server, for the endpoints the backend uses.
+"""A local HTTP stand-in for the Kubernetes API server (1.30), strict where the portal depends on it.
 
 It answers like a real API server where the backend can tell: discovery
 (`/version`, `/api`, `/apis`, each group version's resource list, which the
-dynamic client reads first), Status objects with the real reasons (NotFound,
-AlreadyExists, Forbidden, Conflict, Expired), server-side apply that creates or
-updates and bumps resourceVersion only when the content changes, namespaces
-that go Terminating on delete and vanish with everything in them a little
-later, and watches (label selectors honoured) that answer a compacted
-resourceVersion with an ERROR event holding a 410 Status, as a real server
-does (or with HTTP 410, `gone_as="status"`).
+dynamic client reads first), Status objects with the real reasons and causes
+(NotFound, AlreadyExists, Forbidden, Conflict, Invalid, Expired, TooManyRequests),
+namespaces that go Terminating on delete (a second delete is 409) and vanish with
+everything in them a little later (403 NamespaceTerminating for new content).
+
+Server-side apply is a merge typed by the OpenAPI schema kubernetes-validate ships
+(`x-kubernetes-list-type` map lists by their `x-kubernetes-list-map-keys`, sets,
+atomic lists and maps): each manager owns the fields it applied (FieldsV1
+managedFields); a field another manager owns with another value is a 409
+FieldManagerConflict unless force=true; a field a manager stops applying goes
+unless another owns it. resourceVersion moves only when the content changes.
+Updates that change immutable fields are refused as the real server refuses them
+(422 FieldValueInvalid: a Job's template, selector and completion mode, a
+Deployment's or ReplicaSet's selector, a RoleBinding's roleRef, a pod's spec but
+its images; a PersistentVolumeClaim, bound at creation, may only grow: 422
+FieldValueForbidden to shrink or change its class, 403 when its StorageClass is
+not in `expandable_storage_classes`).
+
+Watches (label selectors honoured) stay open, chunked, sending events as they
+happen until timeoutSeconds (at most `watch_hold_s`), end with a BOOKMARK when
+allowWatchBookmarks asks, and answer a resourceVersion older than the watch
+cache's `watch_window_s` (or compacted with `compact()`) with an ERROR event
+holding a 410 Status (or with HTTP 410, `gone_as="status"`).
+
+Pod creation goes through admission: LimitRange defaults (and requests from
+limits), Pod Security "restricted" where the namespace's
+`pod-security.kubernetes.io/enforce` label says so (403 with the plugin's
+wording), and ResourceQuota (403 `exceeded quota`, counting pods not finished).
+`put()` stores past admission, as someone writing to etcd would.
 
 For partition changes it serves nodes (merge patches: cordon, labels), pods
-with their eviction subresource, and ConfigMaps (PUT with a resourceVersion
-check, 409 Conflict when stale), and plays a small GPU Operator: when a node's
-`nvidia.com/mig.config` or `nvidia.com/device-plugin.config` label changes, it
-reads the operator's ConfigMaps and, a moment later, advertises the new
-extended resources and sets `nvidia.com/mig.config.state`.
+with their eviction subresource (policy/v1: the one PodDisruptionBudget over the
+pod must allow a disruption, 429 with a DisruptionBudget cause otherwise; the pod
+gets the DisruptionTarget condition and is deleted gracefully), and ConfigMaps
+(PUT with a resourceVersion check, 409 Conflict when stale), and plays a small
+GPU Operator: when a node's `nvidia.com/mig.config` or
+`nvidia.com/device-plugin.config` label changes, it reads the operator's
+ConfigMaps and, a moment later, advertises the new extended resources and sets
+`nvidia.com/mig.config.state`.
 
 For training jobs it serves Services, PersistentVolumeClaims and batch/v1 Jobs,
 and plays the Job controller for Indexed Jobs with backoffLimit 0 (one pod per
 completion index with the index annotation and label; a pod that fails or
-vanishes fails the Job; all succeeded completes it; deleting the Job orphans
-its pods unless propagationPolicy says Background/Foreground, when the garbage
-collector deletes them `gc_delay_s` later with their own grace), and a small
-kubelet: a pod bound through pods/binding (409 once it is bound) runs at once;
-a running pod deleted with a grace period is Terminating for
-`pod_stop_delay_s`, then exits with `sigterm_exit_code` and goes; with grace 0
-it goes at once. Pod logs are what the test wrote (`write_log`, each line with the
-time it was written, given or now), served as the kubelet serves them: `tailLines`,
-`timestamps` (RFC3339 with nine fractional digits and a space before each line),
-`sinceTime` (inclusive, to the second: the API server passes it on without
-fractions) or `sinceSeconds`, and `limitBytes` (cutting the answer, timestamps
-included, wherever the limit falls); only lines since the last `rotate_log` (the
-kubelet serves the current file); 400 while the container has not started. Bytes
-and reads served are counted per pod (`log_bytes_served`, `log_reads`). It is not
-a validator, a scheduler, or a full apply merge: an apply replaces what its
-manager sent and keeps labels other managers set.
+vanishes fails the Job; all succeeded completes it; activeDeadlineSeconds counts
+from the Job's start and fails it with DeadlineExceeded, its pods deleted; the
+TTL controller deletes a finished Job ttlSecondsAfterFinished later; deleting the
+Job orphans its pods unless propagationPolicy says Background/Foreground, when
+the garbage collector deletes them `gc_delay_s` later with their own grace), and
+a small kubelet: a pod bound through pods/binding (409 once it is bound) is
+admitted by its node's kubelet (Failed with reason OutOf<resource> and no
+container when the node's allocatable cannot fit it, NodeAffinity when its
+nodeSelector does not match) and runs at once; a pod bound to a node that does
+not exist never runs and the pod garbage collector deletes it; a running pod
+deleted with a grace period is Terminating for `pod_stop_delay_s`, then exits
+with `sigterm_exit_code` and goes; with grace 0 it goes at once. Pod logs are what
+the test wrote (`write_log`, each line with the time it was written, given or
+now; per container, the previous instance's kept by `crash_container` for
+previous=true), served as the kubelet serves them: `container` (required when
+the pod has several), `tailLines`, `timestamps` (RFC3339 with nine fractional
+digits and a space before each line), `sinceTime` (inclusive, to the second: the
+API server passes it on without fractions) or `sinceSeconds`, and `limitBytes`
+(cutting the answer, timestamps included, wherever the limit falls); only lines
+since the last `rotate_log` (the kubelet serves the current file); 400 while the
+container has not started; `follow` is not served. Bytes and reads served are
+counted per pod (`log_bytes_served`, `log_reads`). It is not a scheduler (the
+portal binds pods itself) and runs no container.
 
 For inference replicas it serves apps/v1 Deployments and ReplicaSets and policy/v1
-PodDisruptionBudgets (stored, not enforced on eviction), and plays the Deployment
-controller (one ReplicaSet per Deployment, named and labelled with a pod-template-hash)
-and the ReplicaSet controller (pods until `replicas` are active: neither terminating
-nor finished). Deleting either cascades as the API server's default for apps/v1 does
-(Background: the garbage collector deletes the dependents `gc_delay_s` later) unless
-propagationPolicy is Orphan, which leaves the dependents without their owner. The
-kubelet restarts a crashed container of such a pod in place (`crash_container`).
+PodDisruptionBudgets (their status kept by a disruption controller), and plays the
+Deployment controller (a ReplicaSet per pod template, named and labelled with a
+pod-template-hash; a changed template rolls out: Recreate scales the old ones to 0
+and waits for their pods to go, RollingUpdate once the new pods are ready) and the
+ReplicaSet controller (pods until `replicas` are active: neither terminating nor
+finished; extra ones deleted). Deleting either cascades as the API server's default
+for apps/v1 does (Background: the garbage collector deletes the dependents
+`gc_delay_s` later) unless propagationPolicy is Orphan, which leaves the dependents
+without their owner. The kubelet restarts a crashed container of such a pod in place
+(`crash_container`).
 
 For members' own kubeconfigs it serves the serviceaccounts/token subresource (an
 authentication.k8s.io/v1 TokenRequest answered with a random token, remembered with
-its namespace, ServiceAccount and expiry) and checks bearer tokens as an API server
-with RBAC does: a request without a token, or with one of `admin_tokens` (the
-portal's own; without that list, any token it did not mint), may do anything, as before; a minted token may do what the Roles its
-ServiceAccount is bound to by RoleBindings allow, in the binding's namespace only, whichever
-namespace the ServiceAccount lives in (a subject names its namespace; one without means the
-binding's) (403
-Forbidden with the real wording otherwise, cluster-scoped reads included); an
-unknown or expired token, or one whose ServiceAccount was deleted, is 401
-Unauthorized, discovery included. That is enough for the real `kubectl get pods`,
-which reads `/api`, `/apis`, each group's resource list and then the pods (the
-stand-in answers a PodList where kubectl asks for a Table; kubectl prints it).
+its namespace, ServiceAccount and expiry: at least 10 minutes, at most 2^32 s,
+shortened to `max_token_expiration_s` when set) and checks bearer tokens as an API
+server with RBAC does: a request without a token may do anything; one of
+`admin_tokens` (the portal's own; without that list, any token it did not mint)
+may do anything too, unless `portal_rbac` gives the RBAC objects deploy/ renders,
+when it is `portal_user` and may do what those grant it (an apply that creates is
+also checked as a create; writing a Role or RoleBinding that grants more than it
+holds needs escalate or bind); a minted token may do what the Roles its
+ServiceAccount is bound to by RoleBindings allow, in the binding's namespace only,
+whichever namespace the ServiceAccount lives in (a subject names its namespace; one
+without means the binding's) (403 Forbidden with the real wording otherwise,
+cluster-scoped reads included); an unknown or expired token, or one whose
+ServiceAccount was deleted, is 401 Unauthorized, discovery included. That is enough
+for the real `kubectl get pods`, which reads `/api`, `/apis`, each group's resource
+list and then the pods (the stand-in answers a PodList where kubectl asks for a
+Table; kubectl prints it).
 """
 
 from __future__ import annotations
