@@ -20,7 +20,7 @@ from runners.backends.base import PROGRESS_READ_MAX_BYTES, JobLaunch, ReplicaPla
 from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.nvidia import names
 from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
-from tests.support.k8s import gpu_node, training_pod
+from tests.support.k8s import environment_namespace, gpu_node, training_pod
 from tests.support.k8s_standin import KubernetesStandIn
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +46,7 @@ def cluster(standin):
     """Two GPU nodes and the environment's namespace."""
     for node in ("gpu-a", "gpu-b"):
         standin.put(gpu_node(node))
-    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    environment_namespace(standin, NAMESPACE)
     return standin
 
 
@@ -67,7 +67,7 @@ def test_a_launch_applies_valid_objects_and_binds_each_pod_to_its_placed_node(ma
     with KubernetesStandIn(validate_version=version) as api:
         for node in ("gpu-a", "gpu-b"):
             api.put(gpu_node(node))
-        api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        environment_namespace(api, NAMESPACE)
         backend = make_backend(api.url)
         launched(backend, api)
         objects = api.objects()

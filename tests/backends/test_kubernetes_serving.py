@@ -14,7 +14,7 @@ from runners.backends.base import JobLaunch, ReplicaPlacement, ServingSettings
 from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.backends.serve_manifests import serving_deployment_manifest
 from runners.nvidia import names
-from tests.support.k8s import gpu_node
+from tests.support.k8s import environment_namespace, gpu_node
 from tests.support.k8s_standin import KubernetesStandIn
 
 pytestmark = pytest.mark.e2e
@@ -37,7 +37,7 @@ def make_launch(job_id=51, attempt=1, node="gpu-b", **overrides) -> JobLaunch:
 def _prepare(api):
     for node in ("gpu-a", "gpu-b"):
         api.put(gpu_node(node))
-    api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    environment_namespace(api, NAMESPACE)
     api.sigterm_exit_code = 0  # the server answers what it admitted, then exits 0
     return api
 

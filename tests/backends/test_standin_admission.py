@@ -107,3 +107,16 @@ def test_pod_bound_to_a_missing_node_is_collected(standin):
     while standin.get("pods", "lost", NAMESPACE) is not None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert standin.get("pods", "lost", NAMESPACE) is None
+
+
+def test_a_pod_whose_service_account_does_not_exist_is_refused(standin):
+    namespace(standin)
+    workload = pod("worker", 0)
+    workload["spec"]["serviceAccountName"] = "workload"
+    status, answer = api_call(standin, "POST", PODS, workload)
+    assert status == 403 and answer["reason"] == "Forbidden", answer
+    assert answer["message"] == (f'pods "worker" is forbidden: error looking up service account {NAMESPACE}/workload: '
+                                 'serviceaccount "workload" not found')
+    api_call(standin, "POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts",
+             {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "workload"}})
+    assert api_call(standin, "POST", PODS, workload)[0] == 201

@@ -171,3 +171,13 @@ def api_call(api, method: str, path: str, body: dict | None = None, *, content_t
         return status, json.loads(payload)
     except ValueError:
         return status, payload.decode()
+
+
+def environment_namespace(api, namespace: str) -> None:
+    """An environment's namespace as the portal leaves it for workloads: the namespace and the ServiceAccount
+    its pods run as (the ServiceAccount admission plugin refuses pods whose account does not exist)."""
+    from runners.backends.manifests import WORKLOAD_SERVICE_ACCOUNT
+
+    api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    api.put({"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": WORKLOAD_SERVICE_ACCOUNT, "namespace": namespace}})

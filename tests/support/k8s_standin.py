@@ -709,6 +709,11 @@ class KubernetesStandIn:
                 raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: violates PodSecurity "restricted:'
                                f'{labels.get("pod-security.kubernetes.io/enforce-version", "latest")}": '
                                + ", ".join(problems), name=name, kind="pods")
+        account = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+        if account != "default" and ("serviceaccounts", namespace, account) not in self._state.objects:
+            # The ServiceAccount admission plugin (every namespace's "default" one is taken as there).
+            raise ApiError(403, "Forbidden", f'pods "{name}" is forbidden: error looking up service account '
+                           f'{namespace}/{account}: serviceaccount "{account}" not found', name=name, kind="pods")
         usage = _pod_usage(pod)
         for (plural, ns, quota_name), quota in sorted(self._state.objects.items()):
             if plural != "resourcequotas" or ns != namespace:
