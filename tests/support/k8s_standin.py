@@ -260,7 +260,7 @@ class KubernetesStandIn:
         self, *, termination_delay_s: float = 0.2, validate_version: str | None = None, operator_delay_s: float = 0.05,
         gone_as: str = "event", pod_stop_delay_s: float = 0.05, gc_delay_s: float = 0.05, tls: bool = False,
         admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
-        max_token_expiration_s: int | None = None, watch_hold_s: float | None = None,
+        max_token_expiration_s: int | None = None, check_answers: bool = False, watch_hold_s: float | None = None,
         watch_window_s: float | None = 75.0, portal_rbac: Iterable[dict] | None = None,
         portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal",
     ):
@@ -313,6 +313,10 @@ class KubernetesStandIn:
         self.admin_tokens: set[str] | None = None if admin_tokens is None else set(admin_tokens)
         # Tokens minted through serviceaccounts/token, by their text.
         self.tokens: dict[str, MintedToken] = {}
+        # With check_answers, each JSON answer is checked against the 1.30 OpenAPI schema (strict, as
+        # kubernetes-validate ships it); what fails is kept in invalid_answers as (method, path, why).
+        self.check_answers = check_answers
+        self.invalid_answers: list[tuple[str, str, str]] = []
         # How long a watch stays open waiting for events: None for its timeoutSeconds, as a real server
         # holds it; 0 answers the events so far at once. The watch cache's history: events older than
         # `watch_window_s` are forgotten (a watch from before them is 410), as the API server's cache
@@ -492,6 +496,11 @@ class KubernetesStandIn:
         except ApiError as error:
             code, answer = error.code, error.body
         record.status = code
+        if self.check_answers and isinstance(answer, dict):
+            problem = answer_problem(answer)
+            if problem:
+                with self._lock:
+                    self.invalid_answers.append((method, url.path, problem))
         return code, answer
 
     def _route(self, method, path, query, content_type, body):
@@ -1905,12 +1914,16 @@ _SCHEMA_VERSION = "1.30.0"
 
 
 @functools.cache
-def _definitions() -> dict:
+def _definitions_file() -> dict:
     import kubernetes_validate
 
     folder = f"{kubernetes_validate.__path__[0]}/kubernetes-json-schema/v{_SCHEMA_VERSION}-local-strict"
     with open(f"{folder}/_definitions.json") as definitions:
-        return json.load(definitions)["$defs"]
+        return json.load(definitions)
+
+
+def _definitions() -> dict:
+    return _definitions_file()["$defs"]
 
 
 def _resolve(schema) -> dict:
@@ -2059,6 +2072,42 @@ def _fields_v1(paths) -> dict:
             else:
                 node = node.setdefault(f"f:{element}", {})
     return root
+
+
+@functools.cache
+def _meta_validator(name: str):
+    """A validator for a meta/v1 type (status-meta-v1, watchevent-meta-v1), its references resolved as
+    kubernetes-validate resolves them."""
+    import jsonschema
+    import kubernetes_validate
+    from referencing import Registry, Resource
+
+    folder = f"{kubernetes_validate.__path__[0]}/kubernetes-json-schema/v{_SCHEMA_VERSION}-local-strict"
+    with open(f"{folder}/{name}.json") as schema_file:
+        schema = json.load(schema_file)
+    registry = Resource.from_contents(_definitions_file()) @ Registry()
+    registry = Resource.from_contents(schema) @ registry
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
+def answer_problem(answer: dict) -> str:
+    """Why an answer does not fit the Kubernetes 1.30 OpenAPI schema (strict), or "" when it does."""
+    import jsonschema
+    import kubernetes_validate
+
+    try:
+        if answer.get("kind") == "Status":
+            _meta_validator("status-meta-v1").validate(answer)
+        elif set(answer) == {"type", "object"}:
+            _meta_validator("watchevent-meta-v1").validate(answer)
+            return answer_problem(answer["object"])
+        elif "kind" in answer and "apiVersion" in answer and answer.get("kind") != "APIResourceList":
+            kubernetes_validate.validate(answer, _SCHEMA_VERSION, strict=True)
+    except (jsonschema.ValidationError, kubernetes_validate.ValidationError) as exc:
+        return str(getattr(exc, "message", exc)).splitlines()[0]
+    except kubernetes_validate.SchemaNotFoundError:
+        return f"no schema for {answer.get('apiVersion')}/{answer.get('kind')}"
+    return ""
 
 
 def _show(value: float) -> str:
