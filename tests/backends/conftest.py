@@ -28,10 +28,12 @@ def spec() -> EnvironmentSpec:
 @pytest.fixture
 def standin():
     # The portal's token may do only what deploy/'s RBAC grants it, so a verb missing there fails here.
-    # Watches held 0.1 s, not the second the backend asks for, to keep these tests quick.
+    # Watches held 0.1 s, not the second the backend asks for, to keep these tests quick. Every answer
+    # the backend gets is checked against the Kubernetes schema.
     with KubernetesStandIn(termination_delay_s=0.2, admin_tokens=PORTAL_TOKENS, portal_rbac=deploy_rbac(),
-                           watch_hold_s=0.1) as api:
+                           watch_hold_s=0.1, check_answers=True) as api:
         yield api
+        assert api.invalid_answers == []
 
 
 

@@ -131,7 +131,8 @@ def training_pod(job_id: int, attempt: int, rank: int, node: str | None, namespa
     if node:
         spec["nodeName"] = node
         status = {"phase": "Running",
-                  "containerStatuses": [{"name": "trainer", "ready": True, "state": {"running": {}}}]}
+                  "containerStatuses": [{"name": "trainer", "ready": True, "restartCount": 0, "image": "trainer",
+                                         "imageID": "", "state": {"running": {}}}]}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
