@@ -915,7 +915,7 @@ class KubernetesStandIn:
         previous = owners.get(manager, ("Apply", resource.api_version, set()))[2]
         others_paths = set().union(*(paths for other, (_op, _v, paths) in owners.items() if other != manager))
         updated = copy.deepcopy(existing)
-        for path in sorted(previous - applied_fields - others_paths, key=lambda p: -len(p)):
+        for path in sorted(previous - applied_fields - others_paths, key=_removal_order):
             _remove_path(updated, path, schema)
         _merge_applied(updated, _applied_part(applied), schema)
         self._check_update(resource, name, existing, updated)
@@ -2044,6 +2044,13 @@ def _remove_path(obj: dict, path: tuple, schema) -> None:
         del container[element]
         if container:
             break
+
+
+def _removal_order(path: tuple) -> tuple:
+    """Deepest fields first, and an item's key fields after its others (the item is found by them)."""
+    is_key = len(path) >= 2 and isinstance(path[-2], tuple) and path[-2][0] == "k" \
+        and isinstance(path[-1], str) and path[-1] in json.loads(path[-2][1])
+    return (-len(path), is_key, str(path))
 
 
 def _field_path(path: tuple) -> str:
