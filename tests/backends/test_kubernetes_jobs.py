@@ -310,6 +310,9 @@ def test_forgetting_a_finished_attempt_deletes_its_job_pods_and_service(backend,
     backend._sync(force=True)
     assert backend.job_status(41, 1).phase == "exited"
     cluster.clear_log()
+    # A slow garbage collector, so the pods are still there for the backend's own deletes (a quick one
+    # may remove them first on a loaded machine, and then there is nothing left to delete).
+    cluster.gc_delay_s = 60
     backend.forget_job(41, 1)
     deletes = [r for r in cluster.requests if r.method == "DELETE"]
     # The Job first, with the garbage collector behind it; then every pod, finished or not; then the Service.
