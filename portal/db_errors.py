@@ -84,21 +84,28 @@ class _Watch:
     lost, and whether anything the request wrote may have been committed before that.
 
     A write in autocommit mode may be committed even when its answer was lost, so it counts at
-    once; one inside a transaction counts when the transaction commits (``on_commit``). A
-    transaction whose statement failed on a lost connection never committed: the server rolled
-    it back, so its writes do not count.
+    once. A write inside a transaction counts once that transaction has ended (a later statement
+    runs outside it), since it may have committed; a transaction whose statement failed on a lost
+    connection never committed: the server rolled it back, so its writes do not count. (Watching
+    the statements rather than asking for a commit callback leaves the transaction's own
+    callbacks as the code registered them.)
     """
 
     def __init__(self):
         self.lost = False
         self.wrote = False
+        self._writing_in: list = []  # the outermost atomic blocks that wrote and have not been seen to end
 
     def __call__(self, execute, sql, params, many, context):
         connection = context["connection"]
+        outermost = connection.atomic_blocks[0] if connection.in_atomic_block and connection.atomic_blocks else None
+        if any(block is not outermost for block in self._writing_in):
+            self.wrote = True  # a transaction that wrote has ended since: it may have committed
+            self._writing_in = [block for block in self._writing_in if block is outermost]
         write = not sql.lstrip(" (\n\t").upper().startswith(_READS)
-        autocommitted = write and not connection.in_atomic_block
-        if write and not autocommitted and not self._waits_on(connection):
-            connection.on_commit(self._committed)
+        autocommitted = write and outermost is None
+        if write and outermost is not None and not any(block is outermost for block in self._writing_in):
+            self._writing_in.append(outermost)
         try:
             result = execute(sql, params, many, context)
         except (OperationalError, InterfaceError):
@@ -110,13 +117,6 @@ class _Watch:
         if autocommitted and context["cursor"].rowcount != 0:  # (an UPDATE that matched no row wrote nothing)
             self.wrote = True
         return result
-
-    def _committed(self) -> None:
-        self.wrote = True
-
-    def _waits_on(self, connection) -> bool:
-        """Whether this transaction already tells us of its commit (one callback, not one per write)."""
-        return any(callback == self._committed for _, callback, _ in connection.run_on_commit)
 
     @property
     def retry_safe(self) -> bool:

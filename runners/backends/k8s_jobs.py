@@ -181,7 +181,7 @@ def pod_exit_code(pod: dict) -> int | None:
 
 def pod_refused(pod: dict) -> bool:
     """Whether the pod failed with a reason before its workload container ever ran: the kubelet refused
-    it at admission (`OutOfnvidia.com/gpu`, `OutOfcpu`, `UnexpectedAdmissionError`, ...)."""
+    it at admission (`OutOf<resource>` for a GPU, CPU or memory it lacks, `UnexpectedAdmissionError`, ...)."""
     status = pod.get("status") or {}
     workload = _workload_status(pod)
     ran = (workload.get("state") or {}).get("terminated") or (workload.get("lastState") or {}).get("terminated")

@@ -66,7 +66,7 @@ def _client(web, token, template: dict, calls: support.Calls, stop: threading.Ev
             try:
                 response = session.request(method, f"{web.url}{path}", timeout=30, **kwargs)
                 status, body = response.status_code, response
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # a client that gave up waiting retries too
                 session = requests.Session()
                 session.headers["Authorization"] = f"Token {token}"
                 status, body = "connection", None
@@ -92,7 +92,8 @@ def _run_clients(web, token, environment, *, count, retries, submit_share, fault
     time.sleep(RUN_S)
     stop.set()
     for thread in [*threads, faults]:
-        thread.join(60)
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a client still waits: its last submit is not recorded"
     return calls
 
 

@@ -151,7 +151,10 @@ def _celery_worker_of(pid: int) -> int | None:
     import psutil
 
     for child in psutil.Process(pid).children():
-        command = child.cmdline()
+        try:
+            command = child.cmdline()
+        except psutil.Error:  # the killed one, a zombie until `up` reaps it
+            continue
         if "celery" in command and "worker" in command:
             return child.pid
     return None
