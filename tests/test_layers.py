@@ -277,3 +277,52 @@ def test_the_layer_checker_catches_a_lazy_import_and_a_model_string(tmp_path):
     assert _model_references(probe) == [(4, "runners.jobs")]
     assert _layer_of("runners.nvidia.names") is None and _layer_of("quotas.models") == "quotas"
     assert _layer_of("runners.clusters.services") == "runners.clusters" and _layer_of("common.errors") == "common"
+
+
+def _app_of(module: str) -> str:
+    """The app a module belongs to: runners.jobs.services -> runners.jobs; tenants.models -> tenants."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "runners" and len(parts) > 1 else parts[0]
+
+
+def _private_uses_across_apps(path: Path, module: str, name: str) -> list[str]:
+    """Names with a leading underscore that this file (module, shown as name) takes from another app's
+    module: imported by name, or read as an attribute of a module it imported."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases: dict[str, str] = {}  # local name -> the project module (or name) it stands for
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PORTAL_APPS and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in PORTAL_APPS:
+            for alias in node.names:
+                if alias.name.startswith("_") and _app_of(node.module) != _app_of(module):
+                    found.append(f"{name}:{node.lineno}: imports {node.module}.{alias.name}")
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and node.attr != "_meta"  # Django's public way to a model's options
+                and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and _app_of(aliases[node.value.id]) != _app_of(module)):
+            found.append(f"{name}:{node.lineno}: reads {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_app_reaches_into_another_apps_private_names():
+    """What an app offers others is its public names; a leading underscore is its own business."""
+    found = []
+    for folder in sorted(PORTAL_APPS):
+        for path in _python_files(folder):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            found += _private_uses_across_apps(path, module, str(path.relative_to(REPO)))
+    assert found == [], "\n".join(found)
+
+
+def test_the_private_name_check_sees_an_attribute_and_an_import(tmp_path):
+    source = tmp_path / "services.py"
+    source.write_text("from runners.jobs import services as jobs\nfrom quotas.services import _hidden\n"
+                      "from runners.inference import _own\njobs._image('x')\n")
+    found = _private_uses_across_apps(source, "runners.inference.services", "x.py")
+    assert found == ["x.py:2: imports quotas.services._hidden", "x.py:4: reads runners.jobs.services._image"]
