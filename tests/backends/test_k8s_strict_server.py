@@ -15,7 +15,7 @@ import pytest
 from runners.backends.base import JobLaunch, PermanentBackendError, ReplicaPlacement
 from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.nvidia import names
-from tests.support.k8s import api_call, gpu_node, portal_pod
+from tests.support.k8s import api_call, environment_namespace, gpu_node, portal_pod
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +39,7 @@ def make_launch(**overrides) -> JobLaunch:
 def cluster(standin):
     for node in ("gpu-a", "gpu-b"):
         standin.put(gpu_node(node))
-    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    environment_namespace(standin, NAMESPACE)
     return standin
 
 
