@@ -190,6 +190,17 @@ def globex_env(flavors, other_tenant, outsider):
 
 
 @pytest.fixture
+def faulty(settings):
+    """The Faulty backend of tests/support/backends.py; the test fills the dict it yields (call name: error)."""
+    from tests.support.backends import Faulty, use_backend
+
+    use_backend(settings, "faulty")
+    Faulty.failing.clear()
+    yield Faulty.failing
+    Faulty.failing.clear()
+
+
+@pytest.fixture
 def flavor_factory(db):
     def make(name="h100-80gb", kind="whole", gpu_model="H100-80GB", mig_profile=""):
         from quotas.models import ResourceFlavor

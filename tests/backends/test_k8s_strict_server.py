@@ -13,9 +13,8 @@ import time
 import pytest
 
 from runners.backends.base import JobLaunch, PermanentBackendError, ReplicaPlacement
-from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.nvidia import names
-from tests.support.k8s import api_call, environment_namespace, gpu_node, portal_pod
+from tests.support.k8s import api_call, environment_namespace, gpu_node, pods_by_rank, portal_pod
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +40,6 @@ def cluster(standin):
         standin.put(gpu_node(node))
     environment_namespace(standin, NAMESPACE)
     return standin
-
-
-def pods_by_rank(api, job_id=41, attempt=1) -> dict[int, dict]:
-    pods = api.pods(NAMESPACE, **{JOB_LABEL: str(job_id), ATTEMPT_LABEL: str(attempt)})
-    return {int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]): pod for pod in pods}
 
 
 def launched(backend, api, launch=None) -> JobLaunch:

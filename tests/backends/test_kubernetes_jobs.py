@@ -17,10 +17,9 @@ from kubernetes_validate.utils import latest_version
 
 from runners.backends import k8s_jobs, kubernetes
 from runners.backends.base import PROGRESS_READ_MAX_BYTES, JobLaunch, ReplicaPlacement, TransientBackendError
-from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.nvidia import names
 from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
-from tests.support.k8s import environment_namespace, gpu_node, training_pod
+from tests.support.k8s import environment_namespace, gpu_node, pods_by_rank, training_pod
 from tests.support.k8s_standin import KubernetesStandIn
 
 pytestmark = pytest.mark.e2e
@@ -48,11 +47,6 @@ def cluster(standin):
         standin.put(gpu_node(node))
     environment_namespace(standin, NAMESPACE)
     return standin
-
-
-def pods_by_rank(standin, job_id=41, attempt=1) -> dict[int, dict]:
-    pods = standin.pods(NAMESPACE, **{JOB_LABEL: str(job_id), ATTEMPT_LABEL: str(attempt)})
-    return {int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]): pod for pod in pods}
 
 
 def launched(backend, standin, launch=None):

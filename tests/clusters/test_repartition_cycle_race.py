@@ -8,83 +8,22 @@ while the cordon step runs, then both are let go.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 from runners.clusters import services as clusters
 from runners.clusters.models import Node, NodePool, PartitionChange, PartitionProfile
 from runners.jobs.models import Job, JobState
 from runners.scheduling import services as scheduling
 from tests.support.jobs import give_quota, ready_environment, submit
+from tests.support.races import InThread, lock_waiters, rows_locked, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 ONE_GPU = {"replicas": 1, "gpus_per_replica": 1, "topology": {"level": "none", "mode": "preferred"}}
-
-
-class _Thread(threading.Thread):
-    """Runs fn() on its own database connection; outcome() joins and returns or raises."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.error = fn, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test by outcome()
-            self.error = exc
-        finally:
-            connection.close()
-
-    def outcome(self, timeout_s: float = 60):
-        self.join(timeout_s)
-        assert not self.is_alive(), f"{self.fn.__name__} did not finish in {timeout_s} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-@contextlib.contextmanager
-def _row_locked(queryset):
-    """Hold these rows locked (SELECT ... FOR UPDATE) from another connection while the block runs."""
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            list(queryset.select_for_update())
-            locked.set()
-            release.wait(60)
-
-    holder = _Thread(hold)
-    assert locked.wait(10), "could not lock the rows"
-    try:
-        yield
-    finally:
-        release.set()
-        holder.outcome()
-
-
-def _lock_waiters() -> int:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return cursor.fetchone()[0]
-
-
-def _wait(predicate, timeout_s: float = 30) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 @pytest.fixture
@@ -110,12 +49,12 @@ def test_a_cycle_committing_while_the_pool_is_cordoned_is_seen_by_the_cordon_ste
                                             created_by=staff)
     job = submit(owner, borrowing_env, **ONE_GPU)
 
-    with _row_locked(Job.objects.filter(id=job.id)):
-        cycle = _Thread(scheduling.cycle_run)
-        assert _wait(lambda: _lock_waiters() >= 1), "the cycle never reached its commit"
-        cordon = _Thread(lambda: clusters.partition_change_step(change_id=change.id))
+    with rows_locked(Job.objects.filter(id=job.id)):
+        cycle = InThread(scheduling.cycle_run)
+        assert wait_until(lambda: lock_waiters() >= 1), "the cycle never reached its commit"
+        cordon = InThread(clusters.partition_change_step, change_id=change.id)
         # The cordon either finishes (nothing holds it) or waits on a lock the cycle holds.
-        assert _wait(lambda: not cordon.is_alive() or _lock_waiters() >= 2)
+        assert wait_until(lambda: not cordon.is_alive() or lock_waiters() >= 2)
     assert cycle.outcome()["admitted"] == [job.id]
     state, delay_s, lease = cordon.outcome()
     while delay_s is not None:  # the steps that follow, as the task's re-enqueued runs would take them
@@ -156,10 +95,10 @@ def test_a_cordon_under_way_when_the_cycle_comes_to_commit_leaves_the_job_queued
             go.wait(60)
             clusters._set_schedulable(names, False)  # what the cordon step writes, in the transaction that locked
 
-    holder = _Thread(cordon)
+    holder = InThread(cordon)
     assert locked.wait(10), "could not lock the nodes"
-    cycle = _Thread(scheduling.cycle_run)
-    _wait(lambda: not cycle.is_alive() or _lock_waiters() >= 1)
+    cycle = InThread(scheduling.cycle_run)
+    wait_until(lambda: not cycle.is_alive() or lock_waiters() >= 1)
     go.set()
     holder.outcome()
     result = cycle.outcome()

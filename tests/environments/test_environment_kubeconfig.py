@@ -1,7 +1,6 @@
 """GET /api/v1/environments/{id}/kubeconfig/: a member's own kubeconfig, used with the real kubectl, and revoked."""
 
 import base64
-import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -18,6 +17,7 @@ from tenants.models import Membership, Tenant
 from tenants.services import membership_remove
 from tests.support.jobs import ready_environment
 from tests.support.k8s import kubectl, portal_kubeconfig, portal_on_standin, portal_pod
+from tests.support.races import InThread
 from tests.support.worker import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -157,17 +157,7 @@ def test_an_unreachable_cluster_is_a_quick_503_naming_it(client_for, teammate, e
 def test_the_cluster_is_asked_outside_any_transaction(client_for, teammate, environment, tenant, cluster):
     """While the TokenRequest hangs, no transaction of the request is open and its rows are free to lock."""
     cluster.inject(201, method="POST", path_contains="/token", delay_s=2)  # a slow but successful answer
-    client = client_for(teammate)
-    answers = []
-
-    def ask():
-        try:
-            answers.append(client.get(f"/api/v1/environments/{environment.id}/kubeconfig/"))
-        finally:
-            connection.close()  # this thread's own connection
-
-    asking = threading.Thread(target=ask)
-    asking.start()
+    asking = InThread(client_for(teammate).get, path=f"/api/v1/environments/{environment.id}/kubeconfig/")
     wait_for(lambda: any(r.path.endswith("/token") for r in cluster.requests), message="the TokenRequest")
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
@@ -177,8 +167,7 @@ def test_the_cluster_is_asked_outside_any_transaction(client_for, teammate, envi
         Tenant.objects.select_for_update(nowait=True).get(id=tenant.id)
         Environment.objects.select_for_update(nowait=True).get(id=environment.id)
         Membership.objects.select_for_update(nowait=True).get(tenant=tenant, user=teammate)
-    asking.join(timeout=30)
-    assert answers and answers[0].status_code == 200
+    assert asking.outcome().status_code == 200
 
 
 def test_a_role_change_rebinds_at_the_next_resync(client_for, teammate, environment, tenant, cluster, tmp_path):
@@ -256,21 +245,10 @@ def test_a_member_removed_while_the_token_is_minted_gets_404_and_no_access(
     client_for, owner, teammate, environment, tenant, cluster, settings
 ):
     cluster.inject(201, method="POST", path_contains="/token", delay_s=2)  # a slow but successful answer
-    client = client_for(teammate)
-    answers = []
-
-    def ask():
-        try:
-            answers.append(client.get(f"/api/v1/environments/{environment.id}/kubeconfig/"))
-        finally:
-            connection.close()
-
-    asking = threading.Thread(target=ask)
-    asking.start()
+    asking = InThread(client_for(teammate).get, path=f"/api/v1/environments/{environment.id}/kubeconfig/")
     wait_for(lambda: any(r.path.endswith("/token") for r in cluster.requests), message="the TokenRequest")
     Membership.objects.filter(tenant=tenant, user=teammate).delete()  # the revoke it queues may run before the mint
-    asking.join(timeout=30)
-    assert answers and answers[0].status_code == 404
+    assert asking.outcome().status_code == 404
     account = k8s_access.service_account_name("tom", environment.namespace)
     assert cluster.get("serviceaccounts", account, settings.KUBERNETES_MEMBER_ACCOUNTS_NAMESPACE) is None
 

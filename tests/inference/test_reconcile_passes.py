@@ -12,10 +12,8 @@ import json
 import select
 import socket
 import threading
-import time
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
 from runners.backends.local import LocalBackend
@@ -27,6 +25,7 @@ from runners.jobs.models import JobAttempt, JobState
 from runners.scheduling import services as scheduling
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+from tests.support.races import InThread, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
@@ -95,37 +94,6 @@ def answering_backend() -> Answering:
     return Answering(**local_backend_options())
 
 
-class _Thread(threading.Thread):
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.error = fn, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test by outcome()
-            self.error = exc
-        finally:
-            connection.close()
-
-    def outcome(self, timeout_s: float = 60):
-        self.join(timeout_s)
-        assert not self.is_alive(), f"{self.fn.__name__} did not finish in {timeout_s} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _wait(predicate, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
-
-
 @pytest.fixture
 def server(settings):
     settings.CLUSTER_BACKEND_FACTORY = f"{__name__}.answering_backend"
@@ -172,8 +140,8 @@ def test_the_replicas_of_every_endpoint_are_probed_together_at_most_the_bound_at
     another, endpoint after endpoint: the server never held more than one probe, and four hung replicas
     cost four timeouts."""
     settings.ENDPOINT_PROBE_CONCURRENCY = 3
-    the_pass = _Thread(reconcile.endpoints_reconcile_run)
-    together = _wait(lambda: server.open >= 3)
+    the_pass = InThread(reconcile.endpoints_reconcile_run)
+    together = wait_until(lambda: server.open >= 3)
     server.gate.set()
     outcomes = the_pass.outcome()
     assert together, f"the probes ran one after another (at most {server.most} at once)"
@@ -186,10 +154,10 @@ def test_a_pass_started_while_another_runs_returns_at_once_and_probes_nothing(se
     """Before the fix the second pass probed every replica too (it waited on the held server as long
     as the first), then mostly ended "busy" at each endpoint's row. Now it returns at once, skipped."""
     settings.ENDPOINT_PROBE_CONCURRENCY = 1  # the first pass holds one probe open at a time
-    first = _Thread(reconcile.endpoints_reconcile_run)
-    assert _wait(lambda: server.open >= 1), "the first pass never probed"
-    second = _Thread(reconcile.endpoints_reconcile_run)
-    returned = _wait(lambda: not second.is_alive() or server.seen > 1)
+    first = InThread(reconcile.endpoints_reconcile_run)
+    assert wait_until(lambda: server.open >= 1), "the first pass never probed"
+    second = InThread(reconcile.endpoints_reconcile_run)
+    returned = wait_until(lambda: not second.is_alive() or server.seen > 1)
     probed = server.seen - 1
     server.gate.set()
     assert not probed, "the second pass probed the replicas too"

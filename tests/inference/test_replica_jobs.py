@@ -7,10 +7,9 @@ other side seen waiting on it in pg_stat_activity); each docstring says what the
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 
 from audit.models import AuditEntry
 from runners.inference import reconcile as endpoint_reconcile
@@ -20,53 +19,11 @@ from runners.jobs.models import Job, JobState
 from runners.scheduling import services as scheduling
 from tests.support.endpoints import trained_job
 from tests.support.jobs import give_quota, play_launch, submit
+from tests.support.races import InThread, lock_waiters, rows_locked, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
 
 ANYWHERE = {"level": "none", "mode": "preferred"}
-
-
-class _Thread(threading.Thread):
-    """Runs fn(**kwargs) on its own database connection; outcome() joins and returns or raises."""
-
-    def __init__(self, fn, /, **kwargs):
-        super().__init__(daemon=True)
-        self.fn, self.kwargs = fn, kwargs
-        self.result = self.error = None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn(**self.kwargs)
-        except BaseException as exc:  # handed to the test by outcome()
-            self.error = exc
-        finally:
-            connection.close()
-
-    def outcome(self, timeout_s: float = 90):
-        self.join(timeout_s)
-        assert not self.is_alive(), f"{self.fn.__name__} did not finish in {timeout_s} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def _lock_waiters() -> int:
-    """Backends of this test database waiting on a lock now."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return cursor.fetchone()[0]
-
-
-def _wait(predicate, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 def _endpoint(owner, environment, trained, **overrides) -> InferenceEndpoint:
@@ -110,10 +67,10 @@ def test_a_replica_promoted_into_the_guarantee_while_the_cycle_picks_it_as_a_vic
             assert go.wait(30)
             endpoint_reconcile.endpoint_reconcile(endpoint.id)
 
-    promoting = _Thread(promote)
+    promoting = InThread(promote)
     assert locked.wait(10)
-    the_cycle = _Thread(scheduling.cycle_run)
-    assert _wait(lambda: _lock_waiters() >= 1), "the cycle should wait for its victim's row"
+    the_cycle = InThread(scheduling.cycle_run)
+    assert wait_until(lambda: lock_waiters() >= 1), "the cycle should wait for its victim's row"
     go.set()
     promoting.outcome()
     result = the_cycle.outcome()
@@ -153,22 +110,11 @@ def test_a_scale_in_and_the_cycle_admitting_the_same_replicas_lock_them_in_one_o
     assert older.id < newer.id and older.state == newer.state == JobState.QUEUED
     inference.endpoint_stop(actor=owner, endpoint=endpoint)
 
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            list(Job.objects.select_for_update().filter(id=older.id))
-            locked.set()
-            assert release.wait(60)
-
-    holder = _Thread(hold)
-    assert locked.wait(10)
-    stopping = _Thread(endpoint_reconcile.endpoint_reconcile, endpoint_id=endpoint.id)
-    assert _wait(lambda: _lock_waiters() >= 1), "the reconcile should wait for a replica's row"
-    the_cycle = _Thread(scheduling.cycle_run)
-    assert _wait(lambda: _lock_waiters() >= 2), "the cycle should wait for a replica's row too"
-    release.set()
-    holder.outcome()
+    with rows_locked(Job.objects.filter(id=older.id)):
+        stopping = InThread(endpoint_reconcile.endpoint_reconcile, endpoint_id=endpoint.id)
+        assert wait_until(lambda: lock_waiters() >= 1), "the reconcile should wait for a replica's row"
+        the_cycle = InThread(scheduling.cycle_run)
+        assert wait_until(lambda: lock_waiters() >= 2), "the cycle should wait for a replica's row too"
     stopping.outcome()
     result = the_cycle.outcome()
 
@@ -224,23 +170,12 @@ def test_the_cycle_never_waits_on_a_row_to_explain_why_a_replica_waits(tenant, o
     assert waiting.id < borrowing.id and not waiting.preemptible and borrowing.preemptible
     inference.endpoint_stop(actor=owner, endpoint=endpoint)
 
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            list(Job.objects.select_for_update().filter(id=waiting.id))
-            locked.set()
-            assert release.wait(60)
-
-    holder = _Thread(hold)
-    assert locked.wait(10)
-    stopping = _Thread(endpoint_reconcile.endpoint_reconcile, endpoint_id=endpoint.id)
-    assert _wait(lambda: _lock_waiters() >= 1), "the reconcile should wait for slot 0's row"
-    the_cycle = _Thread(scheduling.cycle_run)
-    # Before the fix the cycle waits here too; now it finishes on its own.
-    _wait(lambda: _lock_waiters() >= 2 or not the_cycle.is_alive())
-    release.set()
-    holder.outcome()
+    with rows_locked(Job.objects.filter(id=waiting.id)):
+        stopping = InThread(endpoint_reconcile.endpoint_reconcile, endpoint_id=endpoint.id)
+        assert wait_until(lambda: lock_waiters() >= 1), "the reconcile should wait for slot 0's row"
+        the_cycle = InThread(scheduling.cycle_run)
+        # Before the fix the cycle waits here too; now it finishes on its own.
+        wait_until(lambda: lock_waiters() >= 2 or not the_cycle.is_alive())
     stopping.outcome()
     result = the_cycle.outcome()
 

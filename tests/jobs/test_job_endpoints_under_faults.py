@@ -25,7 +25,6 @@ from runners.backends.base import PermanentBackendError, TransientBackendError
 from runners.jobs import services as jobs
 from runners.jobs.models import IdempotencyKey, Job, JobAttempt, JobState
 from runners.scheduling import services as scheduling
-from tests.support.backends import Faulty, use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = pytest.mark.integration
@@ -46,14 +45,6 @@ def acme_env(db, tenant, owner):
     flavors = demo_cluster_with_flavors()
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
     return ready_environment(actor=owner, tenant=tenant)
-
-
-@pytest.fixture
-def faulty(settings):
-    use_backend(settings, "faulty")
-    Faulty.failing.clear()
-    yield Faulty.failing
-    Faulty.failing.clear()
 
 
 def _running_without_processes(actor, environment, name: str) -> Job:

@@ -14,8 +14,15 @@ from runners.jobs import services as jobs
 from runners.jobs.models import Job
 from runners.scheduling import services as scheduling
 from runners.workloads.progress import CHECKPOINT_TAG, tagged_line
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
-from tests.support.k8s import gpu_node
+from tests.support.jobs import (
+    admit_and_launch,
+    demo_cluster_with_flavors,
+    give_quota,
+    job_data,
+    ready_environment,
+    reconcile_until,
+)
+from tests.support.k8s import gpu_node, job_pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
@@ -34,20 +41,6 @@ def flavors(cluster):
     return demo_cluster_with_flavors()
 
 
-def _pods(api, job, attempt):
-    pods = api.pods(job.environment.namespace, **{"portal.gpu/job-id": str(job.id), "portal.gpu/attempt": str(attempt)})
-    return {int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]): p for p in pods}
-
-
-def _launch(job):
-    scheduling.cycle_run()
-    job.refresh_from_db()
-    assert job.state == "admitted", job.reason
-    attempt = job.attempts.get(ended_at__isnull=True)
-    assert attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
-    return attempt
-
-
 def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_from_its_checkpoint(
     cluster, flavors, tenant, other_tenant, owner, outsider, django_capture_on_commit_callbacks
 ):
@@ -56,9 +49,9 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     acme_env = ready_environment(actor=owner, tenant=tenant)
     globex_env = ready_environment(actor=outsider, tenant=other_tenant)
     borrower = jobs.job_submit(actor=owner, data=job_data(acme_env, name="borrower", replicas=2, gpus_per_replica=4))
-    attempt = _launch(borrower)
+    attempt = admit_and_launch(borrower)
     reconcile.jobs_reconcile_run()
-    pods = _pods(cluster, borrower, 1)
+    pods = job_pods(cluster, borrower, 1)
     # Bound by the portal to the node it placed each replica on; both on one node (topology node).
     placed = {replica["replica"]: replica["node"] for replica in attempt.placement}
     assert {rank: pod["spec"]["nodeName"] for rank, pod in pods.items()} == placed
@@ -85,16 +78,16 @@ def test_a_job_runs_where_placed_is_preempted_with_the_grace_period_and_resumes_
     assert "resumes from step 10" in borrower.reason
 
     # The owed job runs and finishes; then the borrower comes back, resuming from step 10.
-    _launch(owed)
+    admit_and_launch(owed)
     reconcile.jobs_reconcile_run()
-    for pod in _pods(cluster, owed, 1).values():
+    for pod in job_pods(cluster, owed, 1).values():
         cluster.finish_pod(globex_env.namespace, pod["metadata"]["name"], 0)
     owed = reconcile_until(owed, {"succeeded"}, timeout_s=10, pause_s=0.05)
-    second = _launch(borrower)
+    second = admit_and_launch(borrower)
     second.refresh_from_db()
     assert second.number == 2 and second.resumed_from_step == 10
     reconcile.jobs_reconcile_run()
-    for pod in _pods(cluster, borrower, 2).values():
+    for pod in job_pods(cluster, borrower, 2).values():
         assert pod["spec"]["nodeName"]
         cluster.finish_pod(acme_env.namespace, pod["metadata"]["name"], 0)
     borrower = reconcile_until(borrower, {"succeeded"}, timeout_s=10, pause_s=0.05)
@@ -107,7 +100,7 @@ def test_cancel_deletes_with_the_grace_period_and_the_job_ends_cancelled(
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
     environment = ready_environment(actor=owner, tenant=tenant)
     job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=2))
-    _launch(job)
+    admit_and_launch(job)
     reconcile.jobs_reconcile_run()
     cluster.clear_log()
     with django_capture_on_commit_callbacks(execute=True):
@@ -124,7 +117,7 @@ def test_a_node_lost_on_kubernetes_requeues_the_job(cluster, flavors, tenant, ow
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
     environment = ready_environment(actor=owner, tenant=tenant)
     job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=1, topology={"level": "none", "mode": "required"}))
-    attempt = _launch(job)
+    attempt = admit_and_launch(job)
     reconcile.jobs_reconcile_run()
     node = attempt.placement[0]["node"]
     cluster.delete("nodes", node)

@@ -12,7 +12,6 @@ attempt that has ended (the local backend's own view: its supervisor processes).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -35,9 +34,10 @@ from runners.jobs import services as jobs
 from runners.jobs.models import JOB_HOLDING_STATES, IdempotencyKey, Job, JobAttempt, JobState
 from runners.scheduling import services as scheduling
 from tenants.models import Tenant
-from tests.support.backends import Faulty, Gate, Gated, use_backend
+from tests.support.backends import Gate, Gated, use_backend
 from tests.support.jobs import give_quota, job_data, ready_environment, submit
 from tests.support.partitions import drive_partition_change
+from tests.support.races import InThread, lock_waiters, rows_locked, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -73,15 +73,6 @@ def gates(settings):
     Gated.gates.clear()
 
 
-@pytest.fixture
-def faulty(settings):
-    """The Faulty backend; the test fills ``failing``."""
-    use_backend(settings, "faulty")
-    Faulty.failing.clear()
-    yield Faulty.failing
-    Faulty.failing.clear()
-
-
 class Scripted(Gated):
     """Gated, and the status read of the jobs named in ``broken`` (job id: error) raises."""
 
@@ -115,69 +106,6 @@ def scripted(settings):
 
 
 # --- Helpers --------------------------------------------------------------------------------
-
-
-class _Thread(threading.Thread):
-    """Runs fn(**kwargs) on its own database connection; outcome() joins and returns or raises."""
-
-    def __init__(self, fn, /, **kwargs):
-        super().__init__(daemon=True)
-        self.fn, self.kwargs = fn, kwargs
-        self.result = self.error = None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn(**self.kwargs)
-        except BaseException as exc:  # handed to the test by outcome()
-            self.error = exc
-        finally:
-            connection.close()
-
-    def outcome(self, timeout_s: float = 90):
-        self.join(timeout_s)
-        assert not self.is_alive(), f"{self.fn.__name__} did not finish in {timeout_s} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-@contextlib.contextmanager
-def _rows_locked(queryset):
-    """Hold these rows locked (SELECT ... FOR UPDATE) from another connection while the block runs."""
-    locked, release = threading.Event(), threading.Event()
-
-    def hold():
-        with transaction.atomic():
-            list(queryset.select_for_update())
-            locked.set()
-            release.wait(90)
-
-    holder = _Thread(hold)
-    assert locked.wait(10), "could not lock the rows"
-    try:
-        yield
-    finally:
-        release.set()
-        holder.outcome()
-
-
-def _lock_waiters() -> int:
-    """Backends of this test database waiting on a lock now."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        )
-        return cursor.fetchone()[0]
-
-
-def _wait(predicate, timeout_s: float = 15) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 def _cluster() -> LocalBackend:
@@ -266,8 +194,9 @@ def _borrower_and_owed(tenant, other_tenant, owner, outsider, acme_env, globex_e
     """acme borrows all 16 H100s with an admitted (not launched) job; globex's guaranteed job then needs 8."""
     give_quota(tenant, flavors["h100-80gb"], guaranteed=0, max=16)
     give_quota(other_tenant, flavors["h100-80gb"], guaranteed=8, max=8)
+    # LONG: a borrower that runs is still running when its stop comes, however loaded the machine.
     borrower = submit(owner, acme_env, name="borrower", replicas=2, gpus_per_replica=8,
-                       topology={"level": "none", "mode": "preferred"})
+                       topology={"level": "none", "mode": "preferred"}, **LONG)
     scheduling.cycle_run()
     borrower.refresh_from_db()
     assert borrower.state == JobState.ADMITTED, borrower.reason
@@ -292,12 +221,12 @@ def test_a_victim_preempted_while_admitted_is_not_launched_by_the_launch_that_co
     borrower, owed = _borrower_and_owed(tenant, other_tenant, owner, outsider, acme_env, globex_env, flavors)
     gate = gates("launch_job")
     attempt = borrower.attempts.get()
-    with _rows_locked(JobAttempt.objects.filter(id=attempt.id)):
-        the_cycle = _Thread(scheduling.cycle_run)
-        assert _wait(lambda: _lock_waiters() >= 1), "the cycle should wait to end the victim's attempt"
-        the_launch = _Thread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
+    with rows_locked(JobAttempt.objects.filter(id=attempt.id)):
+        the_cycle = InThread(scheduling.cycle_run)
+        assert wait_until(lambda: lock_waiters() >= 1), "the cycle should wait to end the victim's attempt"
+        the_launch = InThread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
         # Now: waiting for the victim's row behind the cycle; before the fix: inside launch_job.
-        _wait(lambda: gate.reached.is_set() or _lock_waiters() >= 2)
+        wait_until(lambda: gate.reached.is_set() or lock_waiters() >= 2)
     the_cycle.outcome()
     gate.opened.set()
     launched = the_launch.outcome()
@@ -329,11 +258,11 @@ def test_a_victim_whose_launch_claimed_first_is_preempted_with_a_stop_not_requeu
     borrower, owed = _borrower_and_owed(tenant, other_tenant, owner, outsider, acme_env, globex_env, flavors)
     gate = gates("launch_job")
     attempt = borrower.attempts.get()
-    with _rows_locked(JobAttempt.objects.filter(id=attempt.id)):
-        the_launch = _Thread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
-        assert _wait(lambda: _lock_waiters() >= 1), "the claim should hold the job's row, waiting on its attempt's"
-        the_cycle = _Thread(scheduling.cycle_run)
-        assert _wait(lambda: _lock_waiters() >= 2), "the cycle should wait for the victim's row"
+    with rows_locked(JobAttempt.objects.filter(id=attempt.id)):
+        the_launch = InThread(attempts.job_launch_run, job_id=borrower.id, attempt_number=1)
+        assert wait_until(lambda: lock_waiters() >= 1), "the claim should hold the job's row, waiting on its attempt's"
+        the_cycle = InThread(scheduling.cycle_run)
+        assert wait_until(lambda: lock_waiters() >= 2), "the cycle should wait for the victim's row"
     assert gate.reached.wait(30), "the claim went through: the launch is in the backend call"
     decided = the_cycle.outcome()
 
@@ -376,7 +305,7 @@ def test_the_reconcile_never_ends_an_attempt_whose_launch_lease_is_live(owner, a
     settings.JOB_LAUNCH_LEASE_S = 300
     job = _admitted(owner, acme_env, **LONG)
     gate = gates("launch_job")
-    the_launch = _Thread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
+    the_launch = InThread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
     assert gate.reached.wait(30)
     jobs.job_cancel(actor=owner, job=job)
     Job.objects.filter(id=job.id).update(state_changed_at=timezone.now() - timezone.timedelta(minutes=5))
@@ -415,7 +344,7 @@ def test_a_launch_whose_lease_ran_out_kills_what_it_started_and_never_runs_besid
     settings.JOB_LAUNCH_LEASE_S = 300  # no renewal comes during the test; the test ends the lease itself
     job = _admitted(owner, acme_env, **LONG)
     first_gate = gates("launch_job")
-    old_launch = _Thread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
+    old_launch = InThread(attempts.job_launch_run, job_id=job.id, attempt_number=1)
     assert first_gate.reached.wait(30)
     node = job.attempts.get().placement[0]["node"]
     assert attempts.jobs_preempt_on_nodes([node], reason="Preempted: test.") == {f"job-{job.id}"}
@@ -528,11 +457,11 @@ def test_a_cancel_that_lands_while_the_pass_reads_a_finished_job_ends_it_cancell
     """
     job = _admitted(owner, acme_env, steps=1, checkpoint_every_steps=0)
     assert attempts.job_launch_run(job_id=job.id, attempt_number=1) == JobState.RUNNING
-    assert _wait(lambda: _phase(job.id, 1) == "exited", timeout_s=240), "the trainer did not finish its one step"
+    assert wait_until(lambda: _phase(job.id, 1) == "exited", timeout_s=240), "the trainer did not finish its one step"
     assert set(_cluster().job_status(job.id, 1).exit_codes.values()) == {0}
 
     gate = gates("job_status")
-    the_pass = _Thread(reconcile.jobs_reconcile_run)
+    the_pass = InThread(reconcile.jobs_reconcile_run)
     assert gate.reached.wait(30)
     jobs.job_cancel(actor=owner, job=job)
     gate.opened.set()
@@ -557,7 +486,7 @@ def test_a_second_reconcile_pass_skips_while_the_first_runs(owner, acme_env, gat
     job = _admitted(owner, acme_env)
     attempt = _started_without_processes(job)
     gate = gates("job_status")
-    first = _Thread(reconcile.jobs_reconcile_run)
+    first = InThread(reconcile.jobs_reconcile_run)
     assert gate.reached.wait(30)
     gate.reached.clear()
     assert reconcile.jobs_reconcile_run() == {"skipped": 1}
@@ -588,10 +517,10 @@ def test_an_error_mid_pass_does_not_let_a_second_pass_run_beside_the_first(owner
         own.settings_dict = {**own.settings_dict, "CONN_MAX_AGE": 0}
         return reconcile.jobs_reconcile_run()
 
-    first = _Thread(first_pass)
+    first = InThread(first_pass)
     assert gate.reached.wait(30), "the first pass should reach the held job"
     gate.reached.clear()
-    second = _Thread(reconcile.jobs_reconcile_run)
+    second = InThread(reconcile.jobs_reconcile_run)
     second.join(5)
     ran_beside = gate.reached.is_set()
     gate.opened.set()
@@ -721,7 +650,7 @@ def test_inventory_sync_asks_the_cluster_outside_any_transaction(inventory, gate
         seen["connection"] = connections["default"]
         return clusters.inventory_sync()
 
-    the_sync = _Thread(sync)
+    the_sync = InThread(sync)
     assert gate.reached.wait(30)
     assert seen["connection"].in_atomic_block is False, "discovery runs inside a transaction"
     with connection.cursor() as cursor:
@@ -870,9 +799,9 @@ def test_two_submits_at_once_with_one_idempotency_key_make_one_job(owner, tenant
     Before the fix there was no key: two jobs."""
     data = job_data(acme_env, name="keyed", **ONE_GPU)
     clients = [client_for(owner), client_for(owner)]
-    with _rows_locked(Tenant.objects.filter(id=tenant.id)):
-        posts = [_Thread(_post, client=api, data=data, key="same-moment") for api in clients]
-        _wait(lambda: _lock_waiters() >= 2)  # both past the key lookup, waiting to write
+    with rows_locked(Tenant.objects.filter(id=tenant.id)):
+        posts = [InThread(_post, client=api, data=data, key="same-moment") for api in clients]
+        wait_until(lambda: lock_waiters() >= 2)  # both past the key lookup, waiting to write
     answers = [post.outcome() for post in posts]
 
     assert sorted(answer.status_code for answer in answers) == [200, 201], [a.content for a in answers]
@@ -900,11 +829,11 @@ def test_a_submit_whose_database_connection_dies_after_the_write_answers_503_and
             release.wait(60)
             transaction.set_rollback(True)
 
-    holder = _Thread(hold_the_key)
+    holder = InThread(hold_the_key)
     assert held.wait(10)
     try:
-        post = _Thread(_post, client=api, data=data, key="dies")
-        assert _wait(lambda: _lock_waiters() >= 1), "the submit should wait on the held key"
+        post = InThread(_post, client=api, data=data, key="dies")
+        assert wait_until(lambda: lock_waiters() >= 1), "the submit should wait on the held key"
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "

@@ -15,9 +15,15 @@ from runners.clusters.registry import get_backend
 from runners.jobs import attempts, reconcile
 from runners.jobs import services as jobs
 from runners.nvidia import names
-from runners.scheduling import services as scheduling
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, reconcile_until
-from tests.support.k8s import api_call, gpu_node, portal_pod
+from tests.support.jobs import (
+    admit_and_launch,
+    demo_cluster_with_flavors,
+    give_quota,
+    job_data,
+    ready_environment,
+    reconcile_until,
+)
+from tests.support.k8s import api_call, gpu_node, job_pods, portal_pod
 from tests.support.partitions import drive_partition_change
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -41,20 +47,11 @@ def flavors(cluster):
     return demo_cluster_with_flavors()
 
 
-def _pods(api, job, attempt=1):
-    pods = api.pods(job.environment.namespace, **{"portal.gpu/job-id": str(job.id), "portal.gpu/attempt": str(attempt)})
-    return {int(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]): p for p in pods}
-
-
 def _running_job(tenant, owner, flavors, *, guaranteed=8):
     give_quota(tenant, flavors["h100-80gb"], guaranteed=guaranteed, max=8)
     environment = ready_environment(actor=owner, tenant=tenant)
     job = jobs.job_submit(actor=owner, data=job_data(environment, replicas=2))
-    scheduling.cycle_run()
-    job.refresh_from_db()
-    assert job.state == "admitted", job.reason
-    attempt = job.attempts.get(ended_at__isnull=True)
-    assert attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
+    attempt = admit_and_launch(job)
     reconcile.jobs_reconcile_run()
     return job, attempt
 
@@ -64,7 +61,7 @@ def test_a_drain_stops_the_portals_job_through_the_portal_and_evicts_only_what_i
 ):
     job, attempt = _running_job(tenant, owner, flavors, guaranteed=0)  # no guarantee on the pool being re-cut
     node = attempt.placement[0]["node"]
-    pods = _pods(cluster, job)
+    pods = job_pods(cluster, job)
     assert all(pod["metadata"]["name"].startswith(f"job-{job.id}-1-") for pod in pods.values())
     cluster.put(portal_pod("someone-elses", node, namespace=OTHERS))
     PartitionProfile.objects.create(name="h100-4g-3g", gpu_model="H100-80GB", kind="mig", layout=["4g.40gb", "3g.40gb"])
@@ -96,7 +93,7 @@ def test_a_drain_stops_the_portals_job_through_the_portal_and_evicts_only_what_i
 
 def test_a_pod_evicted_from_outside_requeues_the_job_saying_so(cluster, flavors, tenant, owner):
     job, _attempt = _running_job(tenant, owner, flavors)
-    pod = _pods(cluster, job)[1]["metadata"]
+    pod = job_pods(cluster, job)[1]["metadata"]
     # What `kubectl drain` does: the eviction API, with the pod's own grace period.
     status, answer = api_call(cluster, "POST", f"/api/v1/namespaces/{pod['namespace']}/pods/{pod['name']}/eviction",
                               {"apiVersion": "policy/v1", "kind": "Eviction",

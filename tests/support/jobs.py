@@ -68,6 +68,16 @@ def play_launch(job):
     return attempt
 
 
+def admit_and_launch(job):
+    """The cycle admits the job and its launch (what the job_launch task runs) starts it; its open attempt."""
+    scheduling.cycle_run()
+    job.refresh_from_db()
+    assert job.state == "admitted", job.reason
+    attempt = job.attempts.get(ended_at__isnull=True)
+    assert attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
+    return attempt
+
+
 def reconcile_until(job, states, *, timeout_s: float = 60, pause_s: float = 0.3):
     """Run reconcile passes until the job is in one of `states`; a requeued job gets its next cycle and launch."""
     deadline = time.monotonic() + timeout_s

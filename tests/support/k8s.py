@@ -149,6 +149,18 @@ def training_pod(job_id: int, attempt: int, rank: int, node: str | None, namespa
     }
 
 
+def pods_by_rank(api, job_id: int = 41, attempt: int = 1, *, namespace: str = "acme-train") -> dict[int, dict]:
+    """An attempt's pods on the stand-in, by rank (their completion index); job 41's first attempt in
+    acme-train unless told, as the backend tests launch it."""
+    pods = api.pods(namespace, **{JOB_LABEL: str(job_id), ATTEMPT_LABEL: str(attempt)})
+    return {int(pod["metadata"]["annotations"][COMPLETION_INDEX_ANNOTATION]): pod for pod in pods}
+
+
+def job_pods(api, job, attempt: int = 1) -> dict[int, dict]:
+    """A portal job's attempt's pods on the stand-in, by rank, in its environment's namespace."""
+    return pods_by_rank(api, job.id, attempt, namespace=job.environment.namespace)
+
+
 def api_call(api, method: str, path: str, body: dict | None = None, *, content_type: str = "application/json",
              token: str = "") -> tuple[int, dict | str]:
     """One raw HTTP request to the stand-in: (status, the JSON body, or the text where it is not JSON)."""

@@ -17,16 +17,14 @@ import time
 
 import pytest
 
-from runners.backends.job_manifests import ATTEMPT_LABEL, COMPLETION_INDEX_ANNOTATION, JOB_LABEL
 from runners.clusters.registry import get_backend
-from runners.jobs import attempts, reconcile
+from runners.jobs import reconcile
 from runners.jobs import services as jobs
 from runners.jobs.models import Job
-from runners.scheduling import services as scheduling
 from runners.usage import sampling
 from runners.usage.models import Resolution, UtilizationSample
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
-from tests.support.k8s import gpu_node, portal_pod
+from tests.support.jobs import admit_and_launch, demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.k8s import gpu_node, job_pods, portal_pod
 from tests.support.prometheus import DcgmDevice, DcgmExporter, running_prometheus
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -57,17 +55,12 @@ def cluster(kubernetes_cluster, settings, prometheus):
 
 def _running(api, job: Job) -> tuple[Job, dict[int, dict]]:
     """Cycle, launch and one reconcile pass, after which the job runs; its attempt's pods on the stand-in, by rank."""
-    scheduling.cycle_run()
-    job.refresh_from_db()
-    assert job.state == "admitted", job.reason
-    attempt = job.attempts.get(ended_at__isnull=True)
-    assert attempts.job_launch_run(job_id=job.id, attempt_number=attempt.number) == "running"
+    attempt = admit_and_launch(job)
     reconcile.jobs_reconcile_run()
     job.refresh_from_db()
     attempt.refresh_from_db()
     assert job.state == "running" and attempt.started_at is not None, job.reason
-    pods = api.pods(job.environment.namespace, **{JOB_LABEL: str(job.id), ATTEMPT_LABEL: str(attempt.number)})
-    by_rank = {int(pod["metadata"]["annotations"][COMPLETION_INDEX_ANNOTATION]): pod for pod in pods}
+    by_rank = job_pods(api, job, attempt.number)
     placed = {replica["replica"]: replica["node"] for replica in attempt.placement}
     # Bound where the portal placed each replica, and running.
     assert {rank: (pod["spec"]["nodeName"], pod["status"]["phase"]) for rank, pod in by_rank.items()} == {

@@ -1,7 +1,7 @@
 """Usage at the edges: an attempt with no end, a cloud price in another currency, the sweep's batches and
 queries, dates at the ends of the calendar, budget currencies and a workload that stopped reporting."""
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
@@ -17,16 +17,11 @@ from runners.usage.models import CloudPrice, Settlement, UsageEntry, Utilization
 from runners.usage.selectors import usage_rows
 from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, ready_environment
+from tests.support.usage import DAY, LATER, at, job_with_attempts
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
-DAY = datetime(2026, 11, 2, tzinfo=UTC)
-LATER = datetime(2026, 12, 1, tzinfo=UTC)
 NOVEMBER = {"start": DAY.date().replace(day=1), "end": DAY.date().replace(day=30)}
-
-
-def at(hours: float, days: int = 0) -> datetime:
-    return DAY + timedelta(days=days, hours=hours)
 
 
 @pytest.fixture
@@ -38,15 +33,7 @@ def world(tenant, owner):
 
 
 def job(world, name, units, intervals, state="succeeded") -> Job:
-    made = Job.objects.create(
-        tenant=world["environment"].tenant, environment=world["environment"], name=name,
-        spec={"template": "pytorch-ddp"}, flavor=world["h100"], replicas=units, gpus_per_replica=1, state=state,
-    )
-    for number, (start, end) in enumerate(intervals, start=1):
-        attempt = JobAttempt.objects.create(job=made, number=number, placement=[])
-        JobAttempt.objects.filter(id=attempt.id).update(admitted_at=start, started_at=start, ended_at=end,
-                                                        outcome="succeeded" if end else "")
-    return made
+    return job_with_attempts(world["environment"], world["h100"], name, units, intervals, state)
 
 
 def gpu_hours(made: Job) -> str:

@@ -5,13 +5,11 @@ stops it at a point it controls (an item's advisory lock, or a settlement row an
 is inserting), changes the world with a second connection, then lets it go.
 """
 
-import threading
-import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 
 from quotas.models import PriceCard
 from quotas.services import price_set
@@ -21,15 +19,10 @@ from runners.usage.models import Settlement, UsageEntry
 from runners.usage.selectors import usage_rows
 from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, ready_environment
+from tests.support.races import InThread, lock_waiters, wait_until
+from tests.support.usage import DAY, LATER, at, job_with_attempts
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db(transaction=True)]
-
-DAY = datetime(2026, 11, 2, tzinfo=UTC)
-LATER = datetime(2026, 12, 1, tzinfo=UTC)
-
-
-def at(hours: float, days: int = 0) -> datetime:
-    return DAY + timedelta(days=days, hours=hours)
 
 
 @pytest.fixture
@@ -41,39 +34,8 @@ def world(tenant, owner):
 
 
 def job(world, name, units, start, end=None) -> Job:
-    made = Job.objects.create(
-        tenant=world["environment"].tenant, environment=world["environment"], name=name,
-        spec={"template": "pytorch-ddp"}, flavor=world["t4"], replicas=units, gpus_per_replica=1,
-        state="succeeded" if end else "running",
-    )
-    attempt = JobAttempt.objects.create(job=made, number=1, placement=[])
-    JobAttempt.objects.filter(id=attempt.id).update(admitted_at=start, started_at=start, ended_at=end,
-                                                    outcome="succeeded" if end else "")
-    return made
-
-
-class Background(threading.Thread):
-    """A call in a thread of its own (so on a database connection of its own)."""
-
-    def __init__(self, call):
-        super().__init__(daemon=True)
-        self.call, self.result, self.error = call, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.call()
-        except BaseException as exc:  # handed to the test by finish()
-            self.error = exc
-        finally:
-            connection.close()
-
-    def finish(self):
-        self.join(60)
-        assert not self.is_alive(), "the background call never finished"
-        if self.error:
-            raise self.error
-        return self.result
+    return job_with_attempts(world["environment"], world["t4"], name, units, [(start, end)],
+                             "succeeded" if end else "running")
 
 
 def side_connection():
@@ -88,16 +50,7 @@ def hold_item_lock(side, item: str) -> None:
 
 def wait_for_waiters(count: int, *, unless=lambda: False) -> None:
     """Until `count` lock requests wait in the database (or `unless()` holds): the blocked calls are where wanted."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with connection.cursor() as cursor:
-            # This database's sessions only: other test runs share the server.
-            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                           "AND wait_event_type = 'Lock'")
-            if cursor.fetchone()[0] >= count or unless():
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"{count} lock waits never showed up")
+    assert wait_until(lambda: lock_waiters() >= count or unless(), timeout_s=60), f"{count} lock waits never showed up"
 
 
 def tenant_cost(tenant) -> Decimal:
@@ -112,13 +65,13 @@ def test_a_past_price_card_added_while_a_sweep_waits_on_the_item_is_billed(world
     side = side_connection()
     try:
         hold_item_lock(side, f"attempt:{tiles.attempts.get().id}")
-        sweep = Background(lambda: ledger.settle_run(now=LATER))
+        sweep = InThread(ledger.settle_run, now=LATER)
         wait_for_waiters(1)  # the sweep has found the item and waits for its lock
         price_set(actor=staff, flavor=world["t4"], price_per_hour=Decimal("1.00"), currency="USD",
                   effective_from=at(16))
     finally:
         side.close()
-    sweep.finish()
+    sweep.outcome()
     ledger.settle_run(now=LATER)
     ledger.settle_run(now=LATER)
     assert tenant_cost(tenant) == Decimal("3.75")
@@ -136,16 +89,16 @@ def test_a_price_card_committed_while_a_sweep_writes_the_item_is_billed(world, t
         with side.cursor() as cursor:
             cursor.execute("INSERT INTO usage_settlement (kind, object_id, upto, closed, settled_at) "
                            "VALUES ('attempt', %s, now(), false, now())", [attempt.id])
-        sweep = Background(lambda: ledger.settle_run(now=LATER))
+        sweep = InThread(ledger.settle_run, now=LATER)
         wait_for_waiters(1)
-        card = Background(lambda: price_set(actor=staff, flavor=world["t4"], price_per_hour=Decimal("1.00"),
-                                            currency="USD", effective_from=at(16)))
+        card = InThread(price_set, actor=staff, flavor=world["t4"], price_per_hour=Decimal("1.00"), currency="USD",
+                        effective_from=at(16))
         wait_for_waiters(2, unless=lambda: not card.is_alive())
         side.rollback()
     finally:
         side.close()
-    sweep.finish()
-    card.finish()
+    sweep.outcome()
+    card.outcome()
     ledger.settle_run(now=LATER)
     ledger.settle_run(now=LATER)
     assert tenant_cost(tenant) == Decimal("3.75")
@@ -162,13 +115,13 @@ def test_a_sweep_that_read_an_attempt_open_leaves_its_settled_end_alone(world, t
     side = side_connection()
     try:
         hold_item_lock(side, f"attempt:{blocker.id}")
-        sweep = Background(lambda: ledger.settle_run(now=now))
+        sweep = InThread(ledger.settle_run, now=now)
         wait_for_waiters(1)
         JobAttempt.objects.filter(id=ending.id).update(ended_at=at(9, days=1), outcome="succeeded")
         ledger.settle_jobs([ending.job_id], now=now)
     finally:
         side.close()
-    sweep.finish()
+    sweep.outcome()
     # 16 h on the 2nd and 9 h on the 3rd, written once: no piece taken back, the settlement still closed.
     entries = UsageEntry.objects.filter(item=f"attempt:{ending.id}")
     assert sum(entry.gpu_seconds for entry in entries) == 25 * 3600
