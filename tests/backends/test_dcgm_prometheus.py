@@ -15,7 +15,7 @@ from runners.backends import dcgm
 from runners.backends.base import GpuReading, JobLaunch, ReplicaPlacement, ServingSettings, TransientBackendError
 from runners.backends.job_manifests import ATTEMPT_LABEL, COMPLETION_INDEX_ANNOTATION, JOB_LABEL
 from runners.nvidia import names
-from tests.support.k8s import gpu_node
+from tests.support.k8s import environment_namespace, gpu_node
 from tests.support.prometheus import DcgmDevice, DcgmExporter, running_prometheus
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +41,7 @@ def cluster(standin):
     """Two GPU nodes and the environment's namespace."""
     for node in ("gpu-a", "gpu-b"):
         standin.put(gpu_node(node))
-    standin.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    environment_namespace(standin, NAMESPACE)  # its pods' ServiceAccount too, or admission refuses them
     return standin
 
 

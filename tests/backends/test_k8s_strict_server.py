@@ -46,7 +46,9 @@ def launched(backend, api, launch=None) -> JobLaunch:
     launch = launch or make_launch()
     backend.launch_job(launch)
     backend._sync(force=True)
-    assert all(pod["spec"].get("nodeName") for pod in pods_by_rank(api, launch.job_id, launch.attempt).values())
+    pods = pods_by_rank(api, launch.job_id, launch.attempt)
+    assert len(pods) == len(launch.replicas), f"the Job made {len(pods)} pods of {len(launch.replicas)}"
+    assert all(pod["spec"].get("nodeName") for pod in pods.values())
     return launch
 
 
