@@ -16,7 +16,6 @@ is retired only once a new one is ready in its place, one at a time.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import urllib.error
@@ -25,12 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import TooMany
+from common.locks import one_pass_at_a_time
 from quotas.models import Quota
 from runners.backends.base import BackendError
 from runners.clusters.registry import get_backend
@@ -423,38 +423,12 @@ def endpoint_reconcile(endpoint_id: int, backend=None, *, now=None, read: dict[i
         return endpoint.state
 
 
-def _unlock() -> None:
-    """Let go of the pass's session-level lock; when that cannot be done (the connection broke mid-pass:
-    it took the lock with it) the connection is closed, which frees whatever it held."""
-    released = False
-    with contextlib.suppress(Exception), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", [PASS_LOCK_KEY])
-        released = bool(cursor.fetchone()[0])
-    if not released:
-        logger.warning("The endpoints reconcile's lock was not released on its connection; closing the connection.")
-        with contextlib.suppress(Exception):
-            connection.close()
-
-
-@contextlib.contextmanager
-def _one_pass_at_a_time():
-    """True while this process holds the cluster-wide pass lock; False when another pass runs."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [PASS_LOCK_KEY])
-        held = cursor.fetchone()[0]
-    try:
-        yield held
-    finally:
-        if held:
-            _unlock()
-
-
 def endpoints_reconcile_run() -> dict:
     """One pass over every endpoint not stopped; one failing never blocks the rest.
 
     Returns the count of each endpoint's outcome, or ``{"skipped": "busy"}`` when another pass runs.
     """
-    with _one_pass_at_a_time() as held:
+    with one_pass_at_a_time(PASS_LOCK_KEY, "endpoints reconcile") as held:
         if not held:
             logger.info("Endpoints reconcile skipped: another pass runs.")
             return {"skipped": "busy"}

@@ -17,6 +17,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from common.dispatch import send_task
+from common.locks import one_pass_at_a_time
 from runners.clusters.registry import get_backend
 from runners.jobs.attempts import (
     _kill_and_forget,
@@ -40,39 +41,6 @@ logger = logging.getLogger(__name__)
 
 # pg_advisory_lock's key for the reconcile: "reconc" in ASCII.
 RECONCILE_LOCK_KEY = 0x7265636F6E63
-
-
-def _unlock() -> None:
-    """Let go of the session-level lock, whatever ended the pass.
-
-    The lock belongs to the connection, not to the transaction, and a worker keeps its connection
-    between tasks (CONN_MAX_AGE): one not released would keep every other worker's pass out, and
-    this one's next try would only stack a second hold on it. So when the unlock cannot be done
-    (the connection broke mid-pass: it took the lock with it) or finds nothing held, the
-    connection is closed, which frees every lock it had.
-    """
-    released = False
-    with contextlib.suppress(Exception), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", [RECONCILE_LOCK_KEY])
-        released = bool(cursor.fetchone()[0])
-    if not released:
-        logger.warning("The reconcile lock was not released on its connection (the connection was lost mid-pass, "
-                       "or the unlock failed); closing the connection.")
-        with contextlib.suppress(Exception):
-            connection.close()
-
-
-@contextlib.contextmanager
-def _one_pass_at_a_time():
-    """True while this process holds the cluster-wide reconcile lock; False when another pass runs."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [RECONCILE_LOCK_KEY])
-        held = cursor.fetchone()[0]
-    try:
-        yield held
-    finally:
-        if held:
-            _unlock()
 
 
 def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
@@ -151,7 +119,7 @@ def _backoff(job: Job, exc: Exception) -> None:
 
 def jobs_reconcile_run() -> dict[str, int]:
     """One pass over every job that holds (or is about to hold) GPUs; returns counts of what it did."""
-    with _one_pass_at_a_time() as held:
+    with one_pass_at_a_time(RECONCILE_LOCK_KEY, "reconcile") as held:
         if not held:
             return {"skipped": 1}
         backend = get_backend()

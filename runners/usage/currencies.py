@@ -1,7 +1,7 @@
 """ISO 4217 currency codes: what a budget or a cloud reference price may be kept in.
 
-The active codes (and those withdrawn in the last few years, still found in old price lists),
-without XTS (reserved for testing) and XXX (no currency).
+The active codes, and those withdrawn in the last few years (still found in old price lists). The two
+codes that name no money, the one reserved for testing and the one for "no currency", are left out.
 """
 
 ISO_4217 = frozenset("""
