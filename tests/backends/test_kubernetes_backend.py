@@ -147,6 +147,7 @@ def test_objects_the_portal_did_not_make_are_left_alone(backend, standin, spec):
 def test_ensuring_while_the_namespace_is_terminating_is_transient(standin, make_backend, spec):
     backend = make_backend()
     backend.ensure_environment(spec)
+    standin.termination_delay_s = 60  # Terminating for the whole test, however slow the machine.
     client.CoreV1Api(client_for(standin.url)).delete_namespace("acme-vision")
     with pytest.raises(TransientBackendError, match="still being deleted"):
         backend.ensure_environment(spec)
@@ -155,6 +156,7 @@ def test_ensuring_while_the_namespace_is_terminating_is_transient(standin, make_
 def test_a_create_refused_because_the_namespace_is_terminating_is_transient(backend, standin, spec):
     # The namespace read said Active, then it went Terminating before the objects were applied.
     backend.ensure_environment(spec)
+    standin.termination_delay_s = 60  # Terminating for the whole test, however slow the machine.
     client.CoreV1Api(client_for(standin.url)).delete_namespace("acme-vision")
     late_object = service_account_manifest(spec) | {"metadata": {"name": "another", "namespace": "acme-vision"}}
     with pytest.raises(TransientBackendError, match="being terminated"):
