@@ -24,10 +24,10 @@ FAST_SCHEMATHESIS_EXAMPLES ?= 10
 
 .PHONY: run test test-fast test-durations install check-deploy deploy-render clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml sdk/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,workloads,embedded]"
+	$(BIN)/python -m pip install --quiet -e ".[test,workloads,embedded]" -e ./sdk
 	# axe-core for the accessibility test, pinned, from the npm registry; without npm the test uses the
 	# older axe-core that axe-playwright-python bundles, and says so.
 	if command -v npm >/dev/null; then npm install --prefix $(VENV)/axe --no-audit --no-fund --silent axe-core@$(AXE_CORE_VERSION); fi
