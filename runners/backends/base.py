@@ -198,6 +198,15 @@ class ServingSettings:
 
 
 @dataclass(frozen=True)
+class BundleRef:
+    """The tenant's code bundle a `script` job runs in: its content digest (SHA-256) and where its archive lies,
+    an fsspec URL (a folder under var/ or an S3 bucket) the backend reads."""
+
+    sha256: str
+    url: str
+
+
+@dataclass(frozen=True)
 class JobLaunch:
     """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
 
@@ -206,7 +215,9 @@ class JobLaunch:
     tenant_slug: str
     namespace: str
     name: str
-    template: str  # "pytorch-ddp" (the shipped trainer) or "custom" (image and command; Kubernetes only)
+    # "pytorch-ddp" (the shipped trainer), "script" (`command` run in the tenant's `bundle`, either backend) or
+    # "custom" (image and command; Kubernetes only).
+    template: str
     replicas: tuple[ReplicaPlacement, ...]
     gpu_resource: str  # the extended resource each GPU unit is, from runners.nvidia.names
     gpus_per_replica: int
@@ -226,6 +237,9 @@ class JobLaunch:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     # Set for an inference replica (a job of kind "serving"): it runs the server instead of the trainer.
     serving: ServingSettings | None = None
+    # For a "script" job: its code, and the hyperparameters of its spec (JSON) that gpuportal.init() hands it.
+    bundle: BundleRef | None = None
+    hyperparameters_json: str = "{}"
 
     @property
     def workload(self) -> str:
