@@ -204,6 +204,9 @@ class BundleRef:
 
     sha256: str
     url: str
+    # A short-lived signed portal URL the archive is fetched from where the storage URL cannot be read
+    # (a Kubernetes pod: it holds no storage credentials); empty where the backend reads `url` itself.
+    fetch_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,9 @@ class ProgressRead:
     checkpoints: list[dict] = field(default_factory=list)
     cursor: dict = field(default_factory=dict)
     bytes_read: int = 0
+    # Stop records (the SDK's, each naming its attempt): the script saw should_stop() and checkpointed,
+    # so its ranks exiting 0 count as stopped on request, not finished.
+    stops: list[dict] = field(default_factory=list)
 
 
 # Where a GPU reading came from: NVML on this host, the DCGM exporter read through Prometheus, or the
