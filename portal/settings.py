@@ -7,6 +7,7 @@ With nothing else set, the portal runs on one machine with the local cluster bac
 secret key. Every variable is listed in docs/configuration.md.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -49,6 +50,7 @@ INSTALLED_APPS = [
     "tenants",
     "quotas",
     "runners",  # the migration history from before the apps below were split out of it
+    "runners.bundles",
     "runners.clusters",
     "runners.environments",
     "runners.jobs",
@@ -356,6 +358,20 @@ NOTIFY_WEBHOOK_ALLOW_PRIVATE = env_bool("NOTIFY_WEBHOOK_ALLOW_PRIVATE", False)
 NOTIFY_MAIL_CLAIM_S = env_float("NOTIFY_MAIL_CLAIM_S", 120.0, minimum=1.0)
 # How many webhooks one tenant may have.
 NOTIFY_WEBHOOK_MAX_PER_TENANT = env_int("NOTIFY_WEBHOOK_MAX_PER_TENANT", 10, minimum=1)
+# Code bundles (runners.bundles): where their archives lie, an fsspec URL (a folder, or s3://bucket/prefix
+# in production) with its fsspec options as JSON (for an S3-compatible server: {"endpoint_url": "..."});
+# the most a bundle may hold unpacked, in bytes and in members (files and folders); and the compression
+# ratio past which an archive is taken for a zip bomb.
+BUNDLE_STORAGE_URL = env_str("BUNDLE_STORAGE_URL", f"file://{VAR_DIR / 'bundles'}")
+try:
+    BUNDLE_STORAGE_OPTIONS = json.loads(env_str("BUNDLE_STORAGE_OPTIONS", "{}"))
+except ValueError as exc:
+    raise ImproperlyConfigured(f"BUNDLE_STORAGE_OPTIONS is not JSON: {exc}") from None
+if not isinstance(BUNDLE_STORAGE_OPTIONS, dict):
+    raise ImproperlyConfigured('BUNDLE_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
+BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
+BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
 # The portal's public address (https://portal.example.com): links in notifications are absolute when
 # set; empty, they are paths (/jobs/12/).
 PORTAL_PUBLIC_URL = env_str("PORTAL_PUBLIC_URL", "")

@@ -83,13 +83,14 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
 # gangs and replicas), the metering of all of it (utilization, usage and cost), which listens to the
 # others' signals, and the notifications (mail and webhooks), which listen to them too.
 LAYERS = [
-    "common", "tenants", "audit", "quotas",
+    "common", "tenants", "audit", "quotas", "runners.bundles",
     "runners.clusters", "runners.environments", "runners.jobs", "runners.inference", "runners.scheduling",
     "runners.usage", "runners.notifications", "frontend", "portal",
 ]
 # runners itself holds only the migration history from before the split (and its pure libraries).
 PROJECT_PACKAGES = ["common", "portal", "tenants", "audit", "quotas", "runners", "frontend"]
-MODEL_APP_LABELS = {"tenants": "tenants", "audit": "audit", "quotas": "quotas", "clusters": "runners.clusters",
+MODEL_APP_LABELS = {"tenants": "tenants", "audit": "audit", "quotas": "quotas", "bundles": "runners.bundles",
+                    "clusters": "runners.clusters",
                     "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
                     "inference": "runners.inference", "usage": "runners.usage",
                     "notifications": "runners.notifications", "runners": "runners"}
