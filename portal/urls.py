@@ -8,6 +8,7 @@ from frontend.forms import AdminLoginForm
 from frontend.views import throttled_login
 from portal import health, metrics
 from portal.api import router
+from runners.bundles.fetch_view import bundle_fetch
 from runners.inference.router import GenerateView
 from runners.usage.api import (
     BudgetAlertView,
@@ -47,6 +48,8 @@ urlpatterns = [
     path("api/v1/", include(audit_router.urls)),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
+    # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).
+    path("bundles/fetch/<str:token>/", bundle_fetch, name="bundle-fetch"),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves Swagger UI's start-up script as a file of its own: no inline script, so the
     # Content-Security-Policy holds on this page too.

@@ -24,6 +24,7 @@ the job's row lock, and acted on by its result:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import uuid
@@ -38,6 +39,7 @@ from audit.services import SYSTEM, record
 from quotas.selectors import flavor_kubernetes_resource
 from runners.backends.base import (
     BackendError,
+    BundleRef,
     JobLaunch,
     NodeLostError,
     PermanentBackendError,
@@ -45,6 +47,8 @@ from runners.backends.base import (
     ServingSettings,
     TrainerSettings,
 )
+from runners.bundles import services as bundles
+from runners.bundles.fetch_view import signed_fetch_url
 from runners.clusters.registry import get_backend
 from runners.jobs import signals
 from runners.jobs.models import (
@@ -115,9 +119,23 @@ def _lease_live(attempt: JobAttempt, now) -> bool:
 # --- Launch -----------------------------------------------------------------------------
 
 
+def _bundle_ref(job: Job) -> BundleRef | None:
+    """A script job's bundle as the backends read it: its digest, its archive's storage URL (the local
+    backend reads it there) and a signed portal URL a pod fetches it from (Kubernetes)."""
+    if job.spec.get("template") != "script":
+        return None
+    bundle = job.bundle
+    if bundle is None or bundle.deleted_at is not None:
+        raise PermanentBackendError(f"The job's bundle {job.spec.get('bundle')} was deleted; submit it again "
+                                    f"with a bundle that exists.")
+    return BundleRef(sha256=bundle.sha256, url=bundles.bundle_url(bundle),
+                     fetch_url=signed_fetch_url(bundle, job_id=job.id))
+
+
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
     hyper = spec.get("hyperparameters") or {}
+    script = spec["template"] == "script"
     return JobLaunch(
         job_id=job.id,
         attempt=attempt.number,
@@ -144,8 +162,11 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         command=tuple(spec["command"]) if spec.get("command") else None,
         grace_period_s=settings.PREEMPTION_GRACE_PERIOD_S,
         resume_from_step=newest_checkpoint_step(job),
-        trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **hyper),
+        # The shipped trainer's settings are its hyperparameters; a script's are its own, handed over as JSON.
+        trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **({} if script else hyper)),
         serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
+        bundle=_bundle_ref(job),
+        hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
     )
 
 
@@ -177,9 +198,9 @@ def _lease_renewed(attempt_id: int, token: str):
 def _claim(job_id: int, attempt_number: int, token: str) -> tuple[Job, JobAttempt] | str:
     """Take the attempt's launch lease under the job's row lock, or say why not (the state to report)."""
     with transaction.atomic():
-        job = Job.objects.select_for_update(of=("self",)).select_related("tenant", "environment", "flavor").get(
-            id=job_id
-        )
+        job = Job.objects.select_for_update(of=("self",)).select_related(
+            "tenant", "environment", "flavor", "bundle"
+        ).get(id=job_id)
         attempt = job.attempts.get(number=attempt_number)
         now = timezone.now()
         if attempt.ended_at is not None:
@@ -401,6 +422,7 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
         Checkpoint.objects.bulk_create(checkpoints, ignore_conflicts=True)
         if checkpoints and job.spec.get("template") == "pytorch-ddp":
             _checkpoints_pruned(job)
+        _stops_recorded(job, read.stops)
         if attempt.first_step_at is None:
             mine = [m for m in metrics if m.attempt == attempt.number]
             if mine:
@@ -415,12 +437,27 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
     return total
 
 
+def _stops_recorded(job: Job, stops: list[dict]) -> None:
+    """Mark the attempts whose rank 0 wrote a stop record (the SDK's, once its script saw should_stop()):
+    each record names its attempt; a record of an attempt this job does not have is skipped."""
+    numbers = {record.get("attempt") for record in stops}
+    numbers = {number for number in numbers if isinstance(number, int) and not isinstance(number, bool)}
+    if numbers:
+        JobAttempt.objects.filter(job=job, number__in=numbers, stop_recorded_at__isnull=True).update(
+            stop_recorded_at=timezone.now()
+        )
+
+
 # --- Finishing an attempt ---------------------------------------------------------------
 
 
 def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | None]:
     """How an attempt that stopped running ended, judged against the job's locked row."""
     codes = status.exit_codes
+    if attempt.stop_recorded_at is not None:
+        # Its script checkpointed on the portal's request and exited 0 (the SDK wrote the stop record):
+        # exactly what the trainer's 75 says, so it is judged as that.
+        codes = {rank: EXIT_CHECKPOINTED_ON_SIGNAL if code == EXIT_OK else code for rank, code in codes.items()}
     failing = {rank: code for rank, code in codes.items() if code not in (EXIT_OK, EXIT_CHECKPOINTED_ON_SIGNAL)}
     first_failing = min(failing.items()) if failing else None
     if status.node_lost:

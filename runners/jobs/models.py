@@ -57,6 +57,9 @@ class Job(models.Model):
     # The request as validated (the API's shape, tenant slug and environment id included).
     spec = models.JSONField()
     flavor = models.ForeignKey("quotas.ResourceFlavor", on_delete=models.PROTECT, related_name="jobs")
+    # A script job's code (the spec names it by digest). Bundle rows are never removed, only marked deleted,
+    # and a delete is refused while a job that is not over uses it (runners.jobs.services.jobs_using_bundle).
+    bundle = models.ForeignKey("bundles.Bundle", null=True, blank=True, on_delete=models.PROTECT, related_name="jobs")
     replicas = models.PositiveSmallIntegerField()
     gpus_per_replica = models.PositiveSmallIntegerField()
     priority = models.PositiveSmallIntegerField(default=0)
@@ -146,6 +149,9 @@ class JobAttempt(models.Model):
     launch_lease_until = models.DateTimeField(null=True, blank=True)
     # When its trainer finished its first step: max_runtime_s is counted from here.
     first_step_at = models.DateTimeField(null=True, blank=True)
+    # When the portal read the stop record its rank 0 wrote (the SDK's, once the script saw should_stop()):
+    # the script checkpointed on the portal's request, so ranks exiting 0 count as the trainer's 75 does.
+    stop_recorded_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "runners_jobattempt"  # the table kept its name when the model moved here

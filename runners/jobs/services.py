@@ -28,6 +28,7 @@ from audit.services import record
 from common.dispatch import send_task, send_task_at_most_every
 from common.errors import Conflict, Invalid, TooMany
 from quotas.models import PartitionKind, Quota, ResourceFlavor
+from runners.bundles import services as bundles
 from runners.clusters.models import Node
 from runners.clusters.services import flavor_units_per_node
 from runners.environments.models import Environment, EnvironmentState
@@ -53,7 +54,9 @@ def kick_cycle() -> None:
 
 # --- The spec ---------------------------------------------------------------------
 
-TEMPLATES = ("pytorch-ddp", "custom")
+# pytorch-ddp: the shipped trainer; script: the tenant's `command` run in its code bundle (either backend);
+# custom: an image and its command (Kubernetes only).
+TEMPLATES = ("pytorch-ddp", "script", "custom")
 TOPOLOGY_LEVELS = ("none", "node", "nvlink", "rack")
 TOPOLOGY_MODES = ("required", "preferred")
 # A topology given without a mode is a preference: the gang is placed together when it can be,
@@ -91,11 +94,19 @@ HYPERPARAMETERS = {
 }
 # How many checkpoint files the trainer keeps: the portal's choice, never a tenant's (disk is shared).
 TRAINER_KEEP_CHECKPOINTS = 3
+# A command: at most this many arguments, each at most COMMAND_ARG_MAX characters, COMMAND_MAX_CHARS in all.
+COMMAND_MAX_ARGS = 256
+COMMAND_ARG_MAX = 4096
+COMMAND_MAX_CHARS = 32 * 1024
+# A script job's hyperparameters: any JSON object, at most this long written as JSON.
+SCRIPT_HYPERPARAMETERS_MAX_BYTES = 16 * 1024
+# A bundle is named by its content digest: SHA-256, 64 lowercase hex digits.
+BUNDLE_PATTERN = r"[0-9a-f]{64}"
 DEFAULTS = {
     "template": "pytorch-ddp", "replicas": 1, "gpus_per_replica": 1, "cpu_milli_per_replica": 2000,
     "memory_mib_per_replica": 4096, "topology": {"level": "none", "mode": DEFAULT_TOPOLOGY_MODE}, "priority": 0,
     "preemptible": True, "steps": 200, "checkpoint_every_steps": None, "max_runtime_s": 3600, "max_retries": 3,
-    "env": {}, "hyperparameters": {}, "image": None, "command": None,
+    "env": {}, "hyperparameters": {}, "image": None, "command": None, "bundle": None,
 }
 REQUIRED = ("tenant", "environment", "name", "flavor")
 FIELDS = (*REQUIRED, *DEFAULTS)
@@ -127,7 +138,56 @@ def _env(value) -> dict[str, str]:
     return dict(value)
 
 
+def _script_hyperparameters(value) -> dict:
+    """A script job's hyperparameters: any JSON object (handed to the script as PORTAL_HYPERPARAMETERS), bounded."""
+    if not isinstance(value, dict):
+        raise Invalid("hyperparameters", "Must be a JSON object (the script reads it as PORTAL_HYPERPARAMETERS).")
+    try:
+        text = json.dumps(value, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError):
+        raise Invalid("hyperparameters", "Must be plain JSON: objects, lists, strings, finite numbers, "
+                                         "true, false and null.") from None
+    if len(text.encode()) > SCRIPT_HYPERPARAMETERS_MAX_BYTES:
+        raise Invalid("hyperparameters", f"At most {SCRIPT_HYPERPARAMETERS_MAX_BYTES} bytes written as JSON.")
+    return json.loads(text)
+
+
+def command_check(command) -> list[str]:
+    """A command as an argument list, checked (Invalid names ``command``): it is run as given, never by a shell."""
+    if isinstance(command, str):
+        raise Invalid("command", 'Give the command as a list of arguments, e.g. ["python", "train.py", "--epochs", '
+                                 '"3"], not as a string: it is never run through a shell.')
+    if not isinstance(command, list) or not command:
+        raise Invalid("command", 'A non-empty list of arguments, e.g. ["python", "train.py"].')
+    if len(command) > COMMAND_MAX_ARGS:
+        raise Invalid("command", f"At most {COMMAND_MAX_ARGS} arguments, got {len(command)}.")
+    for index, part in enumerate(command):
+        if not isinstance(part, str) or not part:
+            raise Invalid("command", f"Argument {index} must be a non-empty string.")
+        if len(part) > COMMAND_ARG_MAX or "\x00" in part:
+            raise Invalid("command", f"Argument {index} must be at most {COMMAND_ARG_MAX} characters, with no NUL.")
+    if sum(len(part) for part in command) > COMMAND_MAX_CHARS:
+        raise Invalid("command", f"At most {COMMAND_MAX_CHARS} characters in all.")
+    return list(command)
+
+
+def bundle_check(tenant: Tenant, sha256):
+    """The tenant's bundle a spec names (runners.bundles), or Invalid naming ``bundle``.
+
+    Another tenant's bundle is answered exactly as one that does not exist, as every other
+    reference in a spec is (an environment, a flavor): nothing says it is there.
+    """
+    if not isinstance(sha256, str) or not re.fullmatch(BUNDLE_PATTERN, sha256):
+        raise Invalid("bundle", "A bundle's SHA-256 digest: 64 lowercase hex digits.")
+    try:
+        return bundles.get_bundle(tenant, sha256)
+    except bundles.Bundle.DoesNotExist:
+        raise Invalid("bundle", f"Tenant {tenant.slug} has no bundle {sha256}.") from None
+
+
 def _hyperparameters(value, template: str) -> dict:
+    if template == "script":
+        return _script_hyperparameters(value)
     if not isinstance(value, dict):
         raise Invalid("hyperparameters", f"Must be an object with any of {', '.join(HYPERPARAMETERS)}.")
     unknown = sorted(set(value) - set(HYPERPARAMETERS))
@@ -223,7 +283,8 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     server's to build.
     """
     spec_shape_check(data, fields=FIELDS, required=REQUIRED, what="A job")
-    spec = {**DEFAULTS, **{key: value for key, value in data.items() if value is not None or key in ("image", "command")}}
+    spec = {**DEFAULTS, **{key: value for key, value in data.items()
+                           if value is not None or key in ("image", "command", "bundle")}}
     spec = {key: (dict(value) if isinstance(value, dict) else value) for key, value in spec.items()}
     tenant, environment = member_tenant_and_ready_environment(actor, spec["tenant"], spec["environment"])
     name = spec["name"]
@@ -231,12 +292,29 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
         raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
     if spec["template"] not in TEMPLATES:
         raise Invalid("template", f"Use one of {', '.join(TEMPLATES)}.")
+    bundle = None
     if spec["template"] == "custom":
         if settings.CLUSTER_BACKEND != "kubernetes":
-            raise Invalid("template", "Custom images run on the Kubernetes backend only; this portal runs pytorch-ddp.")
+            raise Invalid("template", "Custom images run on the Kubernetes backend only; this portal runs "
+                                      "pytorch-ddp and script.")
         spec["image"], spec["command"] = image_check(spec["image"], spec["command"])
+    elif spec["template"] == "script":
+        if spec["bundle"] is None:
+            raise Invalid("bundle", "A script job names its bundle (the SHA-256 of an uploaded bundle).")
+        bundle = bundle_check(tenant, spec["bundle"])
+        if spec["command"] is None:
+            raise Invalid("command", 'A script job gives its command, e.g. ["python", "train.py"].')
+        spec["command"] = command_check(spec["command"])
+        if spec["image"] is not None:
+            if settings.CLUSTER_BACKEND != "kubernetes":
+                raise Invalid("image", "An image is for the Kubernetes backend only; here the script runs on the "
+                                       "portal's runtime.")
+            spec["image"] = image_check(spec["image"], spec["command"])[0]
     elif spec["image"] is not None or spec["command"] is not None:
-        raise Invalid("image" if spec["image"] is not None else "command", "Only custom jobs take an image and command.")
+        raise Invalid("image" if spec["image"] is not None else "command",
+                      "Only custom and script jobs take a command (and an image).")
+    if spec["template"] != "script" and spec["bundle"] is not None:
+        raise Invalid("bundle", "Only script jobs run a bundle.")
     _integer(spec, "replicas")
     flavor, quota = flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
@@ -271,7 +349,7 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     _integer(spec, "max_retries")
     spec["env"] = _env(spec["env"])
     spec["hyperparameters"] = _hyperparameters(spec["hyperparameters"], spec["template"])
-    return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor}
+    return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor, "bundle": bundle}
 
 
 # --- The state machine ------------------------------------------------------------
@@ -550,9 +628,17 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
             environment = queue_locks(checked["tenant"], checked["environment"])
             if environment is None or environment.state != EnvironmentState.READY:
                 raise Invalid("environment", f"Environment {checked['environment'].name} is no longer ready.")
+            bundle = checked["bundle"]
+            if bundle is not None:
+                # Held until the job is written: a delete of the bundle takes the same row lock before it
+                # looks for the jobs that use it, so it either sees this job or this submit sees no bundle.
+                bundle = type(bundle).objects.select_for_update().filter(id=bundle.id, deleted_at__isnull=True).first()
+                if bundle is None:
+                    raise Invalid("bundle", f"Tenant {checked['tenant'].slug} has no bundle {spec['bundle']}.")
             job = job_queue_locked(
                 tenant=checked["tenant"], environment=environment, flavor=checked["flavor"], spec=spec,
                 submitted_by=actor, actor=actor, event_reason=f"Submitted by {actor.get_username()}.",
+                bundle=bundle,
             )
             if key is not None:
                 IdempotencyKey.objects.create(user=actor, key=key, request_hash=digest, job=job)
@@ -580,7 +666,7 @@ def queued_retry_after_s() -> int:
 
 
 def job_queue_locked(*, tenant: Tenant, environment: Environment, flavor: ResourceFlavor, spec: dict, submitted_by,
-                     actor, event_reason: str, kind: str = Job.Kind.TRAINING) -> Job:
+                     actor, event_reason: str, kind: str = Job.Kind.TRAINING, bundle=None) -> Job:
     """Queue a checked job, the caller holding `queue_locks`: the tenant's budget of waiting jobs, the
     row, its first event and its audit entry; the cycle is kicked after commit. Every job is queued
     here, a training job or an endpoint's replica. TooMany past JOB_QUEUED_MAX_PER_TENANT (its
@@ -595,13 +681,14 @@ def job_queue_locked(*, tenant: Tenant, environment: Environment, flavor: Resour
     job = Job.objects.create(
         tenant=tenant, environment=environment, name=spec["name"], kind=kind, spec=spec, flavor=flavor,
         replicas=spec["replicas"], gpus_per_replica=spec["gpus_per_replica"], priority=spec["priority"],
-        preemptible=spec["preemptible"], submitted_by=submitted_by, reason=NOT_YET_SEEN_REASON,
+        preemptible=spec["preemptible"], submitted_by=submitted_by, reason=NOT_YET_SEEN_REASON, bundle=bundle,
     )
     JobEvent.objects.create(job=job, to_state=JobState.QUEUED, reason=event_reason[:1000])
     record("job.submitted", actor=actor, tenant=tenant, obj=job, object_repr=f"{job.name} #{job.id}",
            after={"state": job.state, "kind": job.kind, "flavor": flavor.name, "replicas": job.replicas,
                   "gpus_per_replica": job.gpus_per_replica, "priority": job.priority,
-                  "preemptible": job.preemptible, "environment": environment.name})
+                  "preemptible": job.preemptible, "environment": environment.name,
+                  **({"template": "script", "bundle": bundle.sha256, "command": spec["command"]} if bundle else {})})
     transaction.on_commit(kick_cycle)
     return job
 
@@ -682,3 +769,9 @@ def jobs_cancel_in_environment(environment: Environment, reason: str, *, actor=N
             record_job_cancelled(job, actor=actor, before=before, why=reason)
         if job.state == JobState.CANCELLING:
             transaction.on_commit(lambda job_id=job.id: send_job_stop(job_id))
+
+
+def jobs_using_bundle(bundle) -> list[Job]:
+    """The jobs not over yet that run this bundle: deleting it is refused while there are any. Call it holding
+    the bundle's row lock (select_for_update), as a submit does, so no job slips in between."""
+    return list(Job.objects.filter(bundle=bundle).exclude(state__in=JOB_FINAL_STATES).order_by("id"))
