@@ -14,6 +14,12 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
   It has no `activeDeadlineSeconds` (see `training_job_manifest`): the runtime budget counts from
   the trainer's first step, which a Job deadline cannot.
 
+A `script` pod runs the tenant's `command` in its bundle: an init container (the same image)
+fetches the archive from the signed portal URL of the launch (`python -m gpuportal.fetch`, which checks
+its digest and extracts it safely) into an emptyDir, mounted read-only at CODE_MOUNT in the main
+container, its working directory. The script gets the trainer's variables, PORTAL_HYPERPARAMETERS
+and, when the portal recorded a checkpoint, PORTAL_RESUME_FROM_STEP.
+
 What a pytorch-ddp pod runs is decided by the job's spec alone, as on the local backend: the
 trainer's settings are its flags (`args`), the memory limit is the container's
 `resources.limits.memory` (memory_mib_per_replica: the kernel kills the container past it),
@@ -40,6 +46,13 @@ RENDEZVOUS_PORT = 29500
 TRAINER_COMMAND = ["python", "-m", "runners.workloads.train"]
 SCRATCH_VOLUME = "scratch"
 SCRATCH_MOUNT = "/scratch"
+# A script job's bundle: fetched by the init container into this emptyDir, read-only in the main container.
+CODE_VOLUME = "code"
+CODE_MOUNT = "/code"
+FETCH_COMMAND = ["python", "-m", "gpuportal.fetch"]
+# The init container's share while it fetches and unpacks (never more than a replica has).
+FETCH_CPU_MILLI = 1000
+FETCH_MEMORY_MIB = 1024
 # The pod's home, temporary files and caches: on its emptyDir (the caches' owners create their folders).
 SCRATCH_VARIABLES = {
     "HOME": SCRATCH_MOUNT,
@@ -133,6 +146,10 @@ def _env(launch: JobLaunch) -> list[dict]:
         {"name": "TRAIN_MAX_RUNTIME_S", "value": str(launch.max_runtime_s)},
         *({"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()),
     ]
+    if launch.template == "script":
+        fixed.append({"name": "PORTAL_HYPERPARAMETERS", "value": launch.hyperparameters_json})
+        if launch.resume_from_step is not None:
+            fixed.append({"name": "PORTAL_RESUME_FROM_STEP", "value": str(launch.resume_from_step)})
     # The tenant's variables were checked by the portal; checked again here, as the local backend
     # does, since env_policy refuses every name above (a duplicate would also fail the apply).
     refused = [f"{key}: {why}" for key, _ in launch.env if (why := env_policy.refusal(key))]
@@ -167,6 +184,33 @@ POD_SECURITY_CONTEXT = {
 }
 
 
+def bundle_fetch_container(launch: JobLaunch, image: str) -> dict:
+    """The init container of a script pod: fetches the bundle from its signed portal URL, checks its digest
+    and unpacks it into the code volume (the pod holds no storage credentials)."""
+    bundle = launch.bundle
+    if bundle is None or not bundle.fetch_url.startswith(("https://", "http://")):
+        raise PermanentBackendError(
+            "A script job's pods fetch their bundle from the portal, and the launch has no URL to fetch it from "
+            "(set PORTAL_PUBLIC_URL to the address the cluster reaches the portal at)."
+        )
+    share = {
+        "cpu": f"{min(FETCH_CPU_MILLI, launch.cpu_milli_per_replica)}m",
+        "memory": f"{min(FETCH_MEMORY_MIB, launch.memory_mib_per_replica)}Mi",
+    }
+    return {
+        "name": "fetch-bundle",
+        "image": image,
+        "command": [*FETCH_COMMAND, bundle.fetch_url, CODE_MOUNT, "--sha256", bundle.sha256],
+        "env": [{"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()],
+        "resources": {"requests": dict(share), "limits": dict(share)},
+        "volumeMounts": [
+            {"name": CODE_VOLUME, "mountPath": CODE_MOUNT},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
+        ],
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
 def placement_annotation(launch: JobLaunch) -> dict[str, str]:
     """Rank -> node, as the binder reads it from each pod (every pod carries the whole placement)."""
     placement = {str(replica.rank): replica.node for replica in launch.replicas}
@@ -180,12 +224,13 @@ def training_job_manifest(
     name = job_name(launch)
     replicas = len(launch.replicas)
     resources = replica_resources(launch)
-    custom = launch.template == "custom"
+    own_command = launch.template in ("custom", "script")
+    image = (launch.image or trainer_image) if own_command else trainer_image
     container = {
         "name": "trainer",
-        "image": launch.image if custom else trainer_image,
-        "command": list(launch.command) if custom else list(TRAINER_COMMAND),
-        **({} if custom else {"args": trainer_args(launch)}),
+        "image": image,
+        "command": list(launch.command or ()) if own_command else list(TRAINER_COMMAND),
+        **({} if own_command else {"args": trainer_args(launch)}),
         "env": _env(launch),
         "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
         # Requests equal limits: the portal placed the pod on exactly these resources, and the
@@ -197,6 +242,16 @@ def training_job_manifest(
         ],
         "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
     }
+    volumes = [
+        {"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},
+        {"name": SCRATCH_VOLUME, "emptyDir": {}},
+    ]
+    init_containers = []
+    if launch.template == "script":
+        container["workingDir"] = CODE_MOUNT
+        container["volumeMounts"].append({"name": CODE_VOLUME, "mountPath": CODE_MOUNT, "readOnly": True})
+        volumes.append({"name": CODE_VOLUME, "emptyDir": {}})
+        init_containers.append(bundle_fetch_container(launch, image))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -227,11 +282,9 @@ def training_job_manifest(
                     "subdomain": name,
                     "terminationGracePeriodSeconds": grace_period_s,
                     "securityContext": dict(POD_SECURITY_CONTEXT),
+                    **({"initContainers": init_containers} if init_containers else {}),
                     "containers": [container],
-                    "volumes": [
-                        {"name": CHECKPOINT_CLAIM, "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM}},
-                        {"name": SCRATCH_VOLUME, "emptyDir": {}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },

@@ -119,7 +119,7 @@ def _lease_live(attempt: JobAttempt, now) -> bool:
 # --- Launch -----------------------------------------------------------------------------
 
 
-def _bundle_ref(job: Job) -> BundleRef | None:
+def _bundle_ref(job: Job, attempt: JobAttempt) -> BundleRef | None:
     """A script job's bundle as the backends read it: its digest, its archive's storage URL (the local
     backend reads it there) and a signed portal URL a pod fetches it from (Kubernetes)."""
     if job.spec.get("template") != "script":
@@ -129,7 +129,8 @@ def _bundle_ref(job: Job) -> BundleRef | None:
         raise PermanentBackendError(f"The job's bundle {job.spec.get('bundle')} was deleted; submit it again "
                                     f"with a bundle that exists.")
     return BundleRef(sha256=bundle.sha256, url=bundles.bundle_url(bundle),
-                     fetch_url=signed_fetch_url(bundle, job_id=job.id))
+                     fetch_url=signed_fetch_url(bundle, job_id=job.id, attempt=attempt.number,
+                                                since=attempt.admitted_at))
 
 
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
@@ -165,7 +166,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         # The shipped trainer's settings are its hyperparameters; a script's are its own, handed over as JSON.
         trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **({} if script else hyper)),
         serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
-        bundle=_bundle_ref(job),
+        bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
     )
 
