@@ -415,6 +415,9 @@ LOCAL_JOBS_DIR = Path(env_str("LOCAL_JOBS_DIR", str(VAR_DIR / "jobs")))
 LOCAL_PROVISION_DELAY_S = env_float("LOCAL_PROVISION_DELAY_S", 1.0, minimum=0)
 # Add the GPUs NVML finds on this machine to the local inventory.
 LOCAL_USE_NVML = env_bool("LOCAL_USE_NVML", True)
+# The sandbox a tenant's own code (script jobs) runs in on the local backend (docs/sandbox.md): auto (on where
+# bubblewrap works here, probed once; off with a warning otherwise), on (a script job fails without it) or off.
+LOCAL_SANDBOX = env_choice("LOCAL_SANDBOX", "auto", ("auto", "on", "off"))
 KUBECONFIG = env_str("KUBECONFIG", "")
 KUBERNETES_IN_CLUSTER = env_bool("KUBERNETES_IN_CLUSTER", False)
 KUBERNETES_FIELD_MANAGER = env_str("KUBERNETES_FIELD_MANAGER", "gpu-portal")
