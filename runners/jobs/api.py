@@ -35,19 +35,10 @@ def _bounded(field: str, help_text: str = "") -> serializers.IntegerField:
     return serializers.IntegerField(min_value=low, max_value=high, help_text=help_text, **options)
 
 
-class HyperparametersSerializer(serializers.Serializer):
-    """The shipped trainer's settings (pytorch-ddp only), each within the spec check's bounds."""
-
-    lr = serializers.FloatField(min_value=jobs.HYPERPARAMETERS["lr"][1], max_value=jobs.HYPERPARAMETERS["lr"][2],
-                                default=jobs.HYPERPARAMETERS["lr"][3])
-    batch_size = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["batch_size"][1],
-                                          max_value=jobs.HYPERPARAMETERS["batch_size"][2],
-                                          default=jobs.HYPERPARAMETERS["batch_size"][3])
-    seq_len = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["seq_len"][1],
-                                       max_value=jobs.HYPERPARAMETERS["seq_len"][2],
-                                       default=jobs.HYPERPARAMETERS["seq_len"][3])
-    seed = serializers.IntegerField(min_value=jobs.HYPERPARAMETERS["seed"][1], max_value=jobs.HYPERPARAMETERS["seed"][2],
-                                    default=jobs.HYPERPARAMETERS["seed"][3])
+def _trainer_settings_text() -> str:
+    """The shipped trainer's settings, each with its bounds and default, in words (the spec check's table)."""
+    return "; ".join(f"{name} {low} to {high}, default {default}"
+                     for name, (_kind, low, high, default) in jobs.HYPERPARAMETERS.items())
 
 
 class JobSubmitSerializer(serializers.Serializer):
@@ -76,9 +67,21 @@ class JobSubmitSerializer(serializers.Serializer):
     max_retries = _bounded("max_retries")
     env = serializers.DictField(child=serializers.CharField(max_length=jobs.MAX_ENV_VALUE), required=False,
                                 help_text="Variables for the replicas; names the runtimes read are refused.")
-    hyperparameters = HyperparametersSerializer(required=False)
-    image = serializers.CharField(allow_null=True, required=False, help_text="custom template only (Kubernetes).")
-    command = serializers.ListField(child=serializers.CharField(), allow_null=True, required=False)
+    hyperparameters = serializers.JSONField(
+        required=False,
+        help_text=f"pytorch-ddp: the shipped trainer's settings ({_trainer_settings_text()}). script: any JSON object of at most {jobs.SCRIPT_HYPERPARAMETERS_MAX_BYTES} "
+                  f"bytes, handed to the script as PORTAL_HYPERPARAMETERS. custom: none.")
+    image = serializers.CharField(allow_null=True, required=False,
+                                  help_text="custom (required) and script (optional; else the portal's runtime "
+                                            "image) templates, Kubernetes only: from ALLOWED_IMAGE_REGISTRIES.")
+    command = serializers.ListField(
+        child=serializers.CharField(max_length=jobs.COMMAND_ARG_MAX), allow_null=True, required=False,
+        min_length=1, max_length=jobs.COMMAND_MAX_ARGS,
+        help_text="custom and script templates: the argument list run as given (never through a shell); a string is "
+                  "refused. A script's runs in its bundle's folder.")
+    bundle = serializers.RegexField(
+        rf"^{jobs.BUNDLE_PATTERN}$", allow_null=True, required=False,
+        help_text="script template: the SHA-256 of one of the tenant's bundles (/api/v1/tenants/{slug}/bundles/).")
 
 
 class PlacementSerializer(serializers.Serializer):
