@@ -56,6 +56,8 @@ class LocalBackend:
         state_file: Path | None = None,
         use_nvml: bool = True,
         jobs_dir: Path | None = None,
+        sandbox: str = "auto",
+        bundle_storage_options: dict | None = None,
     ) -> None:
         self.workspace_dir = Path(workspace_dir)
         self.provision_delay_s = provision_delay_s
@@ -66,6 +68,8 @@ class LocalBackend:
             jobs_dir=Path(jobs_dir) if jobs_dir else self.workspace_dir.parent / "jobs",
             state=self._state,
             real_gpu_nodes=lambda: {node.name for node in _nvml_nodes(self.use_nvml)},
+            sandbox_mode=sandbox,  # LOCAL_SANDBOX: script jobs in the sandbox (runners.workloads.sandbox)
+            bundle_storage_options=bundle_storage_options,  # BUNDLE_STORAGE_OPTIONS: how a bundle's URL is read
         )
 
     def workspace(self, spec: EnvironmentSpec) -> Path:

@@ -12,17 +12,23 @@ status is read from the outside.
 GPU readings: a rank on one of this host's own GPUs (``real_gpu_nodes``) is read through NVML
 (`nvml_readings`); a rank on a simulated node reports the activity it measured itself.
 
-Only the shipped trainer runs here, and only the job's spec steers it: a tenant never gets to
-run a command on the portal host; the trainer's settings are flags built from the spec; the
-variables a tenant set pass `runners.workloads.env_policy` (checked by the portal, and again
-here); of the host's own variables a replica sees only ``HOST_VARIABLES``; its $HOME, $TMPDIR
-and caches are folders of the attempt; and its memory is bounded by memory_mib_per_replica
-(RLIMIT_DATA, see `runners.workloads.supervise`). Pure Python, no Django.
+The shipped trainer (pytorch-ddp) runs unsandboxed, and only the job's spec steers it: its settings
+are flags built from the spec; the variables a tenant set pass `runners.workloads.env_policy`
+(checked by the portal, and again here); of the host's own variables a replica sees only
+``HOST_VARIABLES``; its $HOME, $TMPDIR and caches are folders of the attempt; and its memory is
+bounded by memory_mib_per_replica (RLIMIT_DATA, see `runners.workloads.supervise`).
+
+A ``script`` job runs the tenant's own code: its ``command`` (an argument list, no shell) in its bundle,
+unpacked once per (tenant, digest) into ``<var>/bundles/<tenant>/<digest>/`` (read-only), with a Python
+environment per requirements.txt (``<var>/envs/<hash>/``, built by the supervisor before the replicas
+start: `runners.workloads.supervise`), in the sandbox (`runners.workloads.sandbox`) unless
+LOCAL_SANDBOX says off. Pure Python, no Django.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path, PurePosixPath
@@ -49,7 +56,7 @@ from runners.backends.base import (
     TransientBackendError,
 )
 from runners.nvidia import names
-from runners.workloads import activity, env_policy, progress, supervise
+from runners.workloads import activity, env_policy, progress, sandbox, supervise
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,15 @@ SCRATCH_VARIABLES = {
     "TORCHINDUCTOR_CACHE_DIR": "cache/torchinductor",
     "TRITON_CACHE_DIR": "cache/triton",
 }
+SCRIPT_TEMPLATE = "script"
+# Where a script job's code and Python environments are cached, beside the jobs folder.
+BUNDLES_DIR = "bundles"
+ENVS_DIR = "envs"
+REQUIREMENTS_FILE = "requirements.txt"
+# How many processes and threads the sandbox account may run at once, all sandboxed replicas of this host
+# together (RLIMIT_NPROC counts per account): what stops a fork bomb.
+SANDBOX_PROCESS_LIMIT = 4096
+SANDBOX_MODES = ("auto", "on", "off")
 
 
 def free_port() -> int:
@@ -103,8 +119,11 @@ def _attempt_processes(pgid: int, job_id: int, attempt: int, job_dir: Path, atte
 
     Checked by what each process is, not only by the number: a group whose processes all ended
     frees its id for reuse, and another attempt's group must never be signalled for this one.
+    A replica is the trainer or the server on this job's folder, or a script job's command (or
+    its sandbox) given this job's folder as TRAIN_JOB_DIR; each carries the attempt's marks.
     """
     marks = (f"PORTAL_JOB={job_id}\0".encode(), f"PORTAL_ATTEMPT={attempt}\0".encode())
+    script_mark = f"\0TRAIN_JOB_DIR={job_dir}\0".encode()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -118,13 +137,16 @@ def _attempt_processes(pgid: int, job_id: int, attempt: int, job_dir: Path, atte
             if SUPERVISOR_MODULE.encode() in args and str(attempt_dir).encode() in args:
                 return True
             inside = str(job_dir).encode()
+            with open(f"/proc/{entry.name}/environ", "rb") as stream:
+                environ = b"\0" + stream.read()
+            if not all(b"\0" + mark in environ for mark in marks):
+                continue
+            if script_mark in environ + b"\0":
+                return True
             if (TRAINER_MODULE.encode() in args or SERVER_MODULE.encode() in args) and any(
                 arg == inside or arg.startswith(inside + b"/") for arg in args
             ):
-                with open(f"/proc/{entry.name}/environ", "rb") as stream:
-                    environ = b"\0" + stream.read()
-                if all(b"\0" + mark in environ for mark in marks):
-                    return True
+                return True
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile, or not ours to read
     return False
@@ -140,10 +162,38 @@ def _signal_group(pgid: int, signum: int) -> None:
 class LocalJobs:
     """The job half of the local backend; `LocalBackend` hands it its state file."""
 
-    def __init__(self, *, jobs_dir: Path, state, real_gpu_nodes) -> None:
+    def __init__(self, *, jobs_dir: Path, state, real_gpu_nodes, sandbox_mode: str = "auto",
+                 bundle_storage_options: dict | None = None, sandbox_process_limit: int = SANDBOX_PROCESS_LIMIT) -> None:
+        if sandbox_mode not in SANDBOX_MODES:
+            raise ValueError(f"sandbox_mode must be one of {', '.join(SANDBOX_MODES)}, not {sandbox_mode!r}")
         self.jobs_dir = Path(jobs_dir)
         self._state = state  # LocalBackend._state: the cluster state file, locked
         self._real_gpu_nodes = real_gpu_nodes  # () -> names of nodes whose GPUs are this host's
+        self.sandbox_mode = sandbox_mode
+        self.bundle_storage_options = dict(bundle_storage_options or {})
+        self.sandbox_process_limit = sandbox_process_limit
+
+    @property
+    def bundles_dir(self) -> Path:
+        return self.jobs_dir.parent / BUNDLES_DIR
+
+    @property
+    def envs_dir(self) -> Path:
+        return self.jobs_dir.parent / ENVS_DIR
+
+    def sandboxed(self) -> bool:
+        """Whether script jobs run in the sandbox: LOCAL_SANDBOX, and for auto whether bwrap works here.
+
+        PermanentBackendError when it is on and cannot run here: the job fails saying why."""
+        if self.sandbox_mode == "off":
+            return False
+        why = sandbox.unavailable()
+        if why is None:
+            return True
+        if self.sandbox_mode == "on":
+            raise PermanentBackendError(f"LOCAL_SANDBOX is on, and the sandbox cannot run here: {why}.")
+        _warn_unsandboxed(why)
+        return False
 
     def job_dir(self, job_id: int) -> Path:
         return self.jobs_dir / str(job_id)
@@ -163,10 +213,13 @@ class LocalJobs:
     def launch(self, launch: JobLaunch) -> int | None:
         if launch.serving is not None and launch.serving.image is not None:
             raise PermanentBackendError("Custom serving images run on the Kubernetes backend only.")
-        if launch.serving is None and launch.template != "pytorch-ddp":
+        if launch.serving is None and launch.template not in ("pytorch-ddp", SCRIPT_TEMPLATE):
             raise PermanentBackendError(
-                f"Template {launch.template!r} runs on the Kubernetes backend only; locally only pytorch-ddp runs."
+                f"Template {launch.template!r} runs on the Kubernetes backend only; locally pytorch-ddp and script run."
             )
+        script = launch.serving is None and launch.template == SCRIPT_TEMPLATE
+        if script and (launch.bundle is None or not launch.command):
+            raise PermanentBackendError("A script job needs its bundle and its command.")
         attempt_dir = self.attempt_dir(launch.job_id, launch.attempt)
         if (attempt_dir / supervise.PID_FILE).exists():
             return json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text()).get("resumed_from_step")
@@ -179,6 +232,8 @@ class LocalJobs:
         if refused:
             raise PermanentBackendError(f"The job sets variables a tenant may not set: {'; '.join(refused)}.")
         job_dir = self.job_dir(launch.job_id)
+        sandboxed = script and self.sandboxed()
+        bundle_dir = self._bundle(launch) if script else None
         attempt_dir.mkdir(parents=True, exist_ok=True)
         resumed = progress.latest_checkpoint_step(job_dir)
         port = free_port()
@@ -193,7 +248,14 @@ class LocalJobs:
         per_host = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
         threads = max(1, min(per_host, math.ceil(launch.cpu_milli_per_replica / 1000)))
         serving_port = None
-        if launch.serving is None:
+        environment = None
+        if script:
+            environment = self._environment(bundle_dir)
+            python = str(Path(environment["dir"]) / "bin" / "python") if environment else sys.executable
+            argv = list(launch.command)
+            if argv[0] in ("python", "python3"):
+                argv[0] = python
+        elif launch.serving is None:
             argv = [
                 sys.executable, "-m", TRAINER_MODULE, "--job-dir", str(job_dir), "--steps", str(launch.steps),
                 "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
@@ -228,17 +290,25 @@ class LocalJobs:
                 "MASTER_PORT": str(port),
                 "PYTHONUNBUFFERED": "1",
             }
+            if script:
+                env.update(_script_variables(launch, job_dir, environment, resumed))
+            devices: list[str] = []
             if replica.node in real_nodes and replica.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in replica.gpus)
                 env["LOCAL_RANK"] = "0"  # each rank sees only its own GPUs
+                devices = sorted(str(path) for path in Path("/dev").glob("nvidia*"))
             replicas.append({
                 "rank": replica.rank, "argv": replica_argv, "env": env,
                 "memory_limit_bytes": launch.memory_mib_per_replica * 1024 * 1024, "placement": asdict(replica),
+                "devices": devices,
             })
         record = {
-            "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(REPO_ROOT), "replicas": replicas,
+            "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(bundle_dir or REPO_ROOT),
+            "replicas": replicas,
             "nodes": sorted({replica.node for replica in launch.replicas}), "resumed_from_step": resumed,
             "workload": launch.workload, "serving_port": serving_port, "gpu_resource": launch.gpu_resource,
+            "environment": environment,
+            "sandbox": self._sandbox_record(job_dir, attempt_dir, bundle_dir, environment) if sandboxed else None,
         }
         temp = attempt_dir / f".{supervise.LAUNCH_FILE}.tmp"
         temp.write_text(json.dumps(record, indent=2))
@@ -261,6 +331,84 @@ class LocalJobs:
                 raise TransientBackendError(f"The supervisor of job {launch.job_id} did not start.")
             time.sleep(0.05)
         return resumed
+
+    # --- script jobs: the bundle, the environment, the sandbox --------------------------------
+
+    def _bundle(self, launch: JobLaunch) -> Path:
+        """The folder the job's bundle is unpacked in, read-only, unpacked now if it is not yet.
+
+        Once per (tenant, digest): the archive is copied from its storage URL, its content digest checked,
+        unpacked (gpuportal.bundle.extract refuses what may not be in a bundle) into a temporary folder
+        beside, and renamed into place, so a folder of that name is always whole."""
+        from gpuportal import bundle as bundles
+
+        digest = launch.bundle.sha256
+        if not (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise PermanentBackendError(f"Not a bundle digest: {digest!r}.")
+        folder = self.bundles_dir / launch.tenant_slug / digest
+        if folder.is_dir():
+            return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        import fsspec
+
+        with tempfile.TemporaryFile() as archive:
+            try:
+                with fsspec.open(launch.bundle.url, "rb", **self.bundle_storage_options) as source:
+                    shutil.copyfileobj(source, archive, 1024 * 1024)
+            except FileNotFoundError:
+                raise PermanentBackendError(f"The job's bundle is not in its storage ({launch.bundle.url}).") from None
+            except OSError as exc:
+                raise TransientBackendError(f"The job's bundle cannot be read from its storage: {exc}") from None
+            try:
+                archive.seek(0)
+                temp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{digest}-"))
+                try:
+                    found = bundles.members_digest(bundles.extract(archive, temp))
+                    if found != digest:
+                        raise PermanentBackendError(f"The job's bundle is not the one it names: its digest is {found}.")
+                    temp.chmod(0o555)
+                    os.rename(temp, folder)
+                except OSError:
+                    if not folder.is_dir():
+                        raise
+                    # Another launch unpacked the same bundle meanwhile: theirs is as good.
+                finally:
+                    if temp.exists():
+                        _remove_tree(temp)
+            except bundles.BundleError as exc:
+                raise PermanentBackendError(f"The job's bundle cannot be unpacked: {exc}") from None
+        return folder
+
+    def _environment(self, bundle_dir: Path) -> dict | None:
+        """The Python environment the bundle's requirements.txt asks for (None: none, the runtime as it is).
+
+        Keyed by the file's bytes and the runtime (its interpreter and its site-packages), so a new portal
+        runtime builds anew; the supervisor builds it, once, before the replicas start."""
+        requirements = bundle_dir / REQUIREMENTS_FILE
+        if not requirements.is_file():
+            return None
+        runtime = sandbox.runtime_site_packages()
+        key = hashlib.sha256(
+            requirements.read_bytes() + b"\0" + sys.version.encode() + b"\0" + runtime.encode()
+        ).hexdigest()
+        return {"dir": str(self.envs_dir / key), "requirements": str(requirements), "runtime": runtime}
+
+    def _sandbox_record(self, job_dir: Path, attempt_dir: Path, bundle_dir: Path, environment: dict | None) -> dict:
+        """What the supervisor needs to start each replica in the sandbox; the sandbox account gets the job
+        folder and the attempt's scratch folder (the portal, root, reads them all the same)."""
+        who = sandbox.account()
+        scratch = attempt_dir / SCRATCH_DIR
+        for path in (job_dir, *[scratch / folder for folder in SCRATCH_VARIABLES.values()]):
+            os.chown(path, who.uid, who.gid)
+        for path in (scratch, scratch / "cache"):
+            os.chown(path, who.uid, who.gid)
+        read_only = [str(bundle_dir)] + ([environment["dir"]] if environment else [])
+        return {
+            "uid": who.uid, "gid": who.gid, "process_limit": self.sandbox_process_limit,
+            "read_only": read_only, "writable": [str(job_dir)],
+            "read_only_over": [str(job_dir / activity.ATTEMPTS_DIR)], "writable_over": [str(scratch)],
+            "cwd": str(bundle_dir),
+        }
 
     def _pinned_checkpoint(self, serving) -> Path:
         """The endpoint's own copy of the checkpoint it serves, made by its first replica's launch: the source
@@ -317,6 +465,11 @@ class LocalJobs:
             return AttemptStatus("lost", codes, f"Node {', '.join(down)} was lost.", node_lost=True)
         if len(codes) == len(ranks):
             return AttemptStatus("exited", codes)
+        try:
+            # The supervisor could not prepare the replicas (a script job's environment): none started.
+            return AttemptStatus("lost", codes, (attempt_dir / supervise.PREPARE_FAILED_FILE).read_text())
+        except FileNotFoundError:
+            pass
         if supervisor and _alive(supervisor[0]):
             return AttemptStatus("running", codes)
         if supervisor is None:
@@ -434,6 +587,42 @@ class LocalJobs:
             if readings:
                 found[(job_id, attempt)] = readings
         return found
+
+
+@functools.cache
+def _warn_unsandboxed(why: str) -> None:
+    """Said once per process: LOCAL_SANDBOX is auto and the sandbox cannot run here."""
+    logger.warning("Script jobs run WITHOUT the sandbox here (LOCAL_SANDBOX=auto): %s.", why)
+
+
+def _script_variables(launch: JobLaunch, job_dir: Path, environment: dict | None, resumed: int | None) -> dict:
+    """What a script job's replica gets besides the trainer's variables: its hyperparameters, its job folder
+    (where the SDK writes checkpoints and progress), its time budget, and where it resumes from."""
+    env = {
+        "PORTAL_HYPERPARAMETERS": launch.hyperparameters_json,
+        "TRAIN_JOB_DIR": str(job_dir),
+        "TRAIN_MAX_RUNTIME_S": str(launch.max_runtime_s),
+    }
+    resume = resumed if resumed is not None else launch.resume_from_step
+    if resume is not None:
+        env["PORTAL_RESUME_FROM_STEP"] = str(resume)
+    bins = [str(Path(sys.prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]
+    if environment:
+        bins.insert(0, str(Path(environment["dir"]) / "bin"))
+        env["VIRTUAL_ENV"] = environment["dir"]
+    else:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env["PATH"] = ":".join(bins)
+    return env
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a folder whose files may be read-only."""
+    for root, folders, _files in os.walk(path):
+        for name in folders:
+            os.chmod(os.path.join(root, name), 0o755)
+    os.chmod(path, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _placement(data: dict) -> ReplicaPlacement:

@@ -21,23 +21,47 @@ file and a rename. When a replica fails (not 0, not 75), the others get SIGTERM 
 SIGTERM to the process group reaches every replica (they checkpoint and exit 75); the
 supervisor itself ignores it and goes on waiting, so the exit codes are still written.
 SIGKILL to the group kills all, supervisor included: no exit files then, which is how the
-portal tells a killed attempt from one that ended. Stdlib only.
+portal tells a killed attempt from one that ended.
+
+A script job's launch.json may also name its ``environment`` ({"dir", "requirements", "runtime"}) and
+its ``sandbox`` (`runners.workloads.sandbox`: the account, the process limit and what the replicas see).
+Before any replica starts, the supervisor builds the environment if it is not built yet (`build_environment`:
+once per requirements.txt, under a lock, pip from the package registry, wheels only) and, for a sandboxed
+attempt, moves itself into a private network namespace that its replicas share. When either fails no
+replica starts: ``prepare.failed`` says why (pip's last lines), and the attempt ends with that reason.
+Stdlib only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import venv
 from pathlib import Path
+
+from runners.workloads import sandbox
 
 LAUNCH_FILE = "launch.json"
 PID_FILE = "supervisor.pid"
+PREPARE_FAILED_FILE = "prepare.failed"
 EXIT_CODES_OK = (0, 75)
+# Written last into a built environment: a folder without it is a build that did not finish.
+ENV_READY_FILE = ".portal-env-ready"
+ENV_BUILD_TIMEOUT_S = 1800
+# The sandbox account's processes while pip builds an environment (pip and the interpreter it runs).
+BUILD_PROCESS_LIMIT = 256
+# How many of pip's last lines a failed build gives as its reason.
+REASON_LINES = 12
+# The host's variables pip keeps: its own settings, proxies and certificates.
+PIP_VARIABLES = ("PIP_", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+                 "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
 
 
 def log_path(attempt_dir: Path, rank: int) -> Path:
@@ -57,30 +81,143 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(temp, path)
 
 
-def _before_exec(memory_limit_bytes: int | None):
+def _before_exec(memory_limit_bytes: int | None, *, sandboxed: bool = False):
     """What a replica's child process does between fork and exec (this process has no other threads)."""
 
     def prepare() -> None:
-        # The replicas take SIGTERM the default way (the trainer installs its own handler).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # The replicas take SIGTERM the default way (the trainer installs its own handler). A sandbox's
+        # bwrap ignores it (it would die, and the sandbox with it, before the command could checkpoint);
+        # the command gets the default back inside (runners.workloads.sandbox.DROP).
+        disposition = signal.SIG_IGN if sandboxed else signal.SIG_DFL
+        signal.signal(signal.SIGTERM, disposition)
+        signal.signal(signal.SIGINT, disposition)
         if memory_limit_bytes:
             resource.setrlimit(resource.RLIMIT_DATA, (int(memory_limit_bytes), int(memory_limit_bytes)))
 
     return prepare
 
 
+def _requirements_refused(text: str) -> list[str]:
+    """The lines of a requirements.txt that name anything but a package of the registry: options (another
+    index, a file, an editable folder) and URLs (a direct reference)."""
+    refused = []
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if line and not line.startswith("#") and (line.startswith("-") or "://" in line or "@" in line):
+            refused.append(line)
+    return refused
+
+
+def _last_lines(text: str) -> str:
+    return "\n".join(line for line in text.strip().splitlines()[-REASON_LINES:])
+
+
+def build_environment(environment: dict, box: dict | None, log: Path) -> str | None:
+    """Build the job's Python environment unless it is built: None once it is, else why not.
+
+    A virtual environment of the runtime's interpreter whose site-packages adds the runtime's own (a .pth
+    file: torch, numpy and gpuportal import without being installed again, and what requirements.txt pins
+    comes first), then ``pip install --only-binary=:all: -r requirements.txt`` into it: wheels only, so
+    no package's own code runs while it is built. With a sandbox, pip runs in it as the sandbox account,
+    seeing only the requirements file and the environment (with the host's network: the registry). One
+    build at a time per environment (an exclusive lock beside it); the others wait for it and use it.
+    pip's output goes to `log` too (the rank 0 log the tenant reads).
+    """
+    folder = Path(environment["dir"])
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / ENV_READY_FILE).exists():
+            return None
+        requirements = Path(environment["requirements"])
+        refused = _requirements_refused(requirements.read_text(errors="replace"))
+        if refused:
+            return ("requirements.txt may name only packages of the package registry; not: "
+                    + "; ".join(refused)[:500])
+        shutil.rmtree(folder, ignore_errors=True)  # a build that did not finish
+        venv.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(folder)
+        python = folder / "bin" / "python"
+        site_packages = subprocess.run(
+            [str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()
+        (Path(site_packages) / "portal-runtime.pth").write_text(
+            f"import site; site.addsitedir({environment['runtime']!r})\n")
+        pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--only-binary=:all:",
+               "--no-input", "--progress-bar", "off", "-r", str(requirements)]
+        env = {name: value for name, value in os.environ.items() if name.startswith(PIP_VARIABLES)}
+        env.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME="/tmp", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        if box is not None:
+            for root, folders, files in os.walk(folder):
+                for name in folders + files:
+                    os.lchown(os.path.join(root, name), box["uid"], box["gid"])
+            os.chown(folder, box["uid"], box["gid"])
+            view = sandbox.View(read_only=(str(requirements),), writable=(str(folder),), cwd=str(folder))
+            pip = sandbox.bwrap_argv(view, pip, account=sandbox.Account(box["uid"], box["gid"]),
+                                     process_limit=BUILD_PROCESS_LIMIT)
+        try:
+            done = subprocess.run(pip, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=ENV_BUILD_TIMEOUT_S, preexec_fn=_before_exec(None))
+            output, failed = done.stdout + done.stderr, done.returncode != 0
+        except subprocess.TimeoutExpired:
+            output, failed = f"pip ran past {ENV_BUILD_TIMEOUT_S} s.", True
+        with open(log, "a") as stream:
+            stream.write(f"Building the job's Python environment (pip install -r {requirements.name}):\n{output}\n")
+        if failed:
+            shutil.rmtree(folder, ignore_errors=True)
+            return f"Could not build the job's Python environment from requirements.txt:\n{_last_lines(output)}"
+        _write_atomically(folder / ENV_READY_FILE, f"{time.time()}\n")
+        return None
+
+
+def _prepare(attempt_dir: Path, launch: dict) -> str | None:
+    """What must be done before a script job's replicas start (None: done; else why it failed)."""
+    box = launch.get("sandbox")
+    if launch.get("environment"):
+        try:
+            failure = build_environment(launch["environment"], box, log_path(attempt_dir, launch["replicas"][0]["rank"]))
+        except (OSError, subprocess.SubprocessError) as exc:
+            failure = f"Could not build the job's Python environment: {exc}"
+        if failure:
+            return failure
+    if box is not None:
+        try:
+            sandbox.private_network()
+        except OSError as exc:
+            return f"Could not make the sandbox's network: {exc}"
+    return None
+
+
+def _argv(replica: dict, launch: dict) -> list[str]:
+    """A replica's command line: its own, or the sandbox's around it."""
+    box = launch.get("sandbox")
+    if box is None:
+        return replica["argv"]
+    view = sandbox.View(
+        read_only=tuple(box["read_only"]), writable=tuple(box["writable"]),
+        read_only_over=tuple(box["read_only_over"]), writable_over=tuple(box["writable_over"]),
+        devices=tuple(replica.get("devices", ())), cwd=box["cwd"],
+    )
+    return sandbox.bwrap_argv(view, replica["argv"], account=sandbox.Account(box["uid"], box["gid"]),
+                              process_limit=box["process_limit"])
+
+
 def supervise(attempt_dir: Path) -> int:
     launch = json.loads((attempt_dir / LAUNCH_FILE).read_text())
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # for the replicas; we keep waiting for them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    failure = _prepare(attempt_dir, launch)
+    if failure:
+        _write_atomically(attempt_dir / PREPARE_FAILED_FILE, failure)
+        return 1
     children: dict[int, subprocess.Popen] = {}
     for replica in launch["replicas"]:
         rank = replica["rank"]
         with open(log_path(attempt_dir, rank), "ab") as log:
             children[rank] = subprocess.Popen(
-                replica["argv"], cwd=launch["cwd"], env=replica["env"], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=_before_exec(replica.get("memory_limit_bytes")),
+                _argv(replica, launch), cwd=launch["cwd"], env=replica["env"], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=_before_exec(replica.get("memory_limit_bytes"), sandboxed=launch.get("sandbox") is not None),
             )
     failure_grace_s = float(launch.get("failure_grace_s", 30))
     kill_at = None

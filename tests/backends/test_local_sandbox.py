@@ -1,0 +1,362 @@
+"""Script jobs on the local backend: the tenant's code in its bundle, its environment, and the sandbox.
+
+Real supervisors, bwrap and pip, started through LocalBackend as the portal's launch does. The escape
+test runs the same script with LOCAL_SANDBOX on and off: off, every escape works (so the test can fail,
+and it is the sandbox that stops each one); on, every one fails.
+"""
+
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psycopg
+import pytest
+from gpuportal import bundle as bundles
+
+from runners.backends.base import BundleRef, JobLaunch, PermanentBackendError, ReplicaPlacement
+from runners.backends.local import LocalBackend
+from runners.backends.local_jobs import REPO_ROOT
+from runners.nvidia import names
+from runners.workloads import sandbox, supervise
+from tests.support.races import wait_until
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}"),
+]
+
+# The fork bomb is bounded (it must end without the sandbox too); the sandbox's limit is far below it.
+FORKS = 1500
+PROCESS_LIMIT = 300
+
+ESCAPES = r'''
+import json, mmap, os, resource, socket, sys, time
+
+targets = json.loads(os.environ["PORTAL_HYPERPARAMETERS"])
+found = {"uid": os.getuid()}
+
+
+def attempt(name, action):
+    try:
+        found[name] = {"escaped": True, "detail": str(action())[:200]}
+    except Exception as exc:  # what stopped it
+        found[name] = {"escaped": False, "detail": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def read(path):
+    with open(path, "rb") as stream:
+        return stream.read(100)
+
+
+def connect(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=3):
+        return f"connected to {port}"
+
+
+def write(path):
+    with open(path, "w") as stream:
+        stream.write("escaped")
+    return path
+
+
+def fork_bomb():
+    children, (reader, writer) = [], os.pipe()
+    try:
+        for _ in range(targets["forks"]):
+            pid = os.fork()
+            if pid == 0:
+                os.close(writer)
+                os.read(reader, 1)  # held until the parent closes its end
+                os._exit(0)
+            children.append(pid)
+    finally:
+        os.close(writer)
+        for pid in children:
+            os.waitpid(pid, 0)
+    return f"{len(children)} processes"
+
+
+def memory(raise_limit):
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if raise_limit:
+        resource.setrlimit(resource.RLIMIT_DATA, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    size = limit + 512 * 1024 * 1024
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.close()
+    return f"mapped {size} bytes"
+
+
+attempt("list_postgres_sockets", lambda: [os.listdir(d) for d in targets["postgres_socket_dirs"]])
+attempt("read_postgres_data", lambda: read(os.path.join(targets["postgres_data"], "PG_VERSION")))
+attempt("read_portal_settings", lambda: read(targets["portal_settings"]))
+attempt("connect_postgres", lambda: connect(targets["postgres_port"]))
+attempt("connect_redis", lambda: connect(targets["redis_port"]))
+attempt("connect_host_listener", lambda: connect(targets["listener_port"]))
+attempt("read_other_tenant", lambda: read(targets["other_tenant_file"]))
+attempt("write_bundle", lambda: write(os.path.join(os.getcwd(), "planted")))
+attempt("write_root", lambda: write(targets["root_file"]))
+attempt("write_repo", lambda: write(targets["repo_file"]))
+attempt("write_other_tenant", lambda: write(targets["other_tenant_planted"]))
+attempt("fork_bomb", fork_bomb)
+attempt("raise_memory_limit", lambda: memory(True))
+attempt("allocate_past_limit", lambda: memory(False))
+with open(os.path.join(os.environ["TRAIN_JOB_DIR"], "escapes.json"), "w") as stream:
+    json.dump(found, stream)
+'''
+
+DDP = r'''
+import json, os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+losses = []
+for step in range(5):
+    inputs = torch.randn(8, 4) + rank
+    loss = (model(inputs) - 1).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+weights = [p.detach().clone() for p in model.parameters()]
+gathered = [[torch.zeros_like(w) for w in weights] for _ in range(world)]
+for index, weight in enumerate(weights):
+    parts = [torch.zeros_like(weight) for _ in range(world)]
+    dist.all_gather(parts, weight)
+    for r in range(world):
+        gathered[r][index] = parts[r]
+same = all(torch.equal(a, b) for r in range(world) for a, b in zip(gathered[0], gathered[r]))
+with open(os.path.join(os.environ["TRAIN_JOB_DIR"], f"rank-{rank}.json"), "w") as stream:
+    json.dump({"sum": total.item(), "world": world, "weights_agree": same, "losses": losses,
+               "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"]}, stream)
+dist.destroy_process_group()
+'''
+
+USES_SIX = r'''
+import json, os, sys
+import numpy, six, torch
+with open(os.path.join(os.environ["TRAIN_JOB_DIR"], "imports.json"), "w") as stream:
+    json.dump({"six": six.__version__, "six_file": six.__file__, "numpy_file": numpy.__file__,
+               "torch_file": torch.__file__, "python": sys.executable}, stream)
+'''
+
+
+def may_raise_limits() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE (what lets root raise a hard limit), as the kernel says."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+def make_backend(tmp_path, mode: str) -> LocalBackend:
+    backend = LocalBackend(workspace_dir=tmp_path / "workspaces", use_nvml=False, jobs_dir=tmp_path / "jobs",
+                           sandbox=mode)
+    backend.jobs.sandbox_process_limit = PROCESS_LIMIT
+    return backend
+
+
+def stored_bundle(tmp_path, files: dict[str, str]) -> BundleRef:
+    """The files as a bundle packed by gpuportal, stored in a folder of the test (a file:// URL)."""
+    folder = tmp_path / f"project-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    archive = bundles.pack(folder)
+    digest = bundles.digest(archive)
+    store = tmp_path / "store"
+    store.mkdir(exist_ok=True)
+    (store / f"{digest}.tar.gz").write_bytes(archive)
+    return BundleRef(sha256=digest, url=f"file://{store / digest}.tar.gz")
+
+
+def script_launch(job_id: int, ref: BundleRef, command: tuple[str, ...], *, ranks: int = 1,
+                  hyperparameters: dict | None = None, memory_mib: int = 512, tenant: str = "acme") -> JobLaunch:
+    return JobLaunch(
+        job_id=job_id, attempt=1, tenant_slug=tenant, namespace=f"{tenant}--train", name="script",
+        template="script", replicas=tuple(ReplicaPlacement(rank, "sim-1", (rank,)) for rank in range(ranks)),
+        gpu_resource=names.GPU_RESOURCE, gpus_per_replica=1, cpu_milli_per_replica=1000,
+        memory_mib_per_replica=memory_mib, steps=10, checkpoint_every_steps=10, max_runtime_s=600,
+        command=command, bundle=ref, hyperparameters_json=json.dumps(hyperparameters or {}),
+    )
+
+
+def ended(backend, launch, timeout=300.0):
+    assert wait_until(lambda: backend.job_status(launch.job_id, launch.attempt).phase != "running", timeout_s=timeout), (
+        f"job {launch.job_id} still runs: {logs(backend, launch)}")
+    return backend.job_status(launch.job_id, launch.attempt)
+
+
+def logs(backend, launch) -> str:
+    return "\n".join(backend.job_logs(launch.job_id, launch.attempt, rank, tail=60) for rank in range(len(launch.replicas)))
+
+
+@pytest.fixture
+def postgres() -> dict:
+    """Where this host's PostgreSQL keeps its data and its sockets, and its port, as the server says."""
+    url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/portal")
+    with psycopg.connect(url, dbname="postgres", connect_timeout=5) as conn:
+        data = conn.execute("SHOW data_directory").fetchone()[0]
+        sockets = conn.execute("SHOW unix_socket_directories").fetchone()[0]
+    return {"data": data, "sockets": [d.strip() for d in sockets.split(",") if d.strip()],
+            "port": urlparse(url).port or 5432}
+
+
+@pytest.fixture
+def listener():
+    """A server on the host's loopback, as the portal's web server is."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.listen(8)
+        yield server.getsockname()[1]
+
+
+@pytest.fixture
+def planted():
+    """Files an escape would write outside its folders; removed after the test whatever happened."""
+    token = uuid.uuid4().hex[:10]
+    paths = {"root_file": Path(f"/escape-{token}"), "repo_file": REPO_ROOT / f".escape-{token}"}
+    yield token, paths
+    for path in paths.values():
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_each_escape_works_without_the_sandbox_and_fails_in_it(tmp_path, mode, postgres, listener, planted):
+    token, paths = planted
+    backend = make_backend(tmp_path, mode)
+    other = backend.jobs.job_dir(99)  # another tenant's job
+    other.mkdir(parents=True)
+    (other / "secret.txt").write_text("globex's weights")
+    broker = urlparse(os.environ.get("CELERY_BROKER_URL", "redis://127.0.0.1:6379/0"))
+    targets = {
+        "postgres_socket_dirs": postgres["sockets"], "postgres_data": postgres["data"],
+        "postgres_port": postgres["port"], "redis_port": broker.port or 6379, "listener_port": listener,
+        "portal_settings": str(REPO_ROOT / "portal" / "settings.py"),
+        "other_tenant_file": str(other / "secret.txt"), "other_tenant_planted": str(other / f"planted-{token}"),
+        "root_file": str(paths["root_file"]), "repo_file": str(paths["repo_file"]), "forks": FORKS,
+    }
+    ref = stored_bundle(tmp_path, {"escape.py": ESCAPES})
+    launch = script_launch(7, ref, ("python", "escape.py"), hyperparameters=targets)
+    backend.launch_job(launch)
+    status = ended(backend, launch)
+    assert status.phase == "exited" and status.exit_codes == {0: 0}, logs(backend, launch)
+    found = json.loads((backend.jobs.job_dir(7) / "escapes.json").read_text())
+    escapes = {name: result for name, result in found.items() if name != "uid"}
+    # Past RLIMIT_DATA as it is set, an allocation fails either way: that limit is older than the sandbox.
+    assert not escapes.pop("allocate_past_limit")["escaped"]
+    if mode == "off":
+        assert found["uid"] == 0
+        # Root raises its own memory limit where it holds CAP_SYS_RESOURCE (a container often drops it).
+        assert escapes.pop("raise_memory_limit")["escaped"] == may_raise_limits()
+        assert {name: result["escaped"] for name, result in escapes.items()} == dict.fromkeys(escapes, True), escapes
+        assert escapes["fork_bomb"]["detail"] == f"{FORKS} processes"
+    else:
+        assert found["uid"] == sandbox.account().uid != 0
+        assert {name: result["escaped"] for name, result in escapes.items()} == dict.fromkeys(escapes, False), escapes
+        assert (other / "secret.txt").read_text() == "globex's weights"
+        assert not any(path.exists() for path in paths.values())
+        assert not (other / f"planted-{token}").exists()
+        assert "Resource temporarily unavailable" in escapes["fork_bomb"]["detail"]
+        assert "not allowed to raise maximum limit" in escapes["raise_memory_limit"]["detail"]
+
+
+def test_two_ranks_train_with_gloo_inside_the_sandbox(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"ddp.py": DDP})
+    launch = script_launch(8, ref, ("python", "ddp.py"), ranks=2, memory_mib=3072)
+    backend.launch_job(launch)
+    record = json.loads((backend.jobs.attempt_dir(8, 1) / supervise.LAUNCH_FILE).read_text())
+    assert record["sandbox"] is not None
+    status = ended(backend, launch)
+    assert status.phase == "exited" and status.exit_codes == {0: 0, 1: 0}, logs(backend, launch)
+    for rank in (0, 1):
+        result = json.loads((backend.jobs.job_dir(8) / f"rank-{rank}.json").read_text())
+        assert result["sum"] == 3.0 and result["world"] == 2 and result["weights_agree"]
+        assert result["master"].startswith("127.0.0.1:")
+        assert len(result["losses"]) == 5
+
+
+def test_a_stop_reaches_the_script_inside_the_sandbox(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    script = (
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(os.path.join(os.environ['TRAIN_JOB_DIR'], 'stopped'), 'w').write('checkpointed')\n"
+        "    sys.exit(75)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "open(os.path.join(os.environ['TRAIN_JOB_DIR'], 'started'), 'w').write('yes')\n"
+        "time.sleep(300)\n"
+    )
+    ref = stored_bundle(tmp_path, {"wait.py": script})
+    launch = script_launch(9, ref, ("python", "wait.py"))
+    backend.launch_job(launch)
+    assert wait_until(lambda: (backend.jobs.job_dir(9) / "started").exists(), timeout_s=60), logs(backend, launch)
+    backend.stop_job(9, 1, grace_period_s=30)
+    status = ended(backend, launch, timeout=60)
+    assert status.exit_codes == {0: 75}, logs(backend, launch)
+    assert (backend.jobs.job_dir(9) / "stopped").read_text() == "checkpointed"
+
+
+def test_requirements_build_one_environment_for_two_jobs_on_top_of_the_runtime(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"main.py": USES_SIX, "requirements.txt": "six==1.16.0\n"})
+    first = script_launch(11, ref, ("python", "main.py"), memory_mib=2048)
+    backend.launch_job(first)
+    status = ended(backend, first)
+    assert status.phase == "exited" and status.exit_codes == {0: 0}, (status, logs(backend, first))
+    (env_dir,) = [path for path in backend.jobs.envs_dir.iterdir() if path.is_dir()]
+    built = (env_dir / supervise.ENV_READY_FILE).read_text()
+    found = json.loads((backend.jobs.job_dir(11) / "imports.json").read_text())
+    assert found["six"] == "1.16.0" and found["six_file"].startswith(str(env_dir))
+    site_packages = sandbox.runtime_site_packages()
+    assert found["numpy_file"].startswith(site_packages) and found["torch_file"].startswith(site_packages)
+
+    second = script_launch(12, ref, ("python", "main.py"), memory_mib=2048)
+    backend.launch_job(second)
+    status = ended(backend, second)
+    assert status.phase == "exited" and status.exit_codes == {0: 0}, logs(backend, second)
+    assert (env_dir / supervise.ENV_READY_FILE).read_text() == built, "built once, used twice"
+    assert json.loads((backend.jobs.job_dir(12) / "imports.json").read_text())["six_file"] == found["six_file"]
+    assert "Building the job's Python environment" not in logs(backend, second)
+
+
+def test_a_requirement_pip_cannot_install_fails_the_job_with_pips_last_lines(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"main.py": "print('never runs')\n", "requirements.txt": "no-such-package-xyz==1.0\n"})
+    launch = script_launch(13, ref, ("python", "main.py"))
+    backend.launch_job(launch)
+    status = ended(backend, launch)
+    assert status.phase == "lost" and status.exit_codes == {}
+    assert status.reason.startswith("Could not build the job's Python environment from requirements.txt:")
+    assert "No matching distribution found for no-such-package-xyz==1.0" in status.reason
+    assert "never runs" not in logs(backend, launch)
+    assert not [path for path in backend.jobs.envs_dir.iterdir() if path.is_dir()], "a failed build leaves nothing"
+
+
+def test_a_requirement_that_is_not_a_registry_package_is_refused(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"main.py": "print('never runs')\n",
+                                   "requirements.txt": "six==1.16.0\n--index-url http://127.0.0.1:5432/simple\n"})
+    launch = script_launch(14, ref, ("python", "main.py"))
+    backend.launch_job(launch)
+    status = ended(backend, launch)
+    assert status.phase == "lost"
+    assert "--index-url http://127.0.0.1:5432/simple" in status.reason
+
+
+def test_a_bundle_whose_digest_differs_is_refused(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"main.py": "print('hello')\n"})
+    forged = BundleRef(sha256="0" * 64, url=ref.url)
+    with pytest.raises(PermanentBackendError, match="not the one it names"):
+        backend.launch_job(script_launch(15, forged, ("python", "main.py")))
+    assert not (backend.jobs.bundles_dir / "acme" / ("0" * 64)).exists()
