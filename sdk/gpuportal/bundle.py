@@ -370,10 +370,20 @@ def _largest(sizes: list[tuple[str, int]], count: int = 5) -> list[tuple[str, in
     return sorted(sizes, key=lambda item: (-item[1], item[0]))[:count]
 
 
+def stream_bound(max_bytes: int, max_members: int) -> int:
+    """The most bytes a tar stream within these limits can hold: its files and, per member, its headers."""
+    return max_bytes + max_members * HEADER_ALLOWANCE + END_ALLOWANCE
+
+
+def archive_bound(max_bytes: int, max_members: int) -> int:
+    """The largest .tar.gz within these limits can be: gzip adds at most a few bytes per 16 KiB stored."""
+    return stream_bound(max_bytes, max_members) * 1001 // 1000 + 64 * 1024
+
+
 def _scan(stream: BinaryIO, *, max_bytes: int | None, max_members: int | None, max_ratio: int | None,
           on_member=None) -> list[Member]:
     compressed = _Counting(stream)
-    bound = None if max_bytes is None else max_bytes + (max_members or DEFAULT_MAX_MEMBERS) * HEADER_ALLOWANCE + END_ALLOWANCE
+    bound = None if max_bytes is None else stream_bound(max_bytes, max_members or DEFAULT_MAX_MEMBERS)
     unpacked = _Bounded(gzip.GzipFile(fileobj=io.BufferedReader(compressed), mode="rb"), compressed, bound, max_ratio)
     members: list[Member] = []
     files: dict[str, int] = {}
@@ -454,13 +464,14 @@ def extract(fileobj: BinaryIO, dest: str | os.PathLike, *, max_bytes: int = DEFA
     if not (fileobj.seekable() if hasattr(fileobj, "seekable") else False):
         spooled = tempfile.TemporaryFile()
         shutil.copyfileobj(fileobj, spooled, CHUNK)
+        spooled.seek(0)
         fileobj = spooled
     try:
         start = fileobj.tell()
         members = check(fileobj, max_bytes=max_bytes, max_members=max_members, max_ratio=max_ratio)
         fileobj.seek(start)
         compressed = _Counting(fileobj)
-        bound = max_bytes + max_members * HEADER_ALLOWANCE + END_ALLOWANCE
+        bound = stream_bound(max_bytes, max_members)
         unpacked = _Bounded(gzip.GzipFile(fileobj=io.BufferedReader(compressed), mode="rb"), compressed, bound, max_ratio)
         with tarfile.open(fileobj=io.BufferedReader(unpacked, CHUNK), mode="r|", encoding="utf-8") as archive:
             expected = {member.path for member in members}
