@@ -1,14 +1,17 @@
 """What a training job leaves in its job folder, read without torch.
 
 The portal's web process imports this module to show progress, so it must stay
-stdlib-only: no torch, no numpy, no Django. `train.py` imports its constants
-from here, which keeps the writer and the reader agreeing on names and codes.
+stdlib-only: no torch, no numpy, no Django. The names, record shapes, tags and
+exit codes are the SDK's (`gpuportal._protocol`, stdlib-only too, installed in
+the portal's environment): the shipped trainer and a team's script write through
+the SDK, and this module reads what they wrote.
 
 Layout of a job folder::
 
-    <job-dir>/metrics.jsonl           one line per finished step, written by rank 0
+    <job-dir>/metrics.jsonl           one line per reported step, written by rank 0
     <job-dir>/checkpoints.jsonl       one line per checkpoint saved, written by rank 0
-    <job-dir>/checkpoints/step-00000010.pt
+    <job-dir>/stops.jsonl             one line each time a stop is seen or checkpointed, written by rank 0
+    <job-dir>/checkpoints/step-00000010.pt   (.pt, .ckpt, or a folder step-00000010)
 
 A line of metrics.jsonl::
 
@@ -16,7 +19,8 @@ A line of metrics.jsonl::
      "time": "2025-01-01T12:00:00.123+00:00", "attempt": 0}
 
 `step` counts finished optimizer steps from 1 and goes on across resumes;
-`samples_per_s` is the throughput of all replicas together; `attempt` is
+the other numbers are the script's own (the shipped trainer's: `loss`, and
+`samples_per_s`, the throughput of all replicas together); `attempt` is
 PORTAL_ATTEMPT of the process that wrote it. After a hard kill (SIGKILL, a
 crash) the steps after the last checkpoint are trained again, so a step can
 appear twice with different attempts: `latest_per_step` keeps the newest.
@@ -31,10 +35,18 @@ saved it, as in a metric line (records written before it was added have none). T
 is durable (written, fsynced, renamed into place), but old checkpoints are
 pruned later, so a line may name a file that no longer exists.
 
+A line of stops.jsonl: the script saw the portal's request to stop (a signal, its
+maximum runtime) and is on its way out; the newest line of an attempt names the
+checkpoint it left. An attempt that exits 0 with such a line was checkpointed on
+a stop, as one that exits 75 (`stop_of_attempt`)::
+
+    {"attempt": 0, "rank": 0, "reason": "SIGTERM received", "checkpoint_step": 40,
+     "time": "2025-01-01T12:00:00.789+00:00"}
+
 Rank 0 also prints each record to stdout as one tagged line (`PORTAL_METRIC {...}`,
-`PORTAL_CHECKPOINT {...}`), so a backend that cannot read the job folder (on
+`PORTAL_CHECKPOINT {...}`, `PORTAL_STOPPED {...}`), so a backend that cannot read the job folder (on
 Kubernetes it is a volume in the cluster) reads progress from the pod's log
-instead (`parse_log`).
+instead (`parse_log`, `parse_log_records`).
 
 Every reader here tolerates a half-written last line (the writer may be in
 the middle of it, or may have been killed there) and skips lines it cannot
@@ -47,34 +59,33 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import NamedTuple
 
-# Exit codes of `python -m runners.workloads.train`.
-EXIT_OK = 0
-"""Every requested step is done (and the final checkpoint saved)."""
-EXIT_FAILED = 1
-"""An error; the traceback is on stderr. Bad arguments exit 2 (argparse's usage error)."""
-EXIT_CHECKPOINTED_ON_SIGNAL = 75
-"""Stopped early on SIGTERM/SIGINT or --max-runtime-s, after a checkpoint of the step
-reached was saved: relaunch the same command to resume. 75 is EX_TEMPFAIL in sysexits.h."""
+from gpuportal._protocol import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_TAG,
+    CHECKPOINTS_FILE,
+    EXIT_CHECKPOINTED_ON_SIGNAL,
+    EXIT_FAILED,
+    EXIT_OK,
+    METRIC_TAG,
+    METRICS_FILE,
+    STOPPED_TAG,
+    STOPS_FILE,
+    checkpoint_name,
+    checkpoint_step,
+    tagged_line,
+)
+from gpuportal._protocol import checkpoint_entries as checkpoint_files
 
-METRICS_FILE = "metrics.jsonl"
-CHECKPOINTS_FILE = "checkpoints.jsonl"
-CHECKPOINT_DIR = "checkpoints"
-
-_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.pt$")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}.pt"
-
-
-def checkpoint_step(name: str) -> int | None:
-    """The step of a checkpoint file name, or None for anything else (temp files, set-aside files)."""
-    match = _CHECKPOINT_NAME.match(name)
-    return int(match.group(1)) if match else None
+__all__ = [
+    "CHECKPOINTS_FILE", "CHECKPOINT_DIR", "CHECKPOINT_TAG", "EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK",
+    "METRICS_FILE", "METRIC_TAG", "STOPPED_TAG", "STOPS_FILE", "Chunk", "LogRecords", "checkpoint_files",
+    "checkpoint_name", "checkpoint_step", "latest_checkpoint_step", "latest_per_step", "parse_log",
+    "parse_log_records", "read_checkpoints", "read_jsonl", "read_jsonl_chunk", "read_metrics", "read_stops",
+    "stop_of_attempt", "tagged_line",
+]
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -160,21 +171,6 @@ def read_checkpoints(job_dir: str | Path) -> list[dict]:
     return [r for r in read_jsonl(Path(job_dir) / CHECKPOINTS_FILE) if isinstance(r.get("step"), int)]
 
 
-def checkpoint_files(job_dir: str | Path) -> dict[int, Path]:
-    """The checkpoint files present now, by step (temp and set-aside files excluded)."""
-    folder = Path(job_dir) / CHECKPOINT_DIR
-    try:
-        entries = list(folder.iterdir())
-    except FileNotFoundError:
-        return {}
-    found = {}
-    for entry in entries:
-        step = checkpoint_step(entry.name)
-        if step is not None and entry.is_file():
-            found[step] = entry
-    return dict(sorted(found.items()))
-
-
 def latest_checkpoint_step(job_dir: str | Path) -> int | None:
     """The step the job would resume from, or None if it would start afresh.
 
@@ -186,26 +182,48 @@ def latest_checkpoint_step(job_dir: str | Path) -> int | None:
     return max(files) if files else None
 
 
-METRIC_TAG = "PORTAL_METRIC"
-CHECKPOINT_TAG = "PORTAL_CHECKPOINT"
+def read_stops(job_dir: str | Path) -> list[dict]:
+    """Every stop record in the order written (objects with an integer "attempt")."""
+    return [r for r in read_jsonl(Path(job_dir) / STOPS_FILE) if _is_stop(r)]
 
 
-def tagged_line(tag: str, record: dict) -> str:
-    """The stdout line that carries one record (see parse_log)."""
-    return f"{tag} {json.dumps(record, sort_keys=True)}"
+def stop_of_attempt(job_dir: str | Path, attempt: int) -> dict | None:
+    """The newest stop record of this attempt, or None when it saw no stop."""
+    found = [record for record in read_stops(job_dir) if record["attempt"] == attempt]
+    return found[-1] if found else None
 
 
-def parse_log(text: str) -> tuple[list[dict], list[dict]]:
-    """The metric and checkpoint records in a replica's log, in order; other lines are skipped."""
-    metrics, checkpoints = [], []
+def _is_stop(record: dict) -> bool:
+    attempt = record.get("attempt")
+    return isinstance(attempt, int) and not isinstance(attempt, bool)
+
+
+class LogRecords(NamedTuple):
+    metrics: list[dict]
+    checkpoints: list[dict]
+    stops: list[dict]
+
+
+def parse_log_records(text: str) -> LogRecords:
+    """The metric, checkpoint and stop records in a replica's log, in order; other lines are skipped."""
+    found = LogRecords([], [], [])
+    kinds = {METRIC_TAG: found.metrics, CHECKPOINT_TAG: found.checkpoints, STOPPED_TAG: found.stops}
     for line in text.splitlines():
         tag, _, payload = line.partition(" ")
-        if tag not in (METRIC_TAG, CHECKPOINT_TAG):
+        if tag not in kinds:
             continue
         try:
             record = json.loads(payload)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            (metrics if tag == METRIC_TAG else checkpoints).append(record)
-    return metrics, checkpoints
+        if not isinstance(record, dict):
+            continue
+        if _is_stop(record) if tag == STOPPED_TAG else isinstance(record.get("step"), int):
+            kinds[tag].append(record)
+    return found
+
+
+def parse_log(text: str) -> tuple[list[dict], list[dict]]:
+    """The metric and checkpoint records in a replica's log, in order (the stops: `parse_log_records`)."""
+    records = parse_log_records(text)
+    return records.metrics, records.checkpoints

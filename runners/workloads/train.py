@@ -51,9 +51,11 @@ nothing (escalate with SIGKILL); a second SIGINT kills at once. A signal in
 the first second, while torch is still importing, kills the default way
 (nothing has been trained by then).
 
-Files written by rank 0, and how to read them without torch: see
-`runners.workloads.progress`. Every rank logs human lines to stdout. Under the local
-backend every rank also writes how busy it keeps its device (the share of wall time in
+The trainer is the first user of the portal's SDK (`gpuportal`, in sdk/): its metrics,
+checkpoints, stop handling (signals and --max-runtime-s) and activity go through the same
+calls a team's own script makes. Files written by rank 0, and how to read them without
+torch: see `runners.workloads.progress`. Every rank logs human lines to stdout. Under the
+local backend every rank also writes how busy it keeps its device (the share of wall time in
 forward, backward and optimizer step) to its attempt's folder every ~2 s: see
 `runners.workloads.activity`.
 
@@ -66,51 +68,33 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import resource
-import signal
 import sys
 import time
 import traceback
-from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
+import gpuportal
 import numpy as np
 import torch
 import torch.distributed as dist
+from gpuportal._protocol import now_iso
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from runners.workloads.activity import ActivityMeter, trainer_activity_file
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
-from runners.workloads.progress import (
-    CHECKPOINT_DIR,
-    CHECKPOINT_TAG,
-    CHECKPOINTS_FILE,
-    EXIT_CHECKPOINTED_ON_SIGNAL,
-    EXIT_FAILED,
-    EXIT_OK,
-    METRIC_TAG,
-    METRICS_FILE,
-    checkpoint_files,
-    checkpoint_name,
-    tagged_line,
-)
+from runners.workloads.progress import EXIT_CHECKPOINTED_ON_SIGNAL, EXIT_FAILED, EXIT_OK
 
 __all__ = ["EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK", "CharModel", "main"]
 
 DEFAULT_CORPUS = Path(__file__).with_name("corpus.txt")
 VOCAB = 256  # bytes: any corpus works and the model's shape never depends on it
 CHECKPOINT_FORMAT = 1
-
-
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 # --- configuration -------------------------------------------------------------------------------
@@ -217,52 +201,11 @@ def batch_for(data: np.ndarray, *, seed: int, rank: int, step: int, batch_size: 
     return torch.from_numpy(window[:, :-1]), torch.from_numpy(window[:, 1:])
 
 
-# --- files ---------------------------------------------------------------------------------------
+# --- checkpoints ---------------------------------------------------------------------------------
 
 
-def open_jsonl(path: Path):
-    """Open for appending; if a killed writer left a torn last line, end it so ours stays whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torn = False
-    try:
-        with open(path, "rb") as existing:
-            existing.seek(0, os.SEEK_END)
-            if existing.tell():
-                existing.seek(-1, os.SEEK_END)
-                torn = existing.read(1) != b"\n"
-    except FileNotFoundError:
-        pass
-    handle = open(path, "a", encoding="utf-8")
-    if torn:
-        handle.write("\n")
-    return handle
-
-
-def write_jsonl(handle, record: dict, *, durable: bool = False) -> None:
-    handle.write(json.dumps(record) + "\n")
-    handle.flush()
-    if durable:
-        os.fsync(handle.fileno())
-
-
-def fsync_dir(folder: Path) -> None:
-    # Makes the rename itself survive a power cut, not just the file's bytes.
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(
-    job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int, attempt: int,
-    alphabet: bytes = b"",
-) -> Path:
-    folder = job_dir / CHECKPOINT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / checkpoint_name(step)
-    # A dot name that `step-*.pt` never matches, so a reader can't pick up a half-written file.
-    temp = folder / f".{final.name}.tmp-{os.getpid()}"
+def checkpoint_state(step: int, model: nn.Module, optimizer, *, world_size: int, alphabet: bytes = b"") -> dict:
+    """What a checkpoint of this trainer holds: enough to resume exactly, and for the server to serve the model."""
     state = {
         "format": CHECKPOINT_FORMAT,
         "step": step,
@@ -276,27 +219,16 @@ def save_checkpoint(
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["rng"]["cuda"] = torch.cuda.get_rng_state()
-    try:
-        with open(temp, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(folder)
-    size = final.stat().st_size
-    with open_jsonl(job_dir / CHECKPOINTS_FILE) as index:
-        record = {
-            "step": step, "path": f"{CHECKPOINT_DIR}/{final.name}", "bytes": size, "created_at": now_iso(),
-            "attempt": attempt,
-        }
-        write_jsonl(index, record, durable=True)
-    print(tagged_line(CHECKPOINT_TAG, record), flush=True)
-    for old_path in list(checkpoint_files(job_dir).values())[:-keep]:
-        old_path.unlink(missing_ok=True)
-    return final
+    return state
+
+
+def save_checkpoint(
+    job_dir: Path, step: int, model: nn.Module, optimizer, *, keep: int, world_size: int, attempt: int,
+    alphabet: bytes = b"",
+) -> Path:
+    """A checkpoint written and recorded as the trainer's rank 0 does it, without a running job (the SDK's write)."""
+    state = checkpoint_state(step, model, optimizer, world_size=world_size, alphabet=alphabet)
+    return gpuportal.write_checkpoint(job_dir, step, state, attempt=attempt, keep=keep)
 
 
 def read_checkpoint(path: Path, step: int, model: nn.Module, device: torch.device) -> dict:
@@ -313,10 +245,10 @@ def read_checkpoint(path: Path, step: int, model: nn.Module, device: torch.devic
     return state
 
 
-def newest_loadable(job_dir: Path, model: nn.Module, device: torch.device, log) -> tuple[int, dict | None, list]:
+def newest_loadable(ctx: gpuportal.Context, model: nn.Module, device: torch.device, log) -> tuple[int, dict | None, list]:
     """(step, state, the newer files that failed to load): the newest checkpoint that loads, else (0, None, ...)."""
     failed = []
-    for step, path in sorted(checkpoint_files(job_dir).items(), reverse=True):
+    for step, path in ctx.checkpoints_on_disk():
         try:
             return step, read_checkpoint(path, step, model, device), failed
         except Exception as exc:  # any damage at all: fall back to the one before
@@ -324,30 +256,6 @@ def newest_loadable(job_dir: Path, model: nn.Module, device: torch.device, log) 
             log(f"skipping checkpoint {path.name}: {type(exc).__name__}: {first_line}")
             failed.append(path)
     return 0, None, failed
-
-
-# --- stopping ------------------------------------------------------------------------------------
-
-
-class StopRequest:
-    """Remembers a SIGTERM/SIGINT so the loop can stop between steps, at a point where a checkpoint is consistent."""
-
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        # No printing here: a handler that writes to stdout mid-write of the main code can raise.
-        if self.signal_name is not None and signum == signal.SIGINT:
-            # A person pressing Ctrl-C twice wants out now. A repeated SIGTERM is ignored instead:
-            # a launcher may signal both the group and each pid, and that must not lose the checkpoint.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self.signal_name = self.signal_name or signal.Signals(signum).name
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -380,21 +288,14 @@ def start_process_group(args) -> Placement:
     return Placement(device, backend)
 
 
-def run(args, stop: StopRequest) -> int:
-    with ExitStack() as stack:
-        return _run(args, stop, stack)
-
-
-def _run(args, stop: StopRequest, stack: ExitStack) -> int:
+def run(args, ctx: gpuportal.Context) -> int:
+    """Train until --steps or a stop. `ctx` measures activity from its init(): the rendezvous and the
+    loading count as idle, as on a GPU."""
     rank, world = args.rank, args.world_size
 
     def log(message: str) -> None:
         print(f"{now_iso()} [rank {rank}/{world}] {message}", flush=True)
 
-    meter = ActivityMeter()  # from here on: the rendezvous and the loading count as idle, as on a GPU
-    activity_path = trainer_activity_file(args.job_dir, args.attempt, rank)
-    if activity_path is not None:
-        stack.callback(meter.write, activity_path)  # the last window, however the run ends
     placement = start_process_group(args)
     device = placement.device
     data = load_corpus(args.corpus, args.seq_len)
@@ -407,8 +308,7 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
         f"{sum(p.numel() for p in model.parameters()):,} parameters; corpus {args.corpus} ({len(data):,} bytes)"
     )
 
-    job_dir = args.job_dir
-    start_step, state, failed = newest_loadable(job_dir, model, device, log)
+    start_step, state, failed = newest_loadable(ctx, model, device, log)
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -432,11 +332,9 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
     if rank == 0:
         # Set damaged files aside, so the portal's latest_checkpoint_step stops counting them
         # and the next start doesn't trip over them again; renamed, not deleted, for inspection.
+        # (Temporary files a writer killed mid-save left are removed by gpuportal.init on rank 0.)
         for path in failed:
             path.rename(path.with_name(path.name + ".corrupt"))
-        for temp in (job_dir / CHECKPOINT_DIR).glob(".step-*.tmp-*"):
-            temp.unlink(missing_ok=True)  # left by a writer killed mid-save
-        metrics = stack.enter_context(open_jsonl(job_dir / METRICS_FILE))
 
     if start_step >= args.steps:
         log(f"already at step {start_step} of {args.steps}; nothing to do")
@@ -445,7 +343,7 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     step = start_step
     stopping = False
-    started = time.monotonic()  # --max-runtime-s counts from here: the first step of this process
+    ctx.start_clock()  # --max-runtime-s counts from here: the first step of this process
     if args.max_runtime_s:
         log(f"first step; --max-runtime-s {args.max_runtime_s:g} counts from now")
     while step < args.steps:
@@ -454,7 +352,7 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
             data, seed=args.seed, rank=rank, step=step + 1, batch_size=args.batch_size, seq_len=args.seq_len
         )
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with meter.busy():
+        with ctx.busy():
             logits = ddp(inputs)
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
@@ -463,10 +361,8 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
         step += 1
 
         reason = None
-        if stop.signal_name:
-            reason = f"{stop.signal_name} received"
-        elif args.max_runtime_s and time.monotonic() - started >= args.max_runtime_s:
-            reason = f"--max-runtime-s {args.max_runtime_s:g} reached"
+        if ctx.should_stop():  # a signal, or --max-runtime-s since the first step
+            reason = f"{ctx.stop_signal} received" if ctx.stop_signal else f"--max-runtime-s {args.max_runtime_s:g} reached"
         # One collective for two things: the loss averaged over replicas, and whether any
         # replica wants to stop, so that a signal to one rank stops all of them at this step.
         shared = torch.stack([loss.detach().float(), torch.tensor(1.0 if reason else 0.0, device=device)])
@@ -474,33 +370,23 @@ def _run(args, stop: StopRequest, stack: ExitStack) -> int:
         mean_loss, stop_votes = shared.tolist()
         mean_loss /= world
         stopping = stop_votes > 0
+        if stopping and not reason:
+            ctx.request_stop("another rank asked to stop")
+            ctx.should_stop()  # records the stop (rank 0 writes the stop line)
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"loss is {mean_loss} at step {step}; try a lower --lr")
 
         elapsed = time.perf_counter() - began
         samples_per_s = args.batch_size * world / elapsed
-        if rank == 0:
-            record = {
-                "step": step,
-                "loss": round(mean_loss, 6),
-                "samples_per_s": round(samples_per_s, 1),
-                "time": now_iso(),
-                "attempt": args.attempt,
-            }
-            write_jsonl(metrics, record)
-            print(tagged_line(METRIC_TAG, record), flush=True)
+        ctx.report(step, loss=round(mean_loss, 6), samples_per_s=round(samples_per_s, 1))
+        ctx.flush()  # every step's line now (the trainer's init asks for no rate limit)
         log(f"step {step}/{args.steps} loss {mean_loss:.4f} {elapsed * 1000:.1f} ms {samples_per_s:.0f} samples/s")
 
         due = args.checkpoint_every and step % args.checkpoint_every == 0
         if stopping or due or step == args.steps:
             if rank == 0:
-                path = save_checkpoint(
-                    job_dir, step, model, optimizer, keep=args.keep_checkpoints, world_size=world,
-                    attempt=args.attempt, alphabet=alphabet,
-                )
+                path = ctx.checkpoint(step, checkpoint_state(step, model, optimizer, world_size=world, alphabet=alphabet))
                 log(f"saved checkpoint {path.name}")
-        if activity_path is not None:
-            meter.maybe_write(activity_path)
         if stopping:
             log(f"stopping after step {step}: {reason or 'another rank asked to stop'}")
             break
@@ -522,9 +408,13 @@ def memory_limit_mib() -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop = StopRequest()
-    stop.install()
     args = parse_args(argv)
+    # The SDK's SIGTERM/SIGINT handlers only note the signal; the loop stops between steps, at a point where
+    # a checkpoint is consistent.
+    ctx = gpuportal.init(
+        job_dir=args.job_dir, max_runtime_s=args.max_runtime_s, keep_checkpoints=args.keep_checkpoints,
+        metrics_interval_s=0,
+    )
     limit = memory_limit_mib()
     if limit is not None and limit < TRAINER_MIN_MEMORY_MIB:
         print(
@@ -532,9 +422,10 @@ def main(argv: list[str] | None = None) -> int:
             "raise memory_mib_per_replica",
             file=sys.stderr, flush=True,
         )
+        ctx.close()
         return EXIT_FAILED
     try:
-        return run(args, stop)
+        return run(args, ctx)
     except Exception:
         traceback.print_exc()
         return EXIT_FAILED
@@ -546,10 +437,9 @@ def main(argv: list[str] | None = None) -> int:
             # during interpreter shutdown, which aborts the process (rc 134) after a clean run.
             gc.collect()
             dist.destroy_process_group()
-        if stop.signal_name:
-            # Checkpointed and on the way out: a repeated SIGTERM must not turn the documented exit
-            # code into a death by signal (interpreter shutdown puts the default handler back).
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # The last activity window; once stopped, a repeated SIGTERM is ignored from here on, so it cannot
+        # turn the documented exit code into a death by signal (interpreter shutdown puts the default back).
+        ctx.close()
 
 
 if __name__ == "__main__":
