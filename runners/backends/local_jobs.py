@@ -93,6 +93,8 @@ REQUIREMENTS_FILE = "requirements.txt"
 # together (RLIMIT_NPROC counts per account): what stops a fork bomb.
 SANDBOX_PROCESS_LIMIT = 4096
 SANDBOX_MODES = ("auto", "on", "off")
+# The attempt's file a sandbox shows as /etc/hosts.
+SANDBOX_HOSTS_FILE = "sandbox-hosts"
 
 
 def free_port() -> int:
@@ -403,7 +405,10 @@ class LocalJobs:
         for path in (scratch, scratch / "cache"):
             os.chown(path, who.uid, who.gid)
         read_only = [str(bundle_dir)] + ([environment["dir"]] if environment else [])
+        hosts = attempt_dir / SANDBOX_HOSTS_FILE
+        hosts.write_text(sandbox.HOSTS)
         return {
+            "hosts": str(hosts),
             "uid": who.uid, "gid": who.gid, "process_limit": self.sandbox_process_limit,
             "read_only": read_only, "writable": [str(job_dir)],
             "read_only_over": [str(job_dir / activity.ATTEMPTS_DIR)], "writable_over": [str(scratch)],

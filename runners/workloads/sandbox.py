@@ -61,6 +61,9 @@ SYSTEM_ETC = (
     "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates", "localtime",
     "hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf", "passwd", "group", "pip.conf",
 )
+HOSTNAME = "sandbox"
+# The sandbox's /etc/hosts: its name is its loopback (torch.distributed resolves it), and no host's name.
+HOSTS = f"127.0.0.1\tlocalhost {HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 SYSTEM_TOP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # The few lines that run inside the sandbox, still as root: the process limit, the account, the
 # signals, then the command (argv: uid gid process-limit command...).
@@ -97,6 +100,8 @@ class View:
     writable_over: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     cwd: str = "/"
+    # Shown as /etc/hosts instead of the host's (HOSTS: the sandbox's own name on its loopback).
+    hosts: str | None = None
 
 
 def account() -> Account:
@@ -142,7 +147,7 @@ def bwrap_argv(view: View, command: list[str], *, account: Account, process_limi
     processes and threads of that account at once. No network namespace of bwrap's own: a replica is in
     its supervisor's private one, an environment's build in the host's (it reaches the package registry)."""
     argv = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--hostname", "sandbox",
+            "--die-with-parent", "--hostname", HOSTNAME,
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
             "--perms", "1777", "--tmpfs", "/dev/shm"]
     mounts: list[list[str]] = []
@@ -154,7 +159,9 @@ def bwrap_argv(view: View, command: list[str], *, account: Account, process_limi
             mounts.append(["--ro-bind", str(path), str(path)])
     for name in SYSTEM_ETC:
         path = Path("/etc") / name
-        if path.exists():
+        if name == "hosts" and view.hosts:
+            mounts.append(["--ro-bind", view.hosts, str(path)])
+        elif path.exists():
             mounts.append(["--ro-bind", str(path.resolve()), str(path)])
     for path in (*runtime_paths(), *view.read_only):
         mounts.append(["--ro-bind", path, path])

@@ -138,6 +138,7 @@ same = all(torch.equal(a, b) for r in range(world) for a, b in zip(gathered[0], 
 with open(os.path.join(os.environ["TRAIN_JOB_DIR"], f"rank-{rank}.json"), "w") as stream:
     json.dump({"sum": total.item(), "world": world, "weights_agree": same, "losses": losses,
                "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"]}, stream)
+dist.barrier()
 dist.destroy_process_group()
 '''
 
