@@ -555,7 +555,7 @@ def serve(
 
 def month_range(month: str | None, today: datetime.date | None = None) -> tuple[str, str]:
     """The first and last day of a month given as YYYY-MM (this month unless given)."""
-    today = today or datetime.datetime.now(datetime.UTC).date()
+    today = today or datetime.datetime.now(datetime.timezone.utc).date()
     if month is None:
         first = today.replace(day=1)
     else:
