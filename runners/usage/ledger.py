@@ -7,7 +7,8 @@ never count the same second twice, and an attempt is always counted beside the o
 its job (one's end, recorded late, moves the others'). A piece is one day (UTC) and one
 price card of one attempt: units x seconds, priced at the card in force, and at the flavor's
 cloud reference price beside it. A checkpoint is charged per GB-month (30 days) from its writing to
-its deletion.
+its deletion, and so is a code bundle (its stored archive, item ``bundle:<id>``, a tenant's with no job)
+from its upload to its deletion.
 
 The sweep (``settle_run``) writes what has ended, and every whole day of what still runs, as
 entries; an entry is never edited: when the truth of an item changes (an attempt found to have
@@ -31,6 +32,7 @@ from django.db.models.functions import Extract, Greatest
 from django.utils import timezone
 
 from quotas.models import PriceCard, ResourceFlavor
+from runners.bundles.models import Bundle
 from runners.inference.models import Replica
 from runners.jobs.models import Checkpoint, JobAttempt
 from runners.usage.models import CapacityChange, CloudPrice, EntryKind, Settlement, UsageEntry
@@ -212,20 +214,36 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
     return list(by_key.values())
 
 
-def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
-    end = min(checkpoint.deleted_at, upto) if checkpoint.deleted_at else upto
-    begin = max(checkpoint.created_at, since) if since else checkpoint.created_at
+def _kept_pieces(item: str, size: int, created_at: datetime, deleted_at: datetime | None, tenant_id: int,
+                 job_id: int | None, upto: datetime, since: datetime | None) -> list[Piece]:
+    """Storage kept from its writing to its deletion (or `upto`), per day, at the storage price."""
+    end = min(deleted_at, upto) if deleted_at else upto
+    begin = max(created_at, since) if since else created_at
     price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
     pieces = []
     for day, start, stop in days_of(begin, end) if begin < end else []:
-        gb_seconds = Decimal(checkpoint.bytes) / BYTES_PER_GB * _seconds(start, stop)
+        gb_seconds = Decimal(size) / BYTES_PER_GB * _seconds(start, stop)
         pieces.append(Piece(
-            item=f"checkpoint:{checkpoint.id}", piece=day.isoformat(), kind=EntryKind.STORAGE,
-            tenant_id=checkpoint.job.tenant_id, flavor_id=None, job_id=checkpoint.job_id, endpoint_id=None,
+            item=item, piece=day.isoformat(), kind=EntryKind.STORAGE,
+            tenant_id=tenant_id, flavor_id=None, job_id=job_id, endpoint_id=None,
             day=day, gpu_seconds=Decimal(0), gb_seconds=gb_seconds, price_card_id=None,
             cost=gb_seconds * price / SECONDS_PER_MONTH, cloud_cost=None, currency=_currency(),
         ))
     return pieces
+
+
+def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
+    return _kept_pieces(f"checkpoint:{checkpoint.id}", checkpoint.bytes, checkpoint.created_at, checkpoint.deleted_at,
+                        checkpoint.job.tenant_id, checkpoint.job_id, upto, since)
+
+
+def bundle_pieces(bundle: Bundle, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
+    """A code bundle's stored archive, charged like a checkpoint: the tenant's, no job's."""
+    return _kept_pieces(f"bundle:{bundle.id}", bundle.size_bytes, bundle.created_at, bundle.deleted_at,
+                        bundle.tenant_id, None, upto, since)
+
+
+_STORAGE_PIECES = {"checkpoint": checkpoint_pieces, "bundle": bundle_pieces}
 
 
 # --- Writing it -------------------------------------------------------------------------------
@@ -293,7 +311,7 @@ class _Seen:
 
 
 def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices, *,
-          fresh: bool = True) -> list[_Work]:
+          fresh: bool = True, bundles: list[Bundle] = ()) -> list[_Work]:
     """What to write for these items, counting open ones through `through`.
 
     `fresh`: read the items' settlements now (a writer, under the items' locks); otherwise use what
@@ -303,12 +321,13 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
         rows = Settlement.objects.filter(
             Q(kind="attempt", object_id__in=[a.id for a in attempts])
             | Q(kind="checkpoint", object_id__in=[c.id for c in checkpoints])
+            | Q(kind="bundle", object_id__in=[b.id for b in bundles])
         )
         settled = {f"{row.kind}:{row.object_id}": _Seen(row.upto, row.closed) for row in rows}
     else:
         settled = {
             f"{prefix}{obj.id}": _Seen(obj.settled_upto, obj.settled_closed)
-            for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints))
+            for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints), ("bundle:", bundles))
             for obj in objs if obj.settled_upto is not None
         }
     work = []
@@ -324,14 +343,15 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
             counted_to = row.ended_at or row.end or through
             work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, counted_to,
                               row.end is not None))
-    for checkpoint in checkpoints:
-        item, seen = f"checkpoint:{checkpoint.id}", settled.get(f"checkpoint:{checkpoint.id}")
-        if checkpoint.deleted_at is None and seen is not None and not seen.closed:
-            pieces = checkpoint_pieces(checkpoint, through, since=seen.upto)
-            work.append(_Work(item, pieces, True, through, False))
-        else:
-            work.append(_Work(item, checkpoint_pieces(checkpoint, checkpoint.deleted_at or through), False,
-                              checkpoint.deleted_at or through, checkpoint.deleted_at is not None))
+    for kind, kept in (("checkpoint", checkpoints), ("bundle", bundles)):
+        pieces_of = _STORAGE_PIECES[kind]
+        for obj in kept:
+            item, seen = f"{kind}:{obj.id}", settled.get(f"{kind}:{obj.id}")
+            if obj.deleted_at is None and seen is not None and not seen.closed:
+                work.append(_Work(item, pieces_of(obj, through, since=seen.upto), True, through, False))
+            else:
+                work.append(_Work(item, pieces_of(obj, obj.deleted_at or through), False,
+                                  obj.deleted_at or through, obj.deleted_at is not None))
     return work
 
 
@@ -360,7 +380,7 @@ def _lock_flavors(flavor_ids, *, shared: bool) -> None:
         )
 
 
-def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime) -> int:
+def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime, bundle_ids: list[int] = ()) -> int:
     """Settle a batch of items (with the other attempts of their jobs) in one transaction, each item
     locked so two sweeps never add the same piece.
 
@@ -373,7 +393,8 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime)
         jobs = JobAttempt.objects.filter(id__in=attempt_ids).values("job_id")
         attempt_ids = sorted(set(attempt_ids) | set(JobAttempt.objects.filter(job_id__in=jobs)
                                                      .values_list("id", flat=True)))
-    items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids])
+    items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids]
+                   + [f"bundle:{i}" for i in bundle_ids])
     if not items:
         return 0
     with transaction.atomic():
@@ -384,8 +405,9 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime)
             )
         attempts = list(JobAttempt.objects.select_related("job").filter(id__in=attempt_ids).order_by("id"))
         checkpoints = list(Checkpoint.objects.select_related("job").filter(id__in=checkpoint_ids).order_by("id"))
+        bundles = list(Bundle.objects.filter(id__in=bundle_ids).order_by("id"))
         _lock_flavors({attempt.job.flavor_id for attempt in attempts}, shared=True)
-        work = _plan(attempts, checkpoints, through, Prices())
+        work = _plan(attempts, checkpoints, through, Prices(), bundles=bundles)
         written_before = set(_written([entry.item for entry in work]))
         changes = _changes(work)
         UsageEntry.objects.bulk_create([
@@ -416,16 +438,20 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
     """
     fields = {JobAttempt: ["number", "admitted_at", "ended_at", "job__tenant_id", "job__flavor_id", "job__replicas",
                            "job__gpus_per_replica"],
-              Checkpoint: ["bytes", "created_at", "deleted_at", "job__tenant_id"]}[model]
-    rows = model.objects.select_related("job").only("id", "job_id", *fields)
-    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint"}[model]
+              Checkpoint: ["bytes", "created_at", "deleted_at", "job__tenant_id"],
+              Bundle: ["size_bytes", "created_at", "deleted_at", "tenant_id"]}[model]
+    if model is Bundle:  # a tenant's own, no job's
+        rows, tenant_field = model.objects.only("id", *fields), "tenant_id"
+    else:
+        rows, tenant_field = model.objects.select_related("job").only("id", "job_id", *fields), "job__tenant_id"
+    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint", Bundle: "bundle"}[model]
     settlement = Settlement.objects.filter(kind=kind, object_id=OuterRef("id"))
     rows = rows.annotate(settled_upto=Subquery(settlement.values("upto")[:1]),
                          settled_closed=Subquery(settlement.values("closed")[:1]))
     if tenant_ids is not None:
-        rows = rows.filter(job__tenant_id__in=tenant_ids)
+        rows = rows.filter(**{f"{tenant_field}__in": tenant_ids})
     if job_ids is not None:
-        rows = rows.filter(job_id__in=job_ids)
+        rows = rows.none() if model is Bundle else rows.filter(job_id__in=job_ids)
     counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
     counted_through = settlement.filter(
         Q(closed=True) | Q(upto__gte=min(through, counted_since or through))
@@ -524,14 +550,18 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
     _capacity_history_started(now)
     items = entries = 0
     for model, end_field, start_field in ((JobAttempt, "ended_at", "admitted_at"),
-                                          (Checkpoint, "deleted_at", "created_at")):
+                                          (Checkpoint, "deleted_at", "created_at"),
+                                          (Bundle, "deleted_at", "created_at")):
         after = 0
         while True:
             rows, ended, running = _stale_query(model, end_field, start_field, through)
             ids = list(rows.filter(ended | running, id__gt=after).order_by("id").values_list("id", flat=True)[:batch])
             if not ids:
                 break
-            entries += _write(ids, [], through) if model is JobAttempt else _write([], ids, through)
+            if model is JobAttempt:
+                entries += _write(ids, [], through)
+            else:
+                entries += _write([], ids, through) if model is Checkpoint else _write([], [], through, ids)
             items, after = items + len(ids), ids[-1]
             if time.monotonic() - started >= budget_s:
                 return {"items": items, "entries": entries, "more": True}
@@ -551,5 +581,7 @@ def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: lis
     after_today = midnight(utc_day(now)) + timedelta(days=1)  # everything up to now counts, today included
     attempts = _stale_attempts(after_today, tenant_ids, job_ids)
     checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)), job_ids=job_ids)
-    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False))
+    # Kept bundles are few beside checkpoints: each is planned (today's tail from the last midnight counted).
+    bundles = _stale(Bundle, "deleted_at", "created_at", after_today, tenant_ids, job_ids=job_ids)
+    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False, bundles=bundles))
             + _kept_checkpoints_today(now, tenant_ids, job_ids))
