@@ -539,12 +539,14 @@ class LocalJobs:
         return "\n".join(lines[-tail:]) + ("\n" if lines else "")
 
     def progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
-        """New records of the job folder's checkpoints.jsonl, then metrics.jsonl, from the cursor's byte offsets.
+        """New records of the job folder's checkpoints.jsonl, stops.jsonl, then metrics.jsonl, from the cursor's
+        byte offsets.
 
-        The cursor is {"checkpoints": offset, "metrics": offset} (a missing or unusable key: 0).
-        Both files are the job's, shared by its attempts; the portal keeps one cursor per job and
-        each record names its attempt, so nothing is filtered here. Checkpoints first: they are
-        few and what a resume needs; metrics take what is left of PROGRESS_READ_MAX_BYTES.
+        The cursor is {"checkpoints": offset, "stops": offset, "metrics": offset} (a missing or unusable
+        key: 0). The files are the job's, shared by its attempts; the portal keeps one cursor per job and
+        each record names its attempt, so nothing is filtered here. Checkpoints and stops first: they are
+        few and what a resume (and an exit after a stop) needs; metrics take what is left of
+        PROGRESS_READ_MAX_BYTES.
         Only whole lines are taken; ``bytes_read`` counts them (a torn last line read and left
         for the next call does not count, so a read that returns 0 means nothing new).
         """
@@ -552,15 +554,20 @@ class LocalJobs:
         left = PROGRESS_READ_MAX_BYTES
         found: dict[str, list[dict]] = {}
         new_cursor: dict[str, int] = {}
-        for key, name in (("checkpoints", progress.CHECKPOINTS_FILE), ("metrics", progress.METRICS_FILE)):
+        for key, name in (("checkpoints", progress.CHECKPOINTS_FILE), ("stops", progress.STOPS_FILE),
+                          ("metrics", progress.METRICS_FILE)):
             start = cursor.get(key) if isinstance(cursor, dict) else None
             start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
-            chunk = progress.read_jsonl_chunk(job_dir / name, start, left, whole_budget=left == PROGRESS_READ_MAX_BYTES)
+            whole_budget = left == PROGRESS_READ_MAX_BYTES
+            if key == "stops":
+                chunk = _stop_chunk(job_dir / name, start, left, whole_budget=whole_budget)
+            else:
+                chunk = progress.read_jsonl_chunk(job_dir / name, start, left, whole_budget=whole_budget)
             found[key] = chunk.records
             new_cursor[key] = chunk.offset
             left -= chunk.taken
         return ProgressRead(
-            metrics=found["metrics"], checkpoints=found["checkpoints"], cursor=new_cursor,
+            metrics=found["metrics"], checkpoints=found["checkpoints"], stops=found["stops"], cursor=new_cursor,
             bytes_read=PROGRESS_READ_MAX_BYTES - left,
         )
 
@@ -619,6 +626,31 @@ def _script_variables(launch: JobLaunch, job_dir: Path, environment: dict | None
         env["VIRTUAL_ENV"] = sys.prefix
     env["PATH"] = ":".join(bins)
     return env
+
+
+def _stop_chunk(path: Path, offset: int, budget: int, *, whole_budget: bool) -> progress.Chunk:
+    """The stop records (objects with an integer "attempt") of the whole lines in at most `budget` bytes of
+    stops.jsonl from `offset`; the same reading as `progress.read_jsonl_chunk`, whose records need a step."""
+    try:
+        with open(path, "rb") as stream:
+            if os.fstat(stream.fileno()).st_size < offset:
+                offset = 0
+            stream.seek(offset)
+            data = stream.read(max(0, budget))
+    except FileNotFoundError:
+        return progress.Chunk([], offset, 0)
+    end = data.rfind(b"\n") + 1
+    if end == 0 and whole_budget and 0 < budget == len(data):
+        return progress.Chunk([], offset + budget, budget)
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("attempt"), int) and not isinstance(record["attempt"], bool):
+            records.append(record)
+    return progress.Chunk(records, offset + end, end)
 
 
 def _remove_tree(path: Path) -> None:

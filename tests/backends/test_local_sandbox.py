@@ -20,7 +20,7 @@ from runners.backends.base import BundleRef, JobLaunch, PermanentBackendError, R
 from runners.backends.local import LocalBackend
 from runners.backends.local_jobs import REPO_ROOT
 from runners.nvidia import names
-from runners.workloads import sandbox, supervise
+from runners.workloads import progress, sandbox, supervise
 from tests.support.races import wait_until
 
 pytestmark = [
@@ -361,3 +361,15 @@ def test_a_bundle_whose_digest_differs_is_refused(tmp_path):
     with pytest.raises(PermanentBackendError, match="not the one it names"):
         backend.launch_job(script_launch(15, forged, ("python", "main.py")))
     assert not (backend.jobs.bundles_dir / "acme" / ("0" * 64)).exists()
+
+
+def test_a_progress_read_carries_the_stop_records_once(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    job_dir = backend.jobs.job_dir(16)
+    job_dir.mkdir(parents=True)
+    stop = {"attempt": 1, "rank": 0, "reason": "SIGTERM received", "checkpoint_step": 40, "time": "t"}
+    (job_dir / progress.STOPS_FILE).write_text(json.dumps(stop) + "\n" + '"not a record"\n' + '{"attempt": 2, "ra')
+    first = backend.job_progress(16, 1, {})
+    assert first.stops == [stop]
+    assert first.cursor["stops"] == (job_dir / progress.STOPS_FILE).read_bytes().rindex(b"\n") + 1
+    assert backend.job_progress(16, 1, first.cursor).stops == [], "each record once; a torn line waits"
