@@ -71,6 +71,8 @@ def local_backend_options() -> dict:
         cluster_file=settings.LOCAL_CLUSTER_FILE,
         use_nvml=settings.LOCAL_USE_NVML,
         jobs_dir=settings.LOCAL_JOBS_DIR,
+        sandbox=settings.LOCAL_SANDBOX,
+        bundle_storage_options=settings.BUNDLE_STORAGE_OPTIONS,
     )
 
 
