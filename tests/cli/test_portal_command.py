@@ -253,3 +253,41 @@ def test_exit_codes_say_what_went_wrong(cli, trained):
     # 5: nothing answers at the URL.
     down = cli("ls", env={"PORTAL_URL": f"http://127.0.0.1:{free_port()}"})
     assert down.returncode == 5 and "cannot reach" in one_line_error(down)
+
+
+SCRIPT = """
+import json, os, sys
+print("files", sorted(os.listdir(".")))
+print("argv", sys.argv[1:])
+print("hyperparameters", json.loads(os.environ.get("PORTAL_HYPERPARAMETERS") or "{}"))
+"""
+
+
+def test_run_uploads_this_folder_once_and_runs_its_command_there(cli):
+    folder = cli.home / "my-script"
+    (folder / "data").mkdir(parents=True)
+    (folder / "train.py").write_text(SCRIPT)
+    (folder / "fail.py").write_text("import sys\nprint('giving up')\nsys.exit(3)\n")
+    (folder / "data" / "big.bin").write_bytes(b"0" * 1000)
+    (folder / "secret.txt").write_text("not for the portal\n")
+    (folder / ".gitignore").write_text("data/\n")
+    (folder / ".portalignore").write_text("secret.txt\n")
+
+    result = cli("run", "--flavor", "h100-80gb", "--hp", "lr=0.01", "--", "python", "train.py", "--epochs", "3",
+                 cwd=folder, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Uploaded my-script" in result.stderr
+    assert "files ['.gitignore', '.portalignore', 'fail.py', 'train.py']" in result.stdout
+    assert "argv ['--epochs', '3']" in result.stdout
+    assert "'lr': 0.01" in result.stdout
+    job_id = int(re.search(r"Submitted job (\d+)", result.stderr).group(1))
+    job = cli.json("status", str(job_id))
+    assert (job["name"], job["spec"]["template"], job["spec"]["command"]) == (
+        "my-script", "script", ["python", "train.py", "--epochs", "3"])
+
+    failed = cli("run", "--flavor", "h100-80gb", "--name", "my-script-fails", "--", "python", "fail.py",
+                 cwd=folder, timeout=600)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "The portal has this code already" in failed.stderr and "Uploaded" not in failed.stderr
+    assert "giving up" in failed.stdout
+    assert re.search(r"job \d+ failed", failed.stderr)
