@@ -1,5 +1,6 @@
 """Browser forms: shape and syntax only; the services decide what is allowed."""
 
+import json
 from contextlib import contextmanager
 from decimal import Decimal
 
@@ -8,6 +9,7 @@ from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth.forms import AuthenticationForm
 from django.core import validators
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.template.defaultfilters import filesizeformat
 
 from common import nulls
 from frontend.drawings import parse_layout
@@ -206,14 +208,50 @@ def _job_bound(field: str) -> dict:
     return {"min_value": low, "max_value": high}
 
 
+JOB_TEMPLATES = [
+    ("pytorch-ddp", "The portal's trainer (a small language model, PyTorch DDP)"),
+    ("script", "My own script, from one of the tenant's bundles"),
+]
+
+
+def command_lines(text: str) -> list[str]:
+    """A command typed one argument per line: each line is one argument as it stands (spaces around it dropped,
+    blank lines skipped). No quoting and no shell: what is typed is what the script's argv holds."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def bundle_label(bundle) -> str:
+    """How the bundle picker shows one bundle: its digest's start, what it holds, when it came."""
+    files = f"{bundle.files} file{'' if bundle.files == 1 else 's'}"
+    return (f"{bundle.sha256[:12]} · {files}, {filesizeformat(bundle.unpacked_bytes)} · "
+            f"uploaded {bundle.created_at:%Y-%m-%d %H:%M}")
+
+
 class JobForm(forms.Form):
     """The submit form: the API's fields, the flavor offered only where the tenant has quota.
 
     The form checks every field's shape itself, so one submit shows every such error at once:
     the service stops at the first bad field, and is asked only once the form is valid. What
-    depends on the quota and the cluster is still the service's to say.
+    depends on the quota and the cluster is still the service's to say. A script job also names
+    one of the tenant's bundles (newest first) and its command, one argument per line.
     """
 
+    template = forms.ChoiceField(choices=JOB_TEMPLATES, required=False, initial="pytorch-ddp", label="What it runs",
+                                 widget=forms.RadioSelect)
+    bundle = forms.ChoiceField(choices=(), required=False, initial="", label="Bundle",
+                               help_text="Script jobs: the code it runs (upload one with `portal run` or the API).")
+    command = forms.CharField(
+        required=False, initial="", label="Command", max_length=jobs.COMMAND_MAX_CHARS + jobs.COMMAND_MAX_ARGS,
+        widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false", "autocomplete": "off",
+                                     "placeholder": "python\ntrain.py\n--epochs\n3"}),
+        help_text="Script jobs: one argument per line, run in the bundle's folder as typed (no shell, no quoting).",
+    )
+    hyperparameters = forms.CharField(
+        required=False, initial="", label="Hyperparameters (JSON)",
+        max_length=jobs.SCRIPT_HYPERPARAMETERS_MAX_BYTES,
+        widget=forms.Textarea(attrs={"rows": 3, "spellcheck": "false", "placeholder": '{"lr": 0.001}'}),
+        help_text="Script jobs: a JSON object the script reads as PORTAL_HYPERPARAMETERS.",
+    )
     environment = forms.TypedChoiceField(coerce=int, choices=())
     name = forms.CharField(max_length=jobs.NAME_MAX, validators=[_name_validator(jobs.NAME_PATTERN, jobs.NAME_MAX)],
                            help_text="Lowercase letters, digits and '-'.")
@@ -224,8 +262,8 @@ class JobForm(forms.Form):
     cpu_milli_per_replica = forms.IntegerField(initial=2000, label="CPU per replica (millicores)",
                                                **_job_bound("cpu_milli_per_replica"))
     memory_mib_per_replica = forms.IntegerField(initial=4096, label="Memory per replica (MiB)",
-                                                min_value=TRAINER_MIN_MEMORY_MIB,
-                                                max_value=jobs.BOUNDS["memory_mib_per_replica"][1])
+                                                **_job_bound("memory_mib_per_replica"),
+                                                help_text=f"At least {TRAINER_MIN_MEMORY_MIB} for the portal's trainer.")
     topology_level = forms.ChoiceField(
         label="Keep replicas together", initial="node",
         choices=[("none", "Anywhere"), ("node", "On one node"), ("nvlink", "In one NVLink domain"), ("rack", "In one rack")],
@@ -240,10 +278,11 @@ class JobForm(forms.Form):
     max_runtime_s = forms.IntegerField(initial=3600, label="Maximum runtime (s)", **_job_bound("max_runtime_s"))
     max_retries = forms.IntegerField(initial=3, **_job_bound("max_retries"))
 
-    def __init__(self, *args, environments, flavors, **kwargs):
+    def __init__(self, *args, environments, flavors, bundles=(), **kwargs):
         super().__init__(*args, **kwargs)
         self.fields["environment"].choices = [(e.id, e.name) for e in environments]
         self.fields["flavor"].choices = [(row["name"], row["label"]) for row in flavors]
+        self.fields["bundle"].choices = [("", "Choose a bundle")] + [(b.sha256, bundle_label(b)) for b in bundles]
 
     def clean(self):
         # Add each error and go on: bailing out at the first would hide the rest until the next submit.
@@ -251,12 +290,36 @@ class JobForm(forms.Form):
         steps, every = data.get("steps"), data.get("checkpoint_every_steps")
         if steps is not None and every is not None and every > steps:
             self.add_error("checkpoint_every_steps", f"Must be between 0 and {steps}, got {every}.")
+        data["template"] = data.get("template") or "pytorch-ddp"
+        if data["template"] == "script":
+            self._clean_script(data)
+        elif (data.get("memory_mib_per_replica") or TRAINER_MIN_MEMORY_MIB) < TRAINER_MIN_MEMORY_MIB:
+            self.add_error("memory_mib_per_replica", f"At least {TRAINER_MIN_MEMORY_MIB} for the portal's trainer.")
         return data
+
+    def _clean_script(self, data: dict) -> None:
+        if not data.get("bundle"):
+            self.add_error("bundle", "Choose the bundle the script is in.")
+        data["command"] = command_lines(data.get("command") or "")
+        if not data["command"]:
+            self.add_error("command", "Give the command, one argument per line (e.g. python, then train.py).")
+        text = (data.get("hyperparameters") or "").strip()
+        try:
+            data["hyperparameters"] = json.loads(text) if text else {}
+        except ValueError as exc:
+            self.add_error("hyperparameters", f"Not JSON: {exc}.")
+            return
+        if not isinstance(data["hyperparameters"], dict):
+            self.add_error("hyperparameters", 'A JSON object, e.g. {"lr": 0.001}.')
 
     def job_data(self, tenant_slug: str) -> dict:
         data = dict(self.cleaned_data)
         data["topology"] = {"level": data.pop("topology_level"), "mode": data.pop("topology_mode")}
-        return {"tenant": tenant_slug, "template": "pytorch-ddp", **data}
+        if data["template"] != "script":
+            # The trainer's form sends none of a script's fields (what was typed there is not for it).
+            for field in ("bundle", "command", "hyperparameters"):
+                data.pop(field)
+        return {"tenant": tenant_slug, **data}
 
     def add_job_errors(self, error: ValidationError) -> None:
         renamed = {"topology.level": "topology_level", "topology.mode": "topology_mode"}

@@ -1,6 +1,8 @@
 """Job pages: a tenant's jobs with the submit form, and one job's page that follows it live."""
 
+import json
 import re
+import shlex
 from datetime import timedelta
 from decimal import Decimal
 
@@ -20,6 +22,7 @@ from frontend import charts
 from frontend.filters import JobPageFilter, page_list
 from frontend.forms import JobForm
 from quotas import selectors as quota_selectors
+from runners.bundles.models import Bundle
 from runners.environments import selectors as environment_selectors
 from runners.environments.models import EnvironmentState
 from runners.inference.models import Replica
@@ -49,10 +52,21 @@ def _flavor_rows(tenant) -> list[dict]:
     return sorted(rows, key=lambda row: row["name"])
 
 
+# The bundle picker offers the tenant's newest bundles, at most this many.
+BUNDLE_CHOICES = 100
+
+
+def _bundles(tenant) -> list:
+    """The tenant's kept bundles, newest first: what the submit form's picker offers."""
+    return list(Bundle.objects.filter(tenant=tenant, deleted_at__isnull=True).order_by("-created_at", "-id")
+                [:BUNDLE_CHOICES])
+
+
 def _render_jobs(request, tenant, form=None, *, status=200, source=None):
     can_submit = selectors.user_has_role(user=request.user, tenant=tenant, at_least=Role.MEMBER)
     ready = environment_selectors.environment_list(user=request.user, tenant=tenant, state=EnvironmentState.READY)
     flavors = _flavor_rows(tenant)
+    bundles = _bundles(tenant)
     jobs_page = page_list(request, JobPageFilter,
                           job_selectors.job_list(user=request.user, tenant=tenant.slug).prefetch_related("attempts"))
     now = timezone.now()
@@ -64,7 +78,8 @@ def _render_jobs(request, tenant, form=None, *, status=200, source=None):
         "list": jobs_page,
         "can_submit": can_submit,
         "flavors": flavors,
-        "form": form or JobForm(environments=ready, flavors=flavors),
+        "form": form or JobForm(environments=ready, flavors=flavors, bundles=bundles),
+        "bundles": bundles,
         "has_environment": ready.exists(),
         "source": source,
     }
@@ -98,13 +113,19 @@ def clone_initial(job: Job) -> dict:
         name=clone_name(job.name), environment=job.environment_id, flavor=job.flavor.name, replicas=job.replicas,
         gpus_per_replica=job.gpus_per_replica, priority=job.priority, preemptible=job.preemptible,
         topology_level=topology.get("level", "none"), topology_mode=topology.get("mode", jobs.DEFAULT_TOPOLOGY_MODE),
+        template=spec.get("template", "pytorch-ddp"),
     )
+    if spec.get("template") == "script":
+        # The command one argument per line, as the form takes it back; the hyperparameters as JSON.
+        initial.update(bundle=spec.get("bundle") or "", command="\n".join(spec.get("command") or ()),
+                       hyperparameters=json.dumps(spec.get("hyperparameters") or {}, indent=2, sort_keys=True))
     return initial
 
 
 def can_clone(job: Job) -> bool:
-    """The submit form runs the shipped trainer: only its training jobs can be filled into it."""
-    return job.kind == Job.Kind.TRAINING and job.spec.get("template") == "pytorch-ddp"
+    """The submit form runs the shipped trainer or a script from a bundle: only such training jobs can be
+    filled into it (a custom image's job is the API's)."""
+    return job.kind == Job.Kind.TRAINING and job.spec.get("template") in ("pytorch-ddp", "script")
 
 
 @login_required
@@ -121,9 +142,9 @@ def job_submit(request, slug):
                 raise NotFound("No such job to clone in this tenant.")
         flavors = _flavor_rows(tenant)
         initial = clone_initial(source) if source else None
-        return _render_jobs(request, tenant, JobForm(initial=initial, environments=ready, flavors=flavors),
-                            source=source)
-    form = JobForm(request.POST, environments=ready, flavors=_flavor_rows(tenant))
+        return _render_jobs(request, tenant, JobForm(initial=initial, environments=ready, flavors=flavors,
+                                                     bundles=_bundles(tenant)), source=source)
+    form = JobForm(request.POST, environments=ready, flavors=_flavor_rows(tenant), bundles=_bundles(tenant))
     if form.is_valid():
         try:
             job = jobs.job_submit(actor=request.user, data=form.job_data(tenant.slug))
@@ -201,6 +222,10 @@ def _job_context(request, job_id) -> dict:
         # Nothing to offer once it is being cancelled, or once it is over.
         can_cancel=job.state not in (*JOB_FINAL_STATES, JobState.CANCELLING) and is_member,
         can_clone=is_member and can_clone(job),
+        # What a script or custom job runs: its argument list, written as a shell would quote it to read (it is
+        # never run through one).
+        command_text=shlex.join(job.spec["command"]) if job.spec.get("command") else "",
+        hyperparameters_text=json.dumps(job.spec.get("hyperparameters") or {}, sort_keys=True),
         # A checkpoint of the shipped trainer can be served (frontend/endpoint_views.py's deploy form).
         can_serve=bool(context["checkpoints"]) and job.kind == Job.Kind.TRAINING
         and job.spec.get("template") == "pytorch-ddp" and is_member,
