@@ -263,6 +263,9 @@ class AttemptStatus:
     exit_codes: dict[int, int] = field(default_factory=dict)
     reason: str = ""
     node_lost: bool = False
+    # Why a running attempt still waits for some of its replicas (the cluster refuses to create
+    # their pods: a quota, an admission policy); "" when it does not, and on backends that cannot tell.
+    waiting: str = ""
 
 
 # How many bytes of a job's progress (metrics and checkpoint records) one read returns at most;

@@ -397,6 +397,34 @@ def attempt_status(
     return AttemptStatus("running", exit_codes=dict(exits))
 
 
+# The reason the Job and ReplicaSet controllers record when the API server refuses a pod they create.
+FAILED_CREATE = "FailedCreate"
+# What the event recorder puts before the message of similar events it combined into one.
+_COMBINED = "(combined from similar events): "
+
+
+def pods_refused(events: list[dict], *, uid: str = "", name_prefix: str = "") -> str:
+    """Why the cluster refuses to create an attempt's pods: the newest Warning FailedCreate Event about
+    its Job (the Job's `uid`) or its ReplicaSets (names starting with `name_prefix`); "" when none says so.
+
+    The controllers keep trying, so the newest refusal is the one that holds now (an admission
+    message such as `Error creating: pods "..." is forbidden: exceeded quota: ...`).
+    """
+    refusals = []
+    for event in events:
+        involved = event.get("involvedObject") or {}
+        if event.get("type") != "Warning" or event.get("reason") != FAILED_CREATE:
+            continue
+        if (uid and involved.get("uid") == uid) or (name_prefix and (involved.get("name") or "").startswith(name_prefix)):
+            refusals.append(event)
+    if not refusals:
+        return ""
+    newest = max(refusals, key=lambda event: (event.get("lastTimestamp") or event.get("eventTime") or "",
+                                              event.get("count") or 0))
+    message = (newest.get("message") or "").removeprefix(_COMBINED).strip()
+    return f"Waiting for its pods: the cluster refuses to create them ({message})."
+
+
 def _parse_time(text: str | None) -> datetime | None:
     if not text:
         return None

@@ -38,6 +38,7 @@ environment deletes its members' ServiceAccounts (the namespace's deletion canno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -111,6 +112,8 @@ KINDS = {
     "Deployment": "apps/v1",
     "ReplicaSet": "apps/v1",
     "PodDisruptionBudget": "policy/v1",
+    # Core v1, where the Job and ReplicaSet controllers record FailedCreate (client-go's EventRecorder).
+    "Event": "v1",
 }
 # The label selector of everything the portal made.
 OWN = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -949,11 +952,37 @@ class KubernetesBackend:
             job = self._read_controller(pods, job_id, attempt)
             spec = (job or {}).get("spec") or {}
             replicas = replicas or spec.get("completions", spec.get("replicas", 0))
-        return k8s_jobs.attempt_status(
+        status = k8s_jobs.attempt_status(
             replicas=replicas, pods=pods, exits=self.tracker.exits.get(key, {}),
             vanished=self.tracker.vanished.get(key, {}), job=job, lost_nodes=lost, vanished_nodes=vanished_nodes,
             disrupted=self.tracker.disrupted.get(key, {}),
         )
+        if status.phase == "running" and job is not None:
+            # Some replica has no pod yet (the Job was read for that reason alone): say why, if the cluster refuses them.
+            status = dataclasses.replace(status, waiting=self._pods_refused(job))
+        return status
+
+    def _pods_refused(self, controller: dict) -> str:
+        """Why the cluster refuses to make an attempt's pods, from the FailedCreate Events its controller
+        recorded (one list call): on its Job, or on its Deployment's ReplicaSets; "" when there is none.
+
+        Read only for an attempt with a replica that has no pod. A failed read says nothing (it is
+        logged): the attempt's status does not depend on it.
+        """
+        metadata = controller.get("metadata") or {}
+        name = metadata.get("name", "")
+        serving = ENDPOINT_LABEL in (metadata.get("labels") or {})
+        selector = ("involvedObject.kind=ReplicaSet" if serving else f"involvedObject.kind=Job,involvedObject.name={name}")
+        try:
+            listing = self._checked("Event", "list", namespace=metadata.get("namespace"),
+                                    field_selector=f"{selector},reason={k8s_jobs.FAILED_CREATE}")[1]
+        except BackendError as exc:
+            logger.warning("Could not read why the pods of %s/%s are not created: %s", metadata.get("namespace"), name, exc)
+            return ""
+        events = listing.get("items") or []
+        if serving:
+            return k8s_jobs.pods_refused(events, name_prefix=f"{name}-")
+        return k8s_jobs.pods_refused(events, uid=metadata.get("uid", ""))
 
     def _read_controller(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:
         """The attempt's Job, or its Deployment for an inference replica (its pods say which); None once gone."""

@@ -41,6 +41,23 @@ logger = logging.getLogger(__name__)
 
 # pg_advisory_lock's key for the reconcile: "reconc" in ASCII.
 RECONCILE_LOCK_KEY = 0x7265636F6E63
+# Between a running job's reason and why its attempt still waits for pods (the backend's `waiting`).
+WAITING_MARK = " Now: "
+
+
+def _show_waiting(job: Job, waiting: str) -> None:
+    """A running job's reason says why its attempt waits (the cluster refuses its pods), or no longer does.
+
+    The reason is the one its move to running wrote, with the backend's `waiting` after WAITING_MARK;
+    it is written only when that changes, and only over the reason this pass read (a compare-and-set:
+    a transition meanwhile keeps its own). No JobEvent: the state does not change.
+    """
+    if job.state != JobState.RUNNING:
+        return
+    shown = job.reason.partition(WAITING_MARK)[0]
+    wanted = f"{shown}{WAITING_MARK}{waiting}"[:1000] if waiting else shown
+    if wanted != job.reason and Job.objects.filter(id=job.id, state=job.state, reason=job.reason).update(reason=wanted):
+        job.reason = wanted
 
 
 def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
@@ -65,6 +82,7 @@ def _reconcile_one(backend, job: Job, attempt: JobAttempt | None, now) -> str:
     finished = status.phase != "running"
     progress_record(job, attempt, backend, drain=finished)
     if not finished:
+        _show_waiting(job, status.waiting)
         if job.stop_deadline and now >= job.stop_deadline:
             backend.kill_job(job.id, attempt.number)
             return "killed"

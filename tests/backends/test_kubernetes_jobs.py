@@ -21,6 +21,7 @@ from runners.nvidia import names
 from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
 from tests.support.k8s import environment_namespace, gpu_node, pods_by_rank, training_pod
 from tests.support.k8s_standin import KubernetesStandIn
+from tests.support.races import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -50,9 +51,18 @@ def cluster(standin):
 
 
 def launched(backend, standin, launch=None):
+    """Launch, then sync until the Job controller has made every replica's pod (a moment after the Job)
+    and the backend has bound each one, and the watch has seen the bindings."""
     launch = launch or make_launch()
     backend.launch_job(launch)
-    backend._sync(force=True)  # the watch sees the bindings the launch made
+
+    def all_bound() -> bool:
+        backend._sync(force=True)
+        pods = pods_by_rank(standin, launch.job_id, launch.attempt, namespace=launch.namespace)
+        return len(pods) == len(launch.replicas) and all(pod["spec"].get("nodeName") for pod in pods.values())
+
+    assert wait_until(all_bound, timeout_s=10)
+    backend._sync(force=True)  # the watch sees the last bindings
     return launch
 
 
@@ -124,9 +134,10 @@ def test_the_watch_resumes_from_the_last_resource_version(backend, cluster):
     assert watch and watch[0].query["resourceVersion"] == [listed_at]
     assert backend.pods.resource_version != listed_at  # the binding events moved it on
     cluster.clear_log()
+    reached = backend.pods.resource_version
     backend._sync(force=True)
     watch = [r for r in cluster.requests if r.query.get("watch")]
-    assert watch[0].query["resourceVersion"] == [backend.pods.resource_version]
+    assert watch[0].query["resourceVersion"] == [reached]
     assert backend.pods.lists == 1
 
 
@@ -206,9 +217,17 @@ def test_a_complete_job_ends_the_attempt_even_unseen(make_backend, backend, clus
 def test_one_pod_the_server_will_not_bind_stops_nothing_else(backend, cluster):
     cluster.inject(403, method="POST", path_contains="/binding", count=1)
     backend.launch_job(make_launch())
+
+    def refused() -> bool:
+        backend._sync(force=True)  # binds every pod the Job controller has made by now
+        return any(r.status == 403 and r.path.endswith("/binding") for r in cluster.requests)
+
+    assert wait_until(refused, timeout_s=10)
+    bound = [pod for pod in pods_by_rank(cluster).values() if pod["spec"].get("nodeName")]
+    assert len(bound) == 2, "the others are bound in the sync that met the refusal"
     backend._sync(force=True)
     bound = [pod for pod in pods_by_rank(cluster).values() if pod["spec"].get("nodeName")]
-    assert len(bound) == 3, "the refused one is bound on the next sync, the others at once"
+    assert len(bound) == 3, "the refused one is bound on the next sync"
     assert backend.job_status(41, 1).phase == "running"
 
 

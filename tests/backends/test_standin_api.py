@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.k8s import api_call, gpu_node
 from tests.support.k8s_standin import APPLY_PATCH, KubernetesStandIn
+from tests.support.races import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -38,8 +39,9 @@ def serve(api, replicas: int, *, max_unavailable=1) -> list[str]:
                        (f"/apis/policy/v1/namespaces/{NAMESPACE}/poddisruptionbudgets", budget)):
         status, answer = api_call(api, "POST", path, body)
         assert status == 201, answer
+    # The ReplicaSet controller makes the pods a moment after the Deployment, in its own pass.
+    assert wait_until(lambda: len(api.pods(NAMESPACE)) == replicas, timeout_s=10)
     names = [pod["metadata"]["name"] for pod in api.pods(NAMESPACE)]
-    assert len(names) == replicas
     for name in names:
         assert bind(api, name) == 201
     return names

@@ -17,6 +17,7 @@ import pytest
 
 from tests.support.k8s import api_call, gpu_node
 from tests.support.k8s_standin import APPLY_PATCH, MERGE_PATCH, KubernetesStandIn, answer_problem
+from tests.support.races import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -161,6 +162,17 @@ def token(seconds):
                       "spec": {"expirationSeconds": seconds}}))
 
 
+def refused_job(api):
+    """A Job whose pod a ResourceQuota refuses: the Job controller records FailedCreate on it."""
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods", "namespace": NS},
+             "spec": {"hard": {"pods": "0"}}}
+    api_call(api, "POST", f"/api/v1/namespaces/{NS}/resourcequotas", quota)
+    apply(JOBS, job())(api)
+    assert wait_until(lambda: api.events(NS, reason="FailedCreate"), timeout_s=10)
+    return api
+
+
+EVENTS = f"/api/v1/namespaces/{NS}/events"
 CM = "/api/v1/namespaces/gpu-operator/configmaps"
 CLAIMS = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
 JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
@@ -266,6 +278,12 @@ TABLE: dict[tuple[str, str, str], list[Case]] = {
     ("Deployment", "list", ""): [Case("all namespaces", get("/apis/apps/v1/deployments"), 200)],
     ("Deployment", "delete", ""): [
         Case("missing", delete(f"{DEPLOYMENTS}/nope?propagationPolicy=Background"), 404, "NotFound"),
+    ],
+    ("Event", "list", ""): [
+        Case("a refused Job's", then(refused_job, get(f"{EVENTS}?fieldSelector=involvedObject.kind%3DJob%2C"
+                                                       "involvedObject.name%3Djob-1-1%2Creason%3DFailedCreate")), 200),
+        Case("none", get(f"{EVENTS}?fieldSelector=involvedObject.kind%3DReplicaSet%2Creason%3DFailedCreate"), 200),
+        Case("unsupported field", get(f"{EVENTS}?fieldSelector=spec.nodeName%3Dgpu-a"), 400, "BadRequest"),
     ],
     ("*", "apply", ""): [
         Case("creates", apply(JOBS, job()), 201),

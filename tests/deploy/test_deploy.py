@@ -58,6 +58,7 @@ EXPECTED_CLUSTER_ROLE_RULES = {
     (("",), ("pods",), ("delete", "list", "watch"), ()),
     (("",), ("pods/log",), ("get",), ()),
     (("",), ("pods/binding", "pods/eviction"), ("create",), ()),
+    (("",), ("events",), ("list",), ()),
     (("",), ("nodes",), ("get", "list", "patch"), ()),
     (("rbac.authorization.k8s.io",), ("roles",), ("list",), ()),
     (("rbac.authorization.k8s.io",), ("roles",), ("bind", "create", "delete", "escalate", "patch"),

@@ -159,6 +159,12 @@ RESOURCE_TYPES = {
         ResourceType("deployments", "Deployment", "apps/v1", namespaced=True),
         ResourceType("replicasets", "ReplicaSet", "apps/v1", namespaced=True),
         ResourceType("poddisruptionbudgets", "PodDisruptionBudget", "policy/v1", namespaced=True),
+        # Core v1 Events, not events.k8s.io/v1: the Job and ReplicaSet controllers record theirs with
+        # client-go's tools/record EventRecorder, which writes core v1 Events (kube-controller-manager
+        # 1.30 included; the scheduler's events.k8s.io recorder is another), and both APIs serve the
+        # same stored objects. Core v1 is what `kubectl describe` reads and the one whose field
+        # selectors name `involvedObject.*`.
+        ResourceType("events", "Event", "v1", namespaced=True),
     )
 }
 # Subresources served, by resource: (name, kind, verbs), as discovery lists them.
@@ -262,7 +268,8 @@ class KubernetesStandIn:
         admin_tokens: Iterable[str] | None = None, expandable_storage_classes: Iterable[str | None] = (),
         max_token_expiration_s: int | None = None, check_answers: bool = False, watch_hold_s: float | None = None,
         watch_window_s: float | None = 75.0, portal_rbac: Iterable[dict] | None = None,
-        portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal",
+        portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal", controller_delay_s: float = 0.05,
+        controller_period_s: float = 0.02, failed_create_backoff_s: float = 0.1,
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -330,6 +337,20 @@ class KubernetesStandIn:
         self._caller: object = None  # who the request being routed comes from (under the lock)
         # The API server's --service-account-max-token-expiration (None: not set).
         self.max_token_expiration_s = max_token_expiration_s
+        # The controllers work on their own, as on a real cluster: a Job or ReplicaSet gets its pods only
+        # once it has existed `controller_delay_s`, from a pass that runs every `controller_period_s` in
+        # the stand-in's own thread (and before each request), so a create returns before its pods exist.
+        # A pod create that admission refuses (ResourceQuota, Pod Security, ...) is recorded as a Warning
+        # Event FailedCreate on its Job or ReplicaSet and tried again after a backoff that doubles from
+        # `failed_create_backoff_s` (up to 16 times that), as the controllers requeue with backoff.
+        self.controller_delay_s = controller_delay_s
+        self.controller_period_s = controller_period_s
+        self.failed_create_backoff_s = failed_create_backoff_s
+        self._created_at: dict[str, float] = {}  # a Job's or ReplicaSet's uid -> time.monotonic() it was created
+        self._create_retry: dict[str, tuple[float, int]] = {}  # owner uid -> (when to try again, refusals in a row)
+        self.controller_errors: list[str] = []  # what a background pass raised (it goes on with the next)
+        self._controllers_stop = threading.Event()
+        self._controller_thread: threading.Thread | None = None
         self._state = _State()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)  # notified on every event, for open watches
@@ -353,9 +374,25 @@ class KubernetesStandIn:
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="k8s-standin", daemon=True
         )
         self._thread.start()
+        self._controllers_stop.clear()
+        self._controller_thread = threading.Thread(target=self._run_controllers, name="k8s-standin-controllers",
+                                                   daemon=True)
+        self._controller_thread.start()
         return self
 
+    def _run_controllers(self) -> None:
+        """The controllers' passes between requests: pods are made, stopped and collected whether or not anyone asks."""
+        while not self._controllers_stop.wait(self.controller_period_s):
+            try:
+                with self._lock:
+                    self._reap()
+            except Exception as exc:  # noqa: BLE001 - kept for the test to see; the next pass goes on
+                self.controller_errors.append(f"{type(exc).__name__}: {exc}")
+
     def stop(self) -> None:
+        self._controllers_stop.set()
+        if self._controller_thread is not None:
+            self._controller_thread.join(timeout=5)
         if self._server:
             self._server.shutdown()
             self._server.server_close()
@@ -575,12 +612,13 @@ class KubernetesStandIn:
         if _one(query, "watch") in ("1", "true"):
             return self._watch(resource, namespace, query)
         selector = _parse_selector(_one(query, "labelSelector"))
+        fields = _field_terms(resource.kind, _one(query, "fieldSelector"))
         items = [
             copy.deepcopy(obj)
             for (plural, obj_namespace, _name), obj in sorted(self._state.objects.items())
             if plural == resource.plural and (not namespace or obj_namespace == namespace)
             and _selects(selector, obj["metadata"].get("labels") or {})
-            and _fields_select(_one(query, "fieldSelector"), obj)
+            and _fields_select(resource.kind, fields, obj)
         ]
         return 200, {
             "kind": f"{resource.kind}List",
@@ -844,6 +882,8 @@ class KubernetesStandIn:
             creationTimestamp=_now(),
             resourceVersion=self._bump(),
         )
+        if resource.kind in ("Job", "ReplicaSet"):
+            self._created_at[metadata["uid"]] = time.monotonic()
         schema = _schema_of(resource)
         self._fields[key] = {manager or "unknown": (operation, resource.api_version,
                                                     set(_leaves(_applied_part(stored), schema)) if fields is None else fields)}
@@ -1508,14 +1548,18 @@ class KubernetesStandIn:
             elif succeeded == completions:
                 status["conditions"] = [{"type": "Complete", "status": "True", "lastTransitionTime": _now()}]
                 status["completionTime"] = _now()
-            else:
+            elif self._may_make_pods(job):
                 for index in range(completions):
-                    if index not in made:
-                        try:
-                            self._make_pod(namespace, job, index)
-                        except ApiError:
-                            continue  # the namespace is going away: its Jobs go with it
-                        made.add(index)
+                    if index in made:
+                        continue
+                    try:
+                        self._make_pod(namespace, job, index)
+                    except ApiError as error:
+                        self._refused(job, RESOURCE_TYPES["jobs"], error, "job-controller")
+                        break
+                    made.add(index)
+                else:
+                    self._create_retry.pop(job["metadata"]["uid"], None)
             status["succeeded"], status["failed"] = succeeded, len(set(failed))
             status["active"] = sum(1 for _k, pod in pods.values() if pod["status"].get("phase") in ("Pending", "Running")
                                    and not pod["metadata"].get("deletionTimestamp"))
@@ -1608,7 +1652,10 @@ class KubernetesStandIn:
                       and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
             for pod_key, pod in active[replica_set["spec"].get("replicas", 1):]:
                 self._delete_pod(pod_key, pod, None)  # scaled down: the extra pods go, with their grace
-            for _missing in range(replica_set["spec"].get("replicas", 1) - len(active)):
+            missing = replica_set["spec"].get("replicas", 1) - len(active)
+            if missing <= 0 or not self._may_make_pods(replica_set):
+                continue
+            for _missing in range(missing):
                 template = replica_set["spec"]["template"]
                 name = replica_set["metadata"]["name"]
                 metadata = copy.deepcopy(template.get("metadata") or {})
@@ -1619,8 +1666,69 @@ class KubernetesStandIn:
                        "spec": copy.deepcopy(template["spec"]), "status": {"phase": "Pending"}}
                 try:
                     self._create(RESOURCE_TYPES["pods"], key[1], pod, manager="replicaset-controller")
-                except ApiError:
+                except ApiError as error:
+                    self._refused(replica_set, RESOURCE_TYPES["replicasets"], error, "replicaset-controller")
                     break
+            else:
+                self._create_retry.pop(replica_set["metadata"]["uid"], None)
+
+    def _may_make_pods(self, owner: dict) -> bool:
+        """Whether the controller makes pods for this Job or ReplicaSet now: it has existed `controller_delay_s`,
+        and the backoff after a refused create has passed."""
+        uid = owner["metadata"]["uid"]
+        now = time.monotonic()
+        if now - self._created_at.get(uid, 0.0) < self.controller_delay_s:
+            return False
+        retry = self._create_retry.get(uid)
+        return retry is None or retry[0] <= now
+
+    def _refused(self, owner: dict, resource: ResourceType, error: ApiError, component: str) -> None:
+        """A pod create the API server refused: the controller records FailedCreate on its owner and tries
+        again after a backoff (doubling with each refusal in a row)."""
+        uid = owner["metadata"]["uid"]
+        refusals = self._create_retry.get(uid, (0.0, 0))[1] + 1
+        backoff = self.failed_create_backoff_s * 2 ** min(refusals - 1, 4)
+        self._create_retry[uid] = (time.monotonic() + backoff, refusals)
+        self._warn(owner, resource, "FailedCreate", f"Error creating: {error.body['message']}", component)
+
+    def _warn(self, involved: dict, resource: ResourceType, reason: str, message: str, component: str) -> None:
+        """A Warning Event about an object, as client-go's EventRecorder writes it (core v1: involvedObject,
+        source, count, first and last timestamps; named `<object>.<hex nanoseconds>`). A repeat (same object,
+        type and reason) bumps the count, last timestamp and message of the Event there is, as the recorder's
+        correlator combines similar events. Nothing is recorded in a namespace being deleted (the create is
+        refused there, and the recorder drops it)."""
+        metadata = involved["metadata"]
+        namespace = metadata.get("namespace") or "default"
+        now = _now()
+        for (plural, event_namespace, _name), event in self._state.objects.items():
+            if plural == "events" and event_namespace == namespace and event["type"] == "Warning" \
+                    and event["reason"] == reason and event["involvedObject"].get("uid") == metadata["uid"]:
+                event.update(message=message, count=event.get("count", 1) + 1, lastTimestamp=now)
+                event["metadata"]["resourceVersion"] = self._bump()
+                self._record_event("MODIFIED", RESOURCE_TYPES["events"], event)
+                return
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{metadata['name']}.{time.time_ns():x}", "namespace": namespace},
+            "involvedObject": {"kind": resource.kind, "apiVersion": resource.api_version, "name": metadata["name"],
+                               "namespace": namespace, "uid": metadata["uid"],
+                               "resourceVersion": metadata.get("resourceVersion", "")},
+            "reason": reason, "message": message, "type": "Warning", "count": 1,
+            "firstTimestamp": now, "lastTimestamp": now, "source": {"component": component},
+            "reportingComponent": component, "reportingInstance": "",
+        }
+        try:
+            self._create(RESOURCE_TYPES["events"], namespace, event, manager=component)
+        except ApiError:
+            pass  # the namespace is being deleted: the recorder's create is refused and dropped
+
+    def events(self, namespace: str = "", **fields: str) -> list[dict]:
+        """Events (of one namespace, or all) whose fields (dotted paths, as a field selector names them) have these values."""
+        with self._lock:
+            self._reap()
+            return [copy.deepcopy(obj) for (plural, ns, _), obj in sorted(self._state.objects.items())
+                    if plural == "events" and (not namespace or ns == namespace)
+                    and all(str(_at(obj, path) or "") == value for path, value in fields.items())]
 
     def _make_pod(self, namespace: str, job: dict, index: int) -> None:
         template = job["spec"]["template"]
@@ -2216,12 +2324,40 @@ def _partition_labels(node: dict) -> tuple:
     return labels.get("nvidia.com/mig.config"), labels.get("nvidia.com/device-plugin.config")
 
 
-def _fields_select(selector: str, obj: dict) -> bool:
-    """The two field selectors the backend sends: spec.nodeName and status.phase."""
+# The field selectors the API server (1.30) supports, by kind, where the stand-in is strict about
+# them (pkg/apis/core/v1/conversion.go); another key is 400 "field label not supported: <key>". Other
+# kinds take any dotted path, as before.
+_FIELD_LABELS = {
+    "Event": {"involvedObject.kind", "involvedObject.namespace", "involvedObject.name", "involvedObject.uid",
+              "involvedObject.apiVersion", "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason",
+              "reportingComponent", "source", "type", "metadata.namespace", "metadata.name"},
+    "Pod": {"metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy", "spec.schedulerName",
+            "spec.serviceAccountName", "spec.hostNetwork", "status.phase", "status.podIP", "status.podIPs",
+            "status.nominatedNodeName"},
+}
+# A selectable field that is not the object's field of the same path.
+_FIELD_PATHS = {("Event", "source"): "source.component"}
+
+
+def _field_terms(kind: str, selector: str) -> list[tuple[str, bool, str]]:
+    """A field selector's terms as (path, equal, value): `a=b`, `a==b` and `a!=b`, comma-separated."""
+    terms = []
     for term in filter(None, (part.strip() for part in selector.split(","))):
-        path, _, value = term.partition("=")
-        section, _, field_name = path.partition(".")
-        if (obj.get(section) or {}).get(field_name) != value:
+        match = re.fullmatch(r"([^=!]+?)\s*(==|=|!=)\s*(.*)", term)
+        if match is None:
+            raise ApiError(400, "BadRequest", f"invalid selector: '{selector}'; can't understand '{term}'")
+        path, operator, value = match.groups()
+        if kind in _FIELD_LABELS and path not in _FIELD_LABELS[kind]:
+            raise ApiError(400, "BadRequest", f"field label not supported: {path}")
+        terms.append((path, operator != "!=", value))
+    return terms
+
+
+def _fields_select(kind: str, terms: list[tuple[str, bool, str]], obj: dict) -> bool:
+    for path, equal, value in terms:
+        found = _at(obj, _FIELD_PATHS.get((kind, path), path))
+        text = str(found).lower() if isinstance(found, bool) else "" if found is None else str(found)
+        if (text == value) != equal:
             return False
     return True
 
