@@ -5,7 +5,9 @@ test runs the same script with LOCAL_SANDBOX on and off: off, every escape works
 and it is the sandbox that stops each one); on, every one fails.
 """
 
+import dataclasses
 import json
+import logging
 import os
 import socket
 import uuid
@@ -310,24 +312,29 @@ def test_a_stop_reaches_the_script_inside_the_sandbox(tmp_path):
 def test_requirements_build_one_environment_for_two_jobs_on_top_of_the_runtime(tmp_path):
     backend = make_backend(tmp_path, "on")
     ref = stored_bundle(tmp_path, {"main.py": USES_SIX, "requirements.txt": "six==1.16.0\n"})
-    first = script_launch(11, ref, ("python", "main.py"), memory_mib=2048)
-    backend.launch_job(first)
-    status = ended(backend, first)
-    assert status.phase == "exited" and status.exit_codes == {0: 0}, (status, logs(backend, first))
+    # Launched together: the launches return at once, and the two supervisors build the environment once.
+    launches = [script_launch(job_id, ref, ("python", "main.py"), memory_mib=2048) for job_id in (11, 12)]
+    for launch in launches:
+        backend.launch_job(launch)
+    for launch in launches:
+        status = ended(backend, launch)
+        assert status.phase == "exited" and status.exit_codes == {0: 0}, (status, logs(backend, launch))
     (env_dir,) = [path for path in backend.jobs.envs_dir.iterdir() if path.is_dir()]
     built = (env_dir / supervise.ENV_READY_FILE).read_text()
-    found = json.loads((backend.jobs.job_dir(11) / "imports.json").read_text())
-    assert found["six"] == "1.16.0" and found["six_file"].startswith(str(env_dir))
+    builds = ["Building the job's Python environment" in logs(backend, launch) for launch in launches]
+    assert sorted(builds) == [False, True], "one supervisor built it, the other waited for it and used it"
+    found = [json.loads((backend.jobs.job_dir(launch.job_id) / "imports.json").read_text()) for launch in launches]
+    assert found[0] == found[1]
+    assert found[0]["six"] == "1.16.0" and found[0]["six_file"].startswith(str(env_dir))
+    assert found[0]["python"] == str(env_dir / "bin" / "python")
     site_packages = sandbox.runtime_site_packages()
-    assert found["numpy_file"].startswith(site_packages) and found["torch_file"].startswith(site_packages)
+    assert found[0]["numpy_file"].startswith(site_packages) and found[0]["torch_file"].startswith(site_packages)
 
-    second = script_launch(12, ref, ("python", "main.py"), memory_mib=2048)
-    backend.launch_job(second)
-    status = ended(backend, second)
-    assert status.phase == "exited" and status.exit_codes == {0: 0}, logs(backend, second)
-    assert (env_dir / supervise.ENV_READY_FILE).read_text() == built, "built once, used twice"
-    assert json.loads((backend.jobs.job_dir(12) / "imports.json").read_text())["six_file"] == found["six_file"]
-    assert "Building the job's Python environment" not in logs(backend, second)
+    later = script_launch(17, ref, ("python", "main.py"), memory_mib=2048)
+    backend.launch_job(later)
+    assert ended(backend, later).exit_codes == {0: 0}, logs(backend, later)
+    assert (env_dir / supervise.ENV_READY_FILE).read_text() == built, "built once, used by every job"
+    assert "Building the job's Python environment" not in logs(backend, later)
 
 
 def test_a_requirement_pip_cannot_install_fails_the_job_with_pips_last_lines(tmp_path):
@@ -373,3 +380,99 @@ def test_a_progress_read_carries_the_stop_records_once(tmp_path):
     assert first.stops == [stop]
     assert first.cursor["stops"] == (job_dir / progress.STOPS_FILE).read_bytes().rindex(b"\n") + 1
     assert backend.job_progress(16, 1, first.cursor).stops == [], "each record once; a torn line waits"
+
+
+SEES = r"""
+import json, os
+job_dir = os.environ["TRAIN_JOB_DIR"]
+seen = {"cwd": os.getcwd(), "env": dict(os.environ), "uid": os.getuid()}
+for name, path in {"bundle": os.path.join(os.getcwd(), "x"), "attempts": os.path.join(job_dir, "attempts", "x"),
+                   "job_dir": os.path.join(job_dir, "x"), "home": os.path.join(os.environ["HOME"], "x"),
+                   "tmp": "/tmp/x"}.items():
+    try:
+        open(path, "w").close()
+        seen["wrote_" + name] = True
+    except OSError:
+        seen["wrote_" + name] = False
+seen["repo_visible"] = os.path.exists(os.environ["REPO_PROBE"])
+with open(os.path.join(job_dir, "seen.json"), "w") as stream:
+    json.dump(seen, stream)
+"""
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_a_replica_runs_its_command_in_its_bundle_with_the_launchers_variables(tmp_path, mode):
+    backend = make_backend(tmp_path, mode)
+    ref = stored_bundle(tmp_path, {"sees.py": SEES})
+    launch = dataclasses.replace(
+        script_launch(18, ref, ("python3", "sees.py"), ranks=2, hyperparameters={"lr": 0.1}),
+        env=(("REPO_PROBE", str(REPO_ROOT / "portal" / "settings.py")),), resume_from_step=40,
+    )
+    backend.launch_job(launch)
+    assert ended(backend, launch).exit_codes == {0: 0, 1: 0}, logs(backend, launch)
+    seen = json.loads((backend.jobs.job_dir(18) / "seen.json").read_text())
+    bundle_dir = backend.jobs.bundles_dir / "acme" / ref.sha256
+    env = seen["env"]
+    assert seen["cwd"] == str(bundle_dir)
+    assert json.loads(env["PORTAL_HYPERPARAMETERS"]) == {"lr": 0.1}
+    assert env["TRAIN_JOB_DIR"] == str(backend.jobs.job_dir(18)) and env["TRAIN_MAX_RUNTIME_S"] == "600"
+    assert env["PORTAL_RESUME_FROM_STEP"] == "40", "no checkpoint in the folder: the portal's own record"
+    assert env["WORLD_SIZE"] == "2" and env["RANK"] in ("0", "1") and env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["PORTAL_JOB"] == "18" and env["REPO_PROBE"]
+    assert seen["wrote_job_dir"] and seen["wrote_home"] and seen["wrote_tmp"]
+    if mode == "on":
+        assert seen["uid"] == sandbox.account().uid
+        assert not seen["wrote_attempts"], "the attempt's records are the portal's"
+        assert not seen["wrote_bundle"] and not seen["repo_visible"]
+    else:  # as the portal's own user, root: what the sandbox is for
+        assert seen["uid"] == 0 and seen["wrote_attempts"] and seen["wrote_bundle"] and seen["repo_visible"]
+
+
+def test_forget_kills_a_sandboxed_script_and_what_it_started(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    script = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "open(os.path.join(os.environ['TRAIN_JOB_DIR'], 'pids'), 'w').write(f'{os.getpid()} {child.pid}')\n"
+        "time.sleep(300)\n"
+    )
+    ref = stored_bundle(tmp_path, {"wait.py": script})
+    launch = script_launch(19, ref, ("python", "wait.py"))
+    backend.launch_job(launch)
+    assert wait_until(lambda: (backend.jobs.job_dir(19) / "pids").exists(), timeout_s=60), logs(backend, launch)
+    account = sandbox.account()
+
+    def sandboxed_processes() -> list[int]:
+        found = []
+        for entry in os.scandir("/proc"):
+            try:
+                if entry.name.isdigit() and os.stat(f"/proc/{entry.name}").st_uid == account.uid:
+                    environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+                    if b"PORTAL_JOB=19\0" in environ:
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    assert len(sandboxed_processes()) == 2
+    backend.forget_job(19, 1)
+    assert wait_until(lambda: not sandboxed_processes(), timeout_s=30), sandboxed_processes()
+
+
+def test_the_setting_decides_where_bwrap_is_missing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bwrap-here"))
+    sandbox.unavailable.cache_clear()
+    try:
+        assert "bubblewrap (bwrap) is not installed" in sandbox.unavailable()
+        ref = stored_bundle(tmp_path, {"main.py": "print('ran')\n"})
+        with pytest.raises(PermanentBackendError, match="LOCAL_SANDBOX is on, and the sandbox cannot run here: bubblewrap"):
+            make_backend(tmp_path / "on", "on").launch_job(script_launch(20, ref, ("python", "main.py")))
+        auto = make_backend(tmp_path / "auto", "auto")
+        with caplog.at_level(logging.WARNING, logger="runners.backends.local_jobs"):
+            auto.launch_job(script_launch(21, ref, ("python", "main.py")))
+        assert "WITHOUT the sandbox" in caplog.text
+        record = json.loads((auto.jobs.attempt_dir(21, 1) / supervise.LAUNCH_FILE).read_text())
+        assert record["sandbox"] is None
+        assert ended(auto, script_launch(21, ref, ("python", "main.py"))).exit_codes == {0: 0}
+    finally:
+        sandbox.unavailable.cache_clear()
