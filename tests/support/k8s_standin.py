@@ -1747,10 +1747,12 @@ class KubernetesStandIn:
 
     # --- Test helpers for pods and nodes ------------------------------------------
 
-    def pods(self, namespace: str = "", **labels: str) -> list[dict]:
-        """Pods (of one namespace, or all) whose labels include the given ones."""
+    def pods(self, namespace: str = "", *, as_is: bool = False, **labels: str) -> list[dict]:
+        """Pods (of one namespace, or all) whose labels include the given ones; `as_is`: as stored now,
+        without a controllers' pass first (what their own thread has done)."""
         with self._lock:
-            self._reap()
+            if not as_is:
+                self._reap()
             return [copy.deepcopy(obj) for (plural, ns, _), obj in sorted(self._state.objects.items())
                     if plural == "pods" and (not namespace or ns == namespace)
                     and all((obj["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())]
