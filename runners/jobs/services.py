@@ -171,7 +171,7 @@ def command_check(command) -> list[str]:
     return list(command)
 
 
-def bundle_check(tenant: Tenant, sha256):
+def bundle_check(tenant: Tenant, sha256, *, for_update: bool = False):
     """The tenant's bundle a spec names (runners.bundles), or Invalid naming ``bundle``.
 
     Another tenant's bundle is answered exactly as one that does not exist, as every other
@@ -180,7 +180,7 @@ def bundle_check(tenant: Tenant, sha256):
     if not isinstance(sha256, str) or not re.fullmatch(BUNDLE_PATTERN, sha256):
         raise Invalid("bundle", "A bundle's SHA-256 digest: 64 lowercase hex digits.")
     try:
-        return bundles.get_bundle(tenant, sha256)
+        return bundles.get_bundle(tenant, sha256, for_update=for_update)
     except bundles.Bundle.DoesNotExist:
         raise Invalid("bundle", f"Tenant {tenant.slug} has no bundle {sha256}.") from None
 
@@ -631,10 +631,8 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
             bundle = checked["bundle"]
             if bundle is not None:
                 # Held until the job is written: a delete of the bundle takes the same row lock before it
-                # looks for the jobs that use it, so it either sees this job or this submit sees no bundle.
-                bundle = type(bundle).objects.select_for_update().filter(id=bundle.id, deleted_at__isnull=True).first()
-                if bundle is None:
-                    raise Invalid("bundle", f"Tenant {checked['tenant'].slug} has no bundle {spec['bundle']}.")
+                # asks which jobs use it, so it either sees this job or this submit sees no bundle.
+                bundle = bundle_check(checked["tenant"], spec["bundle"], for_update=True)
             job = job_queue_locked(
                 tenant=checked["tenant"], environment=environment, flavor=checked["flavor"], spec=spec,
                 submitted_by=actor, actor=actor, event_reason=f"Submitted by {actor.get_username()}.",

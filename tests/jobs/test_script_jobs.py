@@ -12,8 +12,10 @@ import pytest
 from django.utils import timezone
 
 from audit.models import AuditEntry
+from common.errors import Conflict
 from runners.backends.base import AttemptStatus, ProgressRead
 from runners.backends.local import LocalBackend
+from runners.bundles import services as bundles
 from runners.bundles.models import Bundle
 from runners.clusters.registry import local_backend_options
 from runners.jobs import attempts
@@ -140,13 +142,19 @@ def test_a_script_image_on_kubernetes_comes_from_the_allowed_registries(
     assert Job.objects.get().spec["image"] == "nvcr.io/nvidia/pytorch:24.01-py3"
 
 
-def test_the_jobs_that_use_a_bundle_are_those_not_over_yet(owner, environment, bundle):
-    running = jobs.job_submit(actor=owner, data=script_data(environment, name="one"))
+def test_a_bundle_a_job_still_uses_cannot_be_deleted_until_the_job_is_over(owner, environment, bundle):
+    waiting = jobs.job_submit(actor=owner, data=script_data(environment, name="one"))
     done = jobs.job_submit(actor=owner, data=script_data(environment, name="two"))
     jobs.job_cancel(actor=owner, job=done)
-    assert [job.id for job in jobs.jobs_using_bundle(bundle)] == [running.id]
-    jobs.job_cancel(actor=owner, job=running)
-    assert jobs.jobs_using_bundle(bundle) == []
+    with pytest.raises(Conflict) as refused:
+        bundles.delete(bundle, actor=owner)
+    assert f"job one #{waiting.id} (queued)" in str(refused.value) and "two" not in str(refused.value)
+    assert Bundle.objects.get(id=bundle.id).deleted_at is None
+    jobs.job_cancel(actor=owner, job=waiting)
+    bundles.delete(bundle, actor=owner)
+    assert Bundle.objects.get(id=bundle.id).deleted_at is not None
+    # The jobs that ran it still name it.
+    assert set(Job.objects.values_list("bundle_id", flat=True)) == {bundle.id}
 
 
 # --- The launch ---------------------------------------------------------------------
