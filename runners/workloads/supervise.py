@@ -97,7 +97,7 @@ def _before_exec(memory_limit_bytes: int | None, *, sandboxed: bool = False):
     return prepare
 
 
-def _requirements_refused(text: str) -> list[str]:
+def requirements_refused(text: str) -> list[str]:
     """The lines of a requirements.txt that name anything but a package of the registry: options (another
     index, a file, an editable folder) and URLs (a direct reference)."""
     refused = []
@@ -130,7 +130,7 @@ def build_environment(environment: dict, box: dict | None, log: Path) -> str | N
         if (folder / ENV_READY_FILE).exists():
             return None
         requirements = Path(environment["requirements"])
-        refused = _requirements_refused(requirements.read_text(errors="replace"))
+        refused = requirements_refused(requirements.read_text(errors="replace"))
         if refused:
             return ("requirements.txt may name only packages of the package registry; not: "
                     + "; ".join(refused)[:500])
