@@ -16,10 +16,16 @@ import pytest
 from kubernetes_validate.utils import latest_version
 
 from runners.backends import k8s_jobs, kubernetes
-from runners.backends.base import PROGRESS_READ_MAX_BYTES, JobLaunch, ReplicaPlacement, TransientBackendError
+from runners.backends.base import (
+    PROGRESS_READ_MAX_BYTES,
+    AttemptStatus,
+    JobLaunch,
+    ReplicaPlacement,
+    TransientBackendError,
+)
 from runners.nvidia import names
 from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, tagged_line
-from tests.support.k8s import environment_namespace, gpu_node, pods_by_rank, training_pod
+from tests.support.k8s import api_call, deploy_rbac, environment_namespace, gpu_node, pods_by_rank, training_pod
 from tests.support.k8s_standin import KubernetesStandIn
 from tests.support.races import wait_until
 
@@ -615,3 +621,93 @@ def test_the_pod_template_carries_the_placement_of_every_index(backend, cluster)
     assert json.loads(template["metadata"]["annotations"]["portal.gpu/placement"]) == {
         str(rank): node for rank, node in PLACEMENT.items()
     }
+
+
+# --- Pods the cluster will not make, and pods that come late ---------------------------------
+
+EVENTS_PATH = f"/api/v1/namespaces/{NAMESPACE}/events"
+
+
+def tight_quota(standin, gpus: str) -> None:
+    """A ResourceQuota on the namespace's GPUs, as a cluster operator might set one (not the portal's)."""
+    standin.put({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "operator-gpus", "namespace": NAMESPACE},
+                 "spec": {"hard": {"requests.nvidia.com/gpu": gpus}}})
+
+
+def test_an_attempt_over_quota_says_why_it_waits_and_runs_once_the_quota_grows(backend, cluster):
+    tight_quota(cluster, "2")  # three replicas of one GPU each: the third is refused
+    backend.launch_job(make_launch())
+    assert wait_until(lambda: cluster.events(NAMESPACE, reason="FailedCreate"), timeout_s=10)
+    cluster.clear_log()
+    status = backend.job_status(41, 1)
+    assert status.phase == "running"
+    assert "exceeded quota: operator-gpus" in status.waiting and "Error creating: pods" in status.waiting
+    # One list of the Job's FailedCreate Events, allowed by deploy/'s RBAC (the stand-in enforces it).
+    reads = [r for r in cluster.requests if r.path == EVENTS_PATH]
+    assert [(r.status, r.query["fieldSelector"]) for r in reads] == [
+        (200, ["involvedObject.kind=Job,involvedObject.name=job-41-1,reason=FailedCreate"])]
+    status, answer = api_call(cluster, "PATCH", f"/api/v1/namespaces/{NAMESPACE}/resourcequotas/operator-gpus",
+                              {"spec": {"hard": {"requests.nvidia.com/gpu": "3"}}},
+                              content_type="application/merge-patch+json")
+    assert status == 200, answer
+
+    def all_bound() -> bool:
+        backend._sync(force=True)
+        pods = pods_by_rank(cluster)
+        return len(pods) == 3 and all(pod["spec"].get("nodeName") for pod in pods.values())
+
+    assert wait_until(all_bound, timeout_s=10)
+    backend._sync(force=True)
+    cluster.clear_log()
+    status = backend.job_status(41, 1)
+    assert (status.phase, status.waiting) == ("running", "")
+    assert not [r for r in cluster.requests if r.path == EVENTS_PATH], "every replica has a pod: nothing to ask"
+
+
+def test_the_events_are_read_only_for_an_attempt_missing_pods(backend, cluster):
+    launched(backend, cluster)
+    cluster.clear_log()
+    for _ in range(3):
+        assert backend.job_status(41, 1) == AttemptStatus("running")
+    assert not [r for r in cluster.requests if "/events" in r.path]
+
+
+def test_a_refused_replica_reads_as_waiting_even_once_others_ran(backend, cluster):
+    tight_quota(cluster, "1")
+    launch = make_launch(replicas=tuple(ReplicaPlacement(rank, "gpu-a", (rank,)) for rank in (0, 1)))
+    backend.launch_job(launch)
+
+    def one_bound_one_refused() -> bool:
+        backend._sync(force=True)
+        bound = [pod for pod in pods_by_rank(cluster).values() if pod["spec"].get("nodeName")]
+        return len(bound) == 1 and bool(cluster.events(NAMESPACE, reason="FailedCreate"))
+
+    assert wait_until(one_bound_one_refused, timeout_s=10)
+    status = backend.job_status(41, 1)
+    assert status.phase == "running" and "exceeded quota: operator-gpus" in status.waiting
+
+
+def test_a_slow_job_controller_still_launches_binds_and_ends(make_backend):
+    """The start-up delay case: the Job's pods come 1.5 s after it, long after the launch has returned."""
+    with KubernetesStandIn(admin_tokens={"standin-token"}, portal_rbac=deploy_rbac(), watch_hold_s=0.1, check_answers=True,
+                           controller_delay_s=1.5) as slow:
+        for node in ("gpu-a", "gpu-b"):
+            slow.put(gpu_node(node))
+        environment_namespace(slow, NAMESPACE)
+        backend = make_backend(slow.url)
+        backend.launch_job(make_launch())
+        assert slow.pods(NAMESPACE, as_is=True) == []  # the launch returned before any pod exists
+        status = backend.job_status(41, 1)
+        assert (status.phase, status.waiting) == ("running", "")  # nothing refuses them: they just come later
+
+        def all_bound() -> bool:
+            backend._sync(force=True)
+            pods = pods_by_rank(slow)
+            return len(pods) == 3 and all(pod["spec"].get("nodeName") == PLACEMENT[rank] for rank, pod in pods.items())
+
+        assert wait_until(all_bound, timeout_s=15)
+        for pod in pods_by_rank(slow).values():
+            slow.finish_pod(NAMESPACE, pod["metadata"]["name"], 0)
+        assert wait_until(lambda: backend.job_status(41, 1).phase == "exited", timeout_s=10)
+        assert backend.job_status(41, 1).exit_codes == {0: 0, 1: 0, 2: 0}
+        assert slow.invalid_answers == [] and slow.controller_errors == []
