@@ -1,5 +1,5 @@
 """The `portal` command (the entry point `portal = gpuportal.cli:main`)."""
 
-from gpuportal.cli.app import app, main
+from gpuportal.cli.commands import app, main
 
 __all__ = ["app", "main"]

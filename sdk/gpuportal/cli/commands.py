@@ -96,8 +96,9 @@ def _main(
 ) -> None:
     """The GPU portal from a terminal: log in, run your code, follow it, fetch what it wrote.
 
-    PORTAL_URL and PORTAL_TOKEN go over the saved login. Exit codes: 0 ok, 1 the job failed,
-    2 bad input, 3 not logged in or not allowed, 4 not found, 5 the portal is unavailable.
+    PORTAL_URL and PORTAL_TOKEN go over the saved login (`portal login URL`).
+
+    Exit codes: 0 ok; 1 the job failed; 2 bad input; 3 not logged in, or not allowed; 4 not found; 5 the portal is unavailable.
     """
 
 
@@ -616,5 +617,17 @@ def kubeconfig(
     err.print(f"Saved in {output}" + (f"; its token works until {expires}." if expires else "."), highlight=False)
 
 
-def main() -> None:
-    app()
+def main(args: list[str] | None = None) -> None:
+    """The `portal` command: every error, the command line's own too, is one line on stderr and its exit code."""
+    args = sys.argv[1:] if args is None else list(args)
+    try:
+        code = app(args=args or ["--help"], prog_name="portal", standalone_mode=False)
+    except typer.TyperException as exc:  # the command line's mistakes (exit 2), and a file it cannot open
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"portal: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("portal: stopped", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
