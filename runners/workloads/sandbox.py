@@ -10,8 +10,9 @@ in a fresh mount, PID, IPC, UTS and cgroup namespace. What it sees of the host's
 - read-write: the job folder (checkpoints, progress files), with the folder of its attempts read-only
   over it (the supervisor's launch record, logs and exit codes are the portal's to write), and the
   attempt's scratch folder ($HOME, $TMPDIR, caches);
-- its own ``/tmp``, ``/dev/shm`` (empty tmpfs), ``/proc`` and a minimal ``/dev`` (the NVIDIA device nodes
-  too when the replica was placed on a GPU of this host).
+- its own ``/tmp`` and ``/dev/shm`` (empty, each at most its memory limit), ``/proc`` and a minimal ``/dev``
+  (the NVIDIA device nodes, and the parts of ``/sys`` the driver reads, when the replica was placed on a
+  GPU of this host).
 
 Inside, a few lines of our own Python (``DROP``, run by the runtime's interpreter with ``-I -S``) set the
 process limit (RLIMIT_NPROC), give up root for the sandbox account (``SANDBOX_USER``, made with
@@ -64,6 +65,7 @@ SYSTEM_ETC = (
 HOSTNAME = "sandbox"
 # The sandbox's /etc/hosts: its name is its loopback (torch.distributed resolves it), and no host's name.
 HOSTS = f"127.0.0.1\tlocalhost {HOSTNAME}\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+GPU_SYS = ("/sys/block", "/sys/bus", "/sys/class", "/sys/dev", "/sys/devices", "/sys/module")
 SYSTEM_TOP = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # The few lines that run inside the sandbox, still as root: the process limit, the account, the
 # signals, then the command (argv: uid gid process-limit command...).
@@ -102,6 +104,8 @@ class View:
     cwd: str = "/"
     # Shown as /etc/hosts instead of the host's (HOSTS: the sandbox's own name on its loopback).
     hosts: str | None = None
+    # The most each of /tmp and /dev/shm may hold (they are memory); None: the kernel's default, half of it.
+    tmpfs_bytes: int | None = None
 
 
 def account() -> Account:
@@ -146,10 +150,11 @@ def bwrap_argv(view: View, command: list[str], *, account: Account, process_limi
     """The command line that runs `command` in `view` as the sandbox account, at most `process_limit`
     processes and threads of that account at once. No network namespace of bwrap's own: a replica is in
     its supervisor's private one, an environment's build in the host's (it reaches the package registry)."""
+    size = ["--size", str(view.tmpfs_bytes)] if view.tmpfs_bytes else []
     argv = [BWRAP, "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--hostname", HOSTNAME,
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-            "--perms", "1777", "--tmpfs", "/dev/shm"]
+            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", *size, "--tmpfs", "/tmp",
+            "--perms", "1777", *size, "--tmpfs", "/dev/shm"]
     mounts: list[list[str]] = []
     for top in SYSTEM_TOP:
         path = Path("/") / top
@@ -173,6 +178,11 @@ def bwrap_argv(view: View, command: list[str], *, account: Account, process_limi
         mounts.append(["--bind", path, path])
     for path in view.devices:
         mounts.append(["--dev-bind", path, path])
+    if view.devices:
+        # What the GPU driver reads of /sys to find its devices (the folders a Flatpak sandbox shows).
+        for name in GPU_SYS:
+            if Path(name).is_dir():
+                mounts.append(["--ro-bind", name, name])
     # bwrap makes the folders above a mount point as root, 0700: the account must pass through them.
     made = {"/", "/tmp", "/dev", "/proc"}
     for mount in mounts:

@@ -197,6 +197,7 @@ def _argv(replica: dict, launch: dict) -> list[str]:
         read_only=tuple(box["read_only"]), writable=tuple(box["writable"]),
         read_only_over=tuple(box["read_only_over"]), writable_over=tuple(box["writable_over"]),
         devices=tuple(replica.get("devices", ())), cwd=box["cwd"], hosts=box.get("hosts"),
+        tmpfs_bytes=replica.get("memory_limit_bytes"),
     )
     return sandbox.bwrap_argv(view, replica["argv"], account=sandbox.Account(box["uid"], box["gid"]),
                               process_limit=box["process_limit"])

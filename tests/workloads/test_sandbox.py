@@ -27,7 +27,7 @@ def test_a_replica_sees_its_folders_with_the_writes_it_may_make_and_runs_as_the_
     view = sandbox.View(
         read_only=("/srv/bundles/acme/abc",), writable=("/srv/jobs/5",), read_only_over=("/srv/jobs/5/attempts",),
         writable_over=("/srv/jobs/5/attempts/1/scratch",), devices=("/dev/nvidia0",), cwd="/srv/bundles/acme/abc",
-        hosts="/srv/jobs/5/attempts/1/sandbox-hosts",
+        hosts="/srv/jobs/5/attempts/1/sandbox-hosts", tmpfs_bytes=512 * 2**20,
     )
     argv = sandbox.bwrap_argv(view, ["python", "train.py"], account=sandbox.Account(999, 995), process_limit=64)
     found = mounts(argv)
@@ -38,6 +38,8 @@ def test_a_replica_sees_its_folders_with_the_writes_it_may_make_and_runs_as_the_
     assert found["/dev/nvidia0"] == ("--dev-bind", "/dev/nvidia0")
     assert found["/etc/hosts"] == ("--ro-bind", "/srv/jobs/5/attempts/1/sandbox-hosts")
     assert found["/tmp"][0] == "--tmpfs" and found["/proc"][0] == "--proc" and found["/dev"][0] == "--dev"
+    tmp = argv.index("/tmp")
+    assert argv[tmp - 3: tmp] == ["--size", str(512 * 2**20), "--tmpfs"], "/tmp holds at most the memory limit"
     for path in sandbox.runtime_paths():
         assert found[path] == ("--ro-bind", path)
     # Mounted in order: a folder over another after it; /tmp before anything that lies under it.
