@@ -395,6 +395,8 @@ for name, path in {"bundle": os.path.join(os.getcwd(), "x"), "attempts": os.path
     except OSError:
         seen["wrote_" + name] = False
 seen["repo_visible"] = os.path.exists(os.environ["REPO_PROBE"])
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+seen["no_new_privs"] = status["NoNewPrivs"].strip()
 with open(os.path.join(job_dir, "seen.json"), "w") as stream:
     json.dump(seen, stream)
 """
@@ -424,6 +426,7 @@ def test_a_replica_runs_its_command_in_its_bundle_with_the_launchers_variables(t
         assert seen["uid"] == sandbox.account().uid
         assert not seen["wrote_attempts"], "the attempt's records are the portal's"
         assert not seen["wrote_bundle"] and not seen["repo_visible"]
+        assert seen["no_new_privs"] == "1", "no set-user-ID program gives root back"
     else:  # as the portal's own user, root: what the sandbox is for
         assert seen["uid"] == 0 and seen["wrote_attempts"] and seen["wrote_bundle"] and seen["repo_visible"]
 
