@@ -332,9 +332,9 @@ class Context:
     def report(self, step: int, /, **metrics) -> None:
         """Record the metrics of a step (finite numbers; rank 0 writes, other ranks only validate).
 
-        At most one line per step: a second report of the same step adds to it. A step's line is written when
-        a later step is reported (or at flush(), a checkpoint, a stop, the end), and only if
-        metrics_interval_s and metrics_every have passed since the last line written; the others are dropped.
+        At most one line per step: a second report of the same step adds to it, until its line is written. A
+        step's line is written when a later step is reported, if metrics_interval_s and metrics_every have passed
+        since the last line written (the others are dropped), or at flush(), a checkpoint, a stop and the end.
         """
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise TypeError(f"step must be an integer of 0 or more, not {step!r}")
@@ -348,11 +348,14 @@ class Context:
         if not self.is_main:
             return
         pending = self._pending
-        if pending is not None and step < pending["step"]:
-            raise ValueError(f"step {step} comes after step {pending['step']}: steps must not go back")
+        last = pending["step"] if pending is not None else self._last_emitted and self._last_emitted[0]
+        if last is not None and step < last:
+            raise ValueError(f"step {step} comes after step {last}: steps must not go back")
         if pending is not None and step == pending["step"]:
             pending.update(values)
             return
+        if pending is None and step == last:
+            return  # its line is written already (by a checkpoint or a stop): one line a step
         if pending is not None and self._due(pending["step"]):
             self._emit(pending)
         self._pending = {"step": step, **values}

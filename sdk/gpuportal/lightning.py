@@ -8,8 +8,8 @@
     trainer.fit(model, data, ckpt_path=ctx.resume_from and ctx.resume_from.path)
 
 What it does: reports the logged metrics after each training batch; saves a checkpoint every
-`every_n_steps` optimizer steps (0: only on a stop) with `trainer.save_checkpoint`, into ctx's folder, and
-records it; once ctx.should_stop() (a SIGTERM, the maximum runtime), saves one more and sets
+`every_n_steps` optimizer steps (0: only on a stop), and at the end of training unless `save_at_end` is
+False, with `trainer.save_checkpoint`, into ctx's folder, and records it; once ctx.should_stop() (a SIGTERM, the maximum runtime), saves one more and sets
 `trainer.should_stop`, so `fit` returns and the script can exit 0. Lightning's own SIGTERM handling (which
 ends `fit` with an exception and no checkpoint) is put aside for the SDK's while training runs.
 """
@@ -25,11 +25,12 @@ from gpuportal import _context
 
 
 class PortalCallback(pl.Callback):
-    def __init__(self, ctx: gpuportal.Context, *, every_n_steps: int = 0) -> None:
+    def __init__(self, ctx: gpuportal.Context, *, every_n_steps: int = 0, save_at_end: bool = True) -> None:
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be 0 or more, not {every_n_steps}")
         self.ctx = ctx
         self.every_n_steps = every_n_steps
+        self.save_at_end = save_at_end
         self._saved_step: int | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -60,6 +61,8 @@ class PortalCallback(pl.Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_at_end and trainer.global_step and trainer.global_step != self._saved_step:
+            self.save(trainer, trainer.global_step)
         self.ctx.flush()
 
     def save(self, trainer: pl.Trainer, step: int) -> None:

@@ -77,7 +77,7 @@ class ScriptJob:
     def __init__(self, job_dir: Path, command: list[str], *, world: int = 1, attempt: int = 0, **launch) -> None:
         self.job_dir = job_dir
         (job_dir / "attempts" / str(attempt)).mkdir(parents=True, exist_ok=True)
-        port = free_port() if world > 1 else None
+        port = free_port()  # MASTER_ADDR and MASTER_PORT even for one rank, as the local backend sets them
         self.ranks: list[Rank] = []
         for rank in range(world):
             group = 0 if rank == 0 else self.ranks[0].proc.pid

@@ -1,0 +1,36 @@
+"""A tiny transformers.Trainer run on the SDK's callback, for the tests: a 2-layer GPT-2 on random tokens.
+
+Hyperparameters: max_steps (default: run until stopped), save_steps (0: only on a stop), sleep_s (per step,
+so a test can signal it mid-run).
+"""
+
+import time
+
+import gpuportal
+import torch
+import transformers
+from gpuportal.transformers import PortalCallback
+
+ctx = gpuportal.init(metrics_interval_s=0)
+hp = {"max_steps": 1_000_000, "save_steps": 0, "sleep_s": 0.02, **ctx.hyperparameters}
+
+
+class Slowed(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(hp["sleep_s"])
+
+
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+tokens = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(0))
+data = [{"input_ids": row, "labels": row} for row in tokens]
+args = transformers.TrainingArguments(
+    output_dir=str(ctx.job_dir / "hf-output"), max_steps=hp["max_steps"], per_device_train_batch_size=8,
+    learning_rate=1e-3, logging_steps=1, save_strategy="steps" if hp["save_steps"] else "no",
+    save_steps=hp["save_steps"] or 500, report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[PortalCallback(ctx), Slowed()])
+print(f"resuming from {ctx.resume_from.step if ctx.resume_from else None}", flush=True)
+trainer.train(resume_from_checkpoint=ctx.resume_from and str(ctx.resume_from.path))
+print(f"train returned at step {trainer.state.global_step}", flush=True)
