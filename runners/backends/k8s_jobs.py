@@ -401,14 +401,18 @@ def attempt_status(
 FAILED_CREATE = "FailedCreate"
 # What the event recorder puts before the message of similar events it combined into one.
 _COMBINED = "(combined from similar events): "
+# How a FailedCreate message starts: the controller's words and the pod the server refused, whose
+# name is new on each try (so left out: the reason stays the same while the refusal does).
+_REFUSED_POD = re.compile(r'^(?:Error creating: )?(?:pods "[^"]*" is forbidden: )?')
 
 
 def pods_refused(events: list[dict], *, uid: str = "", name_prefix: str = "") -> str:
     """Why the cluster refuses to create an attempt's pods: the newest Warning FailedCreate Event about
     its Job (the Job's `uid`) or its ReplicaSets (names starting with `name_prefix`); "" when none says so.
 
-    The controllers keep trying, so the newest refusal is the one that holds now (an admission
-    message such as `Error creating: pods "..." is forbidden: exceeded quota: ...`).
+    The controllers keep trying, so the newest refusal is the one that holds now: an admission
+    message such as `Error creating: pods "job-7-1-1-x2k9p" is forbidden: exceeded quota: ...`, given
+    from its reason on (`exceeded quota: ...`).
     """
     refusals = []
     for event in events:
@@ -421,7 +425,7 @@ def pods_refused(events: list[dict], *, uid: str = "", name_prefix: str = "") ->
         return ""
     newest = max(refusals, key=lambda event: (event.get("lastTimestamp") or event.get("eventTime") or "",
                                               event.get("count") or 0))
-    message = (newest.get("message") or "").removeprefix(_COMBINED).strip()
+    message = _REFUSED_POD.sub("", (newest.get("message") or "").removeprefix(_COMBINED).strip(), count=1)
     return f"Waiting for its pods: the cluster refuses to create them ({message})."
 
 

@@ -641,7 +641,9 @@ def test_an_attempt_over_quota_says_why_it_waits_and_runs_once_the_quota_grows(b
     cluster.clear_log()
     status = backend.job_status(41, 1)
     assert status.phase == "running"
-    assert "exceeded quota: operator-gpus" in status.waiting and "Error creating: pods" in status.waiting
+    assert status.waiting == ("Waiting for its pods: the cluster refuses to create them (exceeded quota: operator-gpus, "
+                              "requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=2, "
+                              "limited: requests.nvidia.com/gpu=2).")
     # One list of the Job's FailedCreate Events, allowed by deploy/'s RBAC (the stand-in enforces it).
     reads = [r for r in cluster.requests if r.path == EVENTS_PATH]
     assert [(r.status, r.query["fieldSelector"]) for r in reads] == [
