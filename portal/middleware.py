@@ -80,8 +80,12 @@ class BodySizeLimitMiddleware:
     def __init__(self, get_response):
         self.get_response = get_response
         self.limit = settings.REQUEST_MAX_BODY_BYTES
+        # Views that bound their bodies themselves (settings.REQUEST_BODY_BOUNDED_BY_VIEW: bundle uploads).
+        self.bounded_by_view = [re.compile(pattern) for pattern in getattr(settings, "REQUEST_BODY_BOUNDED_BY_VIEW", [])]
 
     def __call__(self, request):
+        if any(pattern.match(request.path_info) for pattern in self.bounded_by_view):
+            return self.get_response(request)
         raw = request.META.get("CONTENT_LENGTH") or ""
         if not raw and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower() and "wsgi.input" in request.META:
             return self._chunked(request)

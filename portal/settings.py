@@ -372,6 +372,9 @@ if not isinstance(BUNDLE_STORAGE_OPTIONS, dict):
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
+# Paths whose views read and bound their request bodies themselves, exempt from REQUEST_MAX_BODY_BYTES: a
+# bundle upload streams to a temporary file and stops where no archive within the BUNDLE_ limits reaches.
+REQUEST_BODY_BOUNDED_BY_VIEW = [r"^/api/v1/tenants/[a-z0-9-]+/bundles/$"]
 # The portal's public address (https://portal.example.com): links in notifications are absolute when
 # set; empty, they are paths (/jobs/12/).
 PORTAL_PUBLIC_URL = env_str("PORTAL_PUBLIC_URL", "")

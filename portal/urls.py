@@ -8,6 +8,7 @@ from frontend.forms import AdminLoginForm
 from frontend.views import throttled_login
 from portal import health, metrics
 from portal.api import router
+from runners.bundles.api import router as bundles_router
 from runners.bundles.fetch_view import bundle_fetch
 from runners.inference.router import GenerateView
 from runners.usage.api import (
@@ -46,6 +47,7 @@ urlpatterns = [
     path("api/v1/budgets/<slug:slug>/", BudgetView.as_view(), name="budget"),
     path("api/v1/cloud-prices/", CloudPriceView.as_view(), name="cloud-prices"),
     path("api/v1/", include(audit_router.urls)),
+    path("api/v1/", include(bundles_router.urls)),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).

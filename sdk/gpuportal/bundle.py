@@ -391,7 +391,7 @@ def _scan(stream: BinaryIO, *, max_bytes: int | None, max_members: int | None, m
     total = 0
     current = "archive"
     try:
-        with tarfile.open(fileobj=io.BufferedReader(unpacked, CHUNK), mode="r|", encoding="utf-8") as archive:
+        with tarfile.open(fileobj=unpacked, mode="r|", encoding="utf-8") as archive:
             for count, info in enumerate(archive, start=1):
                 current = info.name
                 if max_members is not None and count > max_members:
@@ -473,7 +473,7 @@ def extract(fileobj: BinaryIO, dest: str | os.PathLike, *, max_bytes: int = DEFA
         compressed = _Counting(fileobj)
         bound = stream_bound(max_bytes, max_members)
         unpacked = _Bounded(gzip.GzipFile(fileobj=io.BufferedReader(compressed), mode="rb"), compressed, bound, max_ratio)
-        with tarfile.open(fileobj=io.BufferedReader(unpacked, CHUNK), mode="r|", encoding="utf-8") as archive:
+        with tarfile.open(fileobj=unpacked, mode="r|", encoding="utf-8") as archive:
             expected = {member.path for member in members}
             for info in archive:
                 path = _check_name(info.name, info.name)

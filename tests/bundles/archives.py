@@ -80,3 +80,8 @@ def project(root: Path) -> Path:
     (root / "sub" / "data.csv").write_text("a,b\n1,2\n")
     (root / "requirements.txt").write_text("numpy\n")
     return root
+
+
+def stored_files(folder: Path) -> list[str]:
+    """Every file under a storage folder (temporary ones included), relative to it."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
