@@ -10,12 +10,13 @@ import time
 import pytest
 from kubernetes_validate.utils import latest_version
 
-from runners.backends.base import JobLaunch, ReplicaPlacement, ServingSettings
+from runners.backends.base import AttemptStatus, JobLaunch, ReplicaPlacement, ServingSettings
 from runners.backends.job_manifests import ATTEMPT_LABEL, JOB_LABEL
 from runners.backends.serve_manifests import serving_deployment_manifest
 from runners.nvidia import names
-from tests.support.k8s import environment_namespace, gpu_node
+from tests.support.k8s import api_call, deploy_rbac, environment_namespace, gpu_node
 from tests.support.k8s_standin import KubernetesStandIn
+from tests.support.races import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -60,8 +61,13 @@ def launched(backend, api, launch=None):
     """Launch, then let the stand-in's controllers make the pod and a sync bind it (as the reconcile's reads do)."""
     launch = launch or make_launch()
     backend.launch_job(launch)
-    api.objects()  # the Deployment and ReplicaSet controllers run
-    backend._sync(force=True)
+
+    def bound() -> bool:
+        # The ReplicaSet controller makes the pod a moment after the Deployment; a sync binds it.
+        backend._sync(force=True)
+        return any(pod["spec"].get("nodeName") for pod in replica_pods(api, launch.job_id, launch.attempt))
+
+    assert wait_until(bound, timeout_s=10)
     backend._sync(force=True)  # the watch sees the binding
     return launch
 
@@ -215,3 +221,53 @@ def test_another_process_reads_the_attempt_from_its_pod_and_deployment(make_back
     time.sleep(0.1)  # the pod stops; the garbage collector is done
     status = make_backend().job_status(51, 1)
     assert status.phase == "lost" and "gone" in status.reason
+
+
+def test_a_replica_over_quota_says_why_it_waits_and_runs_once_the_quota_grows(backend, cluster):
+    cluster.put({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "operator-gpus", "namespace": NAMESPACE},
+                 "spec": {"hard": {"requests.nvidia.com/gpu": "0"}}})
+    backend.launch_job(make_launch())
+    # The ReplicaSet controller records FailedCreate on the Deployment's ReplicaSet.
+    assert wait_until(lambda: cluster.events(NAMESPACE, reason="FailedCreate"), timeout_s=10)
+    cluster.clear_log()
+    status = backend.job_status(51, 1)
+    assert status.phase == "running" and "exceeded quota: operator-gpus" in status.waiting
+    reads = [r for r in cluster.requests if r.path.endswith("/events")]
+    assert [(r.status, r.query["fieldSelector"]) for r in reads] == [
+        (200, ["involvedObject.kind=ReplicaSet,reason=FailedCreate"])]
+    status, answer = api_call(cluster, "PATCH", f"/api/v1/namespaces/{NAMESPACE}/resourcequotas/operator-gpus",
+                              {"spec": {"hard": {"requests.nvidia.com/gpu": "1"}}},
+                              content_type="application/merge-patch+json")
+    assert status == 200, answer
+
+    def bound() -> bool:
+        backend._sync(force=True)
+        return any(pod["spec"].get("nodeName") == "gpu-b" for pod in replica_pods(cluster))
+
+    assert wait_until(bound, timeout_s=10)
+    backend._sync(force=True)
+    status = backend.job_status(51, 1)
+    assert (status.phase, status.waiting) == ("running", "")
+
+
+def test_a_slow_replica_set_controller_still_launches_binds_and_drains(make_backend):
+    """The start-up delay case: the replica's pod comes 1.5 s after its ReplicaSet."""
+    with KubernetesStandIn(admin_tokens={"standin-token"}, portal_rbac=deploy_rbac(), watch_hold_s=0.1,
+                           check_answers=True, controller_delay_s=1.5, pod_stop_delay_s=0.05) as slow:
+        backend = make_backend(slow.url)
+        _prepare(slow)
+        backend.launch_job(make_launch())
+        assert slow.pods(NAMESPACE, as_is=True) == []
+        assert backend.job_status(51, 1) == AttemptStatus("running")  # nothing refuses it: it just comes later
+
+        def bound() -> bool:
+            backend._sync(force=True)
+            return any(pod["spec"].get("nodeName") == "gpu-b" for pod in replica_pods(slow))
+
+        assert wait_until(bound, timeout_s=15)
+        backend._sync(force=True)  # the watch sees the binding
+        assert backend.serving_address(51, 1)
+        backend.stop_job(51, 1, grace_period_s=45)
+        assert wait_until(lambda: backend.job_status(51, 1).phase == "exited", timeout_s=10)
+        assert backend.job_status(51, 1).exit_codes == {0: 0}
+        assert slow.invalid_answers == [] and slow.controller_errors == []
