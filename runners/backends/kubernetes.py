@@ -17,7 +17,10 @@ attempts the portal holds open (`jobs_open`, plus what this process launched
 since): a leftover pod of an ended attempt is never started on GPUs already given
 to someone else. How attempts stand is read from a pod watch
 (`runners.backends.k8s_jobs`); progress from rank 0's log, incrementally, from a
-cursor the portal keeps (`job_progress`).
+cursor the portal keeps (`job_progress`). An attempt with a replica that has no pod
+yet reads its controller's FailedCreate Events (one list, by field selector) and
+says why it waits (`AttemptStatus.waiting`): the API server refuses the pods (a
+ResourceQuota exceeded, Pod Security), and the controller keeps trying.
 
 An inference replica (a launch with `serving`) is a one-pod Deployment instead,
 bound the same way, with its endpoint's Service and PodDisruptionBudget
@@ -1173,8 +1176,8 @@ class KubernetesBackend:
             logger.warning("Pod %s/%s logged more in the second %s than one read takes (%d bytes); "
                            "skipping the rest of that second.", metadata["namespace"], metadata["name"],
                            k8s_jobs.since_time(chunk.skipped_second), PROGRESS_READ_MAX_BYTES)
-        return ProgressRead(metrics=chunk.metrics, checkpoints=chunk.checkpoints, cursor=chunk.cursor.as_dict(),
-                            bytes_read=len(data))
+        return ProgressRead(metrics=chunk.metrics, checkpoints=chunk.checkpoints, stops=chunk.stops,
+                            cursor=chunk.cursor.as_dict(), bytes_read=len(data))
 
     def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
         """The attempts' devices as the DCGM exporter last saw them, read from Prometheus in one query.

@@ -32,6 +32,16 @@ limits), Pod Security "restricted" where the namespace's
 wording), and ResourceQuota (403 `exceeded quota`, counting pods not finished).
 `put()` stores past admission, as someone writing to etcd would.
 
+The controllers work on their own, as on a real cluster: a pass runs every `controller_period_s` in
+the stand-in's own thread (and before each request), and a Job or ReplicaSet gets its pods only once it
+has existed `controller_delay_s`, so a create returns before its pods exist. A pod create that admission
+refuses is what the real Job and ReplicaSet controllers make of it: a core v1 Warning Event FailedCreate
+on the owner (`Error creating: <the admission message>`, source and reportingComponent the controller,
+count and first/last timestamps; a repeat bumps the count of the same Event), and another try after a
+backoff (doubling from `failed_create_backoff_s`), so the pods come once the quota frees. Events are
+listed per namespace or cluster-wide with the field selectors the API server supports for them (pods'
+too); another key is 400 `field label not supported: <key>`.
+
 For partition changes it serves nodes (merge patches: cordon, labels), pods
 with their eviction subresource (policy/v1: the one PodDisruptionBudget over the
 pod must allow a disruption, 429 with a DisruptionBudget cause otherwise; the pod
@@ -1898,7 +1908,9 @@ class KubernetesStandIn:
                 self._delete(RESOURCE_TYPES[key[0]], key[1], key[2], propagation="Background")
 
     def _reap(self) -> None:
-        """Finish deleting namespaces whose termination delay has passed, with everything in them."""
+        """One pass of every controller (the operator, collector, kubelet's stops, TTL, Job, Deployment,
+        ReplicaSet and disruption controllers), then finish deleting namespaces whose termination delay
+        has passed, with everything in them."""
         self._reconfigure_nodes()
         self._collect_garbage()
         self._stop_pods()
