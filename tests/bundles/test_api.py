@@ -8,6 +8,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connection
 from gpuportal import bundle as bundles
+from rest_framework.test import APIClient
 
 from audit.models import AuditEntry
 from runners.bundles import services
@@ -228,3 +229,27 @@ def test_an_archive_lost_from_storage_is_put_back_by_the_next_upload(client_for,
     (bundle_storage / "acme" / f"{sha}.tar.gz").unlink()
     assert _upload(api, packed).status_code == 200
     assert (bundle_storage / "acme" / f"{sha}.tar.gz").read_bytes() == packed
+
+
+def _session_client(user):
+    """A browser's client: logged in, with a CSRF cookie and the same token in the header, checked."""
+    client = APIClient(enforce_csrf_checks=True)
+    client.force_login(user)
+    token = "b" * 32
+    client.cookies["csrftoken"] = token
+    client.credentials(HTTP_X_CSRFTOKEN=token)
+    return client
+
+
+def test_a_browser_session_uploads_through_the_same_bounded_reading(owner, settings, folder, bundle_storage):
+    """The CSRF check of a session reads the form before the view: the upload is bounded there too."""
+    api = _session_client(owner)
+    assert _upload(api, bundles.pack(folder)).status_code == 201
+    settings.BUNDLE_MAX_BYTES, settings.BUNDLE_MAX_FILES = 2048, 2
+    huge = os.urandom(services.upload_bound() + 50_000)
+    response = _upload(api, targz(member("dataset.bin", huge)))
+    assert response.status_code == 413 and f"dataset.bin ({len(huge)} bytes)" in response.json()["detail"]
+    assert Bundle.objects.count() == 1 and len(stored_files(bundle_storage)) == 1
+    without_token = APIClient(enforce_csrf_checks=True)
+    without_token.force_login(owner)
+    assert _upload(without_token, targz(member("a.py", b"x"))).status_code == 403
