@@ -3,6 +3,7 @@
 import json
 import math
 import time
+from pathlib import Path
 
 import gpuportal
 import pytest
@@ -355,3 +356,8 @@ def test_read_stops_skips_what_is_not_a_stop(tmp_path):
     (tmp_path / progress.STOPS_FILE).write_text('{"attempt": 1}\ngarbage\n{"attempt": "1"}\n{"attempt": 2}\n{"att')
     assert progress.read_stops(tmp_path) == [{"attempt": 1}, {"attempt": 2}]
     assert progress.read_stops(tmp_path / "none") == []
+
+
+def test_the_docs_page_shows_the_ddp_example_as_it_is():
+    repo = Path(__file__).resolve().parents[2]
+    assert (repo / "sdk" / "examples" / "ddp" / "train.py").read_text() in (repo / "docs" / "sdk.md").read_text()
