@@ -44,6 +44,13 @@ def _env_int(environ, name: str, default: int | None) -> int | None:
         raise ValueError(f"{name} must be an integer, not {text!r}") from None
 
 
+def _step(step: Any) -> int:
+    """The step as an int, or a TypeError."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise TypeError(f"step must be an integer of 0 or more, not {step!r}")
+    return int(step)
+
+
 def _metric_value(name: str, value: Any) -> float | int:
     """The value as a plain finite number, or a TypeError/ValueError that names the metric."""
     if hasattr(value, "item") and not isinstance(value, numbers.Number):  # a one-element tensor or array
@@ -113,8 +120,7 @@ class _StopSignals:
 
 def checkpoint_path(job_dir: str | Path, step: int, what: Any) -> Path:
     """Where `write_checkpoint` puts this checkpoint."""
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise TypeError(f"step must be an integer of 0 or more, not {step!r}")
+    step = _step(step)
     source = Path(what) if isinstance(what, (str, os.PathLike)) else None
     if source is None:
         suffix = ".pt"
@@ -124,7 +130,7 @@ def checkpoint_path(job_dir: str | Path, step: int, what: Any) -> Path:
         suffix = ".ckpt" if source.suffix == ".ckpt" else ".pt"
     else:
         raise FileNotFoundError(f"no checkpoint file or folder at {source}")
-    return Path(job_dir) / protocol.CHECKPOINT_DIR / protocol.checkpoint_name(int(step), suffix)
+    return Path(job_dir) / protocol.CHECKPOINT_DIR / protocol.checkpoint_name(step, suffix)
 
 
 def write_checkpoint(job_dir: str | Path, step: int, what: Any, *, attempt: int = 0,
@@ -336,9 +342,7 @@ class Context:
         step's line is written when a later step is reported, if metrics_interval_s and metrics_every have passed
         since the last line written (the others are dropped), or at flush(), a checkpoint, a stop and the end.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise TypeError(f"step must be an integer of 0 or more, not {step!r}")
-        step = int(step)
+        step = _step(step)
         values = {}
         for name, value in metrics.items():
             if name in RESERVED_METRIC_NAMES:
@@ -388,13 +392,19 @@ class Context:
         `what` is the state to torch.save, or the path of a file or folder the script wrote itself: see
         `write_checkpoint`. Any metrics line still pending is written first.
         """
-        final = checkpoint_path(self.job_dir, step, what)
+        step = _step(step)
         self.meter.mark()
         if not self.is_main:
-            return final
+            # Rank 0 alone writes: a file named here may exist only on its machine.
+            source = Path(what) if isinstance(what, (str, os.PathLike)) else None
+            if source is None or source.exists():
+                return checkpoint_path(self.job_dir, step, what)
+            suffix = ".ckpt" if source.suffix == ".ckpt" else ".pt" if source.suffix else ""
+            return self.checkpoint_dir / protocol.checkpoint_name(step, suffix)
+        final = checkpoint_path(self.job_dir, step, what)
         self.flush()
         write_checkpoint(self.job_dir, step, what, attempt=self.attempt, keep=self.keep_checkpoints)
-        self._last_checkpoint_step = int(step)
+        self._last_checkpoint_step = step
         if self.stop_reason is not None:
             self._record_stop()  # the newest stop line names the checkpoint this attempt leaves
         return final
@@ -488,6 +498,7 @@ class Context:
         finally:
             if self._metrics_handle is not None:
                 self._metrics_handle.close()
+                self._metrics_handle = None
             if self._activity is not None:
                 self._activity.close()
             if self.stop_reason is not None and self._handle_signals \

@@ -149,6 +149,9 @@ def test_only_rank_0_writes(tmp_path, capsys):
     ctx.close()
 
     assert path == ctx.checkpoint_dir / "step-00000001.pt"
+    assert ctx.checkpoint(2, tmp_path / "on-rank-0-only.ckpt") == ctx.checkpoint_dir / "step-00000002.ckpt"
+    with pytest.raises(TypeError, match="step"):
+        ctx.checkpoint("3", {"w": 1})
     assert not ctx.job_dir.exists() and capsys.readouterr().out == ""
 
 
