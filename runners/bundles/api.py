@@ -8,7 +8,7 @@ files. A member no bundle may hold is a 400: ``{"archive": ["<member>: <why>"]}`
 
 from django.core.files.uploadhandler import TemporaryFileUploadHandler
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import OpenApiExample, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiExample, OpenApiResponse, extend_schema, inline_serializer
 from gpuportal.bundle import BundleError, BundleTooLarge
 from rest_framework import exceptions, serializers, status, viewsets
 from rest_framework.parsers import MultiPartParser
@@ -63,6 +63,7 @@ class BoundedUploadHandler(TemporaryFileUploadHandler):
 
 
 UPLOAD_FIELDS = {"archive"}
+_PROBLEM = inline_serializer("BundleProblem", fields={"detail": serializers.CharField()})
 
 
 class BundleViewSet(TenantScopedMixin, viewsets.GenericViewSet):
@@ -103,7 +104,13 @@ class BundleViewSet(TenantScopedMixin, viewsets.GenericViewSet):
     @extend_schema(
         request={"multipart/form-data": inline_serializer("BundleUpload", {"archive": serializers.FileField(
             help_text="The project folder as a .tar.gz (gpuportal's pack, or `tar czf - -C folder .`).")})},
-        responses={201: BundleSerializer, 200: BundleSerializer},
+        responses={
+            201: BundleSerializer, 200: BundleSerializer,
+            (413, "application/json"): OpenApiResponse(_PROBLEM, description=(
+                "Larger than BUNDLE_MAX_BYTES unpacked (or a body past any archive within the limits): the detail "
+                "names the limit and the largest files.")),
+            (415, "application/json"): OpenApiResponse(_PROBLEM, description="The body is not multipart/form-data."),
+        },
         examples=[OpenApiExample("A hostile member", value={"archive": ["../etc/passwd: has '..' in its path, "
                                                                          "which could reach outside the bundle"]},
                                  response_only=True, status_codes=["400"])],
@@ -128,7 +135,8 @@ class BundleViewSet(TenantScopedMixin, viewsets.GenericViewSet):
             raise serializers.ValidationError({"archive": [str(exc)]}) from None
         return Response(BundleSerializer(bundle).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
-    @extend_schema(responses={204: None})
+    @extend_schema(responses={204: None, (409, "application/json"): OpenApiResponse(
+        _PROBLEM, description="Queued or running jobs use the bundle: the detail names them.")})
     def destroy(self, request, tenant_slug, sha256):
         """Delete a bundle (members); 409 naming the jobs while queued or running jobs use it."""
         bundle = get_object_or_404(self.get_queryset(), sha256=sha256)
