@@ -1,5 +1,5 @@
-"""The signed URL a script job's pods fetch their bundle from: the archive while the URL is good and the bundle
-kept; a changed, expired or spent URL reads as not found (or gone), and asks for no login."""
+"""The signed URL a script job's pods fetch their bundle from, with no login: the archive while the URL is good
+and the bundle kept; a changed URL, or one whose bundle was deleted, reads as not found, an expired one as gone."""
 
 import io
 import tarfile
