@@ -132,6 +132,18 @@ def test_a_wrong_password_is_exit_3_and_keeps_the_saved_login(cli, portal):
     assert cli.config_file.read_text() == before
 
 
+def test_logout_revokes_the_token_and_forgets_it(portal, tmp_path):
+    bob = Cli(tmp_path)
+    assert bob("login", portal, "-u", "bob", "--password-stdin", input=f"{PASSWORD}\n").returncode == 0
+    token = json.loads(bob.config_file.read_text())["token"]
+    result = bob("logout")
+    assert result.returncode == 0, result.stderr
+    assert "token" not in json.loads(bob.config_file.read_text())
+    assert bob("whoami").returncode == 3
+    revoked = bob("whoami", env={"PORTAL_URL": portal, "PORTAL_TOKEN": token})
+    assert revoked.returncode == 3 and "portal login" in one_line_error(revoked)
+
+
 def test_quota_lists_the_tenants_quotas(cli):
     quotas = {row["flavor"]: row for row in cli.json("quota")}
     assert (quotas["h100-80gb"]["guaranteed"], quotas["h100-80gb"]["max"]) == (8, 16)
@@ -247,6 +259,8 @@ def test_exit_codes_say_what_went_wrong(cli, trained):
     rank = cli("logs", str(job_id), "--rank", "5")
     assert rank.returncode == 2 and "rank" in one_line_error(rank)
     assert cli("status", "not-a-number").returncode == 2
+    state = cli("ls", "--state", "sleeping")
+    assert state.returncode == 2 and "state" in one_line_error(state)
     (cli.home / "broken.yaml").write_text("flavor: [h100\n")
     broken = cli("run", "-f", "broken.yaml")
     assert broken.returncode == 2 and "not valid YAML" in one_line_error(broken)
