@@ -59,6 +59,7 @@ ENV_BUILD_TIMEOUT_S = 1800
 BUILD_PROCESS_LIMIT = 256
 # How many of pip's last lines a failed build gives as its reason.
 REASON_LINES = 12
+REASON_CHARS = 800
 # The host's variables pip keeps: its own settings, proxies and certificates.
 PIP_VARIABLES = ("PIP_", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
                  "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
@@ -109,7 +110,8 @@ def requirements_refused(text: str) -> list[str]:
 
 
 def _last_lines(text: str) -> str:
-    return "\n".join(line for line in text.strip().splitlines()[-REASON_LINES:])
+    """pip's last lines, at most REASON_CHARS of them from the end (the portal keeps 1,000 of a reason)."""
+    return "\n".join(text.strip().splitlines()[-REASON_LINES:])[-REASON_CHARS:]
 
 
 def build_environment(environment: dict, box: dict | None, log: Path) -> str | None:
