@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -92,6 +92,7 @@ class _StopSignals:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
+        self.listeners: list[Callable[[str], None]] = []  # told of the first signal (Context._notify)
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -111,7 +112,11 @@ class _StopSignals:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        first = self.signal_name is None
         self.signal_name = self.signal_name or signal.Signals(signum).name
+        if first:
+            for listener in list(self.listeners):
+                listener(f"{self.signal_name} received")
         previous = self._previous.get(signum)
         # Python's own SIGINT handler raises KeyboardInterrupt: exactly what this handler is here to prevent.
         if callable(previous) and previous is not signal.default_int_handler:
@@ -270,8 +275,12 @@ class Context:
         self._last_emitted: tuple[int, float] | None = None  # (step, monotonic time) of the last metrics line
         self._metrics_handle = None
         self._closed = False
+        self._stop_callbacks: list[Callable[[str], None]] = []
+        self._notified = False
+        self._timer: threading.Timer | None = None
         if handle_signals:
             _signals.install()
+            _signals.listeners.append(self._notify)
         self.meter = ActivityMeter()
         path = protocol.attempt_activity_file(self.job_dir, self.attempt, self.rank)
         self._activity = ActivityWriter(self.meter, path) if path is not None else None
@@ -414,10 +423,48 @@ class Context:
     def start_clock(self) -> None:
         """Count max_runtime_s from now rather than from init() (say, after a long rendezvous or data load)."""
         self._started = time.monotonic()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._start_timer()
 
     def request_stop(self, reason: str) -> None:
         """Stop as if the portal had asked: should_stop() is true from now on, with this reason."""
         self._requested = self._requested or reason
+        self._notify(self._requested)
+
+    def on_stop(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` once, as soon as the portal asks the job to stop, for a loop that cannot poll
+        should_stop(): from the signal handler (a signal: in the main thread, between two instructions of the
+        script), from a timer thread (max_runtime_s) or from request_stop(). Keep it short (set a flag); no
+        printing in it, which can fail inside a signal handler. Called at once if the stop came already."""
+        self._stop_callbacks.append(callback)
+        if self._notified:
+            self._call(callback, self._requested or self.stop_reason or self._local_reason() or "stopped")
+        elif (reason := self._local_reason()) is not None:
+            self._notify(reason)
+        elif self.max_runtime_s and self._timer is None:
+            self._start_timer()
+
+    def _start_timer(self) -> None:
+        left = max(0.0, self.max_runtime_s - (time.monotonic() - self._started))
+        reason = f"max runtime {self.max_runtime_s:g} s reached"
+        self._timer = threading.Timer(left, lambda: self._notify(reason))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _notify(self, reason: str) -> None:
+        if self._notified or not self._stop_callbacks:
+            return
+        self._notified = True
+        for callback in list(self._stop_callbacks):
+            self._call(callback, reason)
+
+    @staticmethod
+    def _call(callback: Callable[[str], None], reason: str) -> None:
+        try:
+            callback(reason)
+        except Exception as exc:  # a callback's failure must not end the training it was to stop
+            os.write(2, f"gpuportal: the on_stop callback failed: {exc!r}\n".encode())
 
     @property
     def stop_signal(self) -> str | None:
@@ -493,6 +540,10 @@ class Context:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._notify in _signals.listeners:
+            _signals.listeners.remove(self._notify)
         try:
             self.flush()
         finally:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -277,6 +278,30 @@ def test_request_stop_and_exit_stopped(tmp_path):
     with pytest.raises(SystemExit) as exited:
         ctx.exit_stopped()
     assert exited.value.code == gpuportal.EXIT_CHECKPOINTED_ON_SIGNAL == 75
+
+
+def test_on_stop_calls_back_once_at_the_stop_or_at_once_if_it_came_already(tmp_path, capfd):
+    ctx = make(tmp_path)
+    heard = []
+    ctx.on_stop(lambda reason: 1 / 0)  # a failing callback is reported, and the others still called
+    ctx.on_stop(heard.append)
+    assert heard == []
+    ctx.request_stop("the data ran out")
+    ctx.request_stop("again")
+    assert heard == ["the data ran out"]
+    assert "the on_stop callback failed: ZeroDivisionError" in capfd.readouterr().err
+    ctx.on_stop(heard.append)
+    assert heard == ["the data ran out"] * 2
+
+
+def test_on_stop_is_called_from_a_timer_when_the_max_runtime_passes(tmp_path):
+    ctx = make(tmp_path, max_runtime_s=0.2)
+    heard = threading.Event()
+    reasons = []
+    ctx.on_stop(lambda reason: (reasons.append(reason), heard.set()))
+    ctx.start_clock()  # the timer starts again with the clock
+    assert heard.wait(timeout=30)
+    assert reasons == ["max runtime 0.2 s reached"] and ctx.should_stop()
 
 
 def test_a_stop_line_without_a_checkpoint_names_none(tmp_path):

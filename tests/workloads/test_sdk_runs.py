@@ -40,6 +40,7 @@ def test_a_sigterm_makes_should_stop_true_and_the_script_checkpoints_and_exits_0
     records = progress.parse_log_records(job.ranks[0].log())
     assert records.stops[-1] == stop and records.checkpoints == progress.read_checkpoints(job_dir)
     assert (job_dir / "chained").read_text() == "SIGTERM", "the script's own handler was called too"
+    assert (job_dir / "on_stop").read_text() == "SIGTERM received", "the on_stop callback, from the handler"
 
     again = run_script(job_dir, LOOP, attempt=3, hyperparameters={"steps": last + 3})
     assert again.wait() == [0]
@@ -55,6 +56,7 @@ def test_max_runtime_stops_the_script_and_exit_stopped_leaves_with_75(tmp_path):
     assert job.wait() == [75], job.logs()
     assert "stopped at step" in job.ranks[0].log()
     assert progress.stop_of_attempt(job_dir, 0)["reason"] == "max runtime 1 s reached"
+    assert (job_dir / "on_stop").read_text() == "max runtime 1 s reached", "the on_stop callback, from its timer"
     assert progress.latest_checkpoint_step(job_dir) == steps_of(job_dir)[-1]
 
 

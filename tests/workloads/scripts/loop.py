@@ -4,7 +4,7 @@ steps (default: until stopped), sleep_s (inside busy(), per step), every (a chec
 0: only on a stop), payload_mb (the size of each checkpoint), hang_after (after this step, sleep outside busy()
 for ever, as a script stuck on its data would), exit_75 (leave with exit_stopped() after a stop).
 Before init() it installs a SIGTERM handler of its own that writes `chained` in the job folder, to show the SDK
-calls it.
+calls it; its on_stop callback writes the reason to `on_stop` there.
 """
 
 import os
@@ -23,6 +23,7 @@ def own_handler(signum, frame):
 
 signal.signal(signal.SIGTERM, own_handler)
 ctx = gpuportal.init(metrics_interval_s=0)
+ctx.on_stop(lambda reason: Path(ctx.job_dir, "on_stop").write_text(reason))
 hp = {"steps": sys.maxsize, "sleep_s": 0.02, "every": 0, "payload_mb": 0, "hang_after": None, "exit_75": False,
       **ctx.hyperparameters}
 state = ctx.load()
