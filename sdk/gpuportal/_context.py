@@ -265,7 +265,8 @@ class Context:
         self.keep_checkpoints = keep_checkpoints
         self.metrics_interval_s = metrics_interval_s
         self.metrics_every = metrics_every
-        self._resume_env = (environ.get(protocol.ENV_RESUME_FROM_STEP, ""), environ.get(protocol.ENV_RESUME_FROM_PATH, ""))
+        self._resume_step = _env_int(environ, protocol.ENV_RESUME_FROM_STEP, None)
+        self._resume_path = environ.get(protocol.ENV_RESUME_FROM_PATH, "").strip()
         self._started = time.monotonic()
         self._handle_signals = handle_signals
         self._requested: str | None = None
@@ -317,10 +318,9 @@ class Context:
     def resume_from(self) -> ResumePoint | None:
         """The checkpoint to resume from: the one the portal named (PORTAL_RESUME_FROM_STEP and _PATH) if it is
         there and whole, else the newest whole one in the job's folder; None to start afresh."""
-        step_text, path_text = self._resume_env
-        if step_text.strip():
-            step = _env_int({protocol.ENV_RESUME_FROM_STEP: step_text}, protocol.ENV_RESUME_FROM_STEP, None)
-            path = (self.job_dir / path_text) if path_text else protocol.checkpoint_entries(self.job_dir).get(step)
+        step = self._resume_step
+        if step is not None:
+            path = self.job_dir / self._resume_path if self._resume_path else protocol.checkpoint_entries(self.job_dir).get(step)
             if path is not None and _loadable(path):
                 return ResumePoint(step, path)
             print(f"gpuportal: the checkpoint of step {step} the portal named is missing or damaged; "

@@ -59,6 +59,7 @@ def test_init_defaults_to_one_process_and_no_hyperparameters(tmp_path):
     ({"RANK": "two"}, "RANK"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2"),
     ({"TRAIN_MAX_RUNTIME_S": "soon"}, "TRAIN_MAX_RUNTIME_S"),
+    ({"PORTAL_RESUME_FROM_STEP": "last"}, "PORTAL_RESUME_FROM_STEP"),
 ])
 def test_bad_variables_are_refused_by_name(tmp_path, env, named):
     with pytest.raises(ValueError, match=named):
