@@ -120,7 +120,7 @@ def largest_seen(fileobj) -> list[tuple[str, int]]:
 # --- Storing -----------------------------------------------------------------------------------------
 
 
-def _lock(tenant: Tenant, sha256: str) -> None:
+def lock_digest(tenant: Tenant, sha256: str) -> None:
     """Take turns with every other upload or delete of this tenant's digest, to the end of the transaction."""
     key = int.from_bytes(hashlib.sha256(f"bundle:{tenant.id}:{sha256}".encode()).digest()[:8], "big", signed=True)
     with connection.cursor() as cursor:
@@ -163,7 +163,7 @@ def _remove_unless_kept(tenant: Tenant, sha256: str) -> None:
     fs, _root = storage()
     try:
         with transaction.atomic():
-            _lock(tenant, sha256)
+            lock_digest(tenant, sha256)
             if not Bundle.objects.filter(tenant=tenant, sha256=sha256, deleted_at__isnull=True).exists():
                 _remove(fs, object_path(tenant, sha256))
     except Exception:  # noqa: BLE001 - a left archive without a row is harmless: nothing lists or runs it
@@ -206,7 +206,7 @@ def store(tenant: Tenant, user, fileobj) -> tuple[Bundle, bool]:
         wrote = False
         try:
             with transaction.atomic():
-                _lock(tenant, sha256)
+                lock_digest(tenant, sha256)
                 existing = Bundle.objects.filter(tenant=tenant, sha256=sha256, deleted_at__isnull=True).first()
                 if existing is None or not _exists(fs, path):
                     _put(fs, str(canonical), path)
@@ -232,7 +232,7 @@ def delete(bundle: Bundle, *, actor=None) -> None:
     up to now). Refused (Conflict, naming them) while queued or running jobs use it."""
     tenant = bundle.tenant
     with transaction.atomic():
-        _lock(tenant, bundle.sha256)
+        lock_digest(tenant, bundle.sha256)
         row = Bundle.objects.select_for_update().filter(pk=bundle.pk, deleted_at__isnull=True).first()
         if row is None:
             raise NotFound("No such bundle.")

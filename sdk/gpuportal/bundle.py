@@ -380,8 +380,7 @@ def archive_bound(max_bytes: int, max_members: int) -> int:
     return stream_bound(max_bytes, max_members) * 1001 // 1000 + 64 * 1024
 
 
-def _scan(stream: BinaryIO, *, max_bytes: int | None, max_members: int | None, max_ratio: int | None,
-          on_member=None) -> list[Member]:
+def _scan(stream: BinaryIO, *, max_bytes: int | None, max_members: int | None, max_ratio: int | None) -> list[Member]:
     compressed = _Counting(stream)
     bound = None if max_bytes is None else stream_bound(max_bytes, max_members or DEFAULT_MAX_MEMBERS)
     unpacked = _Bounded(gzip.GzipFile(fileobj=io.BufferedReader(compressed), mode="rb"), compressed, bound, max_ratio)
@@ -432,8 +431,6 @@ def _scan(stream: BinaryIO, *, max_bytes: int | None, max_members: int | None, m
                 data = archive.extractfile(info)
                 while chunk := data.read(CHUNK):
                     hashed.update(chunk)
-                    if on_member is not None:
-                        on_member(path, chunk)
                 member = Member(path, info.size, bool(info.mode & stat.S_IXUSR), hashed.hexdigest())
                 members.append(member)
     except _Exceeded as exc:

@@ -3,10 +3,11 @@
 import io
 import os
 import tarfile
+import threading
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.db import connection
+from django.db import connection, transaction
 from gpuportal import bundle as bundles
 from rest_framework.test import APIClient
 
@@ -15,6 +16,7 @@ from runners.bundles import services
 from runners.bundles.models import Bundle
 from runners.bundles.signals import bundle_in_use
 from tests.bundles.archives import member, project, stored_files, targz
+from tests.support.races import InThread, lock_waiters, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -253,3 +255,30 @@ def test_a_browser_session_uploads_through_the_same_bounded_reading(owner, setti
     without_token = APIClient(enforce_csrf_checks=True)
     without_token.force_login(owner)
     assert _upload(without_token, targz(member("a.py", b"x"))).status_code == 403
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_files_uploaded_twice_at_once_are_stored_once(tenant, owner, folder, bundle_storage):
+    """Both uploads pass the first look (no bundle yet) and wait for the digest's lock: one writes, one finds it."""
+    packed = bundles.pack(folder)
+    sha = bundles.digest(packed)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_digest():
+        with transaction.atomic():
+            services.lock_digest(tenant, sha)
+            held.set()
+            release.wait(60)
+
+    holder = InThread(hold_the_digest)
+    assert held.wait(10)
+    uploads = [InThread(services.store, tenant=tenant, user=owner, fileobj=io.BytesIO(packed)) for _ in range(2)]
+    try:
+        assert wait_until(lambda: lock_waiters() == 2)
+    finally:
+        release.set()
+        holder.outcome()
+    results = [upload.outcome() for upload in uploads]
+    assert sorted(created for _bundle, created in results) == [False, True]
+    assert results[0][0].pk == results[1][0].pk
+    assert Bundle.objects.count() == 1 and stored_files(bundle_storage) == [f"acme/{sha}.tar.gz"]
