@@ -393,6 +393,12 @@ class Context:
         if self._pending is not None:
             self._emit(self._pending)
 
+    def _flush_if_due(self) -> None:
+        # For a caller that knows no more metrics of the pending step will come (a framework's step end), so
+        # that a step reported every N steps is not written only N steps late; the rate limits still hold.
+        if self._pending is not None and self._due(self._pending["step"]):
+            self._emit(self._pending)
+
     # --- checkpoints -------------------------------------------------------------------------------
 
     def checkpoint(self, step: int, what: Any) -> Path:

@@ -46,6 +46,9 @@ class PortalCallback(transformers.TrainerCallback):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
+        # The logs of earlier steps are complete by now (this step's come after on_step_end): written now,
+        # not once the next log comes `logging_steps` later.
+        self.ctx._flush_if_due()
         if self.ctx.should_stop(sync=args.world_size > 1):
             control.should_save = True
             control.should_training_stop = True

@@ -390,3 +390,26 @@ def test_read_stops_skips_what_is_not_a_stop(tmp_path):
 def test_the_docs_page_shows_the_ddp_example_as_it_is():
     repo = Path(__file__).resolve().parents[2]
     assert (repo / "sdk" / "examples" / "ddp" / "train.py").read_text() in (repo / "docs" / "sdk.md").read_text()
+
+
+def test_the_transformers_callback_writes_a_logged_step_at_the_next_step_end_and_stops_the_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gpuportal.transformers import PortalCallback
+
+    ctx = make(tmp_path)
+    callback = PortalCallback(ctx)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    state, control = transformers.TrainerState(global_step=10), transformers.TrainerControl()
+    callback.on_log(args, state, control, logs={"loss": 1.5, "epoch": 0.1, "note": "text", "bad": float("nan")})
+    callback.on_log(args, state, control, logs={"eval_loss": 1.75})  # evaluation comes after, at the same step
+    assert progress.read_metrics(ctx.job_dir) == []
+    state.global_step = 11
+    callback.on_step_end(args, state, control)
+
+    [line] = progress.read_metrics(ctx.job_dir)
+    assert {k: v for k, v in line.items() if k not in ("time", "attempt")} == {
+        "step": 10, "loss": 1.5, "epoch": 0.1, "eval_loss": 1.75}
+    assert not control.should_save and not control.should_training_stop
+    ctx.request_stop("test")
+    callback.on_step_end(args, state, control)
+    assert control.should_save and control.should_training_stop
