@@ -24,14 +24,6 @@ EXIT_BAD_INPUT = 2  # a flag, a job file or the portal said the request was wron
 EXIT_AUTH = 3  # no token, a token the portal refuses (401) or a role that may not (403)
 EXIT_NOT_FOUND = 4  # no such job, environment or checkpoint (404, 410), or another tenant's
 EXIT_UNAVAILABLE = 5  # the portal did not answer, or answered 5xx or 429 after retrying
-EXIT_CODES = {
-    EXIT_OK: "ok",
-    EXIT_JOB_FAILED: "the job failed or was cancelled",
-    EXIT_BAD_INPUT: "bad input",
-    EXIT_AUTH: "not logged in, or not allowed",
-    EXIT_NOT_FOUND: "not found",
-    EXIT_UNAVAILABLE: "the portal is unavailable",
-}
 
 TIMEOUT_S = 30.0
 # Submits and uploads are sent again this many times when the connection fails or the portal answers
@@ -122,7 +114,8 @@ class _Counted:
         return self.offset
 
 
-def _version() -> str:
+def package_version() -> str:
+    """The installed gpuportal's version."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -137,7 +130,7 @@ class Client:
     def __init__(self, url: str, token: str | None = None, *, timeout_s: float = TIMEOUT_S,
                  transport: httpx.BaseTransport | None = None):
         self.url = url.rstrip("/")
-        headers = {"User-Agent": f"gpuportal/{_version()}", "Accept": "application/json"}
+        headers = {"User-Agent": f"gpuportal/{package_version()}", "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Token {token}"
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)

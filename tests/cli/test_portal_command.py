@@ -299,9 +299,12 @@ def test_run_uploads_this_folder_once_and_runs_its_command_there(cli):
     assert (job["name"], job["spec"]["template"], job["spec"]["command"]) == (
         "my-script", "script", ["python", "train.py", "--epochs", "3"])
 
-    failed = cli("run", "--flavor", "h100-80gb", "--name", "my-script-fails", "--", "python", "fail.py",
+    # With --json, stdout is the ended job's JSON alone and the log goes to stderr.
+    failed = cli("run", "--flavor", "h100-80gb", "--name", "my-script-fails", "--json", "--", "python", "fail.py",
                  cwd=folder, timeout=600)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "The portal has this code already" in failed.stderr and "Uploaded" not in failed.stderr
-    assert "giving up" in failed.stdout
-    assert re.search(r"job \d+ failed", failed.stderr)
+    assert "giving up" in failed.stderr
+    ended = json.loads(failed.stdout)
+    assert (ended["name"], ended["state"]) == ("my-script-fails", "failed")
+    assert ended["attempts"][-1]["exit_code"] == 3

@@ -33,6 +33,7 @@ from gpuportal.client import (
     EXIT_NOT_FOUND,
     Client,
     PortalError,
+    package_version,
 )
 
 # How often a followed job (its state and its log) is read again.
@@ -45,8 +46,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# Text from the portal (names, reasons, paths) is printed as it is: no markup, no highlighting.
+out = Console(soft_wrap=True, markup=False, highlight=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the API's JSON (for scripts) instead of a table.")]
 TenantOption = Annotated[str | None, typer.Option("--tenant", "-t", help="A tenant's slug; yours when you have one.")]
@@ -83,9 +85,7 @@ def _progress() -> Progress:
 
 def _version(value: bool) -> None:
     if value:
-        from gpuportal.client import _version as version
-
-        typer.echo(f"portal (gpuportal {version()})")
+        typer.echo(f"portal (gpuportal {package_version()})")
         raise typer.Exit()
 
 
@@ -179,13 +179,11 @@ def login(
         with Client(url) as client:
             token = client.login(username, password)["token"]
     saved = config_file.load()
-    saved.url, saved.token, saved.username = url, token, username
-    if tenant:
+    if tenant or saved.url != url:  # a tenant saved for another portal means nothing here
         saved.tenant = tenant
-    elif saved.tenant and saved.url != url:
-        saved.tenant = None
+    saved.url, saved.token, saved.username = url, token, username
     path = config_file.save(saved)
-    err.print(f"Logged in to {url} as {username}; the token is saved in {path}.", highlight=False)
+    err.print(f"Logged in to {url} as {username}; the token is saved in {path}.")
 
 
 @app.command()
@@ -203,7 +201,7 @@ def logout() -> None:
             raise
     saved.token = None
     config_file.save(saved)
-    err.print(f"Logged out of {saved.url}.", highlight=False)
+    err.print(f"Logged out of {saved.url}.")
 
 
 @app.command()
@@ -216,10 +214,9 @@ def whoami(as_json: JsonFlag = False) -> None:
     if as_json:
         print_json({"url": client.url, "user": token["user"], "token": token, "tenants": tenants})
         return
-    out.print(f"{token['user']} at {client.url} (token {token['name']!r}, expires {token.get('expiry') or 'never'})",
-              highlight=False)
+    out.print(f"{token['user']} at {client.url} (token {token['name']!r}, expires {token.get('expiry') or 'never'})")
     for tenant in tenants:
-        out.print(f"  {tenant['slug']}: {tenant.get('my_role')}", highlight=False)
+        out.print(f"  {tenant['slug']}: {tenant.get('my_role')}")
 
 
 @app.command()
@@ -294,11 +291,11 @@ def status(job_id: JobArgument, as_json: JsonFlag = False) -> None:
     steps = [str(checkpoint["step"]) for checkpoint in job.get("checkpoints") or []]
     lines.append(f"checkpoints {', '.join(steps) if steps else 'none yet'}")
     for line in lines:
-        out.print(line, highlight=False)
+        out.print(line)
 
 
 def follow_job(client: Client, job_id: int, *, rank: int = 0, progress_lines: bool = False,
-               interval_s: float = POLL_INTERVAL_S) -> int:
+               log_to_stderr: bool = False, interval_s: float = POLL_INTERVAL_S) -> int:
     """Print a job's state changes (stderr) and one replica's new log lines (stdout) until it ends: its exit code."""
     follower = LogFollower(lambda tail: client.logs(job_id, rank=rank, tail=tail), progress_lines=progress_lines)
     seen_state = None
@@ -308,17 +305,16 @@ def follow_job(client: Client, job_id: int, *, rank: int = 0, progress_lines: bo
             if job["state"] != seen_state:
                 seen_state = job["state"]
                 reason = f": {job['reason']}" if job.get("reason") else ""
-                err.print(f"job {job_id} {seen_state}{reason}", highlight=False, markup=False)
+                err.print(f"job {job_id} {seen_state}{reason}")
             if any(attempt.get("started_at") for attempt in job.get("attempts") or []):
                 for line in follower.poll():
-                    typer.echo(line)
+                    typer.echo(line, err=log_to_stderr)
             code = exit_code(job["state"])
             if code is not None:
                 return code
             time.sleep(interval_s)
     except KeyboardInterrupt:
-        err.print(f"Stopped following; job {job_id} goes on (`portal logs -f {job_id}`, `portal cancel {job_id}`).",
-                  highlight=False, markup=False)
+        err.print(f"Stopped following; job {job_id} goes on (`portal logs -f {job_id}`, `portal cancel {job_id}`).")
         raise typer.Exit(130) from None
 
 
@@ -361,8 +357,7 @@ def cancel(job_id: JobArgument, as_json: JsonFlag = False) -> None:
     if as_json:
         print_json(job)
         return
-    err.print(f"job {job_id} {job['state']}" + (f": {job['reason']}" if job.get("reason") else ""),
-              highlight=False, markup=False)
+    err.print(f"job {job_id} {job['state']}" + (f": {job['reason']}" if job.get("reason") else ""))
 
 
 @app.command()
@@ -420,8 +415,7 @@ def download(
         except BaseException:
             Path(partial).unlink(missing_ok=True)
             raise
-    err.print(f"Saved job {job_id}'s checkpoint at step {row['step']} ({size} bytes) in {target}.",
-              highlight=False, markup=False)
+    err.print(f"Saved job {job_id}'s checkpoint at step {row['step']} ({size} bytes) in {target}.")
 
 
 # --- Running code ----------------------------------------------------------
@@ -439,12 +433,12 @@ def _upload_bundle(client: Client, tenant: str, folder: Path) -> str:
     archive = bundle.pack(folder)
     digest = bundle.digest(archive)
     if client.bundle_exists(tenant, digest):
-        err.print(f"The portal has this code already ({digest[:12]}).", highlight=False)
+        err.print(f"The portal has this code already ({digest[:12]}).")
         return digest
     with _progress() as bar:
         task = bar.add_task(f"uploading {digest[:12]}", total=len(archive))
         client.bundle_upload(tenant, archive, lambda sent: bar.update(task, completed=sent))
-    err.print(f"Uploaded {folder.resolve().name} ({len(archive)} bytes, {digest[:12]}).", highlight=False)
+    err.print(f"Uploaded {folder.resolve().name} ({len(archive)} bytes, {digest[:12]}).")
     return digest
 
 
@@ -481,7 +475,8 @@ def run(
 ) -> None:
     """Upload this folder and run a command on the portal's GPUs; follow its log until it ends.
 
-    Exits with the job's status: 0 succeeded, 1 failed or cancelled.
+    Exits with the job's status: 0 succeeded, 1 failed or cancelled. With --json, stdout holds only the
+    job's JSON (once submitted with -d, once ended without) and the log goes to stderr.
     """
     spec = jobfile.merge(
         jobfile.load(job_file) if job_file else {},
@@ -501,13 +496,16 @@ def run(
         if spec.get("template") == jobfile.SCRIPT_TEMPLATE and not spec.get("bundle"):
             spec["bundle"] = _upload_bundle(client, spec["tenant"], workdir)
         job = client.submit(spec, idempotency_key or str(uuid.uuid4()))
-        if as_json:
-            print_json(job)
-        err.print(f"Submitted job {job['id']} ({job['name']}): `portal logs -f {job['id']}` follows it.",
-                  highlight=False, markup=False)
+        err.print(f"Submitted job {job['id']} ({job['name']}): `portal logs -f {job['id']}` follows it.")
         if detach:
+            if as_json:
+                print_json(job)
             return
-        raise typer.Exit(follow_job(client, job["id"], rank=rank))
+        # With --json, stdout holds the ended job's JSON only; its log goes to stderr.
+        code = follow_job(client, job["id"], rank=rank, log_to_stderr=as_json)
+        if as_json:
+            print_json(client.job(job["id"]))
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -545,8 +543,8 @@ def serve(
         print_json(endpoint)
     else:
         err.print(f"endpoint {endpoint['id']} {endpoint['name']} {endpoint['state']}"
-                  + (f": {endpoint['reason']}" if endpoint.get("reason") else ""), highlight=False, markup=False)
-        out.print(f"POST {endpoint['url']}/v1/generate", highlight=False)
+                  + (f": {endpoint['reason']}" if endpoint.get("reason") else ""))
+        out.print(f"POST {endpoint['url']}/v1/generate")
     if endpoint["state"] == "failed":
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -614,7 +612,7 @@ def kubeconfig(
     os.fchmod(descriptor, 0o600)
     with os.fdopen(descriptor, "w") as stream:
         stream.write(text)
-    err.print(f"Saved in {output}" + (f"; its token works until {expires}." if expires else "."), highlight=False)
+    err.print(f"Saved in {output}" + (f"; its token works until {expires}." if expires else "."))
 
 
 def main(args: list[str] | None = None) -> None:
