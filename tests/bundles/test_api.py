@@ -282,3 +282,19 @@ def test_the_same_files_uploaded_twice_at_once_are_stored_once(tenant, owner, fo
     assert sorted(created for _bundle, created in results) == [False, True]
     assert results[0][0].pk == results[1][0].pk
     assert Bundle.objects.count() == 1 and stored_files(bundle_storage) == [f"acme/{sha}.tar.gz"]
+
+
+def test_a_delete_never_removes_the_archive_of_an_upload_that_came_after_it(
+        tenant, owner, folder, bundle_storage, django_capture_on_commit_callbacks):
+    """The archive is removed once the delete commits, unless a kept bundle holds it by then."""
+    packed = bundles.pack(folder)
+    first, _created = services.store(tenant, owner, io.BytesIO(packed))
+    with django_capture_on_commit_callbacks() as after_the_delete:
+        services.delete(first, actor=owner)
+    again, created = services.store(tenant, owner, io.BytesIO(packed))  # before the removal ran
+    assert created and again.pk != first.pk
+    for callback in after_the_delete:
+        callback()
+    assert stored_files(bundle_storage) == [f"acme/{first.sha256}.tar.gz"]
+    with services.open_archive(again) as archive:
+        assert archive.read() == packed
