@@ -36,13 +36,17 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from types import ModuleType
+from typing import BinaryIO
 
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
@@ -95,6 +99,11 @@ SANDBOX_PROCESS_LIMIT = 4096
 SANDBOX_MODES = ("auto", "on", "off")
 # The attempt's file a sandbox shows as /etc/hosts.
 SANDBOX_HOSTS_FILE = "sandbox-hosts"
+# The attempt's folder a sandbox shows in place of the attempt's own (which the portal alone writes): what the
+# replicas write there (the SDK's activity files) lands in it.
+SANDBOX_ATTEMPT_DIR = "sandbox-attempt"
+# The largest activity file read (one small JSON object).
+ACTIVITY_MAX_BYTES = 64 * 1024
 
 
 def free_port() -> int:
@@ -407,11 +416,15 @@ class LocalJobs:
         read_only = [str(bundle_dir)] + ([environment["dir"]] if environment else [])
         hosts = attempt_dir / SANDBOX_HOSTS_FILE
         hosts.write_text(sandbox.HOSTS)
+        written = attempt_dir / SANDBOX_ATTEMPT_DIR
+        written.mkdir(exist_ok=True)
+        os.chown(written, who.uid, who.gid)
         return {
             "hosts": str(hosts),
             "uid": who.uid, "gid": who.gid, "process_limit": self.sandbox_process_limit,
             "read_only": read_only, "writable": [str(job_dir)],
-            "read_only_over": [str(job_dir / activity.ATTEMPTS_DIR)], "writable_over": [str(scratch)],
+            "read_only_over": [str(job_dir / activity.ATTEMPTS_DIR)],
+            "writable_over": [[str(written), str(attempt_dir)], [str(scratch), str(scratch)]],
             "cwd": str(bundle_dir),
         }
 
@@ -425,14 +438,23 @@ class LocalJobs:
             f"job-{serving.source_job_id}-" + "-".join(relative.parts))
         if not pinned.exists():
             pinned.parent.mkdir(parents=True, exist_ok=True)
-            self._copy_atomically(self.job_dir(serving.source_job_id) / Path(*relative.parts), pinned)
+            try:
+                fd = _open_in_folder(self.job_dir(serving.source_job_id), relative.parts)
+            except OSError as exc:
+                raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
+            with open(fd, "rb") as source:
+                self._copy_atomically(source, pinned)
         return pinned
 
     @staticmethod
-    def _copy_atomically(source: Path, target: Path) -> None:
+    def _copy_atomically(source: Path | BinaryIO, target: Path) -> None:
         temp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         try:
-            shutil.copyfile(source, temp)
+            if isinstance(source, Path):
+                shutil.copyfile(source, temp)
+            else:
+                with open(temp, "wb") as copy:
+                    shutil.copyfileobj(source, copy, 1024 * 1024)
         except OSError as exc:
             temp.unlink(missing_ok=True)
             raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
@@ -551,6 +573,8 @@ class LocalJobs:
         for the next call does not count, so a read that returns 0 means nothing new).
         """
         job_dir = self.job_dir(job_id)
+        # A script's job folder is its own (the sandbox account's): a file there is read only if it is a
+        # regular file, never through a link it left (another tenant's files) or from a FIFO (a hung read).
         left = PROGRESS_READ_MAX_BYTES
         found: dict[str, list[dict]] = {}
         new_cursor: dict[str, int] = {}
@@ -559,10 +583,13 @@ class LocalJobs:
             start = cursor.get(key) if isinstance(cursor, dict) else None
             start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
             whole_budget = left == PROGRESS_READ_MAX_BYTES
-            if key == "stops":
-                chunk = _stop_chunk(job_dir / name, start, left, whole_budget=whole_budget)
-            else:
-                chunk = progress.read_jsonl_chunk(job_dir / name, start, left, whole_budget=whole_budget)
+            with _job_file(job_dir / name) as readable:
+                if readable is None:
+                    chunk = progress.Chunk([], start, 0)
+                elif key == "stops":
+                    chunk = _stop_chunk(readable, start, left, whole_budget=whole_budget)
+                else:
+                    chunk = progress.read_jsonl_chunk(readable, start, left, whole_budget=whole_budget)
             found[key] = chunk.records
             new_cursor[key] = chunk.offset
             left -= chunk.taken
@@ -585,6 +612,8 @@ class LocalJobs:
             except (FileNotFoundError, ValueError):
                 continue
             timeslice = record.get("gpu_resource") == names.TIMESLICE_RESOURCE
+            # A sandboxed replica writes its activity in the folder it sees as its attempt's.
+            written = attempt_dir / SANDBOX_ATTEMPT_DIR if record.get("sandbox") else attempt_dir
             readings: list[GpuReading] = []
             for replica in record["replicas"]:
                 if not replica.get("placement", {}).get("gpus"):
@@ -595,7 +624,7 @@ class LocalJobs:
                 if placement.node in real_nodes:
                     readings += _nvml_readings_logged(placement)
                 else:
-                    readings += _simulated_readings(attempt_dir, placement, timeslice=timeslice)
+                    readings += _simulated_readings(written, placement, timeslice=timeslice)
             if readings:
                 found[(job_id, attempt)] = readings
         return found
@@ -628,7 +657,46 @@ def _script_variables(launch: JobLaunch, job_dir: Path, environment: dict | None
     return env
 
 
-def _stop_chunk(path: Path, offset: int, budget: int, *, whole_budget: bool) -> progress.Chunk:
+@contextmanager
+def _job_file(path: Path, *, max_bytes: int | None = None) -> Iterator[str | None]:
+    """A path to read a job folder's file by (``/proc/self/fd/N``, the file opened here), or None where there is
+    no regular file of at most `max_bytes`: missing, a link (never followed), a FIFO or device, too big.
+
+    A script's job folder belongs to the sandbox account, so what lies there is the tenant's: a link to
+    another tenant's files, or a FIFO that would hang the read. The path by descriptor reads the very file
+    checked, whatever is put in its place meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        info = os.fstat(fd)
+        usable = stat.S_ISREG(info.st_mode) and (max_bytes is None or info.st_size <= max_bytes)
+        yield f"/proc/self/fd/{fd}" if usable else None
+    finally:
+        os.close(fd)
+
+
+def _open_in_folder(folder: Path, parts: tuple[str, ...]) -> int:
+    """A read-only descriptor of the regular file at `parts` under `folder`, reached without following any link
+    below it (OSError otherwise)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise OSError(f"{'/'.join(parts)} is not a regular file")
+    return found
+
+
+def _stop_chunk(path: str, offset: int, budget: int, *, whole_budget: bool) -> progress.Chunk:
     """The stop records (objects with an integer "attempt") of the whole lines in at most `budget` bytes of
     stops.jsonl from `offset`; the same reading as `progress.read_jsonl_chunk`, whose records need a step."""
     try:
@@ -684,7 +752,8 @@ def _simulated_readings(attempt_dir: Path, placement: ReplicaPlacement, *, times
     Its memory is shared out evenly over those devices, so that their sum is the rank's (a simulated GPU
     holds nothing of its own to count).
     """
-    found = activity.read_activity(activity.activity_file(attempt_dir, placement.rank), now=time.time())
+    with _job_file(activity.activity_file(attempt_dir, placement.rank), max_bytes=ACTIVITY_MAX_BYTES) as readable:
+        found = None if readable is None else activity.read_activity(Path(readable), now=time.time())
     if found is None:
         return []
     memory = found["memory_used_mib"]

@@ -8,8 +8,10 @@ in a fresh mount, PID, IPC, UTS and cgroup namespace. What it sees of the host's
   environment's site-packages with torch and numpy, the ``gpuportal`` package), the job's cached
   environment and the tenant's bundle (its working directory);
 - read-write: the job folder (checkpoints, progress files), with the folder of its attempts read-only
-  over it (the supervisor's launch record, logs and exit codes are the portal's to write), and the
-  attempt's scratch folder ($HOME, $TMPDIR, caches);
+  over it (the supervisor's launch record, logs and exit codes are the portal's to write); in place of
+  its own attempt's folder, a folder of the attempt's that the replicas may write (``sandbox-attempt``:
+  what the SDK writes there, its activity files), and in that the attempt's scratch folder ($HOME,
+  $TMPDIR, caches);
 - its own ``/tmp`` and ``/dev/shm`` (empty, each at most its memory limit), ``/proc`` and a minimal ``/dev``
   (the NVIDIA device nodes, and the parts of ``/sys`` the driver reads, when the replica was placed on a
   GPU of this host).
@@ -98,8 +100,8 @@ class View:
     writable: tuple[str, ...] = ()
     # Read-only again, over a part of a writable folder (mounted after the writable ones, in this order).
     read_only_over: tuple[str, ...] = ()
-    # Writable again, inside a read_only_over folder.
-    writable_over: tuple[str, ...] = ()
+    # Writable again, inside a read_only_over folder: (host folder, where it is shown), in this order.
+    writable_over: tuple[tuple[str, str], ...] = ()
     devices: tuple[str, ...] = ()
     cwd: str = "/"
     # Shown as /etc/hosts instead of the host's (HOSTS: the sandbox's own name on its loopback).
@@ -174,8 +176,8 @@ def bwrap_argv(view: View, command: list[str], *, account: Account, process_limi
         mounts.append(["--bind", path, path])
     for path in view.read_only_over:
         mounts.append(["--ro-bind", path, path])
-    for path in view.writable_over:
-        mounts.append(["--bind", path, path])
+    for source, shown in view.writable_over:
+        mounts.append(["--bind", source, shown])
     for path in view.devices:
         mounts.append(["--dev-bind", path, path])
     if view.devices:

@@ -197,7 +197,8 @@ def _argv(replica: dict, launch: dict) -> list[str]:
         return replica["argv"]
     view = sandbox.View(
         read_only=tuple(box["read_only"]), writable=tuple(box["writable"]),
-        read_only_over=tuple(box["read_only_over"]), writable_over=tuple(box["writable_over"]),
+        read_only_over=tuple(box["read_only_over"]),
+        writable_over=tuple((source, shown) for source, shown in box["writable_over"]),
         devices=tuple(replica.get("devices", ())), cwd=box["cwd"], hosts=box.get("hosts"),
         tmpfs_bytes=replica.get("memory_limit_bytes"),
     )

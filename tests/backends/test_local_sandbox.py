@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from gpuportal import bundle as bundles
 
-from runners.backends.base import BundleRef, JobLaunch, PermanentBackendError, ReplicaPlacement
+from runners.backends.base import BundleRef, JobLaunch, PermanentBackendError, ReplicaPlacement, ServingSettings
 from runners.backends.local import LocalBackend
 from runners.backends.local_jobs import REPO_ROOT
 from runners.nvidia import names
@@ -479,3 +479,71 @@ def test_the_setting_decides_where_bwrap_is_missing(tmp_path, monkeypatch, caplo
         assert ended(auto, script_launch(21, ref, ("python", "main.py"))).exit_codes == {0: 0}
     finally:
         sandbox.unavailable.cache_clear()
+
+
+BUSY = r"""
+import os, time
+import gpuportal
+context = gpuportal.init()
+with context.busy():
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not os.path.exists(os.path.join(os.environ["TRAIN_JOB_DIR"], "seen")):
+        sum(range(10000))
+"""
+
+
+def test_a_sandboxed_script_reports_its_activity_through_the_sdk(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"busy.py": BUSY})
+    launch = script_launch(22, ref, ("python", "busy.py"), memory_mib=2048)
+    backend.launch_job(launch)
+
+    def busy():
+        readings = backend.gpu_readings({(22, 1)}).get((22, 1), [])
+        return readings if readings and readings[0].gpu_util_pct > 50 else None
+
+    assert wait_until(busy, timeout_s=60), logs(backend, launch)
+    (reading,) = busy()
+    assert reading.source == "simulated" and reading.device == "sim-1/gpu0"
+    (backend.jobs.job_dir(22) / "seen").touch()
+    assert ended(backend, launch).exit_codes == {0: 0}, logs(backend, launch)
+    assert not list(backend.jobs.attempt_dir(22, 1).glob("rank-*.activity.json")), "the portal's folder stays its own"
+
+
+LINKS = r"""
+import os
+job_dir = os.environ["TRAIN_JOB_DIR"]
+other = os.environ["OTHER_JOB"]
+os.symlink(os.path.join(other, "metrics.jsonl"), os.path.join(job_dir, "metrics.jsonl"))
+os.mkfifo(os.path.join(job_dir, "checkpoints.jsonl"))
+os.makedirs(os.path.join(job_dir, "checkpoints"))
+os.symlink(os.path.join(other, "checkpoints", "step-00000010.pt"), os.path.join(job_dir, "checkpoints", "step-00000010.pt"))
+attempt = os.path.join(job_dir, "attempts", os.environ["PORTAL_ATTEMPT"])
+os.symlink(os.path.join(other, "secret.json"), os.path.join(attempt, "rank-0.activity.json"))
+"""
+
+
+def test_the_portal_never_follows_a_link_or_reads_a_fifo_a_script_left_in_its_folder(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    other = backend.jobs.job_dir(98)  # another tenant's job, with metrics, a checkpoint and an activity-shaped file
+    (other / "checkpoints").mkdir(parents=True)
+    metric = {"step": 1, "loss": 0.5, "samples_per_s": 1.0, "time": "t", "attempt": 1}
+    (other / progress.METRICS_FILE).write_text(json.dumps(metric) + "\n")
+    (other / "checkpoints" / "step-00000010.pt").write_bytes(b"globex's weights")
+    (other / "secret.json").write_text(json.dumps({"at": 4e9, "busy_fraction": 1.0, "memory_used_mib": 1.0}))
+    ref = stored_bundle(tmp_path, {"links.py": LINKS})
+    launch = dataclasses.replace(script_launch(23, ref, ("python", "links.py")), env=(("OTHER_JOB", str(other)),))
+    backend.launch_job(launch)
+    assert ended(backend, launch).exit_codes == {0: 0}, logs(backend, launch)
+    job_dir = backend.jobs.job_dir(23)
+    assert (job_dir / progress.METRICS_FILE).is_symlink(), "the script did leave a link to the other job's file"
+
+    read = backend.job_progress(23, 1, {})
+    assert read.metrics == [] and read.checkpoints == [] and read.bytes_read == 0
+    assert backend.gpu_readings({(23, 1)}) == {}
+    serving = ServingSettings(endpoint_id=4, checkpoint="checkpoints/step-00000010.pt", source_job_id=23)
+    serve = dataclasses.replace(script_launch(24, ref, ("python", "links.py")), template="pytorch-ddp", bundle=None,
+                                command=None, serving=serving)
+    with pytest.raises(PermanentBackendError, match="The checkpoint to serve cannot be read"):
+        backend.launch_job(serve)
+    assert not list((backend.jobs.jobs_dir / "endpoints").rglob("*.pt"))

@@ -26,7 +26,9 @@ def mounts(argv: list[str]) -> dict[str, tuple[str, str]]:
 def test_a_replica_sees_its_folders_with_the_writes_it_may_make_and_runs_as_the_account():
     view = sandbox.View(
         read_only=("/srv/bundles/acme/abc",), writable=("/srv/jobs/5",), read_only_over=("/srv/jobs/5/attempts",),
-        writable_over=("/srv/jobs/5/attempts/1/scratch",), devices=("/dev/nvidia0",), cwd="/srv/bundles/acme/abc",
+        writable_over=(("/srv/jobs/5/attempts/1/sandbox-attempt", "/srv/jobs/5/attempts/1"),
+                       ("/srv/jobs/5/attempts/1/scratch", "/srv/jobs/5/attempts/1/scratch")),
+        devices=("/dev/nvidia0",), cwd="/srv/bundles/acme/abc",
         hosts="/srv/jobs/5/attempts/1/sandbox-hosts", tmpfs_bytes=512 * 2**20,
     )
     argv = sandbox.bwrap_argv(view, ["python", "train.py"], account=sandbox.Account(999, 995), process_limit=64)
@@ -34,6 +36,7 @@ def test_a_replica_sees_its_folders_with_the_writes_it_may_make_and_runs_as_the_
     assert found["/srv/bundles/acme/abc"] == ("--ro-bind", "/srv/bundles/acme/abc")
     assert found["/srv/jobs/5"] == ("--bind", "/srv/jobs/5")
     assert found["/srv/jobs/5/attempts"] == ("--ro-bind", "/srv/jobs/5/attempts")
+    assert found["/srv/jobs/5/attempts/1"] == ("--bind", "/srv/jobs/5/attempts/1/sandbox-attempt")
     assert found["/srv/jobs/5/attempts/1/scratch"] == ("--bind", "/srv/jobs/5/attempts/1/scratch")
     assert found["/dev/nvidia0"] == ("--dev-bind", "/dev/nvidia0")
     assert found["/etc/hosts"] == ("--ro-bind", "/srv/jobs/5/attempts/1/sandbox-hosts")
@@ -43,8 +46,9 @@ def test_a_replica_sees_its_folders_with_the_writes_it_may_make_and_runs_as_the_
     for path in sandbox.runtime_paths():
         assert found[path] == ("--ro-bind", path)
     # Mounted in order: a folder over another after it; /tmp before anything that lies under it.
-    positions = {path: argv.index(path) for path in ("/srv/jobs/5", "/srv/jobs/5/attempts", "/srv/jobs/5/attempts/1/scratch")}
-    assert positions["/srv/jobs/5"] < positions["/srv/jobs/5/attempts"] < positions["/srv/jobs/5/attempts/1/scratch"]
+    order = ["/srv/jobs/5", "/srv/jobs/5/attempts", "/srv/jobs/5/attempts/1", "/srv/jobs/5/attempts/1/scratch"]
+    positions = [max(i for i, arg in enumerate(argv) if arg == path) for path in order]
+    assert positions == sorted(positions)
     # The folders bwrap makes above the mounts can be passed through by the account.
     assert argv[argv.index("/srv") - 3: argv.index("/srv") + 1] == ["--perms", "0755", "--dir", "/srv"]
     assert "/srv/jobs" not in found or found["/srv/jobs"][0] == "--dir"
