@@ -529,7 +529,10 @@ def attempt_end(job_id: int, attempt_id: int, *, outcome: str | None = None, rea
             else:
                 transition(job, JobState.CANCELLED, reason)
         elif outcome == AttemptOutcome.SUCCEEDED:
-            transition(job, JobState.SUCCEEDED, f"Finished all {job.spec['steps']} steps.")
+            # A script or an image counts no steps of the portal's: its replicas finishing is what there is to say.
+            own_code = job.spec.get("template") in ("script", "custom")
+            transition(job, JobState.SUCCEEDED,
+                       "Every replica exited 0." if own_code else f"Finished all {job.spec['steps']} steps.")
         elif spent:
             # The budget is the job's, across attempts: once spent there is nothing to retry.
             transition(job, JobState.FAILED, f"Used up max_runtime_s ({job.spec['max_runtime_s']} s across "

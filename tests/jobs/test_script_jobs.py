@@ -255,6 +255,7 @@ def test_ranks_exiting_0_without_a_stop_record_have_finished(owner, environment,
     assert attempts.attempt_end(job.id, attempt.id, status=AttemptStatus("exited", {0: 0, 1: 0}))
     job.refresh_from_db()
     assert job.state == "succeeded" and job.attempts.get().outcome == "succeeded"
+    assert job.reason == "Every replica exited 0."  # not the trainer's "Finished all 40 steps."
 
 
 def test_a_stop_record_of_another_attempt_does_not_count_for_this_one(owner, environment, bundle):
