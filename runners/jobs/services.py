@@ -221,19 +221,15 @@ def _topology(value) -> dict[str, str]:
 
 
 def image_check(image, command) -> tuple[str, list[str]]:
-    """A custom image and command as a spec gives them, checked (Invalid names ``image`` or ``command``)."""
+    """An image and command as a spec gives them, checked (Invalid names ``image`` or ``command``)."""
     if not isinstance(image, str) or not image:
-        raise Invalid("image", "A custom job names its image.")
+        raise Invalid("image", "Name the image: a reference from an allowed registry.")
     registries = settings.ALLOWED_IMAGE_REGISTRIES
     if not any(image.startswith(registry.rstrip("/") + "/") for registry in registries):
         raise Invalid("image", f"Images come from {', '.join(registries) or 'no registry (none is allowed)'}.")
     if not re.fullmatch(r"[a-z0-9][a-z0-9._\-/:@]{0,254}", image):
         raise Invalid("image", "Not an image reference.")
-    if command is None or not isinstance(command, list) or not command or not all(
-        isinstance(part, str) and len(part) <= 4096 for part in command
-    ):
-        raise Invalid("command", "A custom job gives its command as a non-empty list of strings.")
-    return image, command
+    return image, command_check(command)
 
 
 def spec_shape_check(data, *, fields, required, what: str) -> None:
