@@ -5,7 +5,7 @@
 
 Every call answers the API's JSON, or raises PortalError: its message says what went wrong in one line
 (the field a 400 names, the detail of a 401, 403, 404 or 409) and its `exit_code` is what the command
-exits with (see EXIT_CODES).
+exits with (the EXIT_ codes below).
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ EXIT_NOT_FOUND = 4  # no such job, environment or checkpoint (404, 410), or anot
 EXIT_UNAVAILABLE = 5  # the portal did not answer, or answered 5xx or 429 after retrying
 
 TIMEOUT_S = 30.0
-# Submits and uploads are sent again this many times when the connection fails or the portal answers
-# 503 or 429 (a submit carries the same Idempotency-Key, so a repeat never makes a second job).
+# Reads, submits and uploads are sent again this many times when the connection fails or the portal
+# answers 503 or 429 (a submit carries the same Idempotency-Key, so a repeat never makes a second job).
 RETRIES = 3
 RETRY_WAIT_MAX_S = 10.0
-UPLOAD_CHUNK_BYTES = 64 * 1024
 
 
 class PortalError(Exception):
@@ -49,7 +48,7 @@ def exit_code_for_status(status: int) -> int:
         return EXIT_AUTH
     if status in (404, 410):
         return EXIT_NOT_FOUND
-    if status in (429,) or status >= 500:
+    if status == 429 or status >= 500:
         return EXIT_UNAVAILABLE
     return EXIT_BAD_INPUT
 
@@ -127,13 +126,12 @@ def package_version() -> str:
 class Client:
     """One portal and the token sent to it; use it as a context manager (it holds a connection pool)."""
 
-    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = TIMEOUT_S,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = TIMEOUT_S):
         self.url = url.rstrip("/")
         headers = {"User-Agent": f"gpuportal/{package_version()}", "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Token {token}"
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, transport=transport)
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     def __enter__(self) -> Client:
         return self
