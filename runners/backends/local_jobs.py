@@ -522,6 +522,7 @@ class LocalJobs:
         if supervisor and _attempt_processes(supervisor[1], job_id, attempt, self.job_dir(job_id), attempt_dir):
             _signal_group(supervisor[1], signal.SIGKILL)  # an ended attempt never keeps processes
         shutil.rmtree(attempt_dir / SCRATCH_DIR, ignore_errors=True)
+        shutil.rmtree(attempt_dir / SANDBOX_ATTEMPT_DIR, ignore_errors=True)
         try:
             record = json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text())
         except FileNotFoundError:

@@ -460,6 +460,8 @@ def test_forget_kills_a_sandboxed_script_and_what_it_started(tmp_path):
     assert len(sandboxed_processes()) == 2
     backend.forget_job(19, 1)
     assert wait_until(lambda: not sandboxed_processes(), timeout_s=30), sandboxed_processes()
+    attempt_dir = backend.jobs.attempt_dir(19, 1)
+    assert not (attempt_dir / "scratch").exists() and not (attempt_dir / "sandbox-attempt").exists()
 
 
 def test_the_setting_decides_where_bwrap_is_missing(tmp_path, monkeypatch, caplog):
