@@ -868,6 +868,10 @@ class KubernetesStandIn:
         return str(self._state.resource_version)
 
     def _record_event(self, kind: str, resource: ResourceType, obj: dict) -> None:
+        if kind == "DELETED":
+            # A deleted Job's or ReplicaSet's controller timers go with it.
+            self._created_at.pop(obj["metadata"].get("uid"), None)
+            self._create_retry.pop(obj["metadata"].get("uid"), None)
         self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj),
                                    time.monotonic()))
         self._changed.notify_all()
