@@ -94,6 +94,7 @@ def memory(raise_limit):
 attempt("list_postgres_sockets", lambda: [os.listdir(d) for d in targets["postgres_socket_dirs"]])
 attempt("read_postgres_data", lambda: read(os.path.join(targets["postgres_data"], "PG_VERSION")))
 attempt("read_portal_settings", lambda: read(targets["portal_settings"]))
+attempt("read_backend_var", lambda: (os.listdir(targets["backend_var"]), read(targets["backend_state"])))
 attempt("connect_postgres", lambda: connect(targets["postgres_port"]))
 attempt("connect_redis", lambda: connect(targets["redis_port"]))
 attempt("connect_host_listener", lambda: connect(targets["listener_port"]))
@@ -244,6 +245,8 @@ def test_each_escape_works_without_the_sandbox_and_fails_in_it(tmp_path, mode, p
         "postgres_socket_dirs": postgres["sockets"], "postgres_data": postgres["data"],
         "postgres_port": postgres["port"], "redis_port": broker.port or 6379, "listener_port": listener,
         "portal_settings": str(REPO_ROOT / "portal" / "settings.py"),
+        # The backend's own var folder: its cluster state, the other jobs, bundles and environments.
+        "backend_var": str(backend.jobs.jobs_dir.parent), "backend_state": str(backend.state_file),
         "other_tenant_file": str(other / "secret.txt"), "other_tenant_planted": str(other / f"planted-{token}"),
         "root_file": str(paths["root_file"]), "repo_file": str(paths["repo_file"]), "forks": FORKS,
     }
