@@ -157,6 +157,9 @@ def write_checkpoint(job_dir: str | Path, step: int, what: Any, *, attempt: int 
         protocol.write_atomically(final, lambda stream: torch.save(what, stream))
     elif Path(what).resolve() != final.resolve():
         _move_in(Path(what), final)
+    else:  # written under its final name already: it can at least be made durable before it is recorded
+        protocol.fsync_tree(final) if final.is_dir() else protocol.fsync_file(final)
+        protocol.fsync_dir(final.parent)
     record = {
         "step": int(step), "path": f"{protocol.CHECKPOINT_DIR}/{final.name}", "bytes": protocol.size_of(final),
         "created_at": protocol.now_iso(), "attempt": attempt,
@@ -174,19 +177,14 @@ def _move_in(source: Path, final: Path) -> None:
     temp = protocol.temp_name(final)
     try:
         if source.stat().st_dev == final.parent.stat().st_dev:
-            if source.is_dir():
-                protocol.fsync_tree(source)
-            else:
-                with open(source, "rb") as stream:
-                    os.fsync(stream.fileno())
+            protocol.fsync_tree(source) if source.is_dir() else protocol.fsync_file(source)
             os.replace(source, temp)  # first into a temp name: a folder cannot replace a folder that has files
         elif source.is_dir():
             shutil.copytree(source, temp)
             protocol.fsync_tree(temp)
         else:
             shutil.copyfile(source, temp)
-            with open(temp, "rb") as stream:
-                os.fsync(stream.fileno())
+            protocol.fsync_file(temp)
         if final.is_dir():
             shutil.rmtree(final)  # the same step saved again
         os.replace(temp, final)

@@ -193,6 +193,14 @@ def write_atomically(final: Path, write: Callable[[IO[bytes]], object]) -> None:
     fsync_dir(final.parent)
 
 
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_tree(root: Path) -> int:
     """Fsync every file under `root` and every folder, deepest first; the bytes of its files."""
     size = 0

@@ -201,6 +201,16 @@ def test_a_file_or_folder_the_script_wrote_is_moved_in_under_its_step(tmp_path):
         ctx.checkpoint(40, tmp_path / "missing")
 
 
+def test_a_file_written_under_its_final_name_is_recorded_where_it_is(tmp_path):
+    ctx = make(tmp_path)
+    ctx.checkpoint_dir.mkdir(parents=True)
+    (ctx.checkpoint_dir / "step-00000040.pt").write_bytes(b"state")
+
+    assert ctx.checkpoint(40, ctx.checkpoint_dir / "step-00000040.pt") == ctx.checkpoint_dir / "step-00000040.pt"
+    assert (ctx.checkpoint_dir / "step-00000040.pt").read_bytes() == b"state"
+    assert [(r["step"], r["bytes"]) for r in progress.read_checkpoints(ctx.job_dir)] == [(40, 5)]
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     ctx = make(tmp_path, keep_checkpoints=2)
     for step in (1, 2, 3, 4):
