@@ -114,7 +114,7 @@ def play_cluster(conn, tenants: int) -> None:
     for tenant in range(tenants):
         planned += tenant_attempts(tenant, first_job_id=len(planned) + 1)
     placement = place(planned, nodes)
-    with KubernetesStandIn() as api, DcgmExporter() as exporter:
+    with KubernetesStandIn(controller_delay_s=0, controller_period_s=None) as api, DcgmExporter() as exporter:
         for node in range(nodes):
             api.put(gpu_node(f"node-{node:03d}"))
         for tenant in range(tenants):

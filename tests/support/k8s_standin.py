@@ -279,7 +279,7 @@ class KubernetesStandIn:
         max_token_expiration_s: int | None = None, check_answers: bool = False, watch_hold_s: float | None = None,
         watch_window_s: float | None = 75.0, portal_rbac: Iterable[dict] | None = None,
         portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal", controller_delay_s: float = 0.05,
-        controller_period_s: float = 0.02, failed_create_backoff_s: float = 0.1,
+        controller_period_s: float | None = 0.02, failed_create_backoff_s: float = 0.1,
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -353,6 +353,8 @@ class KubernetesStandIn:
         # A pod create that admission refuses (ResourceQuota, Pod Security, ...) is recorded as a Warning
         # Event FailedCreate on its Job or ReplicaSet and tried again after a backoff that doubles from
         # `failed_create_backoff_s` (up to 16 times that), as the controllers requeue with backoff.
+        # controller_period_s None: no thread of their own (they run before each request only), for a
+        # benchmark with thousands of objects, where a pass takes long.
         self.controller_delay_s = controller_delay_s
         self.controller_period_s = controller_period_s
         self.failed_create_backoff_s = failed_create_backoff_s
@@ -385,9 +387,10 @@ class KubernetesStandIn:
         )
         self._thread.start()
         self._controllers_stop.clear()
-        self._controller_thread = threading.Thread(target=self._run_controllers, name="k8s-standin-controllers",
-                                                   daemon=True)
-        self._controller_thread.start()
+        if self.controller_period_s is not None:
+            self._controller_thread = threading.Thread(target=self._run_controllers, name="k8s-standin-controllers",
+                                                       daemon=True)
+            self._controller_thread.start()
         return self
 
     def _run_controllers(self) -> None:
