@@ -84,12 +84,12 @@ def test_a_checkpoint_is_whole_or_absent_whenever_the_writer_is_killed(tmp_path)
 
 def test_a_script_that_hangs_reads_idle_while_one_that_computes_reads_busy(tmp_path):
     job_dir = tmp_path / "job"
-    job = ScriptJob(job_dir, LOOP, hyperparameters={"hang_after": 150, "sleep_s": 0.02})
+    job = ScriptJob(job_dir, LOOP, hyperparameters={"hang_after": 400, "sleep_s": 0.02})
     path = activity_file(job_dir / "attempts" / "0", 0)
     try:
         job.wait_for(lambda: (found := read_activity(path, now=time.time())) and found["busy_fraction"] > 0.5,
                      "a busy reading while it computes")
-        job.wait_for(reached(job_dir, 150), "the hang")
+        job.wait_for(reached(job_dir, 400), "the hang")
         job.wait_for(lambda: (found := read_activity(path, now=time.time())) and found["busy_fraction"] == 0.0,
                      "an idle reading while it hangs")
         assert job.ranks[0].proc.poll() is None, "alive all along"
