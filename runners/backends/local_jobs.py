@@ -19,7 +19,7 @@ are flags built from the spec; the variables a tenant set pass `runners.workload
 bounded by memory_mib_per_replica (RLIMIT_DATA, see `runners.workloads.supervise`).
 
 A ``script`` job runs the tenant's own code: its ``command`` (an argument list, no shell) in its bundle,
-unpacked once per (tenant, digest) into ``<var>/bundles/<tenant>/<digest>/`` (read-only), with a Python
+unpacked once per (tenant, digest) into ``<var>/unpacked-bundles/<tenant>/<digest>/`` (read-only), with a Python
 environment per requirements.txt (``<var>/envs/<hash>/``, built by the supervisor before the replicas
 start: `runners.workloads.supervise`), in the sandbox (`runners.workloads.sandbox`) unless
 LOCAL_SANDBOX says off. Pure Python, no Django.
@@ -89,8 +89,9 @@ SCRATCH_VARIABLES = {
     "TRITON_CACHE_DIR": "cache/triton",
 }
 SCRIPT_TEMPLATE = "script"
-# Where a script job's code and Python environments are cached, beside the jobs folder.
-BUNDLES_DIR = "bundles"
+# Where a script job's code and Python environments are cached, beside the jobs folder; unpacked bundles
+# apart from the bundle store's archives (BUNDLE_STORAGE_URL defaults to <var>/bundles).
+BUNDLES_DIR = "unpacked-bundles"
 ENVS_DIR = "envs"
 REQUIREMENTS_FILE = "requirements.txt"
 # How many processes and threads the sandbox account may run at once, all sandboxed replicas of this host
