@@ -104,6 +104,7 @@ def play_cluster(conn, tenants: int) -> None:
     from runners.clusters.registry import kubernetes_backend_options
     from runners.nvidia import names
     from tests.support.k8s import client_for, gpu_node
+    from tests.support.k8s import environment_namespace
     from tests.support.k8s_standin import KubernetesStandIn
     from tests.support.prometheus import DcgmDevice, DcgmExporter
 
@@ -118,7 +119,7 @@ def play_cluster(conn, tenants: int) -> None:
         for node in range(nodes):
             api.put(gpu_node(f"node-{node:03d}"))
         for tenant in range(tenants):
-            api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": f"tenant-{tenant:03d}"}})
+            environment_namespace(api, f"tenant-{tenant:03d}")  # with the ServiceAccount its pods run as
         # What launch_job applies that makes pods; stored at once, since the stand-in's controllers
         # go over every object on each request (launching one by one takes minutes at this size).
         for attempt in planned:
