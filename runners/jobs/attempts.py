@@ -247,6 +247,8 @@ def job_launch_run(*, job_id: int, attempt_number: int, token: str | None = None
         started = JobAttempt.objects.open().filter(
             id=attempt.id, launch_token=token, started_at__isnull=True
         ).update(started_at=timezone.now(), resumed_from_step=resumed, launch_lease_until=None)
+        if started and job.bundle_id is not None:
+            bundles.mark_used(job.bundle)  # the bundle list says when a job last started from it
         if started and job.state == JobState.LAUNCHING:
             transition(job, JobState.RUNNING, f"Running on {where} ({detail}).")
             return JobState.RUNNING

@@ -89,6 +89,8 @@ def test_a_preempted_script_that_stops_through_the_sdk_is_requeued_and_its_next_
         hyperparameters={"steps": 120, "pause_s": 0.1}, replicas=1, topology={"level": "none", "mode": "preferred"},
         memory_mib_per_replica=2048, max_runtime_s=600, max_retries=0, env={}))
     admit_and_launch(job)
+    stored.refresh_from_db()
+    assert stored.last_used_at is not None  # the bundle list says a job started from it
 
     def stepped():
         reconcile.jobs_reconcile_run()
