@@ -14,7 +14,7 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
   It has no `activeDeadlineSeconds` (see `training_job_manifest`): the runtime budget counts from
   the trainer's first step, which a Job deadline cannot.
 
-A `script` pod runs the tenant's `command` in its bundle: an init container (the same image)
+A `script` pod runs the tenant's `command` in its bundle: an init container (the portal's runtime image)
 fetches the archive from the signed portal URL of the launch (`python -m gpuportal.fetch`, which checks
 its digest and extracts it safely) into an emptyDir, mounted read-only at CODE_MOUNT in the main
 container, its working directory. The script gets the trainer's variables, PORTAL_HYPERPARAMETERS
@@ -186,7 +186,8 @@ POD_SECURITY_CONTEXT = {
 
 def bundle_fetch_container(launch: JobLaunch, image: str) -> dict:
     """The init container of a script pod: fetches the bundle from its signed portal URL, checks its digest
-    and unpacks it into the code volume (the pod holds no storage credentials)."""
+    and unpacks it into the code volume (the pod holds no storage credentials). It runs the portal's runtime
+    image, which has gpuportal, whatever image the tenant's command runs in."""
     bundle = launch.bundle
     if bundle is None or not bundle.fetch_url.startswith(("https://", "http://")):
         raise PermanentBackendError(
@@ -251,7 +252,7 @@ def training_job_manifest(
         container["workingDir"] = CODE_MOUNT
         container["volumeMounts"].append({"name": CODE_VOLUME, "mountPath": CODE_MOUNT, "readOnly": True})
         volumes.append({"name": CODE_VOLUME, "emptyDir": {}})
-        init_containers.append(bundle_fetch_container(launch, image))
+        init_containers.append(bundle_fetch_container(launch, trainer_image))
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -77,9 +77,11 @@ def test_a_first_attempt_has_nothing_to_resume_from():
     assert "PORTAL_RESUME_FROM_STEP" not in _env(_pod(script_launch())["containers"][0])
 
 
-def test_the_tenants_image_runs_both_the_fetch_and_the_command():
+def test_the_tenants_image_runs_the_command_and_the_portals_the_fetch():
     pod = _pod(script_launch(image="nvcr.io/nvidia/pytorch:24.01-py3"))
-    assert pod["initContainers"][0]["image"] == pod["containers"][0]["image"] == "nvcr.io/nvidia/pytorch:24.01-py3"
+    assert pod["containers"][0]["image"] == "nvcr.io/nvidia/pytorch:24.01-py3"
+    # The fetch needs gpuportal, which the tenant's image need not have.
+    assert pod["initContainers"][0]["image"] == OPTIONS["trainer_image"]
 
 
 def test_the_fetch_asks_for_no_more_than_a_replica_has():
