@@ -239,7 +239,7 @@ class JobForm(forms.Form):
     template = forms.ChoiceField(choices=JOB_TEMPLATES, required=False, initial="pytorch-ddp", label="What it runs",
                                  widget=forms.RadioSelect)
     bundle = forms.ChoiceField(choices=(), required=False, initial="", label="Bundle",
-                               help_text="Script jobs: the code it runs (upload one with `portal run` or the API).")
+                               help_text="Script jobs: the code it runs (a project folder uploaded by portal run, or through the API).")
     command = forms.CharField(
         required=False, initial="", label="Command", max_length=jobs.COMMAND_MAX_CHARS + jobs.COMMAND_MAX_ARGS,
         widget=forms.Textarea(attrs={"rows": 4, "spellcheck": "false", "autocomplete": "off",
