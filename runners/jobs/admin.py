@@ -13,6 +13,7 @@ class JobAttemptInline(admin.TabularInline):
     can_delete = False
     fields = readonly_fields = [
         "number", "placement", "admitted_at", "started_at", "ended_at", "outcome", "exit_code", "reason", "resumed_from_step",
+        "stop_recorded_at",
     ]
 
 
