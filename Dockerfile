@@ -65,8 +65,10 @@ RUN groupadd --system --gid 10001 portal \
 # PORTAL_VAR_DIR and /tmp are the only writable places at run time, both volumes in Kubernetes
 # (emptyDir), where the root filesystem is mounted read-only; settings.py creates PORTAL_VAR_DIR
 # when it is imported.
+# /app/sdk: the gpuportal package (stdlib and fsspec only), which the trainer runs on and a script job's
+# init container fetches its bundle with.
 ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONPATH=/app \
+    PYTHONPATH=/app:/app/sdk \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     DJANGO_SETTINGS_MODULE=portal.settings \
