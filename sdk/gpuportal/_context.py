@@ -213,7 +213,8 @@ def init(
     """The job as the portal launched this process; see `Context` and docs/sdk.md.
 
     job_dir: the job folder (default: $TRAIN_JOB_DIR). max_runtime_s: should_stop() turns true this many
-    seconds after init() (default: $TRAIN_MAX_RUNTIME_S; 0: no limit). keep_checkpoints: older checkpoints are
+    seconds after the first report() or start_clock(), as the portal counts a job's runtime from its first
+    step (default: $TRAIN_MAX_RUNTIME_S; 0: no limit). keep_checkpoints: older checkpoints are
     deleted (0: keep all). metrics_interval_s, metrics_every: at most one metrics line per this many seconds
     and steps (the steps between are dropped). handle_signals: install the SIGTERM/SIGINT handlers.
     """
@@ -265,12 +266,14 @@ class Context:
         self.metrics_every = metrics_every
         self._resume_step = _env_int(environ, protocol.ENV_RESUME_FROM_STEP, None)
         self._resume_path = environ.get(protocol.ENV_RESUME_FROM_PATH, "").strip()
-        self._started = time.monotonic()
+        # When max_runtime_s started to count: the first report() or start_clock(); None before either.
+        self._started: float | None = None
         self._handle_signals = handle_signals
         self._requested: str | None = None
         self.stop_reason: str | None = None
         self._last_checkpoint_step: int | None = None
         self._pending: dict | None = None
+        self._pending_time = ""  # when the pending step was reported (ISO 8601)
         self._last_emitted: tuple[int, float] | None = None  # (step, monotonic time) of the last metrics line
         self._metrics_handle = None
         self._closed = False
@@ -356,6 +359,8 @@ class Context:
                 raise ValueError(f"metric {name!r} is a name the record uses itself; pick another")
             values[name] = _metric_value(name, value)
         self.meter.mark()
+        if self._started is None:
+            self._start_counting()
         if not self.is_main:
             return
         pending = self._pending
@@ -369,7 +374,10 @@ class Context:
             return  # its line is written already (by a checkpoint or a stop): one line a step
         if pending is not None and self._due(pending["step"]):
             self._emit(pending)
+        # The line's time is when its step was first reported, not when the line is written: the portal counts
+        # an attempt's runtime from its first line's time, which is then the instant this clock started.
         self._pending = {"step": step, **values}
+        self._pending_time = protocol.now_iso()
 
     def _due(self, step: int) -> bool:
         if self._last_emitted is None:
@@ -378,7 +386,7 @@ class Context:
         return step - last_step >= self.metrics_every and time.monotonic() - last_time >= self.metrics_interval_s
 
     def _emit(self, pending: dict) -> None:
-        record = {**pending, "time": protocol.now_iso(), "attempt": self.attempt}
+        record = {**pending, "time": self._pending_time, "attempt": self.attempt}
         if self._metrics_handle is None:
             self._metrics_handle = protocol.open_jsonl(self.job_dir / protocol.METRICS_FILE)
         protocol.write_jsonl(self._metrics_handle, record)
@@ -425,10 +433,16 @@ class Context:
     # --- stopping ----------------------------------------------------------------------------------
 
     def start_clock(self) -> None:
-        """Count max_runtime_s from now rather than from init() (say, after a long rendezvous or data load)."""
-        self._started = time.monotonic()
+        """Count max_runtime_s from now rather than from the first report() (say, from the start of a first step
+        that is long). Called again, the count starts again."""
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        self._started = time.monotonic()
+        if self.max_runtime_s and self._stop_callbacks and not self._notified:
             self._start_timer()
 
     def request_stop(self, reason: str) -> None:
@@ -446,8 +460,8 @@ class Context:
             self._call(callback, self._requested or self.stop_reason or self._local_reason() or "stopped")
         elif (reason := self._local_reason()) is not None:
             self._notify(reason)
-        elif self.max_runtime_s and self._timer is None:
-            self._start_timer()
+        elif self.max_runtime_s and self._timer is None and self._started is not None:
+            self._start_timer()  # else it starts with the clock
 
     def _start_timer(self) -> None:
         left = max(0.0, self.max_runtime_s - (time.monotonic() - self._started))
@@ -495,7 +509,7 @@ class Context:
             return f"{self.stop_signal} received"
         if self._requested:
             return self._requested
-        if self.max_runtime_s and time.monotonic() - self._started >= self.max_runtime_s:
+        if self.max_runtime_s and self._started is not None and time.monotonic() - self._started >= self.max_runtime_s:
             return f"max runtime {self.max_runtime_s:g} s reached"
         return None
 

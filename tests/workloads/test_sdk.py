@@ -4,7 +4,9 @@ import json
 import math
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import gpuportal
 import pytest
@@ -280,6 +282,70 @@ def test_the_clock_can_start_later_than_init(tmp_path):
     time.sleep(0.1)
     ctx.start_clock()
     assert not ctx.should_stop()
+
+
+def test_the_max_runtime_counts_from_the_first_report_as_the_portal_does_not_from_init(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(gpuportal._context, "time", SimpleNamespace(monotonic=clock))
+    ctx = make(tmp_path, {"TRAIN_MAX_RUNTIME_S": "10"})
+    clock.now += 60  # imports, the rendezvous, loading data: the portal counts none of it
+    assert not ctx.should_stop()
+
+    ctx.report(1, loss=1.0)  # the clock starts here
+    clock.now += 6
+    ctx.report(2, loss=1.0)  # a later report does not start it again
+    clock.now += 3.9
+    assert not ctx.should_stop()
+    clock.now += 0.1
+    assert ctx.should_stop() and ctx.stop_reason == "max runtime 10 s reached"
+
+
+def test_on_other_ranks_too_the_clock_starts_at_the_first_report(tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(gpuportal._context, "time", SimpleNamespace(monotonic=clock))
+    ctx = make(tmp_path, {"RANK": "1", "WORLD_SIZE": "2"}, max_runtime_s=10)
+    clock.now += 60
+    ctx.report(1, loss=1.0)
+    clock.now += 9
+    assert not ctx.should_stop()
+    clock.now += 1
+    assert ctx.should_stop()
+
+
+def test_start_clock_before_the_first_report_is_where_the_count_starts(tmp_path, monkeypatch):
+    # What the shipped trainer does: start_clock() before its first step, then report after it.
+    clock = Clock()
+    monkeypatch.setattr(gpuportal._context, "time", SimpleNamespace(monotonic=clock))
+    ctx = make(tmp_path, max_runtime_s=10)
+    clock.now += 60
+    ctx.start_clock()
+    clock.now += 5
+    ctx.report(1, loss=1.0)
+    clock.now += 5
+    assert ctx.should_stop(), "counted from start_clock(), not from the report after it"
+
+
+def test_a_lines_time_is_when_its_step_was_reported_not_when_the_line_is_written(tmp_path):
+    # The portal counts an attempt's runtime from its first line's time: that must be when the SDK's clock started.
+    ctx = make(tmp_path, metrics_interval_s=0)
+    before = datetime.now(UTC)
+    ctx.report(1, loss=1.0)
+    after = datetime.now(UTC)
+    time.sleep(0.05)
+    ctx.report(2, loss=0.5)  # writes step 1's line
+    assert progress.read_metrics(ctx.job_dir)[0]["step"] == 1
+    written = datetime.fromisoformat(progress.read_metrics(ctx.job_dir)[0]["time"])
+    assert before.replace(microsecond=before.microsecond // 1000 * 1000) <= written <= after
+
+
+def test_a_max_runtime_timer_waits_for_the_first_report(tmp_path):
+    ctx = make(tmp_path, max_runtime_s=0.2)
+    heard = threading.Event()
+    ctx.on_stop(lambda reason: heard.set())
+    assert not heard.wait(timeout=0.5), "no step reported yet: nothing counts"
+    ctx.report(1, loss=1.0)
+    assert heard.wait(timeout=30)
+    assert ctx.should_stop() and ctx.stop_reason == "max runtime 0.2 s reached"
 
 
 def test_request_stop_and_exit_stopped(tmp_path):
