@@ -8,8 +8,9 @@ state: calling it twice has the same effect as calling it once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
 from runners.nvidia import names
 
@@ -28,6 +29,14 @@ class PermanentBackendError(BackendError):
 
 class NodeLostError(PermanentBackendError):
     """A node the attempt was placed on is gone: the attempt ends node_lost (requeued), not failed."""
+
+
+class CheckpointGone(BackendError):
+    """The checkpoint's file is not in its job's folder (deleted, or not a regular file or folder there)."""
+
+
+class CheckpointElsewhere(BackendError):
+    """This backend keeps checkpoints where the portal does not read them; the message says how to get one."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,28 @@ class ProgressRead:
     stops: list[dict] = field(default_factory=list)
 
 
+@dataclass
+class CheckpointFile:
+    """A checkpoint opened for reading: a file (``stream``, ``size`` bytes) or a folder (``chunks``, a .tar.gz
+    of it made as it is read, size unknown). Close it once read (``close`` ends the folder's walk too)."""
+
+    name: str
+    size: int | None = None
+    stream: BinaryIO | None = None
+    chunks: Iterator[bytes] | None = None
+
+    @property
+    def is_folder(self) -> bool:
+        return self.chunks is not None
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        close = getattr(self.chunks, "close", None)
+        if close is not None:
+            close()
+
+
 # Where a GPU reading came from: NVML on this host, the DCGM exporter read through Prometheus, or the
 # workload's own measured activity on a simulated GPU (shown as simulated wherever it is shown).
 READING_SOURCES = ("nvml", "dcgm", "simulated")
@@ -403,6 +434,12 @@ class ClusterBackend(Protocol):
 
         At most PROGRESS_READ_MAX_BYTES a call, and only whole records: the rest comes on the
         next call. Records keep the shapes of runners.workloads.progress.
+        """
+
+    def job_checkpoint(self, job_id: int, namespace: str, path: str) -> CheckpointFile:
+        """One of the job's checkpoints opened for reading: `path` as its record has it (relative to the job's
+        folder, e.g. ``checkpoints/step-40.pt``). CheckpointGone when it is not there; CheckpointElsewhere on a
+        backend whose checkpoints the portal cannot read (Kubernetes: on the environment's volume in the cluster).
         """
 
     def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:

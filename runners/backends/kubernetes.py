@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import PurePosixPath
 
 import urllib3
 from kubernetes import client, config, dynamic
@@ -61,6 +62,8 @@ from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
     BackendError,
+    CheckpointElsewhere,
+    CheckpointFile,
     EnvironmentSpec,
     GpuReading,
     JobLaunch,
@@ -74,6 +77,7 @@ from runners.backends.base import (
 from runners.backends.job_manifests import (
     ATTEMPT_LABEL,
     CHECKPOINT_CLAIM,
+    CHECKPOINT_MOUNT,
     JOB_LABEL,
     checkpoint_pvc_manifest,
     job_manifests,
@@ -1143,6 +1147,18 @@ class KubernetesBackend:
         pods = [pod for pod in self._cached_pods((job_id, attempt)) if k8s_jobs.pod_rank(pod) == 0]
         return max(pods, key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"]),
                    default=None)
+
+    def job_checkpoint(self, job_id: int, namespace: str, path: str) -> CheckpointFile:
+        """Never read here: a job's checkpoints are on its environment's volume claim in the cluster, which the
+        portal mounts nowhere (reading one would mean a pod of the portal's in the tenant's namespace, or an exec
+        into the tenant's own pods). The message says how a member gets it."""
+        raise CheckpointElsewhere(
+            f"The kubernetes backend keeps checkpoints on the volume claim {CHECKPOINT_CLAIM!r} of namespace "
+            f"{namespace}, which the portal does not read: get the environment's kubeconfig "
+            f"(`portal kubeconfig <environment>`), then copy it from a pod that mounts the claim at "
+            f"{CHECKPOINT_MOUNT} (a running replica of the job, or a pod of your own): "
+            f"`kubectl -n {namespace} cp <pod>:{CHECKPOINT_MOUNT}/job-{job_id}/{path} ./{PurePosixPath(path).name}`."
+        )
 
     def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
         """Records rank 0 wrote since the cursor: one read of its pod's log, from where the last one stopped.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from runners.backends.base import (
     AttemptStatus,
+    CheckpointFile,
     EnvironmentSpec,
     GpuInfo,
     GpuReading,
@@ -276,6 +277,9 @@ class LocalBackend:
 
     def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
         return self.jobs.progress(job_id, attempt, cursor)
+
+    def job_checkpoint(self, job_id: int, namespace: str, path: str) -> CheckpointFile:
+        return self.jobs.checkpoint(job_id, path)
 
     def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
         return self.jobs.gpu_readings(attempts)

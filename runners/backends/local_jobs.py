@@ -39,8 +39,10 @@ import socket
 import stat
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -51,6 +53,8 @@ from typing import BinaryIO
 from runners.backends.base import (
     PROGRESS_READ_MAX_BYTES,
     AttemptStatus,
+    CheckpointFile,
+    CheckpointGone,
     GpuReading,
     JobLaunch,
     NodeLostError,
@@ -600,6 +604,30 @@ class LocalJobs:
             bytes_read=PROGRESS_READ_MAX_BYTES - left,
         )
 
+    # --- Checkpoints -----------------------------------------------------------------
+
+    def checkpoint(self, job_id: int, path: str) -> CheckpointFile:
+        """A checkpoint of the job opened for reading: `path` (relative to the job folder, as its record says) is a
+        regular file or a folder reached without following any link; a folder is read as a .tar.gz of its
+        regular files and folders (links and anything else in it are left out). CheckpointGone otherwise.
+
+        A script's job folder is the sandbox account's, so its records and files are the tenant's to write:
+        a path out of the folder, a link to another tenant's files or a FIFO is never read."""
+        relative = PurePosixPath(path)
+        if not relative.parts or relative.is_absolute() or any(part in ("..", ".") for part in relative.parts):
+            raise CheckpointGone(f"{path!r} is not a path within the job's folder")
+        try:
+            fd = _open_below(self.job_dir(job_id), relative.parts)
+        except OSError as exc:
+            raise CheckpointGone(f"{path} cannot be read: {exc.strerror or exc}") from None
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return CheckpointFile(name=relative.name, size=os.fstat(fd).st_size, stream=open(fd, "rb"))
+        if stat.S_ISDIR(mode):
+            return CheckpointFile(name=relative.name, chunks=_FolderArchive(fd, relative.name))
+        os.close(fd)
+        raise CheckpointGone(f"{path} is neither a file nor a folder")
+
     # --- GPU readings ---------------------------------------------------------------
 
     def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
@@ -696,6 +724,95 @@ def _open_in_folder(folder: Path, parts: tuple[str, ...]) -> int:
         os.close(found)
         raise OSError(f"{'/'.join(parts)} is not a regular file")
     return found
+
+
+def _open_below(folder: Path, parts: tuple[str, ...]) -> int:
+    """A read-only descriptor of whatever is at `parts` under `folder` (a file or a folder), reached without
+    following any link below it and without blocking on a FIFO (OSError otherwise)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        return os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+ARCHIVE_READ_BYTES = 1024 * 1024
+
+
+class _FolderArchive:
+    """A folder (its open descriptor) read as a gzip-compressed tar, made as it is read: the chunks of bytes,
+    in name order. Only regular files and folders go in, each opened without following links; a file that
+    shrinks while it is read is padded with zeros to the size its header gave. ``close`` closes the folder."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd = fd
+        self._chunks = self._archive(name)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._chunks
+
+    def close(self) -> None:
+        self._chunks.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _archive(self, name: str) -> Iterator[bytes]:
+        gzip = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31: the gzip format
+        for data in self._members(os.dup(self.fd), name):
+            compressed = gzip.compress(data)
+            if compressed:
+                yield compressed
+        yield gzip.compress(b"\0" * (2 * tarfile.BLOCKSIZE)) + gzip.flush()
+
+    def _members(self, fd: int, prefix: str) -> Iterator[bytes]:
+        """The tar blocks of the folder `fd` (closed here) under the name `prefix`, and of all it holds."""
+        try:
+            info = os.fstat(fd)
+            yield _tar_header(prefix, tarfile.DIRTYPE, info)
+            for entry in sorted(os.listdir(fd)):
+                try:
+                    inner = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+                except OSError:
+                    continue  # a link, or gone meanwhile
+                mode = os.fstat(inner).st_mode
+                if stat.S_ISDIR(mode):
+                    yield from self._members(inner, f"{prefix}/{entry}")
+                elif stat.S_ISREG(mode):
+                    yield from _file_blocks(inner, f"{prefix}/{entry}")
+                else:
+                    os.close(inner)
+        finally:
+            os.close(fd)
+
+
+def _tar_header(name: str, kind: bytes, info: os.stat_result, size: int = 0) -> bytes:
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    member.size = size
+    member.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+    member.mtime = int(info.st_mtime)
+    return member.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="surrogateescape")
+
+
+def _file_blocks(fd: int, name: str) -> Iterator[bytes]:
+    """One regular file's tar member (`fd` is closed here): its header, then its bytes, padded to whole blocks."""
+    try:
+        info = os.fstat(fd)
+        size = info.st_size
+        yield _tar_header(name, tarfile.REGTYPE, info, size)
+        left = size
+        while left:
+            data = os.read(fd, min(ARCHIVE_READ_BYTES, left)) or b"\0" * min(ARCHIVE_READ_BYTES, left)
+            left -= len(data)
+            yield data
+        yield b"\0" * (-size % tarfile.BLOCKSIZE)
+    finally:
+        os.close(fd)
 
 
 def _stop_chunk(path: str, offset: int, budget: int, *, whole_budget: bool) -> progress.Chunk:

@@ -1,7 +1,10 @@
 """REST API for training jobs: submit, read, cancel, logs (per replica and attempt, and as a file) and the loss curve."""
 
+import re
+from pathlib import PurePosixPath
+
 from django.db import transaction
-from django.http import HttpResponse
+from django.http import FileResponse, HttpResponse, StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -11,7 +14,7 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 
 from common import nulls
-from common.errors import TooMany
+from common.errors import Conflict, TooMany
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.filters import JobFilter
@@ -211,6 +214,24 @@ class FileNegotiation(BaseContentNegotiation):
         return renderers[0], renderers[0].media_type
 
 
+# The file name a checkpoint download is saved under keeps the recorded file's suffix only when it is a plain
+# one: the record is the job's own writing (a script's), so nothing else of it goes into a header.
+PLAIN_SUFFIX = re.compile(r"\.[A-Za-z0-9]{1,12}")
+
+
+def checkpoint_file_response(job: Job, step: int, opened) -> FileResponse | StreamingHttpResponse:
+    """A checkpoint as a file the client saves: a file's bytes with its Content-Length, or a folder as a .tar.gz
+    made while it streams (no Content-Length)."""
+    if opened.is_folder:
+        response = StreamingHttpResponse(opened.chunks, content_type="application/gzip")
+        response["Content-Disposition"] = f'attachment; filename="{job.name}-{job.id}-step-{step}.tar.gz"'
+        return response
+    suffix = PurePosixPath(opened.name).suffix
+    suffix = suffix if PLAIN_SUFFIX.fullmatch(suffix) else ".bin"
+    return FileResponse(opened.stream, as_attachment=True, filename=f"{job.name}-{job.id}-step-{step}{suffix}",
+                        content_type="application/octet-stream")
+
+
 class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Training jobs of the caller's tenants: submit (member and up), read (viewers too), cancel, logs, metrics."""
 
@@ -261,6 +282,10 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
             response=inline_serializer("QueuedBudgetReached", {"detail": serializers.CharField()}),
             description="The tenant already has JOB_QUEUED_MAX_PER_TENANT jobs waiting; nothing was saved. Try "
                         "again after the number of seconds in Retry-After, or once some have started.",
+        ), 404: OpenApiResponse(
+            response=inline_serializer("UnknownBundle", {"bundle": serializers.ListField(child=serializers.CharField())}),
+            description="A script job's bundle is not one of the tenant's (no such digest, deleted, or another "
+                        "tenant's: the same answer); nothing was saved.",
         )},
     )
     def create(self, request):
@@ -274,6 +299,9 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
                 data = JobSerializer(self.get_queryset().get(id=job.id)).data
         except TooMany as exc:
             raise Throttled(detail=str(exc), wait=getattr(exc, "retry_after_s", None)) from exc
+        except jobs.UnknownBundle as exc:
+            # A reference to what the tenant does not have: a 404 (nothing stored), the same for another tenant's.
+            return Response(exc.message_dict, status=status.HTTP_404_NOT_FOUND)
         return Response(data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(request=None, responses={202: JobSerializer})
@@ -335,6 +363,38 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
         except job_selectors.BackendUnavailable as exc:
             return _unavailable(exc)
         return log_file_response(job, attempt.number if attempt else None, rank, lines)
+
+    @extend_schema(
+        operation_id="jobs_checkpoint_download",
+        parameters=[OpenApiParameter("step", int, location=OpenApiParameter.PATH, description="The checkpoint's step.")],
+        responses={
+            (200, "application/octet-stream"): OpenApiResponse(
+                OpenApiTypes.BINARY,
+                description="The checkpoint's file as it was written (Content-Length, Content-Disposition: "
+                            "<job>-<id>-step-<step>.pt); a checkpoint that is a folder comes as a .tar.gz of it "
+                            "(application/gzip, made while it streams: no Content-Length)."),
+            404: OpenApiResponse(description="No such job for the caller, or the job has no checkpoint of that step "
+                                             "(never written, or its file deleted): the body names `step`."),
+            409: OpenApiResponse(description="The backend keeps checkpoints where the portal does not read them "
+                                             "(Kubernetes: the environment's volume); the message says how to get it."),
+            503: OpenApiResponse(description="The cluster cannot be read now."),
+        },
+    )
+    @action(detail=True, methods=["get"], url_path=r"checkpoints/(?P<step>[0-9]+)/download",
+            content_negotiation_class=FileNegotiation)
+    def checkpoint_download(self, request, pk, step):
+        """One of the job's recorded checkpoints as a file (viewers too)."""
+        job = self.get_object()
+        step = int(step)
+        try:
+            _checkpoint, opened = job_selectors.job_checkpoint_open(job, step)
+        except job_selectors.CheckpointMissing as exc:
+            return Response({"step": [str(exc)]}, status=status.HTTP_404_NOT_FOUND)
+        except job_selectors.CheckpointNotHere as exc:
+            raise Conflict(str(exc)) from None
+        except job_selectors.BackendUnavailable as exc:
+            return _unavailable(exc)
+        return checkpoint_file_response(job, step, opened)
 
     @extend_schema(
         parameters=[

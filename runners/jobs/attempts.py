@@ -40,6 +40,8 @@ from quotas.selectors import flavor_kubernetes_resource
 from runners.backends.base import (
     BackendError,
     BundleRef,
+    CheckpointElsewhere,
+    CheckpointGone,
     JobLaunch,
     NodeLostError,
     PermanentBackendError,
@@ -396,9 +398,36 @@ def _checkpoints_pruned(job: Job) -> None:
             Checkpoint.objects.filter(id=checkpoint_id, deleted_at__isnull=True).update(deleted_at=newer_created)
 
 
+def _checkpoint_files_gone(job: Job, backend) -> None:
+    """A script's checkpoints whose files went are marked deleted, so storage stops being charged for them.
+
+    The SDK keeps its script's newest few checkpoints and deletes the older ones as it writes a new one (and a
+    script may delete its own files): the backend is asked which recorded ones are still there. A file found
+    gone was deleted at the latest when the newest checkpoint was written (the SDK deletes only then), so that
+    is its deleted_at (never before its own creation). A backend that keeps checkpoints where the portal does
+    not read them (Kubernetes) cannot tell: nothing is marked there.
+    """
+    rows = list(Checkpoint.objects.filter(job=job, deleted_at__isnull=True).order_by("step")
+                .values_list("id", "uri", "created_at"))
+    newest = Checkpoint.objects.filter(job=job).order_by("-created_at").values_list("created_at", flat=True).first()
+    namespace = job.environment.namespace
+    for checkpoint_id, uri, created in rows:
+        try:
+            backend.job_checkpoint(job.id, namespace, uri).close()
+        except CheckpointGone:
+            gone_at = min(max(created, newest or created), timezone.now())
+            Checkpoint.objects.filter(id=checkpoint_id, deleted_at__isnull=True).update(deleted_at=gone_at)
+        except CheckpointElsewhere:
+            return
+        except BackendError as exc:  # read again with the next checkpoint or the attempt's end
+            logger.warning("Could not check the checkpoint files of job %s: %s", job.id, exc)
+            return
+
+
 def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = False) -> int:
     """Read what the attempt wrote since the job's cursor, record metrics and checkpoints; returns bytes read."""
     total = 0
+    recorded = False
     for _ in range(FINAL_PROGRESS_READS if drain else 1):
         read = backend.job_progress(job.id, attempt.number, job.progress_cursor or {})
         total += read.bytes_read
@@ -423,6 +452,7 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
             for record in read.checkpoints if isinstance(record.get("step"), int) and record["step"] >= 0
         ]
         Checkpoint.objects.bulk_create(checkpoints, ignore_conflicts=True)
+        recorded = recorded or bool(checkpoints)
         if checkpoints and job.spec.get("template") == "pytorch-ddp":
             _checkpoints_pruned(job)
         _stops_recorded(job, read.stops)
@@ -437,6 +467,10 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
             job.progress_cursor = read.cursor
         if not read.bytes_read:
             break
+    if job.spec.get("template") == "script" and (recorded or drain):
+        # Looked at when a new checkpoint is recorded (the SDK deletes the old ones right after it has written
+        # a new one: what that deleted is seen with the next) and once more as the attempt ends.
+        _checkpoint_files_gone(job, backend)
     return total
 
 

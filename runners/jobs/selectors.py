@@ -10,12 +10,12 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Max, Min, QuerySet
 
 from common.errors import NotFound
-from runners.backends.base import BackendError
+from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointFile, CheckpointGone
 from runners.clusters.models import Gpu
 from runners.clusters.registry import get_backend
 from runners.environments.models import Environment
-from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Job, JobAttempt, JobMetric
-from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG
+from runners.jobs.models import JOB_FINAL_STATES, JOB_HOLDING_STATES, Checkpoint, Job, JobAttempt, JobMetric
+from runners.workloads.progress import CHECKPOINT_TAG, METRIC_TAG, STOPPED_TAG
 from tenants.models import Tenant
 from tenants.selectors import tenant_list
 
@@ -76,11 +76,12 @@ def job_page(job: Job) -> dict:
 
 
 CHECKPOINTS_SHOWN = 5
-PROGRESS_PREFIXES = (f"{METRIC_TAG} ", f"{CHECKPOINT_TAG} ")
+# The tagged lines a trainer or the SDK writes for the portal to parse: metrics, checkpoints and the stop record.
+PROGRESS_PREFIXES = (f"{METRIC_TAG} ", f"{CHECKPOINT_TAG} ", f"{STOPPED_TAG} ")
 
 
 def without_progress_lines(text: str) -> list[str]:
-    """The log's lines as a person reads them: those a trainer writes for the portal to parse left out."""
+    """The log's lines as a person reads them: those a trainer or the SDK writes for the portal to parse left out."""
     return [line for line in text.splitlines() if not line.startswith(PROGRESS_PREFIXES)]
 
 
@@ -131,6 +132,43 @@ def job_metric_series(job: Job, *, points: int = CHART_POINTS, first_step: int |
         for r in newest.values()
     ]
     return {"series": series, "steps_recorded": high - low + 1, "first_step": low, "last_step": high}
+
+
+# --- A checkpoint's bytes -----------------------------------------------------------------
+
+
+class CheckpointMissing(Exception):
+    """The job has no such checkpoint to read: never recorded, or its file deleted (the API answers 404)."""
+
+
+class CheckpointNotHere(Exception):
+    """The backend keeps the checkpoint where the portal does not read it; the message says how to get it (409)."""
+
+
+def checkpoint_missing_text(job: Job, step: int, why: str) -> str:
+    kept = list(job.checkpoints.filter(deleted_at__isnull=True).order_by("step").values_list("step", flat=True))
+    steps = f"its checkpoints kept are steps {', '.join(map(str, kept))}" if kept else "it keeps no checkpoint now"
+    return f"Job {job.name} #{job.id} {why}; {steps}."
+
+
+def job_checkpoint_open(job: Job, step: int) -> tuple[Checkpoint, CheckpointFile]:
+    """The job's recorded checkpoint of `step`, opened through the backend; CheckpointMissing when it has none,
+    its file was deleted (marked so, or found gone), CheckpointNotHere on a backend that does not read them,
+    BackendUnavailable when the cluster cannot be read now."""
+    checkpoint = job.checkpoints.filter(step=step).first() if 0 <= step < 2**31 else None
+    if checkpoint is None:
+        raise CheckpointMissing(checkpoint_missing_text(job, step, f"has no checkpoint of step {step}"))
+    if checkpoint.deleted_at is not None:
+        raise CheckpointMissing(checkpoint_missing_text(job, step, f"deleted its checkpoint of step {step}"))
+    backend = get_backend()
+    try:
+        return checkpoint, backend.job_checkpoint(job.id, job.environment.namespace, checkpoint.uri)
+    except CheckpointGone:
+        raise CheckpointMissing(checkpoint_missing_text(job, step, f"deleted its checkpoint of step {step}")) from None
+    except CheckpointElsewhere as exc:
+        raise CheckpointNotHere(str(exc)) from None
+    except BackendError as exc:
+        raise BackendUnavailable(f"The {backend.name} backend cannot be read now: {exc}") from None
 
 
 def environment_live_jobs(environment: Environment) -> list[Job]:

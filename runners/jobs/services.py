@@ -171,18 +171,27 @@ def command_check(command) -> list[str]:
     return list(command)
 
 
-def bundle_check(tenant: Tenant, sha256, *, for_update: bool = False):
-    """The tenant's bundle a spec names (runners.bundles), or Invalid naming ``bundle``.
+class UnknownBundle(Invalid):
+    """A spec names a bundle the tenant does not have (none with that digest, deleted, or another tenant's):
+    a field error to a form, a 404 naming ``bundle`` to the API."""
 
-    Another tenant's bundle is answered exactly as one that does not exist, as every other
-    reference in a spec is (an environment, a flavor): nothing says it is there.
+    def __init__(self, tenant: Tenant, sha256: str):
+        super().__init__("bundle", f"Tenant {tenant.slug} has no bundle {sha256}.")
+
+
+def bundle_check(tenant: Tenant, sha256, *, for_update: bool = False):
+    """The tenant's bundle a spec names (runners.bundles): Invalid naming ``bundle`` for a digest that is not one,
+    UnknownBundle for one the tenant does not have.
+
+    Another tenant's bundle is answered exactly as one that does not exist (the same 404, the same words):
+    nothing says it is there.
     """
     if not isinstance(sha256, str) or not re.fullmatch(BUNDLE_PATTERN, sha256):
         raise Invalid("bundle", "A bundle's SHA-256 digest: 64 lowercase hex digits.")
     try:
         return bundles.get_bundle(tenant, sha256, for_update=for_update)
     except bundles.Bundle.DoesNotExist:
-        raise Invalid("bundle", f"Tenant {tenant.slug} has no bundle {sha256}.") from None
+        raise UnknownBundle(tenant, sha256) from None
 
 
 def _hyperparameters(value, template: str) -> dict:

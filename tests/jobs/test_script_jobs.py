@@ -93,7 +93,6 @@ def test_a_script_job_runs_on_the_local_backend_too(owner, environment, bundle, 
         ({"bundle": None}, "bundle", "names its bundle"),
         ({"bundle": "ab" * 31}, "bundle", "64 lowercase hex"),
         ({"bundle": "AB" * 32}, "bundle", "64 lowercase hex"),
-        ({"bundle": OTHER_SHA}, "bundle", "has no bundle"),
         ({"hyperparameters": [1, 2]}, "hyperparameters", "JSON object"),
         ({"hyperparameters": {"blob": "x" * jobs.SCRIPT_HYPERPARAMETERS_MAX_BYTES}}, "hyperparameters", "bytes"),
         ({"image": "nvcr.io/nvidia/pytorch:24.01-py3"}, "image", "Kubernetes"),
@@ -117,17 +116,18 @@ def test_another_tenants_bundle_reads_exactly_as_one_that_does_not_exist(
     _bundle(other_tenant, SHA)  # Globex has this very digest; Acme does not
     theirs = _post(client_for(owner), script_data(environment))
     missing = _post(client_for(owner), script_data(environment, bundle=OTHER_SHA))
-    assert theirs.status_code == missing.status_code == 400
+    assert theirs.status_code == missing.status_code == 404
     assert theirs.json()["bundle"] == [f"Tenant acme has no bundle {SHA}."]
     assert missing.json()["bundle"] == [f"Tenant acme has no bundle {OTHER_SHA}."]
-    assert not Job.objects.exists()
+    assert not Job.objects.exists() and not JobEvent.objects.exists()
 
 
 def test_a_deleted_bundle_cannot_be_submitted(client_for, owner, environment, tenant):
     _bundle(tenant, deleted_at=timezone.now())
     response = _post(client_for(owner), script_data(environment))
-    assert response.status_code == 400 and "bundle" in response.json()
-    assert not Job.objects.exists()
+    assert response.status_code == 404
+    assert response.json() == {"bundle": [f"Tenant acme has no bundle {SHA}."]}
+    assert not Job.objects.exists() and not JobEvent.objects.exists()
 
 
 def test_a_script_image_on_kubernetes_comes_from_the_allowed_registries(
