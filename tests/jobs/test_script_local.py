@@ -9,16 +9,14 @@ are real processes.
 import json
 
 import pytest
-from django.db import transaction
 from gpuportal import bundle as packing
 
 from runners.bundles import services as bundles
 from runners.clusters.registry import get_backend
-from runners.jobs import attempts, reconcile
+from runners.jobs import reconcile
 from runners.jobs import services as jobs
-from runners.jobs.models import Job
 from runners.workloads import sandbox
-from tests.support.jobs import admit_and_launch, give_quota, job_data, ready_environment, reconcile_until
+from tests.support.jobs import admit_and_launch, job_data, preempt, reconcile_until
 from tests.support.races import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -54,15 +52,6 @@ save(settings["steps"])
 
 
 @pytest.fixture
-def environment(flavors, tenant, owner, settings, tmp_path):
-    settings.BUNDLE_STORAGE_URL = f"file://{tmp_path / 'bundle-storage'}"
-    settings.BUNDLE_STORAGE_OPTIONS = {}
-    settings.PREEMPTION_GRACE_PERIOD_S = 30
-    give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=8)
-    return ready_environment(actor=owner, tenant=tenant)
-
-
-@pytest.fixture
 def stored(tenant, owner, tmp_path):
     folder = tmp_path / "project"
     folder.mkdir()
@@ -73,19 +62,12 @@ def stored(tenant, owner, tmp_path):
         return bundles.store(tenant, owner, upload)[0]
 
 
-def _preempt(job) -> None:
-    with transaction.atomic():
-        locked = Job.objects.select_for_update().get(id=job.id)
-        assert attempts.job_preempt_locked(locked, "Preempted for globex's guarantee.") == "stopping"
-    attempts.job_stop_run(job_id=job.id)  # what the job_stop task sent after commit does
-
-
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
 def test_a_preempted_script_that_stops_through_the_sdk_is_requeued_and_its_next_attempt_resumes_and_finishes(
-    environment, stored, owner
+    script_environment, stored, owner
 ):
     job = jobs.job_submit(actor=owner, data=job_data(
-        environment, name="sdk-script", template="script", bundle=stored.sha256, command=["python", "train.py"],
+        script_environment, name="sdk-script", template="script", bundle=stored.sha256, command=["python", "train.py"],
         hyperparameters={"steps": 120, "pause_s": 0.1}, replicas=1, topology={"level": "none", "mode": "preferred"},
         memory_mib_per_replica=2048, max_runtime_s=600, max_retries=0, env={}))
     admit_and_launch(job)
@@ -97,7 +79,7 @@ def test_a_preempted_script_that_stops_through_the_sdk_is_requeued_and_its_next_
         return job.metrics.filter(step__gte=3).exists()
 
     assert wait_until(stepped, timeout_s=120), get_backend().job_logs(job.id, 1, 0, tail=50)
-    _preempt(job)
+    preempt(job)
     job = reconcile_until(job, {"queued"}, timeout_s=60, pause_s=0.2)
     first = job.attempts.get(number=1)
     assert (first.outcome, first.exit_code) == ("preempted", 75), first.reason

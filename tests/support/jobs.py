@@ -116,3 +116,16 @@ def demo_with_jobs():
     )
     scheduling.cycle_run()
     return users
+
+
+def preempt(job, reason: str = "Preempted for globex's guarantee.") -> None:
+    """Preempt a running job as the scheduler does (the stop asked under the job's lock), then send the stop
+    the job_stop task sends after the commit."""
+    from django.db import transaction
+
+    from runners.jobs.models import Job
+
+    with transaction.atomic():
+        locked = Job.objects.select_for_update().get(id=job.id)
+        assert attempts.job_preempt_locked(locked, reason) == "stopping"
+    attempts.job_stop_run(job_id=job.id)

@@ -1,7 +1,8 @@
 """A tiny Lightning run on the SDK's callback, for the tests: a linear model on synthetic data.
 
 Hyperparameters: max_steps (default: run until stopped), every (checkpoint every this many steps; 0: only on
-a stop), sleep_s (per step, so a test can signal it mid-run).
+a stop), sleep_s (per step, so a test can signal it mid-run), resumed_sleep_s (per step of a resumed run;
+default sleep_s). It prints the step training starts at, once Lightning has restored the checkpoint.
 """
 
 import time
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 ctx = gpuportal.init(metrics_interval_s=0)
 hp = {"max_steps": 1_000_000, "every": 0, "sleep_s": 0.02, **ctx.hyperparameters}
+sleep_s = hp.get("resumed_sleep_s", hp["sleep_s"]) if ctx.resume_from else hp["sleep_s"]
 
 
 class Tiny(pl.LightningModule):
@@ -26,8 +28,11 @@ class Tiny(pl.LightningModule):
         with ctx.busy():
             loss = torch.nn.functional.mse_loss(self.layer(x), y)
         self.log("train_loss", loss)
-        time.sleep(hp["sleep_s"])
+        time.sleep(sleep_s)
         return loss
+
+    def on_train_start(self) -> None:
+        print(f"training starts at step {self.trainer.global_step}", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)

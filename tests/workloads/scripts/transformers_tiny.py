@@ -1,10 +1,17 @@
 """A tiny transformers.Trainer run on the SDK's callback, for the tests: a 2-layer GPT-2 on random tokens.
 
 Hyperparameters: max_steps (default: run until stopped), save_steps (0: only on a stop), sleep_s (per step,
-so a test can signal it mid-run).
+so a test can signal it mid-run), resumed_sleep_s (per step of a resumed run; default sleep_s). It prints the
+step training starts at, once the Trainer has restored the checkpoint. Nothing is downloaded: the model is
+made from its config, and the Hub is told it is offline.
 """
 
+import os
 import time
+
+# Set here, not in the job's env: the portal's env policy keeps HF_* to the host.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import gpuportal
 import torch
@@ -13,11 +20,15 @@ from gpuportal.transformers import PortalCallback
 
 ctx = gpuportal.init(metrics_interval_s=0)
 hp = {"max_steps": 1_000_000, "save_steps": 0, "sleep_s": 0.02, **ctx.hyperparameters}
+sleep_s = hp.get("resumed_sleep_s", hp["sleep_s"]) if ctx.resume_from else hp["sleep_s"]
 
 
 class Slowed(transformers.TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        print(f"training starts at step {state.global_step}", flush=True)
+
     def on_step_end(self, args, state, control, **kwargs):
-        time.sleep(hp["sleep_s"])
+        time.sleep(sleep_s)
 
 
 torch.manual_seed(0)
