@@ -11,6 +11,7 @@ and the jobs' own launch, stop and reconcile do the rest.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -21,6 +22,8 @@ from audit.services import SYSTEM, record, snapshot
 from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota
+from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone
+from runners.clusters.registry import get_backend
 from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs import services as jobs
@@ -86,8 +89,9 @@ def _source(value, tenant: Tenant) -> dict:
     job = Job.objects.filter(id=job_id, tenant=tenant, kind=Job.Kind.TRAINING).first()
     if job is None:
         raise Invalid("source.job", f"Tenant {tenant.slug} has no training job {job_id}.")
-    if job.spec.get("template") != "pytorch-ddp":
-        raise Invalid("source.job", "Only checkpoints of the shipped trainer (template pytorch-ddp) can be served.")
+    if job.spec.get("template") not in SERVABLE_TEMPLATES:
+        raise Invalid("source.job", "Only checkpoints of the shipped trainer (template pytorch-ddp) and of script jobs "
+                                    "that save its model can be served.")
     checkpoints = Checkpoint.objects.filter(job=job).newest_first()
     if "step" in value:
         step = value["step"]
@@ -99,7 +103,55 @@ def _source(value, tenant: Tenant) -> dict:
         where = f" at step {value['step']}" if "step" in value else ""
         raise Invalid("source.job" if "step" not in value else "source.step",
                       f"Job {job.name} has no checkpoint{where} yet; serve it once it has written one.")
+    if job.spec["template"] == "script":
+        _script_checkpoint_loads(job, checkpoint)
     return {"job": job.id, "step": checkpoint.step, "uri": checkpoint.uri}
+
+
+SERVABLE_TEMPLATES = ("pytorch-ddp", "script")
+# A script job's checkpoint is served once the shipped server's own loader has loaded it here. The shipped
+# model's checkpoints are well under a MiB (model, optimizer and all), so a bigger file is refused unread.
+SCRIPT_CHECKPOINT_CHECK_MAX_BYTES = 64 * 1024 * 1024
+SERVER_LOADS = ("The shipped server loads one checkpoint file of the shipped trainer's model: torch.save of a dict "
+                "with \"format\": runners.workloads.train.CHECKPOINT_FORMAT and \"model\": a CharModel's state_dict "
+                "(what runners.workloads.train.checkpoint_state returns, saved with ctx.checkpoint(step, state)).")
+
+
+def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
+    """Invalid naming ``source`` unless the shipped server's loader (runners.workloads.serve.load_model) loads this
+    script checkpoint: read through the backend (a file in the job's folder, no link followed), onto the CPU,
+    weights only (no pickled code runs)."""
+    what = f"Job {job.name}'s checkpoint of step {checkpoint.step}"
+    backend = get_backend()
+    try:
+        opened = backend.job_checkpoint(job.id, job.environment.namespace, checkpoint.uri)
+    except CheckpointGone:
+        raise Invalid("source", f"{what} was deleted; serve one the job still keeps.") from None
+    except CheckpointElsewhere:
+        raise Invalid("source", f"The {backend.name} backend keeps job {job.name}'s checkpoints in the cluster, where "
+                                f"the portal cannot check that the shipped server loads it; on this backend only "
+                                f"pytorch-ddp jobs' checkpoints are served.") from None
+    except BackendError as exc:
+        raise Invalid("source", f"{what} cannot be read now ({exc}); try again.") from None
+    try:
+        if opened.is_folder:
+            raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
+        if opened.size > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
+            raise Invalid("source", f"{what} has {opened.size} bytes, more than the shipped model's checkpoint ever "
+                                    f"has ({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} at most). {SERVER_LOADS}")
+        import torch
+
+        from runners.workloads.serve import load_model
+
+        descriptor_path = f"/proc/self/fd/{opened.stream.fileno()}"
+        try:
+            load_model(Path(descriptor_path), torch.device("cpu"))
+        except Exception as exc:  # whatever torch says of a file that is not the model's, in its own words
+            first_line = (str(exc).replace(descriptor_path, checkpoint.uri).strip().splitlines() or [""])[0][:300]
+            raise Invalid("source", f"{what} does not load in the shipped server ({type(exc).__name__}: "
+                                    f"{first_line}). {SERVER_LOADS}") from None
+    finally:
+        opened.close()
 
 
 def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
