@@ -2,10 +2,12 @@
 demo data) on a database of its own, started once for this module.
 
 The command runs as a person runs it, a subprocess with a config folder of its own: alice logs in, runs the
-shipped trainer and follows it to its end, reads its log and checkpoints, serves it, cancels a second job,
+shipped trainer and follows it to its end, reads its log and downloads its checkpoint, serves the checkpoint of a
+script that trains the shipped model through the SDK, cancels a second job,
 and each kind of mistake gets its exit code and one line on stderr.
 """
 
+import inspect
 import json
 import os
 import re
@@ -17,8 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from django.conf import settings
 
+from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
 from tests.support.portal_up import free_port, fresh_database, started_portal
 
 pytestmark = pytest.mark.e2e
@@ -184,20 +188,65 @@ def test_logs_checkpoints_and_the_steps_a_download_can_take(cli, trained):
     assert "steps 20, 40" in one_line_error(missing)
 
 
-@pytest.mark.xfail(strict=True, reason="the portal has no checkpoint download yet: the command asks "
-                                       "GET /api/v1/jobs/{id}/checkpoints/{step}/download/ (docs/cli.md#download)")
 def test_download_saves_the_newest_checkpoint(cli, trained):
     _, job_id = trained
     result = cli("download", str(job_id), "-o", "newest.pt")
     assert result.returncode == 0, result.stderr
     newest = max(cli.json("checkpoints", str(job_id)), key=lambda row: row["step"])
-    assert (cli.home / "newest.pt").stat().st_size == newest["bytes"] > 0
+    saved = cli.home / "newest.pt"
+    assert saved.stat().st_size == newest["bytes"] > 0
+    state = torch.load(saved, weights_only=True)  # the trainer's own checkpoint, byte for byte
+    assert (state["format"], state["step"]) == (CHECKPOINT_FORMAT, newest["step"])
 
 
-def test_serve_deploys_the_jobs_checkpoint_and_waits_until_it_is_ready(cli, trained, portal):
-    _, job_id = trained
-    endpoint = cli.json("serve", str(job_id), "--name", "cli-chat", "--step", "20")
-    assert (endpoint["state"], endpoint["name"], endpoint["source"]) == ("ready", "cli-chat", {"job": job_id, "step": 20})
+# A script that trains the shipped model through the SDK and checkpoints it in the format the shipped server
+# loads. The model's code goes in the bundle (model.py, taken from the trainer's own source): the portal's
+# runtime is not importable in the sandbox, only torch, numpy and gpuportal are.
+SERVED_SCRIPT = """
+import gpuportal
+import torch
+from model import CHECKPOINT_FORMAT, VOCAB, CharModel
+
+ctx = gpuportal.init()
+torch.manual_seed(0)
+model = CharModel()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+text = b"the cat sat on the mat. " * 8
+data = torch.tensor(list(text))
+for step in range(1, 31):
+    logits = model(data[:-1].view(1, -1))
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), data[1:])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    ctx.report(step, loss=loss.item())
+    if step % 15 == 0:
+        ctx.checkpoint(step, {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(),
+                              "alphabet": torch.tensor(sorted(set(text)), dtype=torch.uint8)})
+print("trained")
+"""
+
+
+@pytest.fixture(scope="module")
+def script_trained(cli):
+    """`portal run -- python train.py` of a folder whose script trains the shipped model: the script job's id."""
+    folder = cli.home / "served-script"
+    folder.mkdir()
+    model_code = "\n".join(["import torch", "from torch import nn", "", f"VOCAB = {VOCAB}",
+                             f"CHECKPOINT_FORMAT = {CHECKPOINT_FORMAT}", "", "", inspect.getsource(CharModel)])
+    (folder / "model.py").write_text(model_code)
+    (folder / "train.py").write_text(SERVED_SCRIPT)
+    result = cli("run", "--flavor", "h100-80gb", "--", "python", "train.py", cwd=folder, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "trained" in result.stdout
+    return int(re.search(r"Submitted job (\d+)", result.stderr).group(1))
+
+
+def test_serve_deploys_a_script_jobs_checkpoint_and_waits_until_it_is_ready(cli, script_trained, portal):
+    job_id = script_trained
+    assert [row["step"] for row in cli.json("checkpoints", str(job_id))] == [15, 30]
+    endpoint = cli.json("serve", str(job_id), "--name", "cli-chat", "--step", "30")
+    assert (endpoint["state"], endpoint["name"], endpoint["source"]) == ("ready", "cli-chat", {"job": job_id, "step": 30})
     token = json.loads(cli.config_file.read_text())["token"]
     answer = httpx.post(f"{endpoint['url']}/v1/generate", headers={"Authorization": f"Token {token}"},
                         json={"prompt": "the ", "max_tokens": 4}, timeout=60)
