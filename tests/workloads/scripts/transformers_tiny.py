@@ -1,4 +1,5 @@
-"""A tiny transformers.Trainer run on the SDK's callback, for the tests: a 2-layer GPT-2 on random tokens.
+"""A tiny transformers.Trainer run on the SDK's callback, for the tests: a one-layer GPT-2 of 380 parameters
+on random tokens.
 
 Hyperparameters: max_steps (default: run until stopped), save_steps (0: only on a stop), sleep_s (per step,
 so a test can signal it mid-run), resumed_sleep_s (per step of a resumed run; default sleep_s). It prints the
@@ -33,8 +34,8 @@ class Slowed(transformers.TrainerCallback):
 
 torch.manual_seed(0)
 model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-    n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
-tokens = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(0))
+    n_layer=1, n_head=2, n_embd=4, vocab_size=16, n_positions=16, bos_token_id=0, eos_token_id=0))
+tokens = torch.randint(0, 16, (512, 16), generator=torch.Generator().manual_seed(0))
 data = [{"input_ids": row, "labels": row} for row in tokens]
 args = transformers.TrainingArguments(
     output_dir=str(ctx.job_dir / "hf-output"), max_steps=hp["max_steps"], per_device_train_batch_size=8,
