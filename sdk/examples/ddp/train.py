@@ -20,6 +20,7 @@ if (state := ctx.load()) is not None:  # the newest checkpoint, after a preempti
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     start = ctx.resume_from.step
+    print(f"resuming after step {start}, from {ctx.resume_from.path.name}", flush=True)
 
 truth = torch.arange(8.0).unsqueeze(1)
 for step in range(start + 1, hp["steps"] + 1):
