@@ -11,6 +11,8 @@ and the jobs' own launch, stop and reconcile do the rest.
 from __future__ import annotations
 
 import re
+import tempfile
+import zipfile
 from pathlib import Path
 
 from django.conf import settings
@@ -119,8 +121,12 @@ SERVER_LOADS = ("The shipped server loads one checkpoint file of the shipped tra
 
 def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
     """Invalid naming ``source`` unless the shipped server's loader (runners.workloads.serve.load_model) loads this
-    script checkpoint: read through the backend (a file in the job's folder, no link followed), onto the CPU,
-    weights only (no pickled code runs)."""
+    script checkpoint, onto the CPU, weights only (no pickled code runs).
+
+    The file is the tenant's (its script may still write it), so it is read once through the backend (a file in
+    the job's folder, no link followed) into a copy of the portal's, and only a torch.save archive whose members
+    are stored as torch.save stores them (uncompressed) and add up to at most the bound is loaded: nothing the
+    load reads can grow past what was checked."""
     what = f"Job {job.name}'s checkpoint of step {checkpoint.step}"
     backend = get_backend()
     try:
@@ -129,29 +135,42 @@ def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
         raise Invalid("source", f"{what} was deleted; serve one the job still keeps.") from None
     except CheckpointElsewhere:
         raise Invalid("source", f"The {backend.name} backend keeps job {job.name}'s checkpoints in the cluster, where "
-                                f"the portal cannot check that the shipped server loads it; on this backend only "
+                                f"the portal cannot check that the shipped server loads them; on this backend only "
                                 f"pytorch-ddp jobs' checkpoints are served.") from None
     except BackendError as exc:
         raise Invalid("source", f"{what} cannot be read now ({exc}); try again.") from None
-    try:
-        if opened.is_folder:
-            raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
-        if opened.size > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
-            raise Invalid("source", f"{what} has {opened.size} bytes, more than the shipped model's checkpoint ever "
-                                    f"has ({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} at most). {SERVER_LOADS}")
+    too_big = (f"{what} is bigger than the shipped model's checkpoint ever is ({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} "
+               f"bytes at most). {SERVER_LOADS}")
+    with tempfile.NamedTemporaryFile(prefix="script-checkpoint-", suffix=".pt") as copy:
+        try:
+            if opened.is_folder:
+                raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
+            data = opened.stream.read(SCRIPT_CHECKPOINT_CHECK_MAX_BYTES + 1)
+        finally:
+            opened.close()
+        if len(data) > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
+            raise Invalid("source", too_big)
+        copy.write(data)
+        copy.flush()
+        try:
+            with zipfile.ZipFile(copy.name) as archive:
+                members = archive.infolist()
+        except (zipfile.BadZipFile, OSError):
+            raise Invalid("source", f"{what} is not a torch.save file. {SERVER_LOADS}") from None
+        if any(member.compress_type != zipfile.ZIP_STORED for member in members):
+            raise Invalid("source", f"{what} is not a torch.save file (it has compressed members). {SERVER_LOADS}")
+        if sum(member.file_size for member in members) > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
+            raise Invalid("source", too_big)
         import torch
 
         from runners.workloads.serve import load_model
 
-        descriptor_path = f"/proc/self/fd/{opened.stream.fileno()}"
         try:
-            load_model(Path(descriptor_path), torch.device("cpu"))
+            load_model(Path(copy.name), torch.device("cpu"))
         except Exception as exc:  # whatever torch says of a file that is not the model's, in its own words
-            first_line = (str(exc).replace(descriptor_path, checkpoint.uri).strip().splitlines() or [""])[0][:300]
+            first_line = (str(exc).replace(copy.name, checkpoint.uri).strip().splitlines() or [""])[0][:300]
             raise Invalid("source", f"{what} does not load in the shipped server ({type(exc).__name__}: "
                                     f"{first_line}). {SERVER_LOADS}") from None
-    finally:
-        opened.close()
 
 
 def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:

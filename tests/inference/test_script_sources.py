@@ -1,6 +1,9 @@
 """A script job's checkpoint as an endpoint's source: taken when the shipped server's own loader loads it (the
 shipped model saved through the SDK), refused with a 400 naming `source` otherwise, nothing stored."""
 
+import io
+import zipfile
+
 import pytest
 import torch
 from django.utils import timezone
@@ -12,7 +15,7 @@ from runners.inference.models import InferenceEndpoint
 from runners.inference.services import SERVER_LOADS
 from runners.jobs import services as jobs
 from runners.jobs.models import Checkpoint
-from runners.workloads.train import CharModel, checkpoint_state
+from runners.workloads.train import CHECKPOINT_FORMAT, CharModel, checkpoint_state
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
@@ -58,9 +61,19 @@ def test_the_shipped_model_saved_by_a_script_through_the_sdk_is_served(client_fo
     assert body["source"] == {"job": job.id, "step": 10}
 
 
+def _compressed_archive() -> bytes:
+    """A zip as torch.save writes one, but with a deflated member: a few bytes that unpack to many."""
+    stream = io.BytesIO()
+    with zipfile.ZipFile(stream, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", b"\0" * 1_000_000)
+    return stream.getvalue()
+
+
 @pytest.mark.parametrize("what, words", [
-    ({"weights": torch.zeros(3)}, "is not a checkpoint of the shipped trainer"),  # another model's state
-    (b"not torch at all", "does not load in the shipped server"),
+    ({"weights": torch.zeros(3)}, "does not load in the shipped server"),  # another model's state
+    ({"format": CHECKPOINT_FORMAT, "model": {"embed.weight": torch.zeros(2, 2)}}, "does not load in the shipped server"),
+    (b"not torch at all", "is not a torch.save file"),
+    (_compressed_archive(), "compressed members"),
 ])
 def test_any_other_script_checkpoint_is_a_400_naming_source_saying_what_the_server_loads(
     client_for, owner, environment, tmp_path, what, words
@@ -71,9 +84,21 @@ def test_any_other_script_checkpoint_is_a_400_naming_source_saying_what_the_serv
     job = script_job(owner, environment, what)
     status, body = post(client_for(owner), environment, job)
     assert status == 400, body
-    assert words in body["source"][0] and SERVER_LOADS in body["source"][0]
-    assert "/proc/self/fd" not in body["source"][0]
+    assert words in body["source"][0] and SERVER_LOADS in body["source"][0], body
+    assert "script-checkpoint-" not in body["source"][0]  # the portal's own copy is not named
     assert not InferenceEndpoint.objects.exists()
+
+
+def test_a_script_checkpoint_past_the_bound_is_refused_unread(client_for, owner, environment, tmp_path, monkeypatch):
+    from runners.inference import services
+
+    model = CharModel()
+    job = script_job(owner, environment, checkpoint_state(10, model, torch.optim.Adam(model.parameters()),
+                                                          world_size=1))
+    path = get_backend().jobs.job_dir(job.id) / job.checkpoints.get().uri
+    monkeypatch.setattr(services, "SCRIPT_CHECKPOINT_CHECK_MAX_BYTES", path.stat().st_size - 1)
+    status, body = post(client_for(owner), environment, job)
+    assert status == 400 and "bigger than the shipped model's checkpoint ever is" in body["source"][0]
 
 
 def test_a_folder_or_a_deleted_script_checkpoint_is_a_400_naming_source(client_for, owner, environment, tmp_path):
