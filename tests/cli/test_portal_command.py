@@ -242,9 +242,12 @@ def script_trained(cli):
     return int(re.search(r"Submitted job (\d+)", result.stderr).group(1))
 
 
-def test_serve_deploys_a_script_jobs_checkpoint_and_waits_until_it_is_ready(cli, script_trained, portal):
+def test_a_script_jobs_checkpoint_downloads_and_serves_until_ready(cli, script_trained, portal):
     job_id = script_trained
     assert [row["step"] for row in cli.json("checkpoints", str(job_id))] == [15, 30]
+    downloaded = cli("download", str(job_id), "-o", "script.pt")
+    assert downloaded.returncode == 0, downloaded.stderr
+    assert torch.load(cli.home / "script.pt", weights_only=True)["step"] == 30  # what the script saved, whole
     endpoint = cli.json("serve", str(job_id), "--name", "cli-chat", "--step", "30")
     assert (endpoint["state"], endpoint["name"], endpoint["source"]) == ("ready", "cli-chat", {"job": job_id, "step": 30})
     token = json.loads(cli.config_file.read_text())["token"]
