@@ -2,7 +2,8 @@
 tenant's guarantee, resumed from its own checkpoint at the exact step, and ended `succeeded`.
 
 A real portal as `make run` starts it (`manage.py up`: gunicorn, a Celery worker, beat, the demo data; the
-local backend, script jobs in the sandbox), on a database of its own. alice (ml-research: 8 H100s guaranteed,
+local backend, script jobs in the sandbox wherever it can run: as root, with bubblewrap), on a database of
+its own. alice (ml-research: 8 H100s guaranteed,
 16 at most) copies sdk/examples/ddp/train.py into a folder and runs it with two replicas of 8 GPUs: all 16
 H100s of the demo cluster, 8 of them borrowed. While `portal run` follows it, carol (vision: 4 guaranteed)
 submits a job of 4 GPUs: the scheduler takes them back from alice's job, which checkpoints on the stop, waits
@@ -26,10 +27,7 @@ from tests.cli.test_portal_command import PASSWORD, PORTAL, Cli
 from tests.portal.test_newcomer import _browser_session
 from tests.support.portal_up import fresh_database, started_portal
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}"),
-]
+pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "sdk" / "examples" / "ddp" / "train.py"
 # About 15 s of steps on an idle laptop core: long enough that the preemption lands in the first attempt (it
@@ -56,18 +54,22 @@ def _api(base: str, username: str) -> httpx.Client:
     return httpx.Client(base_url=base, headers={"Authorization": f"Token {token.json()['token']}"}, timeout=30)
 
 
-def _ready_environment(api: httpx.Client, tenant: str) -> int:
+def _environment(api: httpx.Client, tenant: str) -> int:
     created = api.post("/api/v1/environments/", json={"tenant": tenant, "name": "train"})
     assert created.status_code == 201, created.text
-    env_id = created.json()["id"]
-    _wait(f"{tenant}'s environment is ready", lambda: api.get(f"/api/v1/environments/{env_id}/").json()["state"]
+    return created.json()["id"]
+
+
+def _wait_ready(api: httpx.Client, env_id: int) -> None:
+    _wait(f"environment {env_id} is ready", lambda: api.get(f"/api/v1/environments/{env_id}/").json()["state"]
           == "ready", timeout_s=120, pause_s=0.5)
-    return env_id
 
 
 @pytest.fixture
 def portal(tmp_path):
-    env = {"CELERY_BROKER_URL": settings.CELERY_BROKER_URL, "LOCAL_USE_NVML": "false", "LOCAL_SANDBOX": "on"}
+    # The sandbox as `make run` has it where it can run (as root, with bubblewrap), on for sure.
+    sandboxed = "on" if sandbox.unavailable() is None else "off"
+    env = {"CELERY_BROKER_URL": settings.CELERY_BROKER_URL, "LOCAL_USE_NVML": "false", "LOCAL_SANDBOX": sandboxed}
     with fresh_database("newcomer_run") as database_url:
         with started_portal({**env, "DATABASE_URL": database_url}, tmp_path / "var") as url:
             yield url
@@ -75,8 +77,9 @@ def portal(tmp_path):
 
 def test_portal_run_of_the_ddp_example_is_preempted_resumes_at_the_exact_step_and_succeeds(portal, tmp_path):
     alice, carol = _api(portal, "alice"), _api(portal, "carol")
-    _ready_environment(alice, "ml-research")
-    vision_env = _ready_environment(carol, "vision")
+    alice_env, vision_env = _environment(alice, "ml-research"), _environment(carol, "vision")
+    _wait_ready(alice, alice_env)
+    _wait_ready(carol, vision_env)
 
     cli = Cli(tmp_path / "home")
     cli.home.mkdir()
