@@ -103,8 +103,7 @@ def play_cluster(conn, tenants: int) -> None:
     from runners.backends.serve_manifests import serving_deployment_manifest
     from runners.clusters.registry import kubernetes_backend_options
     from runners.nvidia import names
-    from tests.support.k8s import client_for, gpu_node
-    from tests.support.k8s import environment_namespace
+    from tests.support.k8s import client_for, environment_namespace, gpu_node
     from tests.support.k8s_standin import KubernetesStandIn
     from tests.support.prometheus import DcgmDevice, DcgmExporter
 
