@@ -33,10 +33,16 @@ minimum of one step, like 0.01) "not zero"; or a number with its range.
 import sys
 from decimal import Decimal
 
+from drf_spectacular.contrib.django_filters import DjangoFilterExtension
 from drf_spectacular.contrib.knox_auth_token import KnoxTokenScheme
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import ResolvedComponent, force_instance
 from rest_framework import serializers
+
+# The portal has no geometry fields. Without this, the first filtered list's schema asks whether a
+# field is a GIS one by importing django.contrib.gis, whose GDAL loader runs ldconfig and gcc to find
+# a library this portal never uses (seconds, and processes started by a web request).
+DjangoFilterExtension._has_gis = False
 
 # Exactly the characters Python's str.strip() removes, spelled out: ECMA, Python's
 # `re` and the Rust regex engine read `\s` differently, these escapes all alike.
