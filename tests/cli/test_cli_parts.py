@@ -1,14 +1,16 @@
 """The `portal` command's parts that need no portal: the job file and its flags, the config file, exit codes,
-error lines, following a log's new lines, months, choosing a checkpoint, and the command line's own checks."""
+error lines, following a log's new lines, months, choosing a checkpoint and naming its file (against a portal
+played by httpx's MockTransport), and the command line's own checks."""
 
 import stat
+from pathlib import Path
 
 import httpx
 import pytest
 from gpuportal.cli import commands as cli_app
 from gpuportal.cli import config as config_file
 from gpuportal.cli import follow, jobfile
-from gpuportal.client import PortalError, error_message, exit_code_for_status
+from gpuportal.client import Client, PortalError, error_message, exit_code_for_status
 
 pytestmark = pytest.mark.unit
 
@@ -249,6 +251,78 @@ def test_a_checkpoint_is_the_newest_unless_a_step_is_given():
     with pytest.raises(PortalError) as caught:
         cli_app.choose_checkpoint({"id": 8, "state": "running", "checkpoints": []}, None)
     assert caught.value.exit_code == 4 and "job 8 has no checkpoint yet (it is running)" == caught.value.message
+
+
+@pytest.mark.parametrize("disposition, name", [
+    ('attachment; filename="tiny-7-step-40.tar.gz"', "tiny-7-step-40.tar.gz"),
+    ("attachment; filename*=utf-8''caf%C3%A9-7-step-40.pt", "café-7-step-40.pt"),
+    ('attachment; filename="../../.ssh/authorized_keys"', "authorized_keys"),
+    ('attachment; filename="C:\\Users\\x\\step.pt"', "step.pt"),
+    ('attachment; filename=".bashrc"', "bashrc"),
+    ('attachment; filename=".."', None),
+    ('attachment; filename="a/"', None),
+    ("attachment", None),
+    ("", None),
+    (None, None),
+])
+def test_the_portals_file_name_is_taken_bare(disposition, name):
+    assert cli_app.checkpoint_file_name(disposition) == name
+
+
+ARCHIVE = b"\x1f\x8b a folder checkpoint, packed"
+JOB = {"id": 7, "name": "tiny", "state": "succeeded"}
+FOLDER_ROW = {"step": 40, "bytes": 4096, "uri": "file:///checkpoints/7/step-40.pt"}
+
+
+def _portal_client(disposition: str | None, status: int = 200) -> Client:
+    """A Client whose requests a MockTransport answers as the portal does a checkpoint download."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/api/v1/jobs/7/checkpoints/40/download/"
+        if status != 200:
+            return httpx.Response(status, json={"detail": "Job tiny #7 deleted its checkpoint of step 40."})
+        headers = {"Content-Disposition": disposition} if disposition is not None else {}
+        return httpx.Response(200, content=ARCHIVE, headers={"Content-Type": "application/gzip", **headers})
+
+    client = Client("http://portal.test", "token")
+    client.http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(answer))
+    return client
+
+
+def test_a_folder_checkpoint_is_saved_under_the_portals_name_not_the_records_suffix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with _portal_client('attachment; filename="tiny-7-step-40.tar.gz"') as client:
+        saved, size = cli_app.save_checkpoint(client, JOB, FOLDER_ROW, None)
+        assert client.http.event_hooks["response"] == []  # the download's own hook is gone
+    assert (saved, size) == (Path("tiny-7-step-40.tar.gz"), len(ARCHIVE))
+    assert [path.name for path in tmp_path.iterdir()] == ["tiny-7-step-40.tar.gz"]
+    assert (tmp_path / saved).read_bytes() == ARCHIVE
+
+
+def test_o_names_the_file_or_the_folder_it_goes_in(tmp_path):
+    with _portal_client('attachment; filename="tiny-7-step-40.tar.gz"') as client:
+        saved, _ = cli_app.save_checkpoint(client, JOB, FOLDER_ROW, tmp_path / "mine.tgz")
+        assert saved == tmp_path / "mine.tgz" and saved.read_bytes() == ARCHIVE
+        (tmp_path / "into").mkdir()
+        saved, _ = cli_app.save_checkpoint(client, JOB, FOLDER_ROW, tmp_path / "into")
+        assert saved == tmp_path / "into" / "tiny-7-step-40.tar.gz" and saved.read_bytes() == ARCHIVE
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["into", "mine.tgz", "tiny-7-step-40.tar.gz"]
+
+
+def test_a_name_with_folders_stays_in_the_folder_and_no_name_falls_back_to_the_records_suffix(tmp_path):
+    (tmp_path / "into").mkdir()
+    with _portal_client('attachment; filename="../escaped.tar.gz"') as client:
+        saved, _ = cli_app.save_checkpoint(client, JOB, FOLDER_ROW, tmp_path / "into")
+    assert saved == tmp_path / "into" / "escaped.tar.gz" and not (tmp_path / "escaped.tar.gz").exists()
+    with _portal_client(None) as client:
+        saved, _ = cli_app.save_checkpoint(client, JOB, FOLDER_ROW, tmp_path / "into")
+    assert saved == tmp_path / "into" / "tiny-7-step-40.pt"
+
+
+def test_a_refused_download_leaves_no_file(tmp_path):
+    with _portal_client(None, status=404) as client, pytest.raises(PortalError) as caught:
+        cli_app.save_checkpoint(client, JOB, FOLDER_ROW, tmp_path)
+    assert caught.value.exit_code == 4 and "deleted its checkpoint of step 40" in caught.value.message
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- The command line's own checks (nothing reaches a portal) -----------------

@@ -8,6 +8,7 @@ saying what to do, and the exit code says what kind (gpuportal.client's EXIT_* a
 from __future__ import annotations
 
 import datetime
+import email.message
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
@@ -389,32 +391,76 @@ def choose_checkpoint(job: dict, step: int | None) -> dict:
     raise PortalError(f"--checkpoint {step}: job {job['id']} has checkpoints at steps {steps}", EXIT_NOT_FOUND)
 
 
+def checkpoint_file_name(disposition: str | None) -> str | None:
+    """The bare file name a Content-Disposition header gives (its filename*, else its filename), or None when it
+    gives none to use: any folder part is dropped, and leading dots, so an answer names a file in the folder chosen
+    and nowhere else."""
+    if not disposition:
+        return None
+    header = email.message.Message()
+    header["Content-Disposition"] = disposition
+    name = header.get_filename() or ""
+    name = name.replace("\\", "/").rsplit("/", 1)[-1]
+    name = "".join(character for character in name if character.isprintable()).strip().lstrip(".")
+    return name if name and len(name.encode()) <= 255 else None
+
+
+def save_checkpoint(client: Client, job: dict, row: dict, output: Path | None) -> tuple[Path, int]:
+    """Download the checkpoint `row` of `job` to `output` (a file, or a folder to put it in; the working folder
+    when None): where it was saved, and its size.
+
+    Without a file named, the file takes the name the portal gives it (a folder checkpoint comes as a .tar.gz);
+    the checkpoint's own suffix names it only if the portal gives none. It is written under a temporary name
+    beside where it goes, and renamed once whole.
+    """
+    folder = None if output is not None and not output.is_dir() else (output or Path("."))
+    partial_in = folder if folder is not None else output.parent
+    disposition: list[str] = []
+
+    def remember(response: httpx.Response) -> None:
+        if response.is_success:
+            disposition.append(response.headers.get("Content-Disposition", ""))
+
+    # The download's answer is streamed into the file; its headers are seen here as they come.
+    hooks = client.http.event_hooks
+    client.http.event_hooks = {**hooks, "response": [*hooks.get("response", []), remember]}
+    descriptor, partial = tempfile.mkstemp(prefix=".portal-download.", dir=partial_in)
+    try:
+        with os.fdopen(descriptor, "wb") as stream, _progress() as bar:
+            task = bar.add_task(f"step {row['step']}", total=row.get("bytes") or None)
+            size = client.checkpoint_download(job["id"], row["step"], stream,
+                                              lambda done, total: bar.update(task, completed=done, total=total))
+        if folder is None:
+            target = output
+        else:
+            suffix = "".join(Path(row.get("uri") or "").suffixes) or ".pt"
+            given = checkpoint_file_name(disposition[-1] if disposition else None)
+            target = folder / (given or f"{job['name']}-{job['id']}-step-{row['step']}{suffix}")
+        os.replace(partial, target)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    finally:
+        client.http.event_hooks = hooks
+    return target, size
+
+
 @app.command()
 @handled
 def download(
     job_id: JobArgument,
     checkpoint: Annotated[int | None, typer.Option("--checkpoint", "-c", min=0, help="The checkpoint's step; the "
                                                                                      "newest unless given.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to save it; "
-                                                                       "<job>-<id>-step-<step>.pt unless given.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Where to save it: a file, or a folder to "
+                                                                       "put it in under the name the portal gives "
+                                                                       "(<job>-<id>-step-<step>.pt, .tar.gz for a "
+                                                                       "folder checkpoint).")] = None,
 ) -> None:
     """Download one of a job's checkpoints."""
     with connect() as client:
         job = client.job(job_id)
         row = choose_checkpoint(job, checkpoint)
-        suffix = "".join(Path(row.get("uri") or "").suffixes) or ".pt"
-        target = output or Path(f"{job['name']}-{job['id']}-step-{row['step']}{suffix}")
-        target = target / f"{job['name']}-{job['id']}-step-{row['step']}{suffix}" if target.is_dir() else target
-        descriptor, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-        try:
-            with os.fdopen(descriptor, "wb") as stream, _progress() as bar:
-                task = bar.add_task(f"step {row['step']}", total=row.get("bytes") or None)
-                size = client.checkpoint_download(job_id, row["step"], stream,
-                                                  lambda done, total: bar.update(task, completed=done, total=total))
-            os.replace(partial, target)
-        except BaseException:
-            Path(partial).unlink(missing_ok=True)
-            raise
+        target, size = save_checkpoint(client, job, row, output)
     err.print(f"Saved job {job_id}'s checkpoint at step {row['step']} ({size} bytes) in {target}.")
 
 
