@@ -589,13 +589,12 @@ class LocalJobs:
             start = cursor.get(key) if isinstance(cursor, dict) else None
             start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
             whole_budget = left == PROGRESS_READ_MAX_BYTES
+            keep = progress.is_stop if key == "stops" else progress.has_step
             with _job_file(job_dir / name) as readable:
                 if readable is None:
                     chunk = progress.Chunk([], start, 0)
-                elif key == "stops":
-                    chunk = _stop_chunk(readable, start, left, whole_budget=whole_budget)
                 else:
-                    chunk = progress.read_jsonl_chunk(readable, start, left, whole_budget=whole_budget)
+                    chunk = progress.read_jsonl_chunk(readable, start, left, whole_budget=whole_budget, keep=keep)
             found[key] = chunk.records
             new_cursor[key] = chunk.offset
             left -= chunk.taken
@@ -709,17 +708,9 @@ def _job_file(path: Path, *, max_bytes: int | None = None) -> Iterator[str | Non
 
 
 def _open_in_folder(folder: Path, parts: tuple[str, ...]) -> int:
-    """A read-only descriptor of the regular file at `parts` under `folder`, reached without following any link
-    below it (OSError otherwise)."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in parts[:-1]:
-            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        found = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    finally:
-        os.close(fd)
+    """A read-only descriptor of the regular file at `parts` under `folder`, reached as `_open_below` does
+    (OSError otherwise)."""
+    found = _open_below(folder, parts)
     if not stat.S_ISREG(os.fstat(found).st_mode):
         os.close(found)
         raise OSError(f"{'/'.join(parts)} is not a regular file")
@@ -813,31 +804,6 @@ def _file_blocks(fd: int, name: str) -> Iterator[bytes]:
         yield b"\0" * (-size % tarfile.BLOCKSIZE)
     finally:
         os.close(fd)
-
-
-def _stop_chunk(path: str, offset: int, budget: int, *, whole_budget: bool) -> progress.Chunk:
-    """The stop records (objects with an integer "attempt") of the whole lines in at most `budget` bytes of
-    stops.jsonl from `offset`; the same reading as `progress.read_jsonl_chunk`, whose records need a step."""
-    try:
-        with open(path, "rb") as stream:
-            if os.fstat(stream.fileno()).st_size < offset:
-                offset = 0
-            stream.seek(offset)
-            data = stream.read(max(0, budget))
-    except FileNotFoundError:
-        return progress.Chunk([], offset, 0)
-    end = data.rfind(b"\n") + 1
-    if end == 0 and whole_budget and 0 < budget == len(data):
-        return progress.Chunk([], offset + budget, budget)
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("attempt"), int) and not isinstance(record["attempt"], bool):
-            records.append(record)
-    return progress.Chunk(records, offset + end, end)
 
 
 def _remove_tree(path: Path) -> None:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -82,8 +83,8 @@ from gpuportal._protocol import checkpoint_entries as checkpoint_files
 __all__ = [
     "CHECKPOINTS_FILE", "CHECKPOINT_DIR", "CHECKPOINT_TAG", "EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK",
     "METRICS_FILE", "METRIC_TAG", "STOPPED_TAG", "STOPS_FILE", "Chunk", "LogRecords", "checkpoint_files",
-    "checkpoint_name", "checkpoint_step", "latest_checkpoint_step", "latest_per_step", "parse_log",
-    "parse_log_records", "read_checkpoints", "read_jsonl", "read_jsonl_chunk", "read_metrics", "read_stops",
+    "checkpoint_name", "checkpoint_step", "has_step", "is_stop", "latest_checkpoint_step", "latest_per_step",
+    "parse_log", "parse_log_records", "read_checkpoints", "read_jsonl", "read_jsonl_chunk", "read_metrics", "read_stops",
     "stop_of_attempt", "tagged_line",
 ]
 
@@ -111,8 +112,21 @@ class Chunk(NamedTuple):
     taken: int  # the bytes of the lines taken (0: nothing new)
 
 
-def read_jsonl_chunk(path: str | Path, offset: int, budget: int, *, whole_budget: bool = True) -> Chunk:
-    """The records of the whole lines in at most `budget` bytes of the file from `offset`.
+def has_step(record: dict) -> bool:
+    """A metric's or a checkpoint's record: an object with an integer "step"."""
+    return isinstance(record.get("step"), int)
+
+
+def is_stop(record: dict) -> bool:
+    """A stop record: an object with an integer "attempt"."""
+    attempt = record.get("attempt")
+    return isinstance(attempt, int) and not isinstance(attempt, bool)
+
+
+def read_jsonl_chunk(path: str | Path, offset: int, budget: int, *, whole_budget: bool = True,
+                     keep: Callable[[dict], bool] = has_step) -> Chunk:
+    """The records (objects that `keep` takes: by default those with a step) of the whole lines in at most
+    `budget` bytes of the file from `offset`.
 
     Seeks, never reads from the start: the cost is at most `budget` bytes however long the file.
     A torn last line (no newline yet) is left for the next call. A line longer than a whole
@@ -133,7 +147,7 @@ def read_jsonl_chunk(path: str | Path, offset: int, budget: int, *, whole_budget
     end = data.rfind(b"\n") + 1
     if end == 0 and whole_budget and 0 < budget == len(data):
         return Chunk([], offset + budget, budget)  # one line longer than any read: not a record of ours
-    return Chunk([r for r in _parse_lines(data[:end]) if isinstance(r.get("step"), int)], offset + end, end)
+    return Chunk([r for r in _parse_lines(data[:end]) if keep(r)], offset + end, end)
 
 
 def _parse_lines(data: bytes) -> list[dict]:
@@ -157,7 +171,7 @@ def _parse_lines(data: bytes) -> list[dict]:
 
 def read_metrics(job_dir: str | Path) -> list[dict]:
     """Every step record in the order written (see the module docstring for repeats)."""
-    return [r for r in read_jsonl(Path(job_dir) / METRICS_FILE) if isinstance(r.get("step"), int)]
+    return [r for r in read_jsonl(Path(job_dir) / METRICS_FILE) if has_step(r)]
 
 
 def latest_per_step(metrics: list[dict]) -> list[dict]:
@@ -168,7 +182,7 @@ def latest_per_step(metrics: list[dict]) -> list[dict]:
 
 def read_checkpoints(job_dir: str | Path) -> list[dict]:
     """Every checkpoint record in the order written, including ones pruned since."""
-    return [r for r in read_jsonl(Path(job_dir) / CHECKPOINTS_FILE) if isinstance(r.get("step"), int)]
+    return [r for r in read_jsonl(Path(job_dir) / CHECKPOINTS_FILE) if has_step(r)]
 
 
 def latest_checkpoint_step(job_dir: str | Path) -> int | None:
@@ -184,18 +198,13 @@ def latest_checkpoint_step(job_dir: str | Path) -> int | None:
 
 def read_stops(job_dir: str | Path) -> list[dict]:
     """Every stop record in the order written (objects with an integer "attempt")."""
-    return [r for r in read_jsonl(Path(job_dir) / STOPS_FILE) if _is_stop(r)]
+    return [r for r in read_jsonl(Path(job_dir) / STOPS_FILE) if is_stop(r)]
 
 
 def stop_of_attempt(job_dir: str | Path, attempt: int) -> dict | None:
     """The newest stop record of this attempt, or None when it saw no stop."""
     found = [record for record in read_stops(job_dir) if record["attempt"] == attempt]
     return found[-1] if found else None
-
-
-def _is_stop(record: dict) -> bool:
-    attempt = record.get("attempt")
-    return isinstance(attempt, int) and not isinstance(attempt, bool)
 
 
 class LogRecords(NamedTuple):
@@ -218,7 +227,7 @@ def parse_log_records(text: str) -> LogRecords:
             continue
         if not isinstance(record, dict):
             continue
-        if _is_stop(record) if tag == STOPPED_TAG else isinstance(record.get("step"), int):
+        if is_stop(record) if tag == STOPPED_TAG else has_step(record):
             kinds[tag].append(record)
     return found
 
