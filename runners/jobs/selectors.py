@@ -1,7 +1,7 @@
 """Reads of jobs: a user sees those of the tenants they belong to (staff all); anyone else's is NotFound.
 
-Logs and metrics are bounded reads: the page and its live fragment answer the same few hundred points
-at step 10 and at step 10,000,000 (the metrics query walks an index to choose them, and reads only those).
+Logs and metrics are bounded reads: the page and its live fragment cost the same at step 10 and at
+step 10,000,000.
 """
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -84,7 +84,8 @@ def without_progress_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith(PROGRESS_PREFIXES)]
 
 
-# The loss chart and the metrics API never need more points than this, however many steps were recorded.
+# The loss chart and the metrics API never need more points than this: a read costs the same at
+# step 10 and at step 10,000,000.
 CHART_POINTS = 400
 MAX_SERIES_POINTS = 5000
 
@@ -102,39 +103,52 @@ def job_log_tail(job: Job, attempt: int, rank: int, *, tail: int) -> str:
         raise BackendUnavailable(f"The {backend.name} backend cannot be read now: {exc}") from None
 
 
-# The rows of a job's series: the newest attempt's per step in the range, numbered in step order;
-# the first of each of `points` equal runs of rows is kept (so the first and the last always are),
-# or every row when there are no more than `points`. Only the (job, step, attempt) index is read to
-# number them; the kept rows alone are read whole.
+# The steps of a job's series, chosen among those recorded in the range [first, last], each read
+# as the newest attempt's row. The range's first points + 1 steps are read (the (job, step,
+# attempt) index, in order, stopping there): no more than `points`, and they are the answer whole.
+# More, and the range is cut into at most points - 1 runs of `stride` steps, each giving its first
+# recorded step (one index descent a run), and the last step is added: for a line every step these
+# are the steps low, low + stride, ... and the last, as step arithmetic gives them. Every read is
+# bounded by `points`, whatever the number of rows.
 _SERIES = """
-WITH newest AS (
-    SELECT DISTINCT ON (step) step, attempt FROM {table}
+WITH probe AS (
+    SELECT DISTINCT step FROM {table}
     WHERE job_id = %(job)s AND step >= %(first)s AND step <= %(last)s
-    ORDER BY step, attempt DESC
-), numbered AS (
-    SELECT step, attempt, row_number() OVER (ORDER BY step) - 1 AS n, count(*) OVER () AS total,
-           min(step) OVER () AS low, max(step) OVER () AS high
-    FROM newest
+    ORDER BY step LIMIT %(points)s + 1
+), span AS (
+    SELECT low, high, found, (high::bigint - low + greatest(%(points)s - 1, 1)) / greatest(%(points)s - 1, 1) AS stride
+    FROM (SELECT (SELECT min(step) FROM probe) AS low, (SELECT count(*) FROM probe) AS found,
+                 (SELECT max(step) FROM {table} WHERE job_id = %(job)s AND step >= %(first)s AND step <= %(last)s)
+                 AS high) AS bounds
+), chosen AS (
+    SELECT step FROM probe WHERE (SELECT found FROM span) <= %(points)s
+    UNION
+    SELECT high FROM span
+    UNION
+    SELECT (SELECT min(step) FROM {table}
+            WHERE job_id = %(job)s AND step >= run AND step < run + span.stride AND step <= span.high)
+    FROM span CROSS JOIN LATERAL generate_series(span.low::bigint, span.high::bigint, span.stride) AS run
+    WHERE span.found > %(points)s AND %(points)s > 1
 )
-SELECT m.step, m.attempt, m.loss, m.samples_per_s, m.at, numbered.low, numbered.high
-FROM numbered JOIN {table} m ON m.job_id = %(job)s AND m.step = numbered.step AND m.attempt = numbered.attempt
-WHERE numbered.total <= %(points)s OR numbered.n = numbered.total - 1
-   OR (%(points)s > 1 AND (numbered.n = 0 OR numbered.n * (%(points)s - 1) / (numbered.total - 1)
-                                             > (numbered.n - 1) * (%(points)s - 1) / (numbered.total - 1)))
+SELECT m.step, m.attempt, m.loss, m.samples_per_s, m.at, span.low, span.high
+FROM chosen CROSS JOIN span CROSS JOIN LATERAL (
+    SELECT step, attempt, loss, samples_per_s, at FROM {table}
+    WHERE job_id = %(job)s AND step = chosen.step ORDER BY attempt DESC LIMIT 1
+) AS m
 ORDER BY m.step
 """
 
 
 def job_metric_series(job: Job, *, points: int = CHART_POINTS, first_step: int | None = None,
                       last_step: int | None = None) -> dict:
-    """The job's loss curve as recorded, at most `points` of its rows spread evenly over them.
+    """The job's loss curve as recorded: at most `points` of its recorded steps, spread evenly over the range.
 
     One record per step (the newest attempt's when a step was trained twice). The points are
-    chosen among the rows recorded, not by step arithmetic: a script's sparse lines (one a second
-    and one per checkpoint) come back all while they fit, and the shipped trainer's line a step is
-    thinned as before. One query; it walks the range's index entries to number them and reads only
-    the rows it keeps, so the answer never holds more than `points` rows. With `points` 1 it is
-    the newest step alone.
+    chosen among the steps recorded, not computed: a script's sparse lines (one a second and one
+    per checkpoint) come back all while there are no more than `points` of them, and then as the
+    first recorded in each of `points` - 1 equal runs of steps, with the last; the shipped
+    trainer's line a step gets the same steps as ever. One query, whose cost depends on `points`,
+    not on how many steps the job has run. With `points` 1 it is the newest step alone.
     """
     params = {"job": job.id, "first": 0 if first_step is None else first_step,
               "last": 2**31 - 1 if last_step is None else last_step, "points": max(1, points)}
