@@ -667,12 +667,19 @@ def _warn_unsandboxed(why: str) -> None:
 
 def _script_variables(launch: JobLaunch, job_dir: Path, environment: dict | None, resumed: int | None) -> dict:
     """What a script job's replica gets besides the trainer's variables: its hyperparameters, its job folder
-    (where the SDK writes checkpoints and progress), its time budget, and where it resumes from."""
+    (where the SDK writes checkpoints and progress), its time budget, and where it resumes from.
+
+    With more than one rank, TORCHELASTIC_USE_AGENT_STORE=True, as torchrun gives its workers: the attempt's
+    supervisor hosts the rendezvous store on MASTER_PORT (`supervise`), and torch's env:// rendezvous
+    connects every rank to it as a client, so the ranks may exit in any order. torch 2.13 puts no prefix
+    under it (a new store per attempt), so TORCHELASTIC_RESTART_COUNT is not needed."""
     env = {
         "PORTAL_HYPERPARAMETERS": launch.hyperparameters_json,
         "TRAIN_JOB_DIR": str(job_dir),
         "TRAIN_MAX_RUNTIME_S": str(launch.max_runtime_s),
     }
+    if len(launch.replicas) > 1:
+        env[supervise.AGENT_STORE_VARIABLE] = "True"
     resume = resumed if resumed is not None else launch.resume_from_step
     if resume is not None:
         env["PORTAL_RESUME_FROM_STEP"] = str(resume)

@@ -29,7 +29,17 @@ Before any replica starts, the supervisor builds the environment if it is not bu
 once per requirements.txt, under a lock, pip from the package registry, wheels only) and, for a sandboxed
 attempt, moves itself into a private network namespace that its replicas share. When either fails no
 replica starts: ``prepare.failed`` says why (pip's last lines), and the attempt ends with that reason.
-Stdlib only.
+
+The ranks' rendezvous store, as torchrun's agent hosts it: when the replicas' environment says
+TORCHELASTIC_USE_AGENT_STORE=True (the local backend sets it for a script job of more than one rank),
+the supervisor starts a store host before any replica (``rendezvous-store.log`` keeps what it says):
+a small process of the portal's Python that holds torch's TCPStore on MASTER_PORT, in the sandbox
+when the attempt has one and in the attempt's private network either way. The ranks connect to it as
+clients (torch's env:// rendezvous does so under that variable), so rank 0 may end and exit while
+another rank still tears down: without it, rank 0 hosts the store and its exit can abort the others.
+The store host ignores SIGTERM (a stopping rank may still need it) and is stopped once every replica
+has ended. When it cannot start no replica starts, and ``prepare.failed`` says why.
+Stdlib only (torch is imported by the store host alone).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import fcntl
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -63,6 +74,23 @@ REASON_CHARS = 800
 # The host's variables pip keeps: its own settings, proxies and certificates.
 PIP_VARIABLES = ("PIP_", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
                  "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE")
+# The ranks' rendezvous store: the variable that makes torch's env:// rendezvous a client of it, what the
+# store host says once it listens, how long it may take to start (it imports torch) and to stop.
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+STORE_LOG_FILE = "rendezvous-store.log"
+STORE_READY = b"listening\n"
+STORE_START_TIMEOUT_S = 120
+STORE_STOP_TIMEOUT_S = 10
+# The store host (argv: port world-size): SIGTERM ignored first, then the store, then "listening" on
+# stdout, then it holds the store until its stdin ends (the supervisor closes it, or the supervisor died).
+STORE_HOST = (
+    "import signal,sys\n"
+    "signal.signal(signal.SIGTERM,signal.SIG_IGN);signal.signal(signal.SIGINT,signal.SIG_IGN)\n"
+    "import torch.distributed as dist\n"
+    "store=dist.TCPStore('127.0.0.1',int(sys.argv[1]),int(sys.argv[2]),is_master=True,wait_for_workers=False)\n"
+    "sys.stdout.write('listening\\n');sys.stdout.flush()\n"
+    "sys.stdin.buffer.read()\n"
+)
 
 
 def log_path(attempt_dir: Path, rank: int) -> Path:
@@ -206,14 +234,91 @@ def _argv(replica: dict, launch: dict) -> list[str]:
                               process_limit=box["process_limit"])
 
 
+def _store_port(launch: dict) -> tuple[int, int] | None:
+    """The port and the world size of the rendezvous store this supervisor hosts, or None: the ranks host
+    their own (rank 0 does)."""
+    env = launch["replicas"][0]["env"] if launch["replicas"] else {}
+    if env.get(AGENT_STORE_VARIABLE) != "True":
+        return None
+    return int(env["MASTER_PORT"]), int(env["WORLD_SIZE"])
+
+
+def _start_store(attempt_dir: Path, launch: dict) -> tuple[subprocess.Popen | None, str | None]:
+    """Start the ranks' rendezvous store when they need one and wait until it listens: (its process, None),
+    (None, None) when none is needed, or (None, why it did not start)."""
+    store = _store_port(launch)
+    if store is None:
+        return None, None
+    port, world_size = store
+    argv = [sys.executable, "-I", "-c", STORE_HOST, str(port), str(world_size)]
+    box = launch.get("sandbox")
+    if box is not None:
+        argv = sandbox.bwrap_argv(sandbox.View(), argv, account=sandbox.Account(box["uid"], box["gid"]),
+                                  process_limit=box["process_limit"])
+    log = attempt_dir / STORE_LOG_FILE
+    with open(log, "ab") as errors:
+        host = subprocess.Popen(
+            argv, cwd="/", env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=errors, preexec_fn=_before_exec(None, sandboxed=box is not None),
+        )
+    said = b""
+    deadline = time.monotonic() + STORE_START_TIMEOUT_S
+    while STORE_READY not in said:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([host.stdout], [], [], left)[0]:
+            why = f"it did not listen within {STORE_START_TIMEOUT_S} s"
+            break
+        chunk = os.read(host.stdout.fileno(), 4096)
+        if not chunk:
+            why = "it ended"
+            break
+        said += chunk
+    else:
+        host.stdout.close()
+        return host, None
+    _stop_store(host)
+    output = log.read_text(errors="replace") + said.decode(errors="replace")
+    return None, f"Could not start the ranks' rendezvous store on port {port}: {why}.\n{_last_lines(output)}".strip()
+
+
+def _stop_store(host: subprocess.Popen) -> None:
+    """End the store host: its stdin closed, then SIGKILL if it is still there after STORE_STOP_TIMEOUT_S."""
+    for stream in (host.stdin, host.stdout):
+        if stream is not None and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass
+    try:
+        host.wait(timeout=STORE_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        host.kill()
+        host.wait()
+
+
 def supervise(attempt_dir: Path) -> int:
     launch = json.loads((attempt_dir / LAUNCH_FILE).read_text())
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # for the replicas; we keep waiting for them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     failure = _prepare(attempt_dir, launch)
+    store = None
+    if not failure:
+        try:
+            store, failure = _start_store(attempt_dir, launch)
+        except OSError as exc:
+            failure = f"Could not start the ranks' rendezvous store: {exc}"
     if failure:
         _write_atomically(attempt_dir / PREPARE_FAILED_FILE, failure)
         return 1
+    try:
+        return _run_replicas(attempt_dir, launch)
+    finally:
+        if store is not None:
+            _stop_store(store)
+
+
+def _run_replicas(attempt_dir: Path, launch: dict) -> int:
+    """Start every replica, write each one's exit code as it ends, and return once all have ended."""
     children: dict[int, subprocess.Popen] = {}
     for replica in launch["replicas"]:
         rank = replica["rank"]

@@ -291,6 +291,69 @@ def test_two_ranks_train_with_gloo_inside_the_sandbox(tmp_path):
         assert len(result["losses"]) == 5
 
 
+# Rank 0 leaves at once after its destroy; rank 1 waits, then still reaches the rendezvous store (only a
+# store that outlives rank 0 answers), then destroys its own group.
+EARLY_EXIT = r'''
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+if rank == 0:
+    dist.destroy_process_group()
+    sys.exit(0)
+time.sleep(2)
+store = distributed_c10d._get_default_store()
+store.set("after-rank-0", "still here")
+found = store.get("after-rank-0").decode()
+dist.destroy_process_group()
+with open(os.path.join(os.environ["TRAIN_JOB_DIR"], "rank-1.json"), "w") as stream:
+    json.dump({"sum": total.item(), "store": found}, stream)
+'''
+
+
+def test_rank_0_may_exit_first_the_supervisor_hosts_the_store(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"early.py": EARLY_EXIT})
+    launch = script_launch(25, ref, ("python", "early.py"), ranks=2, memory_mib=3072)
+    backend.launch_job(launch)
+    record = json.loads((backend.jobs.attempt_dir(25, 1) / supervise.LAUNCH_FILE).read_text())
+    assert [replica["env"][supervise.AGENT_STORE_VARIABLE] for replica in record["replicas"]] == ["True", "True"]
+    status = ended(backend, launch)
+    assert status.phase == "exited" and status.exit_codes == {0: 0, 1: 0}, logs(backend, launch)
+    result = json.loads((backend.jobs.job_dir(25) / "rank-1.json").read_text())
+    assert result == {"sum": 3.0, "store": "still here"}
+
+
+def test_a_single_rank_hosts_its_own_store(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    ref = stored_bundle(tmp_path, {"one.py": "import torch.distributed as dist\n"
+                                              "dist.init_process_group('gloo')\ndist.destroy_process_group()\n"})
+    launch = script_launch(26, ref, ("python", "one.py"))
+    backend.launch_job(launch)
+    record = json.loads((backend.jobs.attempt_dir(26, 1) / supervise.LAUNCH_FILE).read_text())
+    assert supervise.AGENT_STORE_VARIABLE not in record["replicas"][0]["env"]
+    status = ended(backend, launch)
+    assert status.phase == "exited" and status.exit_codes == {0: 0}, logs(backend, launch)
+    assert not (backend.jobs.attempt_dir(26, 1) / supervise.STORE_LOG_FILE).exists()
+
+
+def test_the_sdks_ddp_example_runs_two_ranks_in_the_sandbox(tmp_path):
+    backend = make_backend(tmp_path, "on")
+    example = REPO_ROOT / "sdk" / "examples" / "ddp" / "train.py"
+    ref = stored_bundle(tmp_path, {"train.py": example.read_text()})
+    launch = script_launch(27, ref, ("python", "train.py"), ranks=2, memory_mib=3072,
+                           hyperparameters={"steps": 20, "checkpoint_every": 10})
+    backend.launch_job(launch)
+    status = ended(backend, launch)
+    assert status.phase == "exited" and status.exit_codes == {0: 0, 1: 0}, logs(backend, launch)
+    assert progress.latest_checkpoint_step(backend.jobs.job_dir(27)) == 20
+
+
 def test_a_stop_reaches_the_script_inside_the_sandbox(tmp_path):
     backend = make_backend(tmp_path, "on")
     script = (
