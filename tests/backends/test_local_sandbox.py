@@ -487,6 +487,7 @@ def test_a_replica_runs_its_command_in_its_bundle_with_the_launchers_variables(t
     assert env["PORTAL_RESUME_FROM_STEP"] == "40", "no checkpoint in the folder: the portal's own record"
     assert env["WORLD_SIZE"] == "2" and env["RANK"] in ("0", "1") and env["MASTER_ADDR"] == "127.0.0.1"
     assert env["PORTAL_JOB"] == "18" and env["REPO_PROBE"]
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True", "the supervisor hosts the rendezvous store"
     assert seen["wrote_job_dir"] and seen["wrote_home"] and seen["wrote_tmp"]
     if mode == "on":
         assert seen["uid"] == sandbox.account().uid
