@@ -162,10 +162,15 @@ def may_raise_limits() -> bool:
     return False
 
 
-def make_backend(tmp_path, mode: str) -> LocalBackend:
+def make_backend(tmp_path, mode: str, *, process_limit: int | None = None) -> LocalBackend:
+    """A local backend in `mode`; the sandbox account's process limit is the backend's own unless given.
+
+    RLIMIT_NPROC counts every process and thread of the one sandbox account, so a low limit given to one
+    test would also starve the torch threads of another test's job running at the same time."""
     backend = LocalBackend(workspace_dir=tmp_path / "workspaces", use_nvml=False, jobs_dir=tmp_path / "jobs",
                            sandbox=mode)
-    backend.jobs.sandbox_process_limit = PROCESS_LIMIT
+    if process_limit is not None:
+        backend.jobs.sandbox_process_limit = process_limit
     return backend
 
 
@@ -236,7 +241,7 @@ def planted():
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_each_escape_works_without_the_sandbox_and_fails_in_it(tmp_path, mode, postgres, listener, planted):
     token, paths = planted
-    backend = make_backend(tmp_path, mode)
+    backend = make_backend(tmp_path, mode, process_limit=PROCESS_LIMIT)
     other = backend.jobs.job_dir(99)  # another tenant's job
     other.mkdir(parents=True)
     (other / "secret.txt").write_text("globex's weights")
