@@ -296,29 +296,8 @@ def test_two_ranks_train_with_gloo_inside_the_sandbox(tmp_path):
         assert len(result["losses"]) == 5
 
 
-# Rank 0 leaves at once after its destroy; rank 1 waits, then still reaches the rendezvous store (only a
-# store that outlives rank 0 answers), then destroys its own group.
-EARLY_EXIT = r'''
-import json, os, sys, time
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-total = torch.tensor([float(rank + 1)])
-dist.all_reduce(total)
-if rank == 0:
-    dist.destroy_process_group()
-    sys.exit(0)
-time.sleep(2)
-store = distributed_c10d._get_default_store()
-store.set("after-rank-0", "still here")
-found = store.get("after-rank-0").decode()
-dist.destroy_process_group()
-with open(os.path.join(os.environ["TRAIN_JOB_DIR"], "rank-1.json"), "w") as stream:
-    json.dump({"sum": total.item(), "store": found}, stream)
-'''
+# Rank 0 leaves at once after its destroy; rank 1 waits, still reaches the store, then destroys its group.
+EARLY_EXIT = (Path(__file__).parents[1] / "workloads" / "scripts" / "early_exit.py").read_text()
 
 
 def test_rank_0_may_exit_first_the_supervisor_hosts_the_store(tmp_path):

@@ -20,29 +20,8 @@ from tests.support.races import wait_until
 
 pytestmark = pytest.mark.e2e
 
-# Rank 0 leaves at once after its destroy; rank 1 waits, still reaches the store (only a store that
-# outlives rank 0 answers), then destroys its own group.
-EARLY_EXIT = r'''
-import json, os, sys, time
-import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-total = torch.tensor([float(rank + 1)])
-dist.all_reduce(total)
-if rank == 0:
-    dist.destroy_process_group()
-    sys.exit(0)
-time.sleep(2)
-store = distributed_c10d._get_default_store()
-store.set("after-rank-0", "still here")
-found = store.get("after-rank-0").decode()
-dist.destroy_process_group()
-with open(os.path.join(os.environ["OUT_DIR"], "rank-1.json"), "w") as stream:
-    json.dump({"sum": total.item(), "store": found}, stream)
-'''
+# Rank 0 leaves at once after its destroy; rank 1 waits, still reaches the store, then destroys its group.
+EARLY_EXIT = (Path(__file__).parent / "scripts" / "early_exit.py").read_text()
 
 STARTED = r'''
 import os
