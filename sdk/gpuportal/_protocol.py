@@ -161,13 +161,16 @@ def append_jsonl(path: Path, record: dict, *, durable: bool = False) -> None:
         write_jsonl(handle, record, durable=durable)
 
 
-def fsync_dir(folder: Path) -> None:
-    """Makes a rename into `folder` survive a power cut, not just the file's bytes."""
-    fd = os.open(folder, os.O_RDONLY)
+def fsync_file(path: Path) -> None:
+    """Fsync a file, or a folder (which makes a rename into it survive a power cut, not just the file's bytes)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_file
 
 
 def temp_name(final: Path) -> Path:
@@ -191,14 +194,6 @@ def write_atomically(final: Path, write: Callable[[IO[bytes]], object]) -> None:
         temp.unlink(missing_ok=True)
         raise
     fsync_dir(final.parent)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(root: Path) -> int:

@@ -266,6 +266,11 @@ def list_jobs(
     out.print(table)
 
 
+def _state(job: dict) -> str:
+    """A job's state and, when it has one, why."""
+    return job["state"] + (f": {job['reason']}" if job.get("reason") else "")
+
+
 @app.command()
 @handled
 def status(job_id: JobArgument, as_json: JsonFlag = False) -> None:
@@ -277,7 +282,7 @@ def status(job_id: JobArgument, as_json: JsonFlag = False) -> None:
         return
     lines = [
         f"job {job['id']} {job['name']} ({job['tenant']}, environment {job['environment']})",
-        f"state       {job['state']}" + (f": {job['reason']}" if job.get("reason") else ""),
+        f"state       {_state(job)}",
         f"flavor      {job['flavor']}, {job['replicas']} replica(s) x {job['gpus_per_replica']} GPU(s)",
     ]
     if job.get("queue_position") is not None:
@@ -306,8 +311,7 @@ def follow_job(client: Client, job_id: int, *, rank: int = 0, progress_lines: bo
             job = client.job(job_id)
             if job["state"] != seen_state:
                 seen_state = job["state"]
-                reason = f": {job['reason']}" if job.get("reason") else ""
-                err.print(f"job {job_id} {seen_state}{reason}")
+                err.print(f"job {job_id} {_state(job)}")
             if any(attempt.get("started_at") for attempt in job.get("attempts") or []):
                 for line in follower.poll():
                     typer.echo(line, err=log_to_stderr)
@@ -359,7 +363,7 @@ def cancel(job_id: JobArgument, as_json: JsonFlag = False) -> None:
     if as_json:
         print_json(job)
         return
-    err.print(f"job {job_id} {job['state']}" + (f": {job['reason']}" if job.get("reason") else ""))
+    err.print(f"job {job_id} {_state(job)}")
 
 
 @app.command()
