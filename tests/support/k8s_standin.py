@@ -125,7 +125,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -280,6 +280,7 @@ class KubernetesStandIn:
         watch_window_s: float | None = 75.0, portal_rbac: Iterable[dict] | None = None,
         portal_user: str = "system:serviceaccount:gpu-portal:gpu-portal", controller_delay_s: float = 0.05,
         controller_period_s: float | None = 0.02, failed_create_backoff_s: float = 0.1,
+        history_clock: Callable[[], float] = time.monotonic,
     ):
         # Serve HTTPS with a certificate from a CA made at start (`ca_pem`): kubectl sends a bearer
         # token only over TLS, so tests that run the real kubectl with a member's token need it.
@@ -337,9 +338,11 @@ class KubernetesStandIn:
         # How long a watch stays open waiting for events: None for its timeoutSeconds, as a real server
         # holds it; 0 answers the events so far at once. The watch cache's history: events older than
         # `watch_window_s` are forgotten (a watch from before them is 410), as the API server's cache
-        # keeps about 75 s of them.
+        # keeps about 75 s of them. `history_clock` dates those events: a test that must know which side
+        # of the window an event falls on passes a clock it moves itself.
         self.watch_hold_s = watch_hold_s
         self.watch_window_s = watch_window_s
+        self._history_clock = history_clock
         # The portal's own rights: with RBAC objects (deploy/'s ClusterRole, Roles and their bindings), a
         # request with one of `admin_tokens` is `portal_user` and may do only what those bind to it.
         self.portal_user = portal_user
@@ -696,7 +699,7 @@ class KubernetesStandIn:
         """The watch cache keeps `watch_window_s` of history; older resourceVersions answer 410."""
         if self.watch_window_s is None:
             return
-        horizon = time.monotonic() - self.watch_window_s
+        horizon = self._history_clock() - self.watch_window_s
         keep = next((i for i, event in enumerate(self._state.events) if event[4] >= horizon), len(self._state.events))
         if keep:
             self._state.oldest_watchable_rv = max(self._state.oldest_watchable_rv, self._state.events[keep - 1][0])
@@ -876,7 +879,7 @@ class KubernetesStandIn:
             self._created_at.pop(obj["metadata"].get("uid"), None)
             self._create_retry.pop(obj["metadata"].get("uid"), None)
         self._state.events.append((int(obj["metadata"]["resourceVersion"]), kind, resource.plural, copy.deepcopy(obj),
-                                   time.monotonic()))
+                                   self._history_clock()))
         self._changed.notify_all()
 
     def _create(self, resource, namespace, obj, *, manager, admit: bool = True, operation: str = "Update",
