@@ -51,11 +51,14 @@ INSTALLED_APPS = [
     "quotas",
     "runners",  # the migration history from before the apps below were split out of it
     "runners.bundles",
+    "runners.datasets",
     "runners.clusters",
     "runners.environments",
     "runners.jobs",
     "runners.scheduling",
+    "runners.registry",
     "runners.inference",
+    "runners.nodecache",
     "runners.usage",
     "runners.notifications",
     "audit",
@@ -369,6 +372,16 @@ except ValueError as exc:
     raise ImproperlyConfigured(f"BUNDLE_STORAGE_OPTIONS is not JSON: {exc}") from None
 if not isinstance(BUNDLE_STORAGE_OPTIONS, dict):
     raise ImproperlyConfigured('BUNDLE_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+# The storage layer's blob store (runners.storage.blobs): dataset shards, checkpoint chunks and model
+# weights, each stored once by content hash, under an fsspec URL (a folder, or s3://bucket/prefix in
+# production) with its fsspec options as JSON.
+DATA_STORAGE_URL = env_str("DATA_STORAGE_URL", f"file://{VAR_DIR / 'store'}")
+try:
+    DATA_STORAGE_OPTIONS = json.loads(env_str("DATA_STORAGE_OPTIONS", "{}"))
+except ValueError as exc:
+    raise ImproperlyConfigured(f"DATA_STORAGE_OPTIONS is not JSON: {exc}") from None
+if not isinstance(DATA_STORAGE_OPTIONS, dict):
+    raise ImproperlyConfigured('DATA_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.unit
 
-PURE_PACKAGES = ["runners/scheduler", "runners/backends", "runners/nvidia", "runners/workloads"]
+PURE_PACKAGES = ["runners/scheduler", "runners/backends", "runners/nvidia", "runners/workloads", "runners/storage"]
 PORTAL_APPS = {"common", "portal", "tenants", "quotas", "runners", "audit", "frontend"}
 PURE_MODULE_PREFIXES = tuple(path.replace("/", ".") for path in PURE_PACKAGES)
 
@@ -83,13 +83,15 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
 # gangs and replicas), the metering of all of it (utilization, usage and cost), which listens to the
 # others' signals, and the notifications (mail and webhooks), which listen to them too.
 LAYERS = [
-    "common", "tenants", "audit", "quotas", "runners.bundles",
-    "runners.clusters", "runners.environments", "runners.jobs", "runners.inference", "runners.scheduling",
+    "common", "tenants", "audit", "quotas", "runners.bundles", "runners.datasets",
+    "runners.clusters", "runners.environments", "runners.jobs", "runners.registry", "runners.inference",
+    "runners.nodecache", "runners.scheduling",
     "runners.usage", "runners.notifications", "frontend", "portal",
 ]
 # runners itself holds only the migration history from before the split (and its pure libraries).
 PROJECT_PACKAGES = ["common", "portal", "tenants", "audit", "quotas", "runners", "frontend"]
 MODEL_APP_LABELS = {"tenants": "tenants", "audit": "audit", "quotas": "quotas", "bundles": "runners.bundles",
+                    "datasets": "runners.datasets", "registry": "runners.registry", "nodecache": "runners.nodecache",
                     "clusters": "runners.clusters",
                     "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
                     "inference": "runners.inference", "usage": "runners.usage",
