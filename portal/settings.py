@@ -283,6 +283,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     "unacked_restore_interval": env_int("CELERY_UNACKED_RESTORE_INTERVAL_S", 10, minimum=1),
     "unacked_restore_throttle": 1,
 }
+# A restore runs under a Redis lock that expires by itself; a worker killed while holding it (the restore
+# takes milliseconds, but it runs every interval) would stop every worker's restores until then, kombu's
+# default being 5 minutes. Five restore intervals let the others go on soon after.
+CELERY_BROKER_TRANSPORT_OPTIONS["unacked_mutex_expire"] = 5 * CELERY_BROKER_TRANSPORT_OPTIONS["unacked_restore_interval"]
 # One queue name per deployment (tests use a fresh one per run, so runs never see each other's messages).
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "portal")
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", False)
