@@ -19,7 +19,7 @@ TEST_WORKERS ?= 3
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The fast tiers wait on nothing, so one process a core.
 FAST_TEST_WORKERS ?= 2
-# The loop fuzzes every API operation with fewer examples than `make test`'s 50.
+# The loop fuzzes every API operation with fewer examples than `make test`'s 25.
 FAST_SCHEMATHESIS_EXAMPLES ?= 10
 
 .PHONY: run test test-fast test-durations install check-deploy deploy-render clean

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.integration
 SEED = int(os.environ.get("SCHEMATHESIS_SEED", "20260101"))
 # The short form `make test` runs; the long form is the same test with more examples and another seed:
 #   SCHEMATHESIS_MAX_EXAMPLES=500 SCHEMATHESIS_SEED=7 make test PYTEST_ARGS=tests/portal/test_schemathesis.py
-MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "50"))
+MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "25"))
 TOKEN_REVOKE = "DELETE /api/v1/auth/token/"
 
 CONFIG = schemathesis.Config.from_dict(
