@@ -179,6 +179,15 @@ class TrainerSettings:
 
 
 @dataclass(frozen=True)
+class ShardRef:
+    """One blob of the portal's content-addressed store (runners.storage.blobs): its sha256 and size. A dataset's
+    shard (kind "shards") or a model version's weights (kind "models"); whoever reads it checks the hash."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """What an inference replica runs: the shipped server (runners.workloads.serve) over one checkpoint.
 
@@ -196,6 +205,14 @@ class ServingSettings:
     default_deadline_ms: float = 10_000.0
     max_deadline_ms: float = 25_000.0
     image: str | None = None  # a custom image (Kubernetes only); None runs the shipped server
+    # The model version's weights (a blob of kind "models"): served from the node cache's copy where the node
+    # has one, else fetched from the store; None for an endpoint deployed before the registry (``checkpoint``).
+    weights: ShardRef | None = None
+
+    def __post_init__(self) -> None:
+        # The replica job's spec is JSON: its weights arrive as {"sha256": ..., "bytes": ...}.
+        if isinstance(self.weights, dict):
+            object.__setattr__(self, "weights", ShardRef(**self.weights))
 
     def flags(self) -> list[str]:
         return [
