@@ -11,6 +11,7 @@ from portal.api import router
 from runners.bundles.api import router as bundles_router
 from runners.bundles.fetch_view import bundle_fetch
 from runners.inference.router import GenerateView
+from runners.registry.api import router as registry_router
 from runners.usage.api import (
     BudgetAlertView,
     BudgetView,
@@ -48,6 +49,7 @@ urlpatterns = [
     path("api/v1/cloud-prices/", CloudPriceView.as_view(), name="cloud-prices"),
     path("api/v1/", include(audit_router.urls)),
     path("api/v1/", include(bundles_router.urls)),
+    path("api/v1/", include(registry_router.urls)),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).
