@@ -181,10 +181,13 @@ class TrainerSettings:
 @dataclass(frozen=True)
 class ShardRef:
     """One blob of the portal's content-addressed store (runners.storage.blobs): its sha256 and size. A dataset's
-    shard (kind "shards") or a model version's weights (kind "models"); whoever reads it checks the hash."""
+    shard (kind "shards") or a model version's weights (kind "models"); whoever reads it checks the hash.
+    ``fetch_url``: a short-lived signed portal URL it can be read from where the node's cache cannot be (a pod
+    without the cache); empty where none was signed."""
 
     sha256: str
     bytes: int
+    fetch_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,15 @@ class BundleRef:
 
 
 @dataclass(frozen=True)
+class DatasetMount:
+    """One dataset version a job reads (its spec names it; the version is pinned at submit), shard by shard."""
+
+    name: str
+    version: int
+    shards: tuple[ShardRef, ...] = ()
+
+
+@dataclass(frozen=True)
 class JobLaunch:
     """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
 
@@ -269,6 +281,8 @@ class JobLaunch:
     # For a "script" job: its code, and the hyperparameters of its spec (JSON) that gpuportal.init() hands it.
     bundle: BundleRef | None = None
     hyperparameters_json: str = "{}"
+    # The dataset versions the spec names, as the node's cache fills them and the script reads them.
+    datasets: tuple[DatasetMount, ...] = ()
 
     @property
     def workload(self) -> str:
