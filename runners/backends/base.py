@@ -248,6 +248,16 @@ class DatasetMount:
 
 
 @dataclass(frozen=True)
+class NodeCacheSpec:
+    """One node's cache (runners.storage.nodecache) as its pool sets it: where it lies on the node ("" for the
+    backend's default) and the most it may hold (0 for the backend's default)."""
+
+    node: str
+    path: str = ""
+    capacity_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class JobLaunch:
     """One attempt of a job, as the portal built it: nothing in here comes from a tenant unchecked."""
 
@@ -281,6 +291,8 @@ class JobLaunch:
     # For a "script" job: its code, and the hyperparameters of its spec (JSON) that gpuportal.init() hands it.
     bundle: BundleRef | None = None
     hyperparameters_json: str = "{}"
+    # The caches of the nodes the replicas were placed on, where their pools set a path or a size.
+    node_caches: tuple[NodeCacheSpec, ...] = ()
     # The dataset versions the spec names, as the node's cache fills them and the script reads them.
     datasets: tuple[DatasetMount, ...] = ()
 

@@ -14,6 +14,10 @@ class NodePool(models.Model):
     partition_profile = models.ForeignKey(
         "clusters.PartitionProfile", null=True, blank=True, on_delete=models.SET_NULL, related_name="node_pools"
     )
+    # Each node's cache of dataset shards and model weights (runners.storage.nodecache): where it lies on
+    # the node and how many bytes it may hold; blank and 0 take the backend's defaults (NODE_CACHE_*).
+    cache_path = models.CharField(max_length=255, blank=True)
+    cache_bytes = models.PositiveBigIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -11,6 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, QuerySet
 
 from common.errors import NotFound
+from runners.backends.base import NodeCacheSpec
 from runners.clusters.models import Gpu, Node, NodePool, PartitionChange, PartitionProfile
 from runners.nvidia import gpu_operator
 
@@ -122,3 +123,15 @@ def partition_profile_configs(profile: PartitionProfile) -> dict:
 
 def partition_profile_list() -> QuerySet[PartitionProfile]:
     return PartitionProfile.objects.prefetch_related("node_pools").order_by("gpu_model", "name")
+
+
+def node_cache_specs(node_names) -> tuple[NodeCacheSpec, ...]:
+    """The caches of these nodes as their pools set them, for the launch the portal builds (no user's read:
+    nothing of it reaches a tenant but its own attempt's cache). A pool that sets neither path nor size is
+    left out: the backend's defaults hold there."""
+    rows = Node.objects.filter(name__in=set(node_names), pool__isnull=False).values_list(
+        "name", "pool__cache_path", "pool__cache_bytes")
+    return tuple(
+        NodeCacheSpec(node=name, path=path, capacity_bytes=size)
+        for name, path, size in sorted(rows) if path or size
+    )

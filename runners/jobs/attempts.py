@@ -52,6 +52,7 @@ from runners.backends.base import (
 from runners.bundles import services as bundles
 from runners.bundles.fetch_view import signed_fetch_url
 from runners.clusters.registry import get_backend
+from runners.clusters.selectors import node_cache_specs
 from runners.jobs import signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
@@ -170,6 +171,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
         bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
+        node_caches=node_cache_specs(replica["node"] for replica in attempt.placement),
     )
 
 
