@@ -20,7 +20,10 @@ def _bounded(field: str, help_text: str = "") -> serializers.IntegerField:
 
 
 class SourceSerializer(serializers.Serializer):
-    job = serializers.IntegerField(required=False, help_text="One of the tenant's training jobs: its checkpoint.")
+    model = serializers.CharField(required=False, help_text="One of the tenant's models (the model registry).")
+    version = serializers.IntegerField(required=False, help_text="Which version of the model; its newest unless given.")
+    job = serializers.IntegerField(required=False, help_text="One of the tenant's training jobs: its checkpoint, "
+                                                             "promoted to a version of the model named as the endpoint.")
     step = serializers.IntegerField(required=False, help_text="Which checkpoint of the job; its newest unless given.")
     image = serializers.CharField(required=False, help_text="A custom image from the allow-list (Kubernetes only).")
 
@@ -53,6 +56,15 @@ class RolloutSerializer(serializers.Serializer):
     source = SourceSerializer()
 
 
+class ServedVersionSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    version = serializers.IntegerField()
+
+
+def _served(version) -> dict | None:
+    return {"name": version.name, "version": version.version} if version is not None else None
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     job = serializers.IntegerField(source="job_id")
     state = serializers.CharField(source="job.state")
@@ -64,11 +76,16 @@ class ReplicaSerializer(serializers.ModelSerializer):
     preemptible = serializers.BooleanField(source="job.preemptible")
     node = serializers.SerializerMethodField()
     gpus = serializers.SerializerMethodField()
+    model = serializers.SerializerMethodField(help_text="The model version this replica serves.")
 
     class Meta:
         model = Replica
         fields = ["id", "slot", "generation", "job", "state", "reason", "projected_start", "stop_deadline",
-                  "preemptible", "ready", "retiring", "node", "gpus"]
+                  "preemptible", "ready", "retiring", "node", "gpus", "model"]
+
+    @extend_schema_field(ServedVersionSerializer(allow_null=True))
+    def get_model(self, replica) -> dict | None:
+        return _served(replica.model_version)
 
     def _placement(self, replica) -> dict:
         attempt = self.context.get("attempts", {}).get(replica.job_id)
@@ -91,6 +108,7 @@ class EndpointSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     flavor = serializers.SlugRelatedField(slug_field="name", read_only=True)
     source = serializers.SerializerMethodField()
+    model = serializers.SerializerMethodField(help_text="The model version it serves now (null for an image).")
     replicas = serializers.SerializerMethodField()
     scale_events = serializers.SerializerMethodField()
     url = serializers.SerializerMethodField()
@@ -98,7 +116,7 @@ class EndpointSerializer(serializers.ModelSerializer):
     class Meta:
         model = InferenceEndpoint
         fields = [
-            "id", "tenant", "environment", "name", "source", "flavor", "gpus_per_replica", "min_replicas",
+            "id", "tenant", "environment", "name", "source", "model", "flavor", "gpus_per_replica", "min_replicas",
             "max_replicas", "warm_replicas", "desired_replicas", "generation", "state", "reason", "url", "replicas",
             "scale_events", "created_at", "spec",
         ]
@@ -107,6 +125,10 @@ class EndpointSerializer(serializers.ModelSerializer):
         source = dict(endpoint.spec["source"])
         source.pop("uri", None)
         return source
+
+    @extend_schema_field(ServedVersionSerializer(allow_null=True))
+    def get_model(self, endpoint) -> dict | None:
+        return _served(endpoint.model_version)
 
     @extend_schema_field(ReplicaSerializer(many=True))
     def get_replicas(self, endpoint) -> list:
@@ -136,8 +158,8 @@ class EndpointViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveM
 
     Clients generate with ``POST {url}/v1/generate`` and a tenant member's API token."""
 
-    queryset = InferenceEndpoint.objects.select_related("tenant", "flavor").prefetch_related(
-        "replicas__job", "scale_events")
+    queryset = InferenceEndpoint.objects.select_related("tenant", "flavor", "model_version").prefetch_related(
+        "replicas__job", "replicas__model_version", "scale_events")
     serializer_class = EndpointSerializer
     lookup_value_regex = r"[0-9]{1,18}"
 

@@ -36,7 +36,11 @@ class InferenceEndpoint(models.Model):
     spec = models.JSONField()
     # Where the checkpoint being served lies (its record's uri) and its step; a rollout changes both
     # and bumps the generation, and replicas of an older generation are replaced one at a time.
-    source_job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    # The model version it serves (its weights are the version's own copy in the store), null for an image or a
+    # checkpoint the portal cannot copy (Kubernetes). The job and step it came from are kept while the job exists.
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="endpoints")
+    source_job = models.ForeignKey(Job, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     checkpoint_uri = models.CharField(max_length=1000, blank=True)
     checkpoint_step = models.PositiveIntegerField(null=True, blank=True)
     generation = models.PositiveIntegerField(default=1)
@@ -77,6 +81,9 @@ class Replica(models.Model):
     job = models.OneToOneField(Job, on_delete=models.CASCADE, related_name="serving_replica")
     slot = models.PositiveSmallIntegerField()
     generation = models.PositiveIntegerField()
+    # The model version this replica serves (its endpoint's when it started): a rollout moves between versions.
+    model_version = models.ForeignKey("registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="replicas")
     # Where its server answers, and whether /readyz said so at the reconcile's last look.
     address = models.CharField(max_length=200, blank=True)
     ready = models.BooleanField(default=False)

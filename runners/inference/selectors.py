@@ -10,7 +10,7 @@ from tenants.selectors import tenant_list
 
 def endpoint_list(*, user: AbstractBaseUser, tenant=None) -> QuerySet[InferenceEndpoint]:
     queryset = InferenceEndpoint.objects.filter(tenant__in=tenant_list(user=user)).select_related(
-        "tenant", "flavor", "environment", "source_job")
+        "tenant", "flavor", "environment", "source_job", "model_version")
     return queryset.filter(tenant=tenant) if tenant is not None else queryset
 
 

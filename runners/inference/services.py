@@ -30,6 +30,10 @@ from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs import services as jobs
 from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobState
+from runners.registry import selectors as registry_selectors
+from runners.registry import services as registry
+from runners.registry.models import ModelVersion, WeightsFormat
+from runners.storage.blobs import BlobMissing, HashMismatch
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
 from tenants.services import require_role
@@ -49,7 +53,7 @@ BOUNDS = {
 }
 REQUIRED = ("tenant", "environment", "name", "source", "flavor")
 FIELDS = (*REQUIRED, *BOUNDS)
-SOURCE_FIELDS = ("job", "step", "image")
+SOURCE_FIELDS = ("job", "step", "model", "version", "image")
 # What every replica asks for besides its GPUs: the portal's choice (the server needs no more).
 REPLICA_CPU_MILLI = 1000
 REPLICA_MEMORY_MIB = max(TRAINER_MIN_MEMORY_MIB, 2048)
@@ -72,12 +76,25 @@ def _whole(data: dict, field: str, low: int, high: int) -> int:
 
 
 def _source(value, tenant: Tenant) -> dict:
-    """{"job": id[, "step": n]}: a checkpoint of one of the tenant's training jobs; or {"image": ...} (Kubernetes)."""
+    """{"model": name[, "version": n]}: a version of one of the tenant's models (its newest unless given);
+    {"job": id[, "step": n]}: a checkpoint of one of the tenant's training jobs, promoted to a version at deploy;
+    or {"image": ...} (Kubernetes). A model or version that does not exist is NotFound naming the field."""
     if not isinstance(value, dict) or not value:
-        raise Invalid("source", 'Give {"job": <id>} (optionally with "step") or {"image": "<reference>"}.')
+        raise Invalid("source", 'Give {"model": "<name>"} (optionally with "version"), {"job": <id>} (optionally '
+                                'with "step") or {"image": "<reference>"}.')
     unknown = sorted(set(value) - set(SOURCE_FIELDS))
     if unknown:
         raise Invalid(f"source.{unknown[0]}", "Unknown field.")
+    if "model" in value or "version" in value:
+        if set(value) & {"job", "step", "image"}:
+            raise Invalid("source", "A model source takes no job, step or image.")
+        if "model" not in value:
+            raise Invalid("source.model", "The model whose version to serve.")
+        version = registry_selectors.tenant_version_get(
+            tenant=tenant, name=value["model"], version=value.get("version"), field="source.model",
+            version_field="source.version")
+        _version_servable(version)
+        return {"model": version.name, "version": version.version}
     if "image" in value:
         if len(value) > 1:
             raise Invalid("source", "An image source takes no job or step.")
@@ -110,6 +127,44 @@ def _source(value, tenant: Tenant) -> dict:
     return {"job": job.id, "step": checkpoint.step, "uri": checkpoint.uri}
 
 
+def _version_servable(version: ModelVersion) -> None:
+    """Invalid naming ``source`` unless the shipped server loads this version's weights."""
+    what = f"Model {version.name} version {version.version}"
+    if version.template not in SERVABLE_TEMPLATES or version.weights_format != WeightsFormat.FILE:
+        raise Invalid("source", f"{what} was promoted from a {version.template} job's "
+                                f"{'folder ' if version.weights_format != WeightsFormat.FILE else ''}checkpoint, "
+                                f"which the shipped server does not load. {SERVER_LOADS}")
+    if version.template != "script":
+        return
+    if version.weights_bytes > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
+        raise Invalid("source", f"{what} is bigger than the shipped model's checkpoint ever is "
+                                f"({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} bytes at most). {SERVER_LOADS}")
+    try:
+        data = registry.weights_store().read(version.weights_sha256)
+    except (BlobMissing, HashMismatch) as exc:
+        raise Invalid("source", f"{what}'s weights cannot be read from the model store ({exc}).") from None
+    _script_bytes_load(what, data, shown_as=f"{version.name}-v{version.version}")
+
+
+def served_version(*, actor: AbstractBaseUser, tenant: Tenant, source: dict, model_name: str) -> ModelVersion | None:
+    """The model version an endpoint with this checked source serves: the one named, or the job's checkpoint promoted
+    to a version of ``model_name`` (the endpoint's name). None for an image, and for a checkpoint the portal cannot
+    copy (Kubernetes keeps it on the cluster's claim): the replicas then read it from the source job's volume."""
+    if "model" in source:
+        return registry_selectors.tenant_version_get(tenant=tenant, name=source["model"], version=source["version"],
+                                                     field="source.model", version_field="source.version")
+    if "job" not in source:
+        return None
+    job = Job.objects.select_related("environment", "bundle", "tenant").get(id=source["job"])
+    try:
+        version, _ = registry.promote_checkpoint(actor=actor, job=job, step=source["step"], name=model_name)
+    except registry.NotCopyable:
+        return None
+    except Invalid as exc:
+        raise Invalid("source.step", "; ".join(exc.messages)) from None
+    return version
+
+
 SERVABLE_TEMPLATES = ("pytorch-ddp", "script")
 # A script job's checkpoint is served once the shipped server's own loader has loaded it here. The shipped
 # model's checkpoints are well under a MiB (model, optimizer and all), so a bigger file is refused unread.
@@ -139,17 +194,24 @@ def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
                                 f"pytorch-ddp jobs' checkpoints are served.") from None
     except BackendError as exc:
         raise Invalid("source", f"{what} cannot be read now ({exc}); try again.") from None
+    try:
+        if opened.is_folder:
+            raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
+        data = opened.stream.read(SCRIPT_CHECKPOINT_CHECK_MAX_BYTES + 1)
+    finally:
+        opened.close()
+    if len(data) > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
+        raise Invalid("source", f"{what} is bigger than the shipped model's checkpoint ever is "
+                                f"({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} bytes at most). {SERVER_LOADS}")
+    _script_bytes_load(what, data, shown_as=checkpoint.uri)
+
+
+def _script_bytes_load(what: str, data: bytes, *, shown_as: str) -> None:
+    """Invalid naming ``source`` unless ``data`` is a torch.save archive of stored members within the bound that the
+    shipped server's loader loads (onto the CPU, weights only)."""
     too_big = (f"{what} is bigger than the shipped model's checkpoint ever is ({SCRIPT_CHECKPOINT_CHECK_MAX_BYTES} "
                f"bytes at most). {SERVER_LOADS}")
     with tempfile.NamedTemporaryFile(prefix="script-checkpoint-", suffix=".pt") as copy:
-        try:
-            if opened.is_folder:
-                raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
-            data = opened.stream.read(SCRIPT_CHECKPOINT_CHECK_MAX_BYTES + 1)
-        finally:
-            opened.close()
-        if len(data) > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
-            raise Invalid("source", too_big)
         copy.write(data)
         copy.flush()
         try:
@@ -168,7 +230,7 @@ def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
         try:
             load_model(Path(copy.name), torch.device("cpu"))
         except Exception as exc:  # whatever torch says of a file that is not the model's, in its own words
-            first_line = (str(exc).replace(copy.name, checkpoint.uri).strip().splitlines() or [""])[0][:300]
+            first_line = (str(exc).replace(copy.name, shown_as).strip().splitlines() or [""])[0][:300]
             raise Invalid("source", f"{what} does not load in the shipped server ({type(exc).__name__}: "
                                     f"{first_line}). {SERVER_LOADS}") from None
 
@@ -213,16 +275,32 @@ def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor}
 
 
-def _checkpoint_fields(source: dict) -> dict:
+def _checkpoint_fields(source: dict, version: ModelVersion | None) -> dict:
+    """What the endpoint records of what it serves: the model version, and the job and step it came from (while the
+    job exists; the version's lineage keeps them after)."""
     if "job" in source:
-        return {"source_job_id": source["job"], "checkpoint_uri": source["uri"], "checkpoint_step": source["step"]}
-    return {"source_job_id": None, "checkpoint_uri": "", "checkpoint_step": None}
+        return {"source_job_id": source["job"], "checkpoint_uri": source["uri"], "checkpoint_step": source["step"],
+                "model_version": version}
+    if version is not None:
+        return {"source_job_id": version.source_job_id, "checkpoint_uri": version.lineage.get("checkpoint_uri", ""),
+                "checkpoint_step": version.step, "model_version": version}
+    return {"source_job_id": None, "checkpoint_uri": "", "checkpoint_step": None, "model_version": None}
+
+
+def _served_what(endpoint: InferenceEndpoint) -> dict:
+    """The endpoint's source for the audit log: as asked, and the model version it became."""
+    source = {key: value for key, value in endpoint.spec["source"].items() if key != "uri"}
+    if endpoint.model_version is not None:
+        source["model_version"] = {"name": endpoint.model_version.name, "version": endpoint.model_version.version}
+    return source
 
 
 def endpoint_deploy(*, actor: AbstractBaseUser, data) -> InferenceEndpoint:
     """Check and record an endpoint; the reconcile starts its replicas (kicked after commit)."""
     checked = endpoint_spec_check(actor=actor, data=data)
     spec = checked["spec"]
+    # The copy into the model store is made once every other field is checked, with no row locked.
+    version = served_version(actor=actor, tenant=checked["tenant"], source=spec["source"], model_name=spec["name"])
     try:
         with transaction.atomic():
             environment = Environment.objects.select_for_update(of=("self",)).filter(
@@ -235,14 +313,15 @@ def endpoint_deploy(*, actor: AbstractBaseUser, data) -> InferenceEndpoint:
                 flavor=checked["flavor"], gpus_per_replica=spec["gpus_per_replica"],
                 min_replicas=spec["min_replicas"], max_replicas=spec["max_replicas"],
                 warm_replicas=spec["warm_replicas"], desired_replicas=desired, created_by=actor,
-                reason="Starting its replicas.", last_request_at=timezone.now(), **_checkpoint_fields(spec["source"]),
+                reason="Starting its replicas.", last_request_at=timezone.now(),
+                **_checkpoint_fields(spec["source"], version),
             )
             ScaleEvent.objects.create(endpoint=endpoint, from_replicas=0, to_replicas=desired,
                                       reason=f"Deployed by {actor.get_username()}.")
             record("endpoint.created", actor=actor, tenant=endpoint.tenant, obj=endpoint,
                    object_repr=_endpoint_repr(endpoint),
                    after={"flavor": endpoint.flavor.name, "environment": environment.name,
-                          **snapshot(endpoint, SCALE_FIELDS), "source": spec["source"]})
+                          **snapshot(endpoint, SCALE_FIELDS), "source": _served_what(endpoint)})
             transaction.on_commit(kick_reconcile)
     except IntegrityError:
         raise Invalid("name", f"Tenant {checked['tenant'].slug} already has a live endpoint {spec['name']}.") from None
@@ -315,22 +394,30 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
     """Serve another checkpoint: a new generation, replacing the replicas one at a time, none dropped."""
     require_role(user=actor, tenant=endpoint.tenant, at_least=Role.MEMBER)
     if not isinstance(data, dict) or "source" not in data:
-        raise Invalid("source", 'Give the checkpoint to roll out to: {"source": {"job": <id>, "step": <n>}}.')
+        raise Invalid("source", 'Give what to roll out to: {"source": {"model": "<name>", "version": <n>}} or '
+                                '{"source": {"job": <id>, "step": <n>}}.')
     unknown = sorted(set(data) - {"source"})
     if unknown:
         raise Invalid(unknown[0], "Unknown field; rollout takes source only.")
+    if endpoint.stop_requested_at is not None:
+        raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
     source = _source(data["source"], endpoint.tenant)
+    version = served_version(actor=actor, tenant=endpoint.tenant, source=source, model_name=endpoint.name)
     with transaction.atomic():
         endpoint = _locked(endpoint)
         if endpoint.stop_requested_at is not None:
             raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
-        audit_before = {"source": endpoint.spec.get("source"), "generation": endpoint.generation}
+        audit_before = {"source": _served_what(endpoint), "generation": endpoint.generation}
         endpoint.spec["source"] = source
-        for field, value in _checkpoint_fields(source).items():
+        for field, value in _checkpoint_fields(source, version).items():
             setattr(endpoint, field, value)
         endpoint.generation += 1
-        endpoint.save(update_fields=["spec", "source_job", "checkpoint_uri", "checkpoint_step", "generation"])
-        what = f"job {source['job']} step {source['step']}" if "job" in source else source["image"]
+        endpoint.save(update_fields=["spec", "source_job", "checkpoint_uri", "checkpoint_step", "model_version",
+                                     "generation"])
+        if version is not None:
+            what = f"model {version.name} version {version.version}"
+        else:
+            what = f"job {source['job']} step {source['step']}" if "job" in source else source["image"]
         ScaleEvent.objects.create(
             endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=endpoint.desired_replicas,
             reason=f"Rollout to {what} (generation {endpoint.generation}) by {actor.get_username()}: "
@@ -338,7 +425,7 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         )
         record("endpoint.rolled_out", actor=actor, tenant=endpoint.tenant, obj=endpoint,
                object_repr=_endpoint_repr(endpoint), before=audit_before,
-               after={"source": source, "generation": endpoint.generation})
+               after={"source": _served_what(endpoint), "generation": endpoint.generation})
         transaction.on_commit(kick_reconcile)
     return endpoint
 
@@ -388,6 +475,10 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int, *, borrowing: bool 
     whatever its slot (started beside its slot's old replica in a rollout)."""
     spec = endpoint.spec
     source = spec["source"]
+    version = endpoint.model_version
+    # A model version's replicas serve its weights (from the node cache's copy, else the store); only an endpoint
+    # whose checkpoint the portal could not copy (Kubernetes) reads it from the source job's volume.
+    weights = {"sha256": version.weights_sha256, "bytes": version.weights_bytes} if version is not None else None
     return {
         "tenant": endpoint.tenant.slug, "environment": endpoint.environment_id,
         "name": f"{endpoint.name}-g{endpoint.generation}-r{slot}", "template": "serve", "replicas": 1,
@@ -398,7 +489,8 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int, *, borrowing: bool 
         "max_runtime_s": jobs.MAX_RUNTIME_S, "max_retries": REPLICA_MAX_RETRIES, "env": {}, "hyperparameters": {},
         "image": source.get("image"), "command": None,
         "serving": {
-            "endpoint_id": endpoint.id, "checkpoint": endpoint.checkpoint_uri, "source_job_id": source.get("job"),
+            "endpoint_id": endpoint.id, "checkpoint": "" if weights else endpoint.checkpoint_uri,
+            "source_job_id": None if weights else source.get("job"), "weights": weights,
             "queue_limit": spec["queue_limit"], "batch_token_budget": spec["batch_token_budget"],
             "max_batch_wait_ms": spec["max_batch_wait_ms"], "default_deadline_ms": spec["default_deadline_ms"],
             "max_deadline_ms": max_deadline_ms(), "image": source.get("image"),
@@ -415,7 +507,8 @@ def replica_start(endpoint: InferenceEndpoint, slot: int, reason: str, *, borrow
         submitted_by=endpoint.created_by, actor=SYSTEM, kind=Job.Kind.SERVING,
         event_reason=f"Replica of endpoint {endpoint.name}: {reason}",
     )
-    return Replica.objects.create(endpoint=endpoint, job=job, slot=slot, generation=endpoint.generation)
+    return Replica.objects.create(endpoint=endpoint, job=job, slot=slot, generation=endpoint.generation,
+                                  model_version=endpoint.model_version)
 
 
 def replica_retire(replica: Replica, reason: str) -> None:

@@ -39,6 +39,13 @@ PROMOTE_FIELDS = ("name", "job", "step")
 COPY_CHUNK = 1 << 20
 
 
+class NotCopyable(Invalid):
+    """The backend keeps the checkpoint where the portal does not read it (Kubernetes: on the cluster's claim)."""
+
+    def __init__(self, message: str):
+        super().__init__("step", message)
+
+
 def weights_store() -> BlobStore:
     """The store model weights are kept in (DATA_STORAGE_URL, kind "models")."""
     return BlobStore(settings.DATA_STORAGE_URL, WEIGHTS_KIND, settings.DATA_STORAGE_OPTIONS)
@@ -144,7 +151,7 @@ def promote_checkpoint(*, actor: AbstractBaseUser, job: Job, step: int, name: st
     except job_selectors.CheckpointMissing as exc:
         raise Invalid("step", str(exc)) from None
     except job_selectors.CheckpointNotHere as exc:
-        raise Invalid("step", f"The portal cannot copy this checkpoint into the model store: {exc}") from None
+        raise NotCopyable(f"The portal cannot copy this checkpoint into the model store: {exc}") from None
     except job_selectors.BackendUnavailable as exc:
         raise Conflict(str(exc)) from None
     sha256, size, format_ = _copy_to_store(opened)
