@@ -120,7 +120,7 @@ def _charts(endpoint) -> list[dict]:
 
 def _replicas(endpoint) -> list[dict]:
     """The replicas still running or starting, each with where it runs (its open attempt's placement)."""
-    live = [r for r in endpoint.replicas.select_related("job").order_by("slot", "id")
+    live = [r for r in endpoint.replicas.select_related("job", "model_version").order_by("slot", "id")
             if r.job.state not in JOB_FINAL_STATES]
     attempts = open_attempts([r.job for r in live])
     rows = []

@@ -123,3 +123,20 @@ def test_viewers_read_members_promote_and_other_tenants_get_404(world, client_fo
     assert promote(client_for(outsider), name="chars", job=job.id)[0] == 404
     # Another tenant's job is no job of this tenant's: named, nothing promoted.
     assert promote(client_for(outsider), slug="globex", name="chars", job=job.id)[1].keys() == {"job"}
+
+
+def test_the_pages_list_models_and_show_a_versions_lineage_to_members_only(world, client_for, owner, outsider):
+    job = world["job"]
+    promote(client_for(owner), name="chars", job=job.id)
+    client = client_for(owner)
+    client.force_login(owner)
+    listed = client.get("/tenants/acme/models/")
+    assert listed.status_code == 200 and b'data-model="chars"' in listed.content
+    page = client.get("/tenants/acme/models/chars/v1/")
+    assert page.status_code == 200
+    assert job.name.encode() in page.content and b"loss 2.2500" in page.content
+    assert client.get("/tenants/acme/models/chars/v2/").status_code == 404
+    stranger = client_for(outsider)
+    stranger.force_login(outsider)
+    assert stranger.get("/tenants/acme/models/").status_code == 404
+    assert stranger.get("/tenants/acme/models/chars/v1/").status_code == 404
