@@ -59,6 +59,7 @@ class LocalBackend:
         jobs_dir: Path | None = None,
         sandbox: str = "auto",
         bundle_storage_options: dict | None = None,
+        node_caches: dict | None = None,
     ) -> None:
         self.workspace_dir = Path(workspace_dir)
         self.provision_delay_s = provision_delay_s
@@ -71,6 +72,8 @@ class LocalBackend:
             real_gpu_nodes=lambda: {node.name for node in _nvml_nodes(self.use_nvml)},
             sandbox_mode=sandbox,  # LOCAL_SANDBOX: script jobs in the sandbox (runners.workloads.sandbox)
             bundle_storage_options=bundle_storage_options,  # BUNDLE_STORAGE_OPTIONS: how a bundle's URL is read
+            # The blob store the node caches fill from and their defaults (runners.storage.nodecache).
+            **(node_caches or {}),
         )
 
     def workspace(self, spec: EnvironmentSpec) -> Path:
@@ -263,6 +266,10 @@ class LocalBackend:
 
     def forget_job(self, job_id: int, attempt: int) -> None:
         self.jobs.forget(job_id, attempt)
+
+    def node_cache_snapshots(self, specs):
+        """What each node's cache holds (runners.storage.nodecache snapshots), for the portal's rows of them."""
+        return self.jobs.node_cache_snapshots(specs)
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         return self.jobs.serving_address(job_id, attempt)

@@ -57,6 +57,7 @@ from runners.backends.base import (
     CheckpointGone,
     GpuReading,
     JobLaunch,
+    NodeCacheSpec,
     NodeLostError,
     PermanentBackendError,
     ProgressRead,
@@ -64,6 +65,7 @@ from runners.backends.base import (
     TransientBackendError,
 )
 from runners.nvidia import names
+from runners.storage.nodecache import NodeCache, Snapshot
 from runners.workloads import activity, env_policy, progress, sandbox, supervise
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,12 @@ SANDBOX_HOSTS_FILE = "sandbox-hosts"
 SANDBOX_ATTEMPT_DIR = "sandbox-attempt"
 # The largest activity file read (one small JSON object).
 ACTIVITY_MAX_BYTES = 64 * 1024
+# Each node's cache (runners.storage.nodecache) when its pool sets none: <var>/node-cache/<node>/, this big.
+NODE_CACHE_DIR = "node-cache"
+NODE_CACHE_BYTES = 20 * 1024**3
+# What a replica reads its datasets' manifest from (the SDK's ctx.dataset), and the manifest's name in the view.
+DATASETS_VARIABLE = "PORTAL_DATASETS"
+DATASETS_MANIFEST = "datasets.json"
 
 
 def free_port() -> int:
@@ -179,7 +187,9 @@ class LocalJobs:
     """The job half of the local backend; `LocalBackend` hands it its state file."""
 
     def __init__(self, *, jobs_dir: Path, state, real_gpu_nodes, sandbox_mode: str = "auto",
-                 bundle_storage_options: dict | None = None, sandbox_process_limit: int = SANDBOX_PROCESS_LIMIT) -> None:
+                 bundle_storage_options: dict | None = None, sandbox_process_limit: int = SANDBOX_PROCESS_LIMIT,
+                 data_storage_url: str = "", data_storage_options: dict | None = None,
+                 node_cache_dir: Path | None = None, node_cache_bytes: int = NODE_CACHE_BYTES) -> None:
         if sandbox_mode not in SANDBOX_MODES:
             raise ValueError(f"sandbox_mode must be one of {', '.join(SANDBOX_MODES)}, not {sandbox_mode!r}")
         self.jobs_dir = Path(jobs_dir)
@@ -188,6 +198,11 @@ class LocalJobs:
         self.sandbox_mode = sandbox_mode
         self.bundle_storage_options = dict(bundle_storage_options or {})
         self.sandbox_process_limit = sandbox_process_limit
+        # The blob store the node caches are filled from (DATA_STORAGE_URL), and the caches' defaults.
+        self.data_storage_url = data_storage_url or f"file://{self.jobs_dir.parent / 'store'}"
+        self.data_storage_options = dict(data_storage_options or {})
+        self.node_cache_dir = Path(node_cache_dir) if node_cache_dir else self.jobs_dir.parent / NODE_CACHE_DIR
+        self.node_cache_bytes = int(node_cache_bytes)
 
     @property
     def bundles_dir(self) -> Path:
@@ -277,6 +292,14 @@ class LocalJobs:
                 "--checkpoint-every", str(launch.checkpoint_every_steps), "--max-runtime-s", str(launch.max_runtime_s),
                 *launch.trainer.flags(),
             ]
+        elif launch.serving.weights is not None:
+            # The model version's weights, as the supervisor fills them into this node's cache (below).
+            model = self._cache_view(launch, launch.replicas[0].node) / launch.serving.weights.sha256
+            serving_port = free_port()
+            argv = [
+                sys.executable, "-m", SERVER_MODULE, "--checkpoint", str(model), "--host", "127.0.0.1",
+                "--port", str(serving_port), *launch.serving.flags(),
+            ]
         else:
             model = job_dir / SERVED_MODEL_FILE
             if not model.exists():
@@ -286,6 +309,7 @@ class LocalJobs:
                 sys.executable, "-m", SERVER_MODULE, "--checkpoint", str(model), "--host", "127.0.0.1",
                 "--port", str(serving_port), *launch.serving.flags(),
             ]
+        caches = self._cache_plan(launch)
         replicas = []
         for replica in launch.replicas:
             # The trainer finds its activity file in this folder by itself (its command line is the spec's).
@@ -308,6 +332,8 @@ class LocalJobs:
             }
             if script:
                 env.update(_script_variables(launch, job_dir, environment, resumed))
+            if launch.datasets:
+                env[DATASETS_VARIABLE] = str(self._cache_view(launch, replica.node) / DATASETS_MANIFEST)
             devices: list[str] = []
             if replica.node in real_nodes and replica.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in replica.gpus)
@@ -317,6 +343,7 @@ class LocalJobs:
                 "rank": replica.rank, "argv": replica_argv, "env": env,
                 "memory_limit_bytes": launch.memory_mib_per_replica * 1024 * 1024, "placement": asdict(replica),
                 "devices": devices,
+                "cache_view": str(self._cache_view(launch, replica.node)) if caches else None,
             })
         record = {
             "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(bundle_dir or REPO_ROOT),
@@ -325,6 +352,7 @@ class LocalJobs:
             "workload": launch.workload, "serving_port": serving_port, "gpu_resource": launch.gpu_resource,
             "environment": environment,
             "sandbox": self._sandbox_record(job_dir, attempt_dir, bundle_dir, environment) if sandboxed else None,
+            "caches": caches,
         }
         temp = attempt_dir / f".{supervise.LAUNCH_FILE}.tmp"
         temp.write_text(json.dumps(record, indent=2))
@@ -334,10 +362,15 @@ class LocalJobs:
                 names = state["workloads"].setdefault(node, [])
                 if launch.workload not in names:
                     names.append(launch.workload)
+        # The store's URL and options (credentials, perhaps) reach the supervisor in its environment only,
+        # never in launch.json, which the job's later attempts can read.
+        storage = {supervise.STORAGE_VARIABLE: json.dumps(
+            {"url": self.data_storage_url, "options": self.data_storage_options})} if caches else {}
         try:
             subprocess.run(
                 [sys.executable, "-m", SUPERVISOR_MODULE, str(attempt_dir)], cwd=REPO_ROOT, check=True, timeout=30,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env={**os.environ, **storage},
             )
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
             raise TransientBackendError(f"Could not start the supervisor: {exc}") from None
@@ -347,6 +380,65 @@ class LocalJobs:
                 raise TransientBackendError(f"The supervisor of job {launch.job_id} did not start.")
             time.sleep(0.05)
         return resumed
+
+    # --- node caches: what the supervisor fills before the ranks start ----------------------------
+
+    def node_cache(self, node: str, spec: NodeCacheSpec | None = None) -> tuple[Path, int]:
+        """The node's cache folder and capacity: its pool's (``spec``) where set, else the defaults. Every
+        simulated node of this host has a folder of its own, so a pool's path is the folder they lie in."""
+        folder = Path(spec.path) if spec is not None and spec.path else self.node_cache_dir
+        size = spec.capacity_bytes if spec is not None and spec.capacity_bytes else self.node_cache_bytes
+        return folder / node, int(size)
+
+    @staticmethod
+    def cache_holder(job_id: int, attempt: int) -> str:
+        """The name an attempt pins its blobs under, in every node cache it uses."""
+        return f"job-{job_id}-attempt-{attempt}"
+
+    def _cache_view(self, launch: JobLaunch, node: str) -> Path:
+        specs = {spec.node: spec for spec in launch.node_caches}
+        root, _size = self.node_cache(node, specs.get(node))
+        return NodeCache.view_path(root, self.cache_holder(launch.job_id, launch.attempt))
+
+    def _cache_plan(self, launch: JobLaunch) -> list[dict]:
+        """What the supervisor fills on each node the attempt was placed on (one entry per node, whatever the
+        number of its ranks there): the datasets' shards and a serving replica's weights, pinned for the
+        attempt, and the manifest of the datasets (`DATASETS_MANIFEST`, in the attempt's view)."""
+        blobs = [{"sha256": shard.sha256, "bytes": shard.bytes, "kind": "shards"}
+                 for mount in launch.datasets for shard in mount.shards]
+        if launch.serving is not None and launch.serving.weights is not None:
+            weights = launch.serving.weights
+            blobs.append({"sha256": weights.sha256, "bytes": weights.bytes, "kind": "models"})
+        if not blobs and not launch.datasets:
+            return []
+        unique = list({blob["sha256"]: blob for blob in blobs}.values())
+        datasets = [{"name": mount.name, "version": mount.version,
+                     "shards": [[shard.sha256, shard.bytes] for shard in mount.shards]} for mount in launch.datasets]
+        specs = {spec.node: spec for spec in launch.node_caches}
+        plan = []
+        for node in sorted({replica.node for replica in launch.replicas}):
+            root, size = self.node_cache(node, specs.get(node))
+            plan.append({"node": node, "root": str(root), "capacity_bytes": size,
+                         "holder": self.cache_holder(launch.job_id, launch.attempt), "blobs": unique,
+                         "datasets": datasets})
+        return plan
+
+    def node_cache_snapshots(self, specs: dict[str, NodeCacheSpec | None]) -> dict[str, Snapshot]:
+        """What each of these nodes' caches holds now and its counters; a node whose cache was never filled
+        is left out (nothing is made here)."""
+        found = {}
+        for node, spec in sorted(specs.items()):
+            root, size = self.node_cache(node, spec)
+            if (root / "index.json").is_file():
+                found[node] = NodeCache(root, size).snapshot()
+        return found
+
+    def _release_caches(self, record: dict) -> None:
+        for cache in record.get("caches") or []:
+            try:
+                NodeCache(cache["root"], cache["capacity_bytes"]).release(cache["holder"])
+            except OSError as exc:  # a cache folder gone with its disk: nothing is pinned there any more
+                logger.warning("Could not release %s in the cache %s: %s", cache["holder"], cache["root"], exc)
 
     # --- script jobs: the bundle, the environment, the sandbox --------------------------------
 
@@ -532,6 +624,7 @@ class LocalJobs:
             record = json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text())
         except FileNotFoundError:
             return
+        self._release_caches(record)  # the attempt reads no blob any more: the caches may evict them
         with self._state(write=True) as state:
             for node in record["nodes"]:
                 names = state["workloads"].get(node, [])

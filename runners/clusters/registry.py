@@ -73,6 +73,11 @@ def local_backend_options() -> dict:
         jobs_dir=settings.LOCAL_JOBS_DIR,
         sandbox=settings.LOCAL_SANDBOX,
         bundle_storage_options=settings.BUNDLE_STORAGE_OPTIONS,
+        node_caches=dict(
+            data_storage_url=settings.DATA_STORAGE_URL, data_storage_options=settings.DATA_STORAGE_OPTIONS,
+            node_cache_dir=getattr(settings, "NODE_CACHE_DIR", None) or None,
+            node_cache_bytes=getattr(settings, "NODE_CACHE_BYTES", 20 * 1024**3),
+        ),
     )
 
 

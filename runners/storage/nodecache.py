@@ -163,7 +163,12 @@ class NodeCache:
         return self.root / BLOBS_DIR / sha256[:2] / sha256
 
     def view_dir(self, holder: str) -> Path:
-        return self.root / VIEWS_DIR / _check_holder(holder)
+        return self.view_path(self.root, holder)
+
+    @staticmethod
+    def view_path(root: str | os.PathLike, holder: str) -> Path:
+        """Where the cache at `root` links `holder`'s blobs (known before the cache is opened or filled)."""
+        return Path(root) / VIEWS_DIR / _check_holder(holder)
 
     # --- the index, under the lock -------------------------------------------------------------
 

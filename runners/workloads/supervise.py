@@ -39,7 +39,17 @@ clients (torch's env:// rendezvous does so under that variable), so rank 0 may e
 another rank still tears down: without it, rank 0 hosts the store and its exit can abort the others.
 The store host ignores SIGTERM (a stopping rank may still need it) and is stopped once every replica
 has ended. When it cannot start no replica starts, and ``prepare.failed`` says why.
-Stdlib only (torch is imported by the store host alone).
+Node caches: when launch.json names ``caches`` (one per node the attempt was placed on: its folder, its
+capacity, the attempt's holder name, the blobs and the datasets), the supervisor fills each node's cache
+(`runners.storage.nodecache`) from the blob store before any replica starts: every blob checked against its
+key, pinned for the attempt until the portal forgets it, and linked into the attempt's view folder in the
+cache, where it also writes the datasets' manifest (``datasets.json``: {name: {"version", "shards": [{"sha256",
+"bytes", "path"}]}}, the file PORTAL_DATASETS names). A sandboxed replica sees that view folder read-only
+and no other part of the cache. The store's URL and options come in the supervisor's environment
+(``PORTAL_DATA_STORAGE``), never in launch.json. What each fill found and pulled is ``cache-fills.json``.
+A fill that fails (the cache is full of pinned blobs, a blob is missing or does not hash to its key)
+starts no replica, and ``prepare.failed`` says why.
+Stdlib only (torch is imported by the store host alone; fsspec by a fill, through runners.storage).
 """
 
 from __future__ import annotations
@@ -81,6 +91,10 @@ STORE_LOG_FILE = "rendezvous-store.log"
 STORE_READY = b"listening\n"
 STORE_START_TIMEOUT_S = 120
 STORE_STOP_TIMEOUT_S = 10
+# The node caches: where the store's URL and options come from, the fills' record, the datasets' manifest.
+STORAGE_VARIABLE = "PORTAL_DATA_STORAGE"
+CACHE_FILLS_FILE = "cache-fills.json"
+DATASETS_MANIFEST = "datasets.json"
 # The store host (argv: port world-size): SIGTERM ignored first, then the store, then "listening" on
 # stdout, then it holds the store until its stdin ends (the supervisor closes it, or the supervisor died).
 STORE_HOST = (
@@ -200,8 +214,64 @@ def build_environment(environment: dict, box: dict | None, log: Path) -> str | N
         return None
 
 
+def fill_caches(attempt_dir: Path, launch: dict) -> str | None:
+    """Fill each node cache the launch names with its blobs, pinned for the attempt, and write the datasets'
+    manifest into the attempt's view: None once done, else why not."""
+    caches = launch.get("caches") or []
+    if not caches:
+        return None
+    from runners.storage.blobs import BlobMissing, BlobStore, HashMismatch
+    from runners.storage.nodecache import BlobWanted, CacheFull, FillFailed, NodeCache
+
+    storage = json.loads(os.environ.get(STORAGE_VARIABLE) or "{}")
+    if not storage.get("url"):
+        return f"The node cache cannot be filled: the supervisor was given no blob store ({STORAGE_VARIABLE})."
+    stores: dict[str, BlobStore] = {}
+    fills = []
+    for cache in caches:
+        node_cache = NodeCache(cache["root"], cache["capacity_bytes"])
+        found = {"node": cache["node"], "hits": 0, "misses": 0, "bytes_pulled": 0, "bytes": 0}
+        started = time.monotonic()
+        paths = {}
+        for blob in cache["blobs"]:
+            kind = blob["kind"]
+            if kind not in stores:
+                stores[kind] = BlobStore(storage["url"], kind, storage.get("options") or {})
+            try:
+                filled = node_cache.fill_view(stores[kind], [BlobWanted(blob["sha256"], blob["bytes"], kind)],
+                                              holder=cache["holder"])[0]
+            except CacheFull as exc:
+                return f"Node {cache['node']}'s cache cannot hold the job's data: {exc}."
+            except BlobMissing:
+                return f"The {kind} blob {blob['sha256']} is not in the store; the data it belongs to is gone."
+            except (HashMismatch, ValueError) as exc:
+                return f"The {kind} blob {blob['sha256']} in the store is not what its key names; refused: {exc}"
+            except (FillFailed, OSError) as exc:
+                return f"Could not fill node {cache['node']}'s cache: {exc}"
+            paths[blob["sha256"]] = filled.path
+            found["hits" if filled.hit else "misses"] += 1
+            found["bytes_pulled"] += filled.pulled_bytes
+            found["bytes"] += filled.bytes
+        found["seconds"] = round(time.monotonic() - started, 3)
+        view = NodeCache.view_path(cache["root"], cache["holder"])
+        view.mkdir(parents=True, exist_ok=True)  # a dataset of no shards still has its manifest
+        manifest = {
+            dataset["name"]: {"version": dataset["version"], "shards": [
+                {"sha256": sha, "bytes": size, "path": paths[sha]} for sha, size in dataset["shards"]]}
+            for dataset in cache.get("datasets") or []
+        }
+        _write_atomically(view / DATASETS_MANIFEST, json.dumps(manifest, indent=1))
+        os.chmod(view / DATASETS_MANIFEST, 0o444)
+        fills.append(found)
+    _write_atomically(attempt_dir / CACHE_FILLS_FILE, json.dumps(fills))
+    return None
+
+
 def _prepare(attempt_dir: Path, launch: dict) -> str | None:
     """What must be done before a script job's replicas start (None: done; else why it failed)."""
+    failure = fill_caches(attempt_dir, launch)
+    if failure:
+        return failure
     box = launch.get("sandbox")
     if launch.get("environment"):
         try:
@@ -223,8 +293,10 @@ def _argv(replica: dict, launch: dict) -> list[str]:
     box = launch.get("sandbox")
     if box is None:
         return replica["argv"]
+    # The replica's node cache: only its attempt's view (links to the blobs it pinned), read-only.
+    view_of_cache = (replica["cache_view"],) if replica.get("cache_view") else ()
     view = sandbox.View(
-        read_only=tuple(box["read_only"]), writable=tuple(box["writable"]),
+        read_only=(*box["read_only"], *view_of_cache), writable=tuple(box["writable"]),
         read_only_over=tuple(box["read_only_over"]),
         writable_over=tuple((source, shown) for source, shown in box["writable_over"]),
         devices=tuple(replica.get("devices", ())), cwd=box["cwd"], hosts=box.get("hosts"),
