@@ -266,6 +266,7 @@ class Context:
         self.metrics_every = metrics_every
         self._resume_step = _env_int(environ, protocol.ENV_RESUME_FROM_STEP, None)
         self._resume_path = environ.get(protocol.ENV_RESUME_FROM_PATH, "").strip()
+        self._datasets_manifest = environ.get(protocol.ENV_DATASETS, "")
         # When max_runtime_s started to count: the first report() or start_clock(); None before either.
         self._started: float | None = None
         self._handle_signals = handle_signals
@@ -344,6 +345,13 @@ class Context:
         return torch.load(point.path, map_location=map_location, **kwargs)
 
     # --- metrics -----------------------------------------------------------------------------------
+
+    def dataset(self, name: str, **options):
+        """A dataset the job's spec names (gpuportal.datasets.JobDataset): ``.path``, a folder of its shards, and
+        iteration over its samples with prefetch. Records which version was read (datasets.jsonl)."""
+        from gpuportal import datasets
+
+        return datasets.dataset_for_context(self, name, **options)
 
     def report(self, step: int, /, **metrics) -> None:
         """Record the metrics of a step (finite numbers; rank 0 writes, other ranks only validate).

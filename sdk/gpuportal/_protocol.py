@@ -57,12 +57,15 @@ after a stop line (`STOPS_FILE`) of its attempt: the portal counts both the same
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_FILE = "checkpoints.jsonl"
 STOPS_FILE = "stops.jsonl"
+# A line per dataset the script opened (gpuportal.datasets): {"name", "version", "attempt", "rank", "time"}.
+DATASETS_FILE = "datasets.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 
 METRIC_TAG = "PORTAL_METRIC"
 CHECKPOINT_TAG = "PORTAL_CHECKPOINT"
 STOPPED_TAG = "PORTAL_STOPPED"
 TAGS = (METRIC_TAG, CHECKPOINT_TAG, STOPPED_TAG)
+DATASET_TAG = "PORTAL_DATASET"  # the datasets.jsonl line on stdout
 
 # What the launchers set (local backend and Kubernetes alike).
 ENV_JOB_DIR = "TRAIN_JOB_DIR"
@@ -75,6 +78,9 @@ ENV_RESUME_FROM_STEP = "PORTAL_RESUME_FROM_STEP"
 """The step of the checkpoint the portal recorded for the job, when it names one."""
 ENV_RESUME_FROM_PATH = "PORTAL_RESUME_FROM_PATH"
 """That checkpoint's path, relative to the job folder (or absolute)."""
+ENV_DATASETS = "PORTAL_DATASETS"
+"""The path of the attempt's datasets manifest (JSON): {"<name>": {"version": N, "shards": [{"sha256", "bytes",
+"path" or "url"}]}}, read by gpuportal.datasets."""
 
 # The local backend's attempt folders: <job dir>/attempts/<attempt>/ (runners.backends.local_jobs).
 ATTEMPTS_DIR = "attempts"
