@@ -299,6 +299,54 @@ class Client:
                               files={"archive": ("bundle.tar.gz", body, "application/gzip")}, retry=True)
         return response.json()
 
+    # --- Datasets (gpuportal.cli.data pushes through these) -------------------
+
+    def _dataset_path(self, tenant: str, name: str) -> tuple[str, dict]:
+        """The API path of a dataset named `name` or `owner/name`, and the query that names its owner."""
+        owner, _, bare = name.rpartition("/")
+        return f"/api/v1/tenants/{tenant}/datasets/{bare}", ({"owner": owner} if owner else {})
+
+    def datasets(self, tenant: str) -> list[dict]:
+        return self.get(f"/api/v1/tenants/{tenant}/datasets/")
+
+    def dataset(self, tenant: str, name: str) -> dict:
+        path, query = self._dataset_path(tenant, name)
+        return self.get(f"{path}/", **query)
+
+    def dataset_version(self, tenant: str, name: str, number: int) -> dict:
+        path, query = self._dataset_path(tenant, name)
+        return self.get(f"{path}/versions/{number}/", **query)
+
+    def dataset_create(self, tenant: str, name: str, description: str = "") -> dict:
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/", {"name": name, "description": description})
+
+    def dataset_share(self, tenant: str, name: str, other: str) -> dict:
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/shares/", {"tenant": other})
+
+    def dataset_register(self, tenant: str, name: str, url: str) -> dict:
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/registrations/", {"url": url})
+
+    def dataset_version_open(self, tenant: str, name: str, manifest_sha256: str) -> dict:
+        """An open version to push into (a cut push of the same shards gets its own open version back)."""
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/versions/", {"manifest_sha256": manifest_sha256},
+                         retry=True)
+
+    def dataset_shards_declare(self, tenant: str, name: str, number: int, shards: list[dict]) -> list[dict]:
+        """Declare shards (safe to repeat): the version's shards the portal still lacks, with the bytes it has."""
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/versions/{number}/shards/", {"shards": shards},
+                         retry=True)["missing"]
+
+    def dataset_shard_part(self, tenant: str, name: str, number: int, sha256: str, offset: int, data: bytes) -> dict:
+        """Send the part of a shard that starts at `offset`: {sha256, received_bytes, stored}."""
+        response = self._send("PUT", f"/api/v1/tenants/{tenant}/datasets/{name}/versions/{number}/shards/{sha256}/",
+                              params={"offset": offset}, content=data,
+                              headers={"Content-Type": "application/octet-stream"})
+        return response.json()
+
+    def dataset_seal(self, tenant: str, name: str, number: int, shards: int) -> dict:
+        return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/versions/{number}/seal/", {"shards": shards},
+                         retry=True)
+
     # --- Endpoints, usage ---------------------------------------------------
 
     def endpoint_create(self, spec: dict) -> dict:

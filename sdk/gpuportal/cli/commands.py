@@ -679,3 +679,9 @@ def main(args: list[str] | None = None) -> None:
         typer.echo("portal: stopped", err=True)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+# `portal data ...` (gpuportal/cli/data.py), added last: it uses the helpers above.
+from gpuportal.cli.data import app as data_app  # noqa: E402
+
+app.add_typer(data_app, name="data")
