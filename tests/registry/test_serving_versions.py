@@ -68,6 +68,7 @@ def test_an_endpoint_serving_a_version_survives_its_jobs_deletion_and_rolls_out_
     assert detail["model"] == {"name": "chat", "version": 2}
     assert {r["model"]["version"] for r in detail["replicas"] if r["ready"] and not r["retiring"]} == {2}
     assert generate(client, endpoint) == 200
+    client.force_login(owner)
     page = client.get(f"/endpoints/{endpoint.id}/live/")
     assert page.status_code == 200 and b"chat v2" in page.content
     assert ModelVersion.objects.filter(tenant=tenant, name="chat").count() == 2
