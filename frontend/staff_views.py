@@ -22,6 +22,7 @@ from quotas import selectors as quota_selectors
 from quotas import services as quota_services
 from runners.clusters import services as clusters
 from runners.jobs import services as jobs
+from runners.nodecache import selectors as nodecache_selectors
 from runners.scheduling import cockpit as cockpit_selectors
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
@@ -31,6 +32,8 @@ from tenants import services as tenant_services
 
 def _cockpit_context(request) -> dict:
     context = cockpit_selectors.cockpit(user=request.user)
+    context["node_caches"] = nodecache_selectors.node_cache_states(user=request.user)
+    context["cache_totals"] = nodecache_selectors.cache_totals()
     for pool in context["pools"]:
         for node in pool["nodes"]:
             for view in node["gpus"]:

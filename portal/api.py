@@ -12,6 +12,7 @@ from runners.clusters.api import NodePoolViewSet, NodeViewSet, PartitionChangeVi
 from runners.environments.api import EnvironmentViewSet
 from runners.inference.api import EndpointViewSet
 from runners.jobs.api import JobViewSet
+from runners.nodecache.api import NodeCacheViewSet
 from runners.notifications.api import NotificationPreferenceViewSet, WebhookViewSet
 from tenants.api import ApiTokenViewSet, MemberViewSet, TenantViewSet
 
@@ -25,6 +26,7 @@ router.register("quotas", QuotaViewSet, basename="quota")
 router.register("partition-profiles", PartitionProfileViewSet, basename="partition-profile")
 router.register("node-pools", NodePoolViewSet, basename="node-pool")
 router.register("nodes", NodeViewSet, basename="node")
+router.register("node-caches", NodeCacheViewSet, basename="node-cache")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
 router.register("jobs", JobViewSet, basename="job")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
