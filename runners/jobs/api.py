@@ -15,6 +15,7 @@ from rest_framework.response import Response
 
 from common import nulls
 from common.errors import Conflict, TooMany
+from runners.datasets.selectors import UnknownDataset
 from runners.jobs import selectors as job_selectors
 from runners.jobs import services as jobs
 from runners.jobs.filters import JobFilter
@@ -42,6 +43,11 @@ def _trainer_settings_text() -> str:
     """The shipped trainer's settings, each with its bounds and default, in words (the spec check's table)."""
     return "; ".join(f"{name} {low} to {high}, default {default}"
                      for name, (_kind, low, high, default) in jobs.HYPERPARAMETERS.items())
+
+
+class DatasetRefSerializer(serializers.Serializer):
+    name = serializers.CharField(help_text="A dataset's name, or owner/name for one shared with the tenant.")
+    version = serializers.JSONField(required=False, help_text="A version's number, or latest (the default).")
 
 
 class JobSubmitSerializer(serializers.Serializer):
@@ -85,6 +91,10 @@ class JobSubmitSerializer(serializers.Serializer):
     bundle = serializers.RegexField(
         rf"^{jobs.BUNDLE_PATTERN}$", allow_null=True, required=False,
         help_text="script template: the SHA-256 of one of the tenant's bundles (/api/v1/tenants/{slug}/bundles/).")
+    datasets = DatasetRefSerializer(
+        many=True, required=False,
+        help_text="The datasets the job reads (its own, or owner/name for one shared with it); an omitted version or "
+                  "latest is pinned at submit to the newest sealed one. ctx.dataset(name) opens each.")
 
 
 class PlacementSerializer(serializers.Serializer):
@@ -283,9 +293,12 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
             description="The tenant already has JOB_QUEUED_MAX_PER_TENANT jobs waiting; nothing was saved. Try "
                         "again after the number of seconds in Retry-After, or once some have started.",
         ), 404: OpenApiResponse(
-            response=inline_serializer("UnknownBundle", {"bundle": serializers.ListField(child=serializers.CharField())}),
+            response=inline_serializer("UnknownBundle", {
+                "bundle": serializers.ListField(child=serializers.CharField(), required=False),
+                "datasets": serializers.ListField(child=serializers.CharField(), required=False)}),
             description="A script job's bundle is not one of the tenant's (no such digest, deleted, or another "
-                        "tenant's: the same answer); nothing was saved.",
+                        "tenant's: the same answer), or a dataset or version it names is not one the tenant reads "
+                        "(field datasets); nothing was saved.",
         )},
     )
     def create(self, request):
@@ -299,7 +312,7 @@ class JobViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelM
                 data = JobSerializer(self.get_queryset().get(id=job.id)).data
         except TooMany as exc:
             raise Throttled(detail=str(exc), wait=getattr(exc, "retry_after_s", None)) from exc
-        except jobs.UnknownBundle as exc:
+        except (jobs.UnknownBundle, UnknownDataset) as exc:
             # A reference to what the tenant does not have: a 404 (nothing stored), the same for another tenant's.
             return Response(exc.message_dict, status=status.HTTP_404_NOT_FOUND)
         return Response(data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)

@@ -42,17 +42,21 @@ from runners.backends.base import (
     BundleRef,
     CheckpointElsewhere,
     CheckpointGone,
+    DatasetMount,
     JobLaunch,
     NodeLostError,
     PermanentBackendError,
     ReplicaPlacement,
     ServingSettings,
+    ShardRef,
     TrainerSettings,
 )
 from runners.bundles import services as bundles
 from runners.bundles.fetch_view import signed_fetch_url
 from runners.clusters.registry import get_backend
 from runners.clusters.selectors import node_cache_specs
+from runners.datasets import selectors as datasets
+from runners.datasets.fetch_view import signed_shard_url
 from runners.jobs import signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
@@ -136,6 +140,25 @@ def _bundle_ref(job: Job, attempt: JobAttempt) -> BundleRef | None:
                                                 since=attempt.admitted_at))
 
 
+def _dataset_mounts(job: Job, attempt: JobAttempt) -> tuple[DatasetMount, ...]:
+    """The dataset versions the spec pinned, shard by shard, each with a signed portal URL for a pod that cannot
+    read its node's cache. Access is checked again: a dataset unshared since the submit fails the launch."""
+    if not job.spec.get("datasets"):
+        return ()
+    try:
+        mounts = datasets.mounts_for_job_spec(job.tenant, job.spec)
+    except datasets.UnknownDataset as exc:
+        raise PermanentBackendError(f"{exc.messages[0]} The job names it in its spec; it was removed or unshared "
+                                    "since the submit.") from None
+    return tuple(
+        DatasetMount(name=name, version=number, shards=tuple(
+            ShardRef(sha256=sha256, bytes=size, fetch_url=signed_shard_url(
+                sha256, job_id=job.id, attempt=attempt.number, since=attempt.admitted_at))
+            for sha256, size in shards))
+        for name, number, shards in mounts
+    )
+
+
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
     hyper = spec.get("hyperparameters") or {}
@@ -171,6 +194,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
         bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
+        datasets=_dataset_mounts(job, attempt),
         node_caches=node_cache_specs(replica["node"] for replica in attempt.placement),
     )
 

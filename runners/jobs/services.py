@@ -31,6 +31,7 @@ from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.bundles import services as bundles
 from runners.clusters.models import Node
 from runners.clusters.services import flavor_units_per_node
+from runners.datasets import services as datasets
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs import signals
 from runners.jobs.models import JOB_FINAL_STATES, NOT_YET_SEEN_REASON, IdempotencyKey, Job, JobEvent, JobState
@@ -107,6 +108,8 @@ DEFAULTS = {
     "memory_mib_per_replica": 4096, "topology": {"level": "none", "mode": DEFAULT_TOPOLOGY_MODE}, "priority": 0,
     "preemptible": True, "steps": 200, "checkpoint_every_steps": None, "max_runtime_s": 3600, "max_retries": 3,
     "env": {}, "hyperparameters": {}, "image": None, "command": None, "bundle": None,
+    # The dataset versions the job reads: [{"name": ..., "version": N}], pinned to numbers at submit.
+    "datasets": [],
 }
 REQUIRED = ("tenant", "environment", "name", "flavor")
 FIELDS = (*REQUIRED, *DEFAULTS)
@@ -320,6 +323,9 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
                       "Only custom and script jobs take a command (and an image).")
     if spec["template"] != "script" and spec["bundle"] is not None:
         raise Invalid("bundle", "Only script jobs run a bundle.")
+    # An omitted version or "latest" becomes the newest sealed one's number, so every attempt reads the same files;
+    # a dataset the tenant cannot read is UnknownDataset (a 404 naming datasets), another tenant's alike.
+    spec["datasets"], dataset_versions = datasets.spec_pinned(tenant, spec["datasets"])
     _integer(spec, "replicas")
     flavor, quota = flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
@@ -354,7 +360,8 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     _integer(spec, "max_retries")
     spec["env"] = _env(spec["env"])
     spec["hyperparameters"] = _hyperparameters(spec["hyperparameters"], spec["template"])
-    return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor, "bundle": bundle}
+    return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor, "bundle": bundle,
+            "datasets": dataset_versions}
 
 
 # --- The state machine ------------------------------------------------------------
@@ -643,6 +650,8 @@ def job_submit_keyed(*, actor: AbstractBaseUser, data, idempotency_key: str | No
                 submitted_by=actor, actor=actor, event_reason=f"Submitted by {actor.get_username()}.",
                 bundle=bundle,
             )
+            datasets.uses_record(tenant=checked["tenant"], job_id=job.id, job_name=job.name,
+                                 versions=checked["datasets"])
             if key is not None:
                 IdempotencyKey.objects.create(user=actor, key=key, request_hash=digest, job=job)
     except IntegrityError:
