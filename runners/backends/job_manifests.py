@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 
 from runners.backends.base import JobLaunch, PermanentBackendError
+from runners.backends.cache_manifests import dataset_volume
 from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL, TENANT_LABEL, WORKLOAD_SERVICE_ACCOUNT
 from runners.workloads import env_policy
 
@@ -253,6 +254,12 @@ def training_job_manifest(
         container["volumeMounts"].append({"name": CODE_VOLUME, "mountPath": CODE_MOUNT, "readOnly": True})
         volumes.append({"name": CODE_VOLUME, "emptyDir": {}})
         init_containers.append(bundle_fetch_container(launch, trainer_image))
+    datasets = dataset_volume(launch)  # the node cache's view of the job's shards, read-only (cache_manifests)
+    if datasets is not None:
+        volume, mount, variable = datasets
+        volumes.append(volume)
+        container["volumeMounts"].append(mount)
+        container["env"].append(variable)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
