@@ -23,6 +23,12 @@ unpacked once per (tenant, digest) into ``<var>/unpacked-bundles/<tenant>/<diges
 environment per requirements.txt (``<var>/envs/<hash>/``, built by the supervisor before the replicas
 start: `runners.workloads.supervise`), in the sandbox (`runners.workloads.sandbox`) unless
 LOCAL_SANDBOX says off. Pure Python, no Django.
+
+Node caches: each simulated node's cache of blobs (`runners.storage.nodecache`) is a folder of its own,
+``<pool's cache path or node_cache_dir>/<node>/``. A launch that names datasets (or a serving replica's
+weights) records, per node it was placed on, what the supervisor fills there before the ranks start; each
+rank gets PORTAL_DATASETS, the manifest in its attempt's view of its node's cache; ``forget`` releases the
+attempt's pins. ``node_cache_snapshots`` reads the caches for the portal's rows of them (docs/storage.md).
 """
 
 from __future__ import annotations
