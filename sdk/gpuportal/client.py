@@ -347,6 +347,22 @@ class Client:
         return self.post(f"/api/v1/tenants/{tenant}/datasets/{name}/versions/{number}/seal/", {"shards": shards},
                          retry=True)
 
+    # --- The model registry (gpuportal.cli.models) ---------------------------
+
+    def models(self, tenant: str) -> list[dict]:
+        return list(self.pages(f"/api/v1/tenants/{tenant}/models/"))
+
+    def model(self, tenant: str, name: str) -> dict:
+        return self.get(f"/api/v1/tenants/{tenant}/models/{name}/")
+
+    def model_version(self, tenant: str, name: str, version: int) -> dict:
+        return self.get(f"/api/v1/tenants/{tenant}/models/{name}/versions/{version}/")
+
+    def model_promote(self, tenant: str, *, name: str, job_id: int, step: int | None = None) -> dict:
+        """A new version of `name` from the job's checkpoint (the same version again when it holds it already)."""
+        body = {"name": name, "job": job_id, **({} if step is None else {"step": step})}
+        return self.post(f"/api/v1/tenants/{tenant}/models/", body)
+
     # --- Endpoints, usage ---------------------------------------------------
 
     def endpoint_create(self, spec: dict) -> dict:

@@ -321,6 +321,24 @@ def test_exit_codes_say_what_went_wrong(cli, trained):
     assert down.returncode == 5 and "cannot reach" in one_line_error(down)
 
 
+def test_models_promote_lists_and_shows_a_versions_lineage(cli, trained):
+    _, job_id = trained
+    promoted = cli("models", "promote", str(job_id), "40", "tiny")
+    assert promoted.returncode == 0, promoted.stderr
+    assert promoted.stdout.strip() == "tiny:1" and "kept in the model store" in promoted.stderr
+    assert [(m["name"], m["newest"]) for m in cli.json("models", "ls")] == [("tiny", 1)]
+    version = cli.json("models", "show", "tiny:1")
+    assert (version["job"]["id"], version["step"], version["lineage"]["hyperparameters"]) == (job_id, 40,
+                                                                                              {"batch_size": 8})
+    shown = cli("models", "show", "tiny:1")
+    assert shown.returncode == 0 and "cli-tiny" in shown.stdout and version["weights"]["sha256"] in shown.stdout
+    # 4: a model or version that does not exist, the field named.
+    missing = cli("models", "show", "nope")
+    assert missing.returncode == 4 and "model" in one_line_error(missing)
+    missing = cli("models", "show", "tiny:9")
+    assert missing.returncode == 4 and "version" in one_line_error(missing)
+
+
 SCRIPT = """
 import json, os, sys
 print("files", sorted(os.listdir(".")))

@@ -685,3 +685,8 @@ def main(args: list[str] | None = None) -> None:
 from gpuportal.cli.data import app as data_app  # noqa: E402
 
 app.add_typer(data_app, name="data")
+
+# `portal models ...` (gpuportal/cli/models.py), likewise.
+from gpuportal.cli.models import app as models_app  # noqa: E402
+
+app.add_typer(models_app, name="models")
