@@ -103,3 +103,18 @@ class BorrowingPause(models.Model):
     tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="borrowing_pause")
     reason = models.CharField(max_length=500)
     since = models.DateTimeField(auto_now_add=True)
+
+
+class TenantStorage(models.Model):
+    """A tenant's checkpoint storage: its quota in GB of the store's bytes after deduplication (None: no
+    limit) and the retention policy its jobs' checkpoints follow unless a job's spec names its own (the JSON
+    form of runners.storage.retention.RetentionPolicy; None keeps everything)."""
+
+    tenant = models.OneToOneField("tenants.Tenant", on_delete=models.CASCADE, related_name="storage")
+    quota_gb = models.DecimalField(max_digits=12, decimal_places=3, null=True, blank=True,
+                                   validators=[MinValueValidator(Decimal("0"))])
+    retention = models.JSONField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}: {self.quota_gb if self.quota_gb is not None else 'no'} GB"

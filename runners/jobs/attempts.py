@@ -57,7 +57,7 @@ from runners.clusters.registry import get_backend
 from runners.clusters.selectors import node_cache_specs
 from runners.datasets import selectors as datasets
 from runners.datasets.fetch_view import signed_shard_url
-from runners.jobs import signals
+from runners.jobs import checkpoint_store, signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
     AttemptOutcome,
@@ -474,10 +474,13 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
                 job=job, attempt_id=numbers.get(int(record.get("attempt") or attempt.number)), step=record["step"],
                 uri=str(record.get("path", ""))[:1000], bytes=int(record.get("bytes") or 0),
                 created_at=_parse_time(record.get("created_at")) or timezone.now(),
+                store_state="pending" if checkpoint_store.store_enabled() else "",
             )
             for record in read.checkpoints if isinstance(record.get("step"), int) and record["step"] >= 0
         ]
         Checkpoint.objects.bulk_create(checkpoints, ignore_conflicts=True)
+        if checkpoints and checkpoint_store.store_enabled():
+            checkpoint_store.checkpoints_store_ask(job.id)  # copied to the store in the background
         recorded = recorded or bool(checkpoints)
         if checkpoints and job.spec.get("template") == "pytorch-ddp":
             _checkpoints_pruned(job)

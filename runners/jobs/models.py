@@ -181,6 +181,19 @@ class Checkpoint(models.Model):
     # When its file went: the shipped trainer keeps its newest few and deletes the rest as it writes
     # new ones (recorded by the progress reader); None while it is kept. Storage is metered until then.
     deleted_at = models.DateTimeField(null=True, blank=True)
+    # Its copy in the checkpoint store (runners.jobs.checkpoint_store): "" never asked for (a backend whose
+    # files the portal cannot read, or written before the store), pending, storing (its chunks' bytes
+    # reserved against the tenant's storage quota), durable (every chunk stored: a resume or a promotion may
+    # read it from the store), failed (store_reason says why), discarded (deleted by retention).
+    store_state = models.CharField(max_length=10, blank=True, default="")
+    store_reason = models.CharField(max_length=500, blank=True)
+    durable_at = models.DateTimeField(null=True, blank=True)
+    discarded_at = models.DateTimeField(null=True, blank=True)
+    # runners.storage.chunks.Manifest.to_json(): the ordered chunks, the file's sha256 and size.
+    manifest = models.JSONField(null=True, blank=True)
+    # What it added to its tenant's stored bytes when it was stored: its chunks no other checkpoint of the
+    # tenant held then (what the ledger charges once it is durable).
+    stored_bytes = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         db_table = "runners_checkpoint"  # the table kept its name when the model moved here

@@ -35,6 +35,7 @@ from runners.datasets import services as datasets
 from runners.environments.models import Environment, EnvironmentState
 from runners.jobs import signals
 from runners.jobs.models import JOB_FINAL_STATES, NOT_YET_SEEN_REASON, IdempotencyKey, Job, JobEvent, JobState
+from runners.storage import retention
 from runners.workloads import env_policy
 from runners.workloads.env_policy import TRAINER_MIN_MEMORY_MIB
 from tenants.models import Role, Tenant
@@ -110,6 +111,8 @@ DEFAULTS = {
     "env": {}, "hyperparameters": {}, "image": None, "command": None, "bundle": None,
     # The dataset versions the job reads: [{"name": ..., "version": N}], pinned to numbers at submit.
     "datasets": [],
+    # The job's own checkpoint retention (runners.storage.retention); None follows the tenant's.
+    "checkpoint_retention": None,
 }
 REQUIRED = ("tenant", "environment", "name", "flavor")
 FIELDS = (*REQUIRED, *DEFAULTS)
@@ -360,6 +363,12 @@ def job_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     _integer(spec, "max_retries")
     spec["env"] = _env(spec["env"])
     spec["hyperparameters"] = _hyperparameters(spec["hyperparameters"], spec["template"])
+    if spec["checkpoint_retention"] is not None:
+        try:
+            spec["checkpoint_retention"] = retention.parse_policy(spec["checkpoint_retention"]).to_json()
+        except ValueError as exc:
+            field, _, why = str(exc).partition(": ")
+            raise Invalid(field, why) from None
     return {"spec": spec, "tenant": tenant, "environment": environment, "flavor": flavor, "bundle": bundle,
             "datasets": dataset_versions}
 

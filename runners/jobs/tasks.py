@@ -9,7 +9,7 @@ from celery import shared_task
 
 from common.dispatch import retry_or_give_up
 from runners.backends.base import TransientBackendError
-from runners.jobs import attempts, reconcile
+from runners.jobs import attempts, checkpoint_store, reconcile
 
 JOB_LAUNCH_MAX_RETRIES = 6
 
@@ -41,3 +41,16 @@ def job_stop(job_id: int) -> str:
 @shared_task(name="runners.tasks.jobs_reconcile")
 def jobs_reconcile() -> dict:
     return reconcile.jobs_reconcile_run()
+
+
+@shared_task(name="runners.jobs.tasks.checkpoint_store", acks_late=True, autoretry_for=(TransientBackendError,),
+             retry_backoff=2, retry_backoff_max=60, max_retries=8)
+def checkpoint_store_task(checkpoint_id: int) -> str:
+    """Copy one checkpoint into the checkpoint store (chunked, deduplicated); the script never waits for it."""
+    return checkpoint_store.checkpoint_store_run(checkpoint_id)
+
+
+@shared_task(name="runners.jobs.tasks.checkpoints_sweep")
+def checkpoints_sweep() -> dict:
+    """Apply every tenant's checkpoint retention, then delete the chunks no checkpoint names."""
+    return checkpoint_store.checkpoints_sweep_run()

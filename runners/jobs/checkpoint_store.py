@@ -1,0 +1,366 @@
+"""The checkpoint store: each checkpoint a job writes is copied, in the background, into the blob store as
+deduplicated chunks (runners.storage.chunks), under the tenant's storage quota and retention policy.
+
+The training script never waits for it: the SDK writes the checkpoint to the job's folder and returns; the
+reconcile's progress read records the checkpoint (store_state "pending") and sends ``checkpoint_store`` by
+name, and a worker reads the file through the backend (``job_checkpoint``, which never follows the sandboxed
+script's links), cuts it into chunks, reserves their bytes against the quota, stores the chunks the store
+lacks and only then records the checkpoint durable.
+
+What holds, and how:
+
+- The storage quota counts the store's bytes after deduplication: each chunk once per tenant, over its
+  checkpoints being stored or durable. A checkpoint's chunks are reserved (its manifest written, state
+  "storing") under the tenant's advisory lock, so concurrent saves are admitted one at a time against what
+  the others reserved. A save that would pass the quota first applies the tenant's retention, then fails with
+  the reason on the checkpoint and as the job's event.
+- A chunk is deleted only when no manifest of a checkpoint being stored or durable names it. The sweep holds
+  the store's advisory lock exclusively while it lists what is named and deletes the rest; an upload checks
+  that its chunks are all there, and records the checkpoint durable, under the same lock held shared. A chunk
+  an upload found present and the sweep deleted meanwhile is stored again before the checkpoint is durable.
+- Retention (runners.storage.retention) discards durable checkpoints only, never one being stored, and
+  never the newest durable checkpoint of a job that may still resume from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import BinaryIO
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from common.dispatch import send_task
+from quotas.models import TenantStorage
+from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone, TransientBackendError
+from runners.clusters.registry import get_backend
+from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobEvent, JobMetric
+from runners.storage import chunks, retention
+from runners.storage.blobs import BlobStore
+
+logger = logging.getLogger(__name__)
+
+BYTES_PER_GB = 10**9
+# The two advisory lock classes (pg_advisory_xact_lock(class, id)): one tenant's quota, and the store's
+# chunks (the sweep exclusive, an upload's last check shared).
+TENANT_QUOTA_LOCK = 35_001
+STORE_CHUNKS_LOCK = 35_002
+HOLDING = ("storing", "durable")
+
+
+class StoreRefused(Exception):
+    """The checkpoint cannot be stored (its quota, its file gone); the message says why."""
+
+
+def checkpoint_blobs() -> BlobStore:
+    return BlobStore(settings.DATA_STORAGE_URL, chunks.KIND, settings.DATA_STORAGE_OPTIONS)
+
+
+def store_enabled() -> bool:
+    return bool(getattr(settings, "CHECKPOINT_STORE_ENABLED", True))
+
+
+def _lock(lock_class: int, key: int, *, shared: bool = False) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT pg_advisory_xact_lock{'_shared' if shared else ''}(%s, %s)", [lock_class, key])
+
+
+# --- What a tenant stores ---------------------------------------------------------------------------
+
+_TENANT_CHUNKS = """
+    SELECT DISTINCT chunk->>0 AS sha256, (chunk->>1)::bigint AS size
+    FROM runners_checkpoint checkpoint
+    JOIN runners_job job ON job.id = checkpoint.job_id,
+    jsonb_array_elements(checkpoint.manifest->'chunks') chunk
+    WHERE job.tenant_id = %s AND checkpoint.store_state IN ('storing', 'durable')
+"""
+
+
+def tenant_stored_bytes(tenant_id: int) -> int:
+    """The store's bytes the tenant's checkpoints hold (stored or being stored), each chunk counted once."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COALESCE(SUM(size), 0) FROM ({_TENANT_CHUNKS}) held", [tenant_id])
+        return int(cursor.fetchone()[0])
+
+
+def _tenant_holds(tenant_id: int, sha256s: list[str]) -> set[str]:
+    if not sha256s:
+        return set()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT sha256 FROM ({_TENANT_CHUNKS}) held WHERE sha256 = ANY(%s)", [tenant_id, sha256s])
+        return {row[0] for row in cursor.fetchall()}
+
+
+def tenant_quota_bytes(tenant_id: int) -> int | None:
+    quota_gb = TenantStorage.objects.filter(tenant_id=tenant_id).values_list("quota_gb", flat=True).first()
+    return None if quota_gb is None else int(Decimal(quota_gb) * BYTES_PER_GB)
+
+
+def _gb(size: int) -> str:
+    return f"{size / BYTES_PER_GB:.3f}"
+
+
+# --- Storing one checkpoint -------------------------------------------------------------------------
+
+
+def checkpoints_store_ask(job_id: int) -> None:
+    """Send ``checkpoint_store`` for each of the job's checkpoints waiting to be stored (after commit)."""
+    for checkpoint_id in Checkpoint.objects.filter(job_id=job_id, store_state="pending").values_list("id", flat=True):
+        send_task("runners.jobs.tasks.checkpoint_store", checkpoint_id)
+
+
+def _spool(opened, target: Path) -> None:
+    with open(target, "wb") as spool:
+        if opened.stream is not None:
+            shutil.copyfileobj(opened.stream, spool, 1 << 20)
+        else:
+            for piece in opened.chunks:
+                spool.write(piece)
+
+
+def _event(job: Job, reason: str) -> None:
+    JobEvent.objects.create(job=job, from_state=job.state, to_state=job.state, reason=reason[:1000])
+
+
+def _fail(checkpoint: Checkpoint, reason: str) -> None:
+    with transaction.atomic():
+        changed = Checkpoint.objects.filter(id=checkpoint.id, store_state="storing").update(
+            store_state="failed", store_reason=reason[:500], manifest=None, stored_bytes=0)
+        if changed:
+            _event(checkpoint.job, reason)
+    logger.warning("Checkpoint %s of job %s not stored: %s", checkpoint.step, checkpoint.job_id, reason)
+
+
+def checkpoint_reserve(checkpoint: Checkpoint, manifest: chunks.Manifest) -> None:
+    """Record the manifest (its chunks' bytes now count against the quota) if the quota has room, after
+    applying the tenant's retention once if it has not; StoreRefused otherwise."""
+    job = checkpoint.job
+    sha256s = list(dict.fromkeys(chunk.sha256 for chunk in manifest.chunks))
+    sizes = {chunk.sha256: chunk.bytes for chunk in manifest.chunks}
+    freed = 0
+    for tries in range(2):
+        with transaction.atomic():
+            _lock(TENANT_QUOTA_LOCK, job.tenant_id)
+            quota = tenant_quota_bytes(job.tenant_id)
+            new = sum(sizes[sha256] for sha256 in set(sha256s) - _tenant_holds(job.tenant_id, sha256s))
+            used = tenant_stored_bytes(job.tenant_id)
+            if quota is None or used + new <= quota:
+                Checkpoint.objects.filter(id=checkpoint.id, store_state="storing").update(
+                    manifest=manifest.to_json(), stored_bytes=new)
+                return
+        if tries == 0:
+            freed = sum(item["bytes_freed"] for item in retention_apply(tenant_id=job.tenant_id))
+    raise StoreRefused(
+        f"Checkpoint of step {checkpoint.step} not stored: it adds {_gb(new)} GB and tenant {job.tenant.slug} "
+        f"stores {_gb(used)} GB of its {_gb(quota)} GB checkpoint storage quota (its retention policy freed "
+        f"{_gb(freed)} GB first). Lower the retention's counts or ask for a larger quota.")
+
+
+def checkpoint_store_run(checkpoint_id: int) -> str:
+    """Store one pending checkpoint; what became of it."""
+    if not Checkpoint.objects.filter(id=checkpoint_id, store_state="pending").update(store_state="storing"):
+        return "not pending"
+    checkpoint = Checkpoint.objects.select_related("job__environment", "job__tenant").get(id=checkpoint_id)
+    job = checkpoint.job
+    folder = Path(tempfile.mkdtemp(prefix=f"checkpoint-{checkpoint_id}-"))
+    try:
+        spool = folder / "checkpoint"
+        try:
+            opened = get_backend().job_checkpoint(job.id, job.environment.namespace, checkpoint.uri)
+        except CheckpointElsewhere as exc:
+            Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
+                store_state="", store_reason=str(exc)[:500])
+            return "elsewhere"
+        except CheckpointGone:
+            _fail(checkpoint, f"Checkpoint of step {checkpoint.step} not stored: its file was deleted first.")
+            return "gone"
+        try:
+            _spool(opened, spool)
+        finally:
+            opened.close()
+        manifest = chunks.split(spool)
+        try:
+            checkpoint_reserve(checkpoint, manifest)
+        except StoreRefused as exc:
+            _fail(checkpoint, str(exc))
+            return "refused"
+        store = checkpoint_blobs()
+        chunks.store_chunks(store, spool, manifest)
+        with transaction.atomic():
+            _lock(STORE_CHUNKS_LOCK, 0, shared=True)
+            lacking = chunks.missing(store, manifest)
+            if lacking:  # collected by a sweep between our put and now
+                chunks.store_chunks(store, spool, manifest, only=lacking)
+            Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
+                store_state="durable", durable_at=timezone.now(), store_reason="")
+        return "durable"
+    except (BackendError, OSError) as exc:
+        # Asked again by the task's retry; what it reserved is released meanwhile.
+        Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
+            store_state="pending", manifest=None, stored_bytes=0)
+        raise TransientBackendError(f"Checkpoint {checkpoint_id} not stored yet: {exc}") from exc
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- Reading one back -------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(checkpoint: Checkpoint) -> BinaryIO:
+    """The checkpoint's bytes as an open file: the job folder's copy when the backend still has it there,
+    else the store's (joined from its chunks, each checked). StoreRefused when neither has it."""
+    job = checkpoint.job
+    try:
+        opened = get_backend().job_checkpoint(job.id, job.environment.namespace, checkpoint.uri)
+    except BackendError:
+        opened = None
+    if opened is not None:
+        if opened.stream is not None:
+            return opened.stream
+        opened.close()  # a folder: its tar is rebuilt from the store's copy, which has it whole
+    if checkpoint.store_state != "durable" or not checkpoint.manifest:
+        raise StoreRefused(f"Checkpoint of step {checkpoint.step} of job {job.name} #{job.id} is neither in its "
+                           "job's folder nor in the checkpoint store.")
+    handle = tempfile.TemporaryFile(prefix="checkpoint-")
+    folder = Path(tempfile.mkdtemp(prefix="checkpoint-restore-"))
+    try:
+        chunks.restore(checkpoint_blobs(), chunks.Manifest.from_json(checkpoint.manifest), folder / "file")
+        with open(folder / "file", "rb") as source:
+            shutil.copyfileobj(source, handle, 1 << 20)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    handle.seek(0)
+    return handle
+
+
+def checkpoint_restore(checkpoint: Checkpoint, destination: str | Path) -> int:
+    """Write the store's copy of a durable checkpoint to a local path (checked, atomic); its bytes."""
+    if checkpoint.store_state != "durable" or not checkpoint.manifest:
+        raise StoreRefused(f"Checkpoint of step {checkpoint.step} is not in the checkpoint store.")
+    return chunks.restore(checkpoint_blobs(), chunks.Manifest.from_json(checkpoint.manifest), destination)
+
+
+# --- Retention --------------------------------------------------------------------------------------
+
+
+def tenant_policy(tenant_id: int) -> retention.RetentionPolicy:
+    data = TenantStorage.objects.filter(tenant_id=tenant_id).values_list("retention", flat=True).first()
+    return retention.parse_policy(data)
+
+
+def job_policy(job: Job, tenant_default: retention.RetentionPolicy) -> retention.RetentionPolicy:
+    data = (job.spec or {}).get("checkpoint_retention")
+    return tenant_default if data is None else retention.parse_policy(data)
+
+
+@dataclass
+class _JobPlan:
+    job: Job
+    discard: set[int]
+    rows: dict[int, dict]
+
+
+def _plans(tenant_id: int, tenant_default: retention.RetentionPolicy, *, job_ids=None,
+           job_override: retention.RetentionPolicy | None = None) -> list[_JobPlan]:
+    jobs = Job.objects.filter(tenant_id=tenant_id, checkpoints__store_state="durable").distinct().order_by("id")
+    if job_ids is not None:
+        jobs = jobs.filter(id__in=job_ids)
+    plans = []
+    for job in jobs:
+        policy = job_override or job_policy(job, tenant_default)
+        if policy.keeps_everything:
+            continue
+        rows = {row["id"]: row for row in Checkpoint.objects.filter(job=job).values(
+            "id", "step", "store_state", "manifest")}
+        losses = dict(JobMetric.objects.filter(job=job, step__in=[row["step"] for row in rows.values()],
+                                               loss__isnull=False)
+                      .order_by("step", "attempt").values_list("step", "loss"))
+        history = [retention.StoredCheckpoint(row_id, row["step"], losses.get(row["step"]))
+                   for row_id, row in rows.items()]
+        durable = [row_id for row_id, row in rows.items() if row["store_state"] == "durable"]
+        protected = set()
+        if job.state not in JOB_FINAL_STATES and durable:
+            protected.add(max(durable, key=lambda row_id: rows[row_id]["step"]))
+        discard = retention.freed(policy, history, candidates=durable, protected=protected)
+        if discard:
+            plans.append(_JobPlan(job, discard, rows))
+    return plans
+
+
+def _bytes_freed(tenant_id: int, discard: set[int]) -> int:
+    """What the store's bytes of the tenant drop by when these checkpoints go (chunks others name stay)."""
+    if not discard:
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            SELECT COALESCE(SUM(size), 0) FROM ({_TENANT_CHUNKS.replace("WHERE", "WHERE checkpoint.id <> ALL(%s) AND")}) kept
+        """, [list(discard), tenant_id])
+        kept = int(cursor.fetchone()[0])
+    return tenant_stored_bytes(tenant_id) - kept
+
+
+def retention_preview(*, tenant_id: int, policy: retention.RetentionPolicy | None = None,
+                      job_id: int | None = None) -> dict:
+    """What a policy would free now: the checkpoints per job and the bytes the tenant's store drops by.
+
+    ``policy`` None previews the saved ones; given with ``job_id``, it is that job's; given without, the
+    tenant's (for the jobs that follow the tenant's)."""
+    default = tenant_policy(tenant_id) if policy is None or job_id is not None else policy
+    plans = _plans(tenant_id, default, job_ids=None if job_id is None else [job_id],
+                   job_override=policy if job_id is not None else None)
+    discard = set().union(*(plan.discard for plan in plans)) if plans else set()
+    return {
+        "checkpoints": sum(len(plan.discard) for plan in plans),
+        "bytes_freed": _bytes_freed(tenant_id, discard),
+        "stored_bytes": tenant_stored_bytes(tenant_id),
+        "jobs": [{"job": plan.job.id, "name": plan.job.name,
+                  "steps": sorted(plan.rows[row_id]["step"] for row_id in plan.discard)} for plan in plans],
+    }
+
+
+def retention_apply(*, tenant_id: int, now: datetime | None = None) -> list[dict]:
+    """Discard what the tenant's policies (its own, its jobs') do not keep; per job, what went."""
+    now = now or timezone.now()
+    done = []
+    for plan in _plans(tenant_id, tenant_policy(tenant_id)):
+        freed = _bytes_freed(tenant_id, plan.discard)
+        changed = Checkpoint.objects.filter(id__in=plan.discard, store_state="durable").update(
+            store_state="discarded", discarded_at=now, manifest=None)
+        if changed:
+            done.append({"job": plan.job.id, "checkpoints": changed, "bytes_freed": freed})
+    return done
+
+
+def chunks_collect() -> dict:
+    """Delete every chunk no checkpoint being stored or durable names (the store's own lock held)."""
+    with transaction.atomic():
+        _lock(STORE_CHUNKS_LOCK, 0)
+        with connection.cursor() as cursor:
+            cursor.execute("""
+                SELECT DISTINCT chunk->>0 FROM runners_checkpoint,
+                jsonb_array_elements(manifest->'chunks') chunk
+                WHERE store_state IN ('storing', 'durable') AND manifest IS NOT NULL
+            """)
+            referenced = {row[0] for row in cursor.fetchall()}
+        count, freed = chunks.collect(checkpoint_blobs(), referenced)
+    return {"chunks_deleted": count, "bytes_deleted": freed}
+
+
+def checkpoints_sweep_run() -> dict:
+    """The beat's sweep: every tenant's retention applied, then the chunks nothing names collected."""
+    # A pending checkpoint whose message was lost is asked for again.
+    waiting = Checkpoint.objects.filter(store_state="pending", created_at__lt=timezone.now() - timedelta(minutes=1))
+    for job_id in set(waiting.values_list("job_id", flat=True)):
+        checkpoints_store_ask(job_id)
+    tenant_ids = set(Job.objects.filter(checkpoints__store_state="durable").values_list("tenant_id", flat=True))
+    discarded = 0
+    for tenant_id in sorted(tenant_ids):
+        discarded += sum(item["checkpoints"] for item in retention_apply(tenant_id=tenant_id))
+    return {"checkpoints_discarded": discarded, **chunks_collect()}
