@@ -91,6 +91,10 @@ class JobSubmitSerializer(serializers.Serializer):
     bundle = serializers.RegexField(
         rf"^{jobs.BUNDLE_PATTERN}$", allow_null=True, required=False,
         help_text="script template: the SHA-256 of one of the tenant's bundles (/api/v1/tenants/{slug}/bundles/).")
+    checkpoint_retention = serializers.JSONField(
+        required=False, allow_null=True,
+        help_text="The job's checkpoint retention in the store: keep_newest, keep_best (by the reported loss), "
+                  "keep_every (every K-th checkpoint), each a count or null; null follows the tenant's policy.")
     datasets = DatasetRefSerializer(
         many=True, required=False,
         help_text="The datasets the job reads (its own, or owner/name for one shared with it); an omitted version or "
@@ -118,7 +122,7 @@ class CheckpointSerializer(PlainFieldsMixin, serializers.ModelSerializer):
     class Meta:
         model = Checkpoint
         list_serializer_class = PrefetchedListSerializer
-        fields = ["step", "bytes", "created_at", "uri"]
+        fields = ["step", "bytes", "created_at", "uri", "store_state", "durable_at"]
 
 
 class JobEventSerializer(PlainFieldsMixin, serializers.ModelSerializer):
