@@ -90,6 +90,10 @@ def _source(value, tenant: Tenant) -> dict:
             raise Invalid("source", "A model source takes no job, step or image.")
         if "model" not in value:
             raise Invalid("source.model", "The model whose version to serve.")
+        if settings.CLUSTER_BACKEND == "kubernetes":
+            # A replica's pod has no way to its weights yet (neither a signed URL nor the node cache's volume).
+            raise Invalid("source.model", "On the Kubernetes backend an endpoint serves a job's checkpoint from the "
+                                          "job's volume, or an image; model versions are served on the local backend.")
         version = registry_selectors.tenant_version_get(
             tenant=tenant, name=value["model"], version=value.get("version"), field="source.model",
             version_field="source.version")
