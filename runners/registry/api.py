@@ -40,7 +40,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
                 "exists": version.source_job_id is not None}
 
 
-class ModelSerializer(serializers.Serializer):
+class ModelSummarySerializer(serializers.Serializer):
     name = serializers.CharField()
     versions = serializers.IntegerField(help_text="How many versions it has.")
     newest = serializers.IntegerField(help_text="Its newest version's number.")
@@ -69,11 +69,11 @@ class ModelViewSet(TenantScopedMixin, viewsets.GenericViewSet):
     def refine_queryset(self, queryset):
         return queryset.filter(tenant=self.tenant())
 
-    @extend_schema(responses={200: ModelSerializer(many=True)})
+    @extend_schema(responses={200: ModelSummarySerializer(many=True)})
     def list(self, request, tenant_slug):
         rows = selectors.model_list(user=request.user, tenant=self.tenant())
         page = self.paginate_queryset(rows)
-        return self.get_paginated_response(ModelSerializer(page, many=True).data)
+        return self.get_paginated_response(ModelSummarySerializer(page, many=True).data)
 
     @extend_schema(request=PromoteSerializer, responses={201: ModelVersionSerializer, 200: ModelVersionSerializer})
     def create(self, request, tenant_slug):
@@ -82,7 +82,7 @@ class ModelViewSet(TenantScopedMixin, viewsets.GenericViewSet):
         return Response(ModelVersionSerializer(version).data,
                         status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
-    @extend_schema(responses={200: inline_serializer("Model", {
+    @extend_schema(responses={200: inline_serializer("ModelWithVersions", {
         "name": serializers.CharField(), "versions": ModelVersionSerializer(many=True)})})
     def retrieve(self, request, tenant_slug, name):
         """A model and its versions, newest first (at most 200)."""
