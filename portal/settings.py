@@ -386,6 +386,10 @@ except ValueError as exc:
     raise ImproperlyConfigured(f"DATA_STORAGE_OPTIONS is not JSON: {exc}") from None
 if not isinstance(DATA_STORAGE_OPTIONS, dict):
     raise ImproperlyConfigured('DATA_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+# Node caches on the local backend (runners.storage.nodecache): the folder holding each node's cache
+# (<NODE_CACHE_DIR>/<node name>/) and each cache's size in bytes, where the node's pool sets neither.
+NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
+NODE_CACHE_BYTES = env_int("NODE_CACHE_BYTES", 20 * 1024**3, minimum=0)
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
@@ -411,6 +415,7 @@ CELERY_BEAT_SCHEDULE = {
                      "options": {"expire_seconds": max(1, round(USAGE_SAMPLE_INTERVAL_S))}},
     "usage-settle": {"task": "runners.tasks.usage_settle", "schedule": float(USAGE_SETTLE_INTERVAL_S)},
     "notifications-sweep": {"task": "runners.tasks.notifications_sweep", "schedule": SWEEP_INTERVAL_S},
+    "node-caches-sync": {"task": "runners.nodecache.tasks.caches_sync", "schedule": SWEEP_INTERVAL_S},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
