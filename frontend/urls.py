@@ -3,6 +3,7 @@ from django.urls import path
 
 from frontend import (
     audit_page,
+    dataset_views,
     endpoint_views,
     job_views,
     model_views,
@@ -45,6 +46,7 @@ urlpatterns = [
     path("jobs/<int:job_id>/log/download/", job_views.job_log_download, name="job-log-download"),
     path("tenants/<slug:slug>/endpoints/", endpoint_views.endpoint_list_page, name="endpoints"),
     path("tenants/<slug:slug>/models/", model_views.model_list_page, name="models"),
+    path("tenants/<slug:slug>/datasets/", dataset_views.dataset_list_page, name="tenant-datasets"),
     path("tenants/<slug:slug>/models/<slug:name>/v<int:version>/", model_views.model_version_page,
          name="model-version"),
     path("tenants/<slug:slug>/endpoints/new/", endpoint_views.endpoint_deploy, name="endpoint-deploy"),
