@@ -14,8 +14,9 @@ GPU, less is a time-sliced share of one GPU).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional, Sequence, get_args
+from typing import Literal, Optional, Sequence, Union, get_args
 
 import numpy as np
 
@@ -148,6 +149,10 @@ class PodRequest:
         return {1: 1, 2: 2, 4: 3, 8: 4}.get(self.num_gpu, 5)
 
 
+# Bytes of a gang's data held by each node's cache: a mapping of node name to bytes, or its items.
+CachedBytes = Union[Mapping[str, int], Iterable[tuple[str, int]]]
+
+
 @dataclass(frozen=True)
 class Gang:
     """Pods that run together or not at all, optionally inside one node, NVLink domain or rack."""
@@ -157,12 +162,31 @@ class Gang:
     topology: Topology = "none"
     # False: the topology is a preference, and the gang spreads over the cluster when no domain fits.
     required: bool = True
+    # How many bytes of the gang's data (its datasets' shards, a serving replica's weights) each
+    # node's cache holds already, by node name; a node not named holds none. Placement prefers,
+    # among the nodes its policy finds as good, those holding more (placement.py says exactly
+    # when). Given as a mapping or pairs; kept as (name, bytes) pairs sorted by name, without
+    # zeros, so that a gang stays hashable and two gangs with the same data compare equal.
+    cached_bytes: CachedBytes = ()
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"gang {self.name!r}: topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if not self.pods:
             raise ValueError(f"gang {self.name!r} has no pods")
+        cached = self.cached_bytes.items() if isinstance(self.cached_bytes, Mapping) else self.cached_bytes
+        pairs = []
+        for node_name, count in cached:
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+                raise ValueError(
+                    f"gang {self.name!r}: cached_bytes of node {node_name!r} must be a whole number >= 0, got {count!r}"
+                )
+            if count:
+                pairs.append((str(node_name), int(count)))
+        names = [node_name for node_name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"gang {self.name!r}: cached_bytes names a node more than once")
+        object.__setattr__(self, "cached_bytes", tuple(sorted(pairs)))
 
 
 @dataclass(frozen=True)
@@ -230,6 +254,11 @@ class ClusterState:
 
     # No trial open (see `trial`).
     _undo: Optional[dict] = None
+    # While placement places one gang: how many bytes of that gang's data each node (row) holds, and
+    # how many points below the best score a node holding more may be and still be taken
+    # (`policies.pick_max`). None outside a gang with cached data: ties go by `tie_rank` alone.
+    held_bytes: Optional[np.ndarray] = None
+    held_tolerance_points: float = 0
 
     # The arrays `copy()` copies; every other array is layout, read-only and shared.
     _OCCUPANCY = (
@@ -360,6 +389,19 @@ class ClusterState:
         for row in placed_rows:
             self.version[row] = self._clock.tick()
 
+    def held_by_row(self, cached_bytes: Iterable[tuple[str, int]]) -> Optional[np.ndarray]:
+        """Bytes held per node row, from (node name, bytes) pairs (`Gang.cached_bytes`); None when no
+        node of this state holds any (names of nodes outside it are left out)."""
+        held = None
+        for node_name, count in cached_bytes:
+            row = self.row_of.get(node_name)
+            if row is None or count <= 0:
+                continue
+            if held is None:
+                held = np.zeros(self.n_nodes, dtype=np.int64)
+            held[row] = count
+        return held
+
     def same_family(self, other: ClusterState) -> bool:
         """True when `other` is this state or a copy of it (or of a copy): their versions compare."""
         return other._clock is self._clock
@@ -446,6 +488,31 @@ class ClusterState:
             for col in gpu_indices:
                 self.gpu_left_milli[row, col] -= pod.gpu_milli
             self.affinity_pods[row, pod.affinity_tag] += 1
+            self._refresh_summaries(np.array([row]))
+        self.version[row] = self._clock.tick()
+
+    def release(self, row: int, pod: PodRequest, gpu_indices: tuple[int, ...]) -> None:
+        """Give back what `place` took for the pod on node `row`: a pod that ended (a replay with departures).
+
+        The caller placed it there with these GPUs; giving back more than the node has is refused.
+        MIG slices are not given back here (their instances stay in the layout).
+        """
+        if pod.kind == "mig":
+            raise ValueError(f"pod {pod.name!r}: MIG slices are not released through ClusterState.release")
+        cpu = self.cpu_left_milli[row] + pod.cpu_milli
+        memory = self.memory_left_mib[row] + pod.memory_mib
+        gpus = self.gpu_left_milli[row].copy()
+        if pod.gpu_count:
+            for col in gpu_indices:
+                gpus[col] += pod.gpu_milli
+        if cpu > self.cpu_capacity_milli[row] or memory > self.memory_capacity_mib[row] or (gpus > GPU_MILLI).any():
+            raise ValueError(f"pod {pod.name!r} was not placed on node {self.node_names[row]!r} with GPUs {gpu_indices}")
+        self._remember(row)
+        self.cpu_left_milli[row] = cpu
+        self.memory_left_mib[row] = memory
+        if pod.gpu_count:
+            self.gpu_left_milli[row] = gpus
+            self.affinity_pods[row, pod.affinity_tag] -= 1
             self._refresh_summaries(np.array([row]))
         self.version[row] = self._clock.tick()
 

@@ -14,13 +14,36 @@ node costs: on a cluster of 20,000 nodes a mask per node tried made the cycle qu
 preferred constraint (`required` False) falls back to the whole cluster when no domain fits; a
 required one makes the gang wait. The policy is built once per call, so FGD's per-node scores carry
 over from domain to domain and from gang to gang instead of being recomputed for every trial.
+
+Cached data (`Gang.cached_bytes`: how many bytes of the gang's datasets or weights each node's
+cache holds) only breaks ties between placements that are otherwise as good, in three places:
+
+* a pod's node: among the feasible nodes whose policy score is the best one, or within
+  `cache_tolerance_points` of it (default `CACHE_TOLERANCE_POINTS`, 0: the same whole-point score;
+  for FGD and `portal` one point is about 40 milli-GPU of fragmentation growth near zero), the one
+  holding most of the gang's bytes wins, then the best score, then the usual node order
+  (`policies.pick_max`). A MIG slot: among the slots equal in idle-instance reuse and best fit, the
+  node holding most wins, then the usual order.
+* a gang's domain (one node, NVLink domain or rack): the plain order takes the first domain of the
+  topology that fits. Another domain of the same topology is as good when the policy's best score
+  for the gang's first pod on its nodes is at least that on the first domain's, less the same
+  tolerance; of those that fit, the one holding most of the gang's bytes (summed over its nodes)
+  wins, and only if it holds more than the first (`_place_preferring`). The tier never changes: a
+  preferred topology still tries every domain of it before the whole cluster, and a gang with MIG
+  pods keeps the plain order of domains.
+* never at the cost of a place: a gang of several pods whose cache-preferring trial finds no room
+  in a domain is tried there again in the plain order, so a gang placed without cached data is
+  placed with it too. A pod never waits for a node holding its data while another fits.
+
+With no bytes held, or the same bytes held on every node, placement is exactly what it is without
+(the scheduler's fingerprint tests pin it).
 """
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -37,6 +60,10 @@ _ANY_DOMAIN: dict[Topology, str] = {
     "nvlink": "any one NVLink domain",
 }
 _ONE_DOMAIN: dict[Topology, str] = {"node": "one node", "rack": "one rack", "nvlink": "one NVLink domain"}
+
+# How many points below the best score a node holding more of a gang's cached bytes may score and
+# still be taken (see the module's note). 0: only nodes of the best score are as good.
+CACHE_TOLERANCE_POINTS = 0
 
 
 def _misfit_reason(gang: Gang, pod_name: str) -> str:
@@ -130,10 +157,13 @@ def _place_mig(state: ClusterState, pod: PodRequest, node_mask: np.ndarray) -> O
     if not slots:
         return None
     # An idle existing instance first (no repartitioning), then the GPU with the fewest free
-    # memory slices (best fit), then the lowest start, which leaves the high slots contiguous.
+    # memory slices (best fit), then the node holding most of the gang's cached bytes, then the
+    # lowest start, which leaves the high slots contiguous.
+    held = state.held_bytes
     slot = min(
         slots,
-        key=lambda s: (not s.reuses_idle, state.mig_free_slices(s.row, s.col), state.tie_rank[s.row], s.col, s.start),
+        key=lambda s: (not s.reuses_idle, state.mig_free_slices(s.row, s.col), 0 if held is None else -held[s.row],
+                       state.tie_rank[s.row], s.col, s.start),
     )
     state.place_mig(slot.row, slot.col, slot.start, pod)
     return Placement(pod.name, state.node_names[slot.row], (slot.col,), 0, pod.mig_profile, slot.start)
@@ -225,12 +255,15 @@ class _SeededOnUse:
 
 
 def _try_domain(
-    state: ClusterState, gang: Gang, policy: Policy, domain: Domain, seed: int
+    state: ClusterState, gang: Gang, policy: Policy, domain: Domain, seed: int,
+    held: Optional[np.ndarray] = None, tolerance_points: float = 0, keep: bool = True,
 ) -> tuple[Optional[list[Placement]], str, bool]:
     """The gang's placements inside the domain; or None and the pod that did not fit.
 
     The third value says whether the placements are made on `state` already: they are tried there
     and undone when a pod does not fit, except in an NVLink domain (GPUs hidden), tried on a copy.
+    ``held``: bytes of the gang's data per node, for the policy's tie-break (`policies.pick_max`).
+    ``keep`` False: the placements are found and undone (a look, not a decision).
     """
     scratch = state
     if domain.gpus is not None:
@@ -238,6 +271,7 @@ def _try_domain(
         scratch.hide_gpus_outside(domain.gpus)
     else:
         state.trial()
+    scratch.held_bytes, scratch.held_tolerance_points = held, tolerance_points
     # Every trial draws from the same seed, so a gang's random-fit choices do not depend on how
     # many domains were tried before.
     rng = _SeededOnUse(seed)
@@ -251,13 +285,14 @@ def _try_domain(
                 break
             placements.append(placement)
     finally:
+        scratch.held_bytes, scratch.held_tolerance_points = None, 0
         if scratch is state:
             # Kept only when every pod found room; undone otherwise, or when something raised.
-            if placements is not None and len(placements) == len(gang.pods):
+            if keep and placements is not None and len(placements) == len(gang.pods):
                 state.keep([state.row_of[placement.node] for placement in placements])
             else:
                 state.undo()
-    return placements, last_pod, scratch is state and placements is not None
+    return placements, last_pod, keep and scratch is state and placements is not None
 
 
 def _apply(state: ClusterState, gang: Gang, placements: list[Placement]) -> None:
@@ -276,6 +311,7 @@ def place_gangs(
     policy: PolicyName = "portal",
     typical: Optional[list[TypicalPod]] = None,
     seed: int = 0,
+    cache_tolerance_points: float = CACHE_TOLERANCE_POINTS,
 ) -> list[GangDecision]:
     """Decide, gang by gang in the given order, where each gang's pods go or why it waits."""
     state = ClusterState(list(snapshot.nodes))
@@ -285,27 +321,46 @@ def place_gangs(
         typical = typical_pods(pods or [PodRequest("cpu", 1000, 1024)], with_memory=policy == "portal")
     # One policy for the whole call: every trial state is a copy of `state`, so its caches hold.
     chooser = make_policy(policy, typical)
+    return place_gangs_on(state, gangs, chooser, seed=seed, cache_tolerance_points=cache_tolerance_points)
+
+
+def place_gangs_on(
+    state: ClusterState,
+    gangs: Sequence[Gang],
+    chooser: Policy,
+    seed: int = 0,
+    cache_tolerance_points: float = CACHE_TOLERANCE_POINTS,
+) -> list[GangDecision]:
+    """`place_gangs` on a cluster state the caller keeps: each placed gang is made on it.
+
+    A replay that keeps one state and one policy for a whole stream of gangs (pods leaving through
+    `ClusterState.release`) places through this, as the cycle does through `place_gangs`.
+    """
     decisions = []
     for gang in gangs:
+        held = state.held_by_row(gang.cached_bytes) if gang.cached_bytes else None
+        tier: Sequence[Domain]
         if gang.topology == "node":
             # One domain per node, but only the nodes that pass _could_hold's test, found in one
             # vector operation instead of a trial per node (the same domains in the same order).
-            # A generator of one-row domains: nothing per node of the cluster is made for a trial.
-            domains = (_one_node(row) for row in _rows_that_could_hold(state, gang))
+            # One-row domains made as they are tried: nothing per node of the cluster is made for a trial.
+            tier = _OneNodeDomains(_rows_that_could_hold(state, gang))
             has_domains = state.n_nodes > 0
         else:
-            domains = _domains(state, gang.topology)
-            has_domains = bool(domains)
-        if not gang.required and gang.topology != "none":
-            domains = itertools.chain(domains, _domains(state, "none"))
-            has_domains = True
-        placements, last_pod, applied = None, gang.pods[0].name, False
-        for domain in domains:
-            if not _could_hold(state, gang, domain):
-                continue
-            placements, last_pod, applied = _try_domain(state, gang, chooser, domain, seed)
-            if placements is not None:
-                break
+            tier = _domains(state, gang.topology)
+            has_domains = bool(tier)
+        # A preferred topology falls back to the whole cluster once no domain of it fits.
+        fallback = _domains(state, "none") if not gang.required and gang.topology != "none" else []
+        has_domains = has_domains or bool(fallback)
+        last_pod = gang.pods[0].name
+        if held is not None and gang.topology != "none" and len(tier) > 1 and all(pod.kind != "mig" for pod in gang.pods):
+            placements, last_pod, applied = _place_preferring(
+                state, gang, chooser, tier, seed, held, cache_tolerance_points, last_pod)
+        else:
+            placements, last_pod, applied = _first_fit(state, gang, chooser, tier, seed, held, cache_tolerance_points, last_pod)
+        if placements is None and fallback:
+            placements, last_pod, applied = _first_fit(
+                state, gang, chooser, fallback, seed, held, cache_tolerance_points, last_pod)
         if placements is None:
             reason = _misfit_reason(gang, last_pod)
             if gang.topology != "none" and not has_domains:
@@ -316,6 +371,94 @@ def place_gangs(
             _apply(state, gang, placements)
         decisions.append(GangDecision(gang.name, tuple(placements)))
     return decisions
+
+
+class _OneNodeDomains(Sequence):
+    """One-node domains, one per row given, made as they are asked for."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    def __getitem__(self, index: int) -> Domain:
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        return _one_node(int(self.rows[index]))
+
+
+_Tried = tuple[Optional[list[Placement]], str, bool]
+
+
+def _fit(state: ClusterState, gang: Gang, chooser: Policy, domain: Domain, seed: int,
+         held: Optional[np.ndarray], tolerance_points: float, keep: bool = True) -> _Tried:
+    """`_try_domain`, preferring the nodes that hold the gang's data; tried again in the plain order when
+    that finds no room, since sending an early pod to a cached node may take the room a later one needed:
+    a gang that fits the domain without cached data fits it with."""
+    tried = _try_domain(state, gang, chooser, domain, seed, held, tolerance_points, keep)
+    if tried[0] is None and held is not None and len(gang.pods) > 1 and (domain.rows is None or domain.rows.size > 1):
+        tried = _try_domain(state, gang, chooser, domain, seed, keep=keep)
+    return tried
+
+
+def _first_fit(state: ClusterState, gang: Gang, chooser: Policy, domains: Iterable[Domain], seed: int,
+               held: Optional[np.ndarray], tolerance_points: float, last_pod: str) -> _Tried:
+    """The gang in the first of the domains, in their order, that takes every pod."""
+    for domain in domains:
+        if not _could_hold(state, gang, domain):
+            continue
+        placements, last_pod, applied = _fit(state, gang, chooser, domain, seed, held, tolerance_points)
+        if placements is not None:
+            return placements, last_pod, applied
+    return None, last_pod, False
+
+
+def _domain_score(state: ClusterState, chooser: Policy, pod: PodRequest, domain: Domain) -> float:
+    """The policy's best score for the pod on the domain's nodes (an NVLink domain's nodes whole)."""
+    rows = domain.rows
+    if rows is None and pod.kind in ("share", "whole"):
+        rows = state.model_rows(pod)
+    feasible = state.feasible(pod, domain.nodes, rows)
+    return float(chooser.scores(state, pod, feasible).max()) if feasible.size else -np.inf
+
+
+def _place_preferring(state: ClusterState, gang: Gang, chooser: Policy, tier: Sequence[Domain], seed: int,
+                      held: np.ndarray, tolerance_points: float, last_pod: str) -> _Tried:
+    """The gang in a domain of its topology that holds more of its bytes than the one the plain order
+    takes, when one fits and is as good; else in that one.
+
+    The plain order takes the first domain that fits. Another is as good when the policy's best
+    score there for the gang's first pod is at least its best score in that first domain, less
+    the tolerance. Domains holding more bytes (over their nodes) are tried first, most first.
+    """
+    first = None
+    for index, domain in enumerate(tier):
+        if not _could_hold(state, gang, domain):
+            continue
+        # Found on a trial that is undone: the gang is made where the search below ends.
+        placements, last_pod, _ = _fit(state, gang, chooser, domain, seed, held, tolerance_points, keep=False)
+        if placements is not None:
+            first = index
+            break
+    if first is None:
+        return None, last_pod, False
+    if isinstance(tier, _OneNodeDomains):
+        totals = held[tier.rows]
+    else:
+        totals = np.array([held[domain.mask(state.n_nodes)].sum() for domain in tier])
+    richer = np.flatnonzero(totals > totals[first])
+    if richer.size:
+        pod = gang.pods[0]
+        bar = _domain_score(state, chooser, pod, tier[first]) - tolerance_points
+        for index in richer[np.argsort(-totals[richer], kind="stable")]:
+            domain = tier[int(index)]
+            if not _could_hold(state, gang, domain) or _domain_score(state, chooser, pod, domain) < bar:
+                continue
+            placements, _, applied = _fit(state, gang, chooser, domain, seed, held, tolerance_points)
+            if placements is not None:
+                return placements, last_pod, applied
+    return _fit(state, gang, chooser, tier[first], seed, held, tolerance_points)
 
 
 def place_pods(

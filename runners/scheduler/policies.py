@@ -275,6 +275,10 @@ class Policy(Protocol):
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         ...
 
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
+        """The score `select` ranks each feasible node by (higher is better)."""
+        ...
+
 
 def pick_max(state: ClusterState, feasible: np.ndarray, scores: np.ndarray) -> int:
     """Position in `feasible` of the highest score, ties to the node first in `state.tie_rank`.
@@ -282,12 +286,42 @@ def pick_max(state: ClusterState, feasible: np.ndarray, scores: np.ndarray) -> i
     Breaking ties by a fixed node order rather than uniformly at random is what reproduces the
     published numbers: with random ties FGD lands near 89.6% on `default`, with ordered ties at
     95.4% as published (the simulator builds on a patched Kubernetes, mental2008/kubernetes).
+
+    While a gang with cached data is placed (`state.held_bytes` set), the nodes as good as the
+    best are first narrowed to those holding most of its bytes: see `_pick_holding`.
     """
     best = scores.max()
+    if state.held_bytes is not None:
+        pick = _pick_holding(state, feasible, scores, best)
+        if pick is not None:
+            return pick
     ties = np.flatnonzero(scores == best)
     if ties.size == 1:
         return int(ties[0])
     return int(ties[np.argmin(state.tie_rank[feasible[ties]])])
+
+
+def _pick_holding(state: ClusterState, feasible: np.ndarray, scores: np.ndarray, best: float) -> Optional[int]:
+    """Among the feasible nodes as good as the best, the one holding most of the gang's bytes; None
+    when none of them holds any (the plain tie-break decides).
+
+    "As good" is a score within `state.held_tolerance_points` of the best (0: the same score; the
+    policies' scores are whole points). Among the nodes holding most, the best score wins, then
+    `tie_rank`. So with no bytes held, or the same bytes held on every node as good, this picks
+    what `pick_max` picks without it.
+    """
+    close = np.flatnonzero(scores >= best - state.held_tolerance_points)
+    held = state.held_bytes[feasible[close]]
+    most = held.max()
+    if most <= 0:
+        return None
+    close = close[held == most]
+    if close.size > 1:
+        close_scores = scores[close]
+        close = close[close_scores == close_scores.max()]
+    if close.size == 1:
+        return int(close[0])
+    return int(close[np.argmin(state.tie_rank[feasible[close]])])
 
 
 def _highest(state: ClusterState, pod: PodRequest, feasible: np.ndarray, scores: np.ndarray) -> Choice:
@@ -302,8 +336,13 @@ class RandomPolicy:
     name: PolicyName = "random"
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        # A draw, not a ranking: cached data does not steer it (there is no tie to break).
         row = int(feasible[rng.integers(feasible.size)])
         return Choice(row, state.default_gpus(row, pod))
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
+        """Every feasible node is as good as any other."""
+        return np.zeros(feasible.size, dtype=np.int64)
 
 
 class BestFitPolicy:
@@ -312,10 +351,12 @@ class BestFitPolicy:
     name: PolicyName = "bestfit"
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        return _highest(state, pod, feasible, self.scores(state, pod, feasible))
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
         cpu_term = (state.cpu_left_milli[feasible] - pod.cpu_milli) / MAX_SPEC_CPU_MILLI * 0.5
         gpu_term = (state.total_left_milli[feasible] - pod.total_gpu_milli * (pod.gpu_count > 0)) / MAX_SPEC_GPU_MILLI * 0.5
-        scores = ((1.0 - (0.0 + cpu_term + gpu_term)) * MAX_NODE_SCORE).astype(np.int64)
-        return _highest(state, pod, feasible, scores)
+        return ((1.0 - (0.0 + cpu_term + gpu_term)) * MAX_NODE_SCORE).astype(np.int64)
 
 
 class PackingPolicy:
@@ -324,8 +365,11 @@ class PackingPolicy:
     name: PolicyName = "packing"
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        return _highest(state, pod, feasible, self.scores(state, pod, feasible))
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
         if pod.kind == "cpu":
-            return _highest(state, pod, feasible, np.zeros(feasible.size))
+            return np.zeros(feasible.size)
         full_free = state.full_free_gpus[feasible]
         untouched = full_free == state.gpu_count[feasible]
         scores_untouched = np.maximum(MAX_NODE_SCORE // 3 - full_free, full_free)
@@ -336,8 +380,7 @@ class PackingPolicy:
             tightest = np.where(left >= pod.gpu_milli, left, GPU_MILLI + 1).min(axis=1)
             share_score = np.maximum(MAX_NODE_SCORE - (tightest * 100 // GPU_MILLI) // 10, MAX_NODE_SCORE // 2)
             scores_used = np.where(tightest == GPU_MILLI, max(MAX_NODE_SCORE // 2 - 1, MAX_NODE_SCORE // 3), share_score)
-        scores = np.where(untouched, scores_untouched, scores_used)
-        return _highest(state, pod, feasible, scores)
+        return np.where(untouched, scores_untouched, scores_used)
 
 
 class ClusteringPolicy:
@@ -346,14 +389,17 @@ class ClusteringPolicy:
     name: PolicyName = "clustering"
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        return _highest(state, pod, feasible, self.scores(state, pod, feasible))
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
         if pod.kind == "cpu":
-            return _highest(state, pod, feasible, np.zeros(feasible.size))
+            return np.zeros(feasible.size)
         counts = state.affinity_pods[feasible]
         same = counts[:, pod.affinity_tag] > 0
         kinds = (counts > 0).sum(axis=1)
         base = (MAX_NODE_SCORE // 4) * (MAX_SPEC_GPU_MILLI - state.total_left_milli[feasible]) // MAX_SPEC_GPU_MILLI
         bonus = np.where(same, np.where(kinds == 1, 75, 50), np.where(kinds == 0, 25, 0))
-        return _highest(state, pod, feasible, base + bonus)
+        return base + bonus
 
 
 class DotProductPolicy:
@@ -362,13 +408,15 @@ class DotProductPolicy:
     name: PolicyName = "dotprod"
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
+        return _highest(state, pod, feasible, self.scores(state, pod, feasible))
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
         node_cpu = state.cpu_left_milli[feasible] / MAX_SPEC_CPU_MILLI
         node_gpu = state.total_left_milli[feasible] / MAX_SPEC_GPU_MILLI
         pod_cpu = pod.cpu_milli / MAX_SPEC_CPU_MILLI
         pod_gpu = (pod.total_gpu_milli if pod.gpu_count else 0) / MAX_SPEC_GPU_MILLI
         dot = 0.0 + node_cpu * pod_cpu + node_gpu * pod_gpu
-        scores = (MAX_NODE_SCORE * (1 - dot / 2)).astype(np.int64)
-        return _highest(state, pod, feasible, scores)
+        return (MAX_NODE_SCORE * (1 - dot / 2)).astype(np.int64)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -451,6 +499,9 @@ class FgdPolicy:
         if kind == "whole":
             return state.whole_gpus(row, pod.gpu_count)
         return ()
+
+    def scores(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray) -> np.ndarray:
+        return self._scores(state, pod, feasible)[0]
 
     def select(self, state: ClusterState, pod: PodRequest, feasible: np.ndarray, rng: np.random.Generator) -> Choice:
         scores, gpus = self._scores(state, pod, feasible)
