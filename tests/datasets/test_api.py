@@ -213,6 +213,16 @@ def test_jobs_name_datasets_by_version_pinned_at_submit(pushed, client_for, owne
     assert selectors.blobs_for_job_spec(tenant, job.spec) == [(s.sha256, s.bytes) for s in shards]
     version = api.get(BASE.format(slug="acme") + "images/versions/1/").json()
     assert [use["job_id"] for use in version["jobs"]] == [job_id]
+    # The launch carries the pinned version's shards, each with a URL signed for the attempt.
+    from django.utils import timezone
+
+    from runners.jobs.attempts import _dataset_mounts
+    from runners.jobs.models import JobAttempt
+
+    mounts = _dataset_mounts(job, JobAttempt(job=job, number=1, admitted_at=timezone.now()))
+    assert [(m.name, m.version, [(r.sha256, r.bytes) for r in m.shards]) for m in mounts] == \
+        [("images", 1, [(s.sha256, s.bytes) for s in shards])]
+    assert all("/datasets/fetch/" in ref.fetch_url for ref in mounts[0].shards)
 
     for bad in ([{"name": "nope"}], [{"name": "images", "version": 7}]):
         refused = api.post("/api/v1/jobs/", {**job_data(acme_env), "datasets": bad})
