@@ -390,6 +390,11 @@ if not isinstance(DATA_STORAGE_OPTIONS, dict):
 # (<NODE_CACHE_DIR>/<node name>/) and each cache's size in bytes, where the node's pool sets neither.
 NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
 NODE_CACHE_BYTES = env_int("NODE_CACHE_BYTES", 20 * 1024**3, minimum=0)
+# The checkpoint store (runners/jobs/checkpoint_store.py): whether recorded checkpoints are copied into
+# DATA_STORAGE_URL as deduplicated chunks, and how often the sweep resends pending ones, applies retention
+# and collects chunks no checkpoint names.
+CHECKPOINT_STORE_ENABLED = env_bool("CHECKPOINT_STORE_ENABLED", True)
+CHECKPOINT_SWEEP_INTERVAL_S = env_float("CHECKPOINT_SWEEP_INTERVAL_S", 300.0, minimum=1.0)
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
@@ -416,6 +421,7 @@ CELERY_BEAT_SCHEDULE = {
     "usage-settle": {"task": "runners.tasks.usage_settle", "schedule": float(USAGE_SETTLE_INTERVAL_S)},
     "notifications-sweep": {"task": "runners.tasks.notifications_sweep", "schedule": SWEEP_INTERVAL_S},
     "node-caches-sync": {"task": "runners.nodecache.tasks.caches_sync", "schedule": SWEEP_INTERVAL_S},
+    "checkpoints-sweep": {"task": "runners.jobs.tasks.checkpoints_sweep", "schedule": CHECKPOINT_SWEEP_INTERVAL_S},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
