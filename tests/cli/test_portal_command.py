@@ -328,8 +328,8 @@ def test_models_promote_lists_and_shows_a_versions_lineage(cli, trained):
     assert promoted.stdout.strip() == "tiny:1" and "kept in the model store" in promoted.stderr
     assert [(m["name"], m["newest"]) for m in cli.json("models", "ls")] == [("tiny", 1)]
     version = cli.json("models", "show", "tiny:1")
-    assert (version["job"]["id"], version["step"], version["lineage"]["hyperparameters"]) == (job_id, 40,
-                                                                                              {"batch_size": 8})
+    assert (version["job"]["id"], version["step"], version["lineage"]["hyperparameters"]["batch_size"]) == (
+        job_id, 40, 8)
     shown = cli("models", "show", "tiny:1")
     assert shown.returncode == 0 and "cli-tiny" in shown.stdout and version["weights"]["sha256"] in shown.stdout
     # 4: a model or version that does not exist, the field named.
