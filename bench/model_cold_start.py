@@ -179,9 +179,14 @@ def main() -> None:
     os.environ.update(DATA_STORAGE_URL=url, DATA_STORAGE_OPTIONS=json.dumps(options),
                       LOCAL_JOBS_DIR=str(work / "jobs"), LOCAL_WORKSPACE_DIR=str(work / "workspaces"),
                       LOCAL_USE_NVML="false", LOCAL_PROVISION_DELAY_S="0", DJANGO_SETTINGS_MODULE="portal.settings")
+    import logging
+
     import django
 
     django.setup()
+    # The S3 server's request lines and the portal's access log would bury the figures.
+    for noisy in ("werkzeug", "portal.access", "runners.registry.services"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from django.contrib.auth import get_user_model
     from rest_framework.test import APIClient
 
