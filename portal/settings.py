@@ -267,7 +267,8 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
-    "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "quotas.models.PartitionKind"},
+    "ENUM_NAME_OVERRIDES": {"PartitionKindEnum": "quotas.models.PartitionKind",
+                            "DatasetVersionStateEnum": "runners.datasets.models.VersionState"},
     # The docs pages load Swagger UI from the portal's own static files, never from a CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
@@ -395,12 +396,30 @@ NODE_CACHE_BYTES = env_int("NODE_CACHE_BYTES", 20 * 1024**3, minimum=0)
 # and collects chunks no checkpoint names.
 CHECKPOINT_STORE_ENABLED = env_bool("CHECKPOINT_STORE_ENABLED", True)
 CHECKPOINT_SWEEP_INTERVAL_S = env_float("CHECKPOINT_SWEEP_INTERVAL_S", 300.0, minimum=1.0)
+# Datasets (runners.datasets): the largest shard a version may hold, the most shards in one version, the
+# most bytes one upload request carries, the storage URLs a tenant may register a dataset from (`{tenant}`
+# is its slug: the portal's own credentials read them, so a tenant names only its own prefix) with their
+# fsspec options as JSON, and the shard size a worker packs a registered folder into.
+DATASET_SHARD_MAX_BYTES = env_int("DATASET_SHARD_MAX_BYTES", 256 * 1024 * 1024, minimum=1024)
+DATASET_MAX_SHARDS = env_int("DATASET_MAX_SHARDS", 100_000, minimum=1)
+DATASET_UPLOAD_PART_BYTES = env_int("DATASET_UPLOAD_PART_BYTES", 8 * 1024 * 1024, minimum=64 * 1024)
+DATASET_SOURCE_URLS = env_list("DATASET_SOURCE_URLS", [f"file://{VAR_DIR / 'datasets-incoming'}/{{tenant}}/"])
+try:
+    DATASET_SOURCE_OPTIONS = json.loads(env_str("DATASET_SOURCE_OPTIONS", "{}"))
+except ValueError as exc:
+    raise ImproperlyConfigured(f"DATASET_SOURCE_OPTIONS is not JSON: {exc}") from None
+if not isinstance(DATASET_SOURCE_OPTIONS, dict):
+    raise ImproperlyConfigured('DATASET_SOURCE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+DATASET_REGISTER_SHARD_BYTES = env_int("DATASET_REGISTER_SHARD_BYTES", 64 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
 # Paths whose views read and bound their request bodies themselves, exempt from REQUEST_MAX_BODY_BYTES: a
 # bundle upload streams to a temporary file and stops where no archive within the BUNDLE_ limits reaches.
-REQUEST_BODY_BOUNDED_BY_VIEW = [r"^/api/v1/tenants/[a-z0-9-]+/bundles/$"]
+REQUEST_BODY_BOUNDED_BY_VIEW = [
+    r"^/api/v1/tenants/[a-z0-9-]+/bundles/$",
+    r"^/api/v1/tenants/[a-z0-9-]+/datasets/[a-z0-9-]+/versions/\d+/shards/[0-9a-f]{64}/$",
+]
 # The portal's public address (https://portal.example.com): links in notifications are absolute when
 # set; empty, they are paths (/jobs/12/).
 PORTAL_PUBLIC_URL = env_str("PORTAL_PUBLIC_URL", "")
