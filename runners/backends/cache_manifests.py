@@ -14,14 +14,16 @@ volumes and forbids ``hostPath``, so the tenant's namespace keeps its profile, a
 host path. When the kubelet mounts the volume, the agent (NodePublishVolume, with the pod's namespace and
 name, as ``podInfoOnMount`` hands them) fills the cache with that attempt's blobs, pins them, and
 bind-mounts, read-only, a view holding only those blobs and the datasets' manifest at the target path: the
-layout of `runners.storage.nodecache`, as on the local backend. What the attempt may read is the portal's
-answer for that pod, never the volume's attributes alone (a tenant writes its own pod specs).
+layout of `runners.storage.nodecache`, as on the local backend. What the attempt may read is what the portal
+signed into the volume's attributes for the pod's namespace (`runners.storage.cache_grants`), never the
+attributes alone (a tenant may write pod specs of its own).
 """
 
 from __future__ import annotations
 
-from runners.backends.base import JobLaunch
+from runners.backends.base import JobLaunch, PermanentBackendError
 from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL
+from runners.storage import cache_grants
 
 CSI_DRIVER = "cache.portal.gpu"
 AGENT_NAMESPACE = "gpu-portal-cache"
@@ -91,8 +93,10 @@ def cache_agent_daemonset(*, pool: str, cache_path: str, capacity_bytes: int, im
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "PORTAL_URL", "value": portal_url},
-            # The agent's own token: it asks the portal which blobs a pod's attempt may read, and signed URLs.
+            # The agents' token: the key of the grants it checks, and what it reports its cache to the portal with.
             {"name": "PORTAL_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "token"}}},
+            # The blob store it fills the cache from: {"url": DATA_STORAGE_URL, "options": DATA_STORAGE_OPTIONS}.
+            {"name": "PORTAL_DATA_STORAGE", "valueFrom": {"secretKeyRef": {"name": token_secret, "key": "storage"}}},
         ],
         # Publishing a volume is a mount into the kubelet's pod folder: privileged, Bidirectional propagation.
         "securityContext": {"privileged": True, "readOnlyRootFilesystem": True},
@@ -156,20 +160,27 @@ def cache_agent_manifests(pools: list[tuple[str, str, int]], *, image: str, port
     ]
 
 
-def dataset_volume(launch: JobLaunch) -> tuple[dict, dict, dict] | None:
+def dataset_volume(launch: JobLaunch, grant_key: bytes = b"") -> tuple[dict, dict, dict] | None:
     """A pod's datasets (and a serving replica's weights): the CSI ephemeral volume, its read-only mount and the
-    PORTAL_DATASETS variable; None when the launch reads no blob."""
+    PORTAL_DATASETS variable; None when the launch reads no blob. The volume's attributes are the attempt's
+    grant, signed with `grant_key` for the launch's namespace (`runners.storage.cache_grants`)."""
     weights = launch.serving.weights if launch.serving is not None else None
     if not launch.datasets and weights is None:
         return None
+    if not grant_key:
+        raise PermanentBackendError(
+            "The job reads datasets from the node cache, and the portal has no cache agent token (CACHE_AGENT_TOKEN) "
+            "to sign what its pods may read; set it to the token of the Secret portal-cache-agent.")
+    attributes = cache_grants.sign(
+        grant_key, namespace=launch.namespace, job=launch.job_id, attempt=launch.attempt, mount=DATASETS_MOUNT,
+        datasets=[(mount.name, mount.version, [(shard.sha256, shard.bytes) for shard in mount.shards])
+                  for mount in launch.datasets],
+        weights=(weights.sha256, weights.bytes) if weights is not None else None,
+    )
     volume = {
         "name": DATASETS_VOLUME,
-        "csi": {
-            "driver": CSI_DRIVER,
-            "readOnly": True,
-            # Which attempt the pod belongs to; the agent checks it against the pod (podInfoOnMount).
-            "volumeAttributes": {"job": str(launch.job_id), "attempt": str(launch.attempt)},
-        },
+        # The agent fills and publishes only what the grant names, and only for a pod of the launch's namespace.
+        "csi": {"driver": CSI_DRIVER, "readOnly": True, "volumeAttributes": attributes},
     }
     mount = {"name": DATASETS_VOLUME, "mountPath": DATASETS_MOUNT, "readOnly": True}
     variable = {"name": "PORTAL_DATASETS", "value": f"{DATASETS_MOUNT}/{DATASETS_MANIFEST}"}

@@ -220,7 +220,8 @@ def placement_annotation(launch: JobLaunch) -> dict[str, str]:
 
 
 def training_job_manifest(
-    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400
+    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400,
+    cache_grant_key: bytes = b"",
 ) -> dict:
     """The indexed Job of one attempt, with every pod spec field set by the portal."""
     name = job_name(launch)
@@ -254,7 +255,8 @@ def training_job_manifest(
         container["volumeMounts"].append({"name": CODE_VOLUME, "mountPath": CODE_MOUNT, "readOnly": True})
         volumes.append({"name": CODE_VOLUME, "emptyDir": {}})
         init_containers.append(bundle_fetch_container(launch, trainer_image))
-    datasets = dataset_volume(launch)  # the node cache's view of the job's shards, read-only (cache_manifests)
+    # The node cache's view of the job's shards, read-only, granted by the portal's signature (cache_manifests).
+    datasets = dataset_volume(launch, cache_grant_key)
     if datasets is not None:
         volume, mount, variable = datasets
         volumes.append(volume)
@@ -300,11 +302,13 @@ def training_job_manifest(
 
 
 def job_manifests(
-    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400
+    launch: JobLaunch, *, trainer_image: str, scheduler_name: str, grace_period_s: int, finished_ttl_s: int = 86400,
+    cache_grant_key: bytes = b"",
 ) -> list[dict]:
     """The attempt's Service and Job, in the order they are applied (the PVC is the environment's)."""
     return [
         rendezvous_service_manifest(launch),
         training_job_manifest(launch, trainer_image=trainer_image, scheduler_name=scheduler_name,
-                              grace_period_s=grace_period_s, finished_ttl_s=finished_ttl_s),
+                              grace_period_s=grace_period_s, finished_ttl_s=finished_ttl_s,
+                              cache_grant_key=cache_grant_key),
     ]

@@ -92,6 +92,7 @@ from runners.backends.manifests import (
 )
 from runners.backends.serve_manifests import ENDPOINT_LABEL, SERVER_PORT, endpoint_manifests, serve_manifests
 from runners.nvidia import names
+from runners.storage import cache_grants
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ class KubernetesBackend:
         kubeconfig_ca_file: str | None,
         # The Prometheus that scrapes the DCGM exporter (PROMETHEUS_URL); None: no GPU readings.
         prometheus_url: str | None = None,
+        # The node cache agents' token (CACHE_AGENT_TOKEN): it keys the grant each dataset volume carries.
+        cache_agent_token: str = "",
     ) -> None:
         self.api_client = api_client
         self.field_manager = field_manager
@@ -226,6 +229,7 @@ class KubernetesBackend:
         self.kubeconfig_server_url = kubeconfig_server_url
         self.kubeconfig_ca_file = kubeconfig_ca_file
         self.prometheus_url = prometheus_url
+        self.cache_grant_key = cache_grants.grant_key(cache_agent_token) if cache_agent_token else b""
         # Discovery is read on the first call, not here: building the backend touches no network.
         self._dynamic: dynamic.DynamicClient | None = None
         self._resources: dict[tuple[str, str], object] = {}
@@ -736,6 +740,7 @@ class KubernetesBackend:
         for manifest in job_manifests(
             launch, trainer_image=self.trainer_image, scheduler_name=self.scheduler_name,
             grace_period_s=launch.grace_period_s, finished_ttl_s=self.finished_job_ttl_s,
+            cache_grant_key=self.cache_grant_key,
         ):
             self._apply(manifest)
         self._sync(force=True)

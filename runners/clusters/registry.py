@@ -41,6 +41,7 @@ def kubernetes_backend_options() -> dict:
         kubeconfig_server_url=settings.KUBECONFIG_SERVER_URL or None,
         kubeconfig_ca_file=settings.KUBECONFIG_CA_FILE or None,
         prometheus_url=settings.PROMETHEUS_URL or None,
+        cache_agent_token=getattr(settings, "CACHE_AGENT_TOKEN", ""),
     )
 
 

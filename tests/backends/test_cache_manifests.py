@@ -10,8 +10,9 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from runners.backends import cache_manifests
-from runners.backends.base import BundleRef, DatasetMount, ShardRef
+from runners.backends.base import BundleRef, DatasetMount, PermanentBackendError, ShardRef
 from runners.backends.job_manifests import training_job_manifest
+from runners.storage import cache_grants
 from tests.backends.test_job_manifests import OPTIONS, make_launch
 from tests.deploy.test_deploy import pss_violations
 
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "ghcr.io/example/gpu-portal:latest"
 PORTAL_URL = "http://gpu-portal-web.gpu-portal.svc:8000"
 SHARD = ShardRef("ab" * 32, 4096)
+GRANT_KEY = cache_grants.grant_key("agent-token")
+GRANTED = {**OPTIONS, "cache_grant_key": GRANT_KEY}
 
 
 def _with_datasets(**overrides):
@@ -38,21 +41,31 @@ def _agent_objects():
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_cache_object_validates_strictly(version):
-    for manifest in [*_agent_objects(), training_job_manifest(_with_datasets(), **OPTIONS)]:
+    for manifest in [*_agent_objects(), training_job_manifest(_with_datasets(), **GRANTED)]:
         kubernetes_validate.validate(manifest, version, strict=True)
 
 
 def test_a_tenants_pod_reads_its_datasets_from_a_read_only_csi_volume_within_restricted():
-    pod = training_job_manifest(_with_datasets(), **OPTIONS)["spec"]["template"]["spec"]
+    pod = training_job_manifest(_with_datasets(), **GRANTED)["spec"]["template"]["spec"]
     assert pss_violations(pod) == []
     assert not any("hostPath" in volume for volume in pod["volumes"])
     (volume,) = [volume for volume in pod["volumes"] if volume["name"] == cache_manifests.DATASETS_VOLUME]
     assert volume["csi"]["driver"] == cache_manifests.CSI_DRIVER and volume["csi"]["readOnly"] is True
-    assert volume["csi"]["volumeAttributes"] == {"job": "7", "attempt": "2"}
+    # The attributes are the attempt's grant, signed for its namespace: what the agent checks before it publishes.
+    grant = cache_grants.verify(GRANT_KEY, {**volume["csi"]["volumeAttributes"], cache_grants.POD_NAMESPACE: "acme--train"})
+    assert (grant.job, grant.attempt, grant.mount) == (7, 2, cache_manifests.DATASETS_MOUNT)
+    assert grant.datasets == (cache_grants.DatasetGrant("corpus", 2, (cache_grants.Shard(SHARD.sha256, SHARD.bytes),)),)
+    with pytest.raises(cache_grants.GrantRefused):
+        cache_grants.verify(GRANT_KEY, {**volume["csi"]["volumeAttributes"], cache_grants.POD_NAMESPACE: "other--ns"})
     container = pod["containers"][0]
     assert {"name": cache_manifests.DATASETS_VOLUME, "mountPath": cache_manifests.DATASETS_MOUNT,
             "readOnly": True} in container["volumeMounts"]
     assert {"name": "PORTAL_DATASETS", "value": "/portal/datasets/datasets.json"} in container["env"]
+
+
+def test_a_job_reading_datasets_is_refused_at_launch_when_the_portal_has_no_agent_token_to_sign_with():
+    with pytest.raises(PermanentBackendError, match="CACHE_AGENT_TOKEN"):
+        training_job_manifest(_with_datasets(), **OPTIONS)
 
 
 def test_a_pod_that_reads_no_dataset_has_no_cache_volume():
