@@ -55,6 +55,9 @@ def _isolated_workspaces(settings, tmp_path):
 
     settings.LOCAL_WORKSPACE_DIR = tmp_path / "workspaces"
     settings.LOCAL_JOBS_DIR = tmp_path / "jobs"
+    # The storage layer's blob store and the nodes' caches, the test's own (never the checkout's var/).
+    settings.DATA_STORAGE_URL = f"file://{tmp_path / 'store'}"
+    settings.NODE_CACHE_DIR = tmp_path / "node-cache"
     settings.LOCAL_PROVISION_DELAY_S = 0
     settings.LOCAL_USE_NVML = False
     settings.PARTITION_POLL_INTERVAL_S = 0.01

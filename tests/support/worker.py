@@ -1,5 +1,6 @@
 """A real Celery worker for integration tests: a `celery worker` subprocess on this run's database and queue."""
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,9 @@ def worker_environment(**overrides) -> dict[str, str]:
         CELERY_QUEUE=settings.CELERY_TASK_DEFAULT_QUEUE,
         LOCAL_WORKSPACE_DIR=str(settings.LOCAL_WORKSPACE_DIR),
         LOCAL_JOBS_DIR=str(settings.LOCAL_JOBS_DIR),
+        DATA_STORAGE_URL=settings.DATA_STORAGE_URL,
+        DATA_STORAGE_OPTIONS=json.dumps(settings.DATA_STORAGE_OPTIONS),
+        NODE_CACHE_DIR=str(settings.NODE_CACHE_DIR),
         PREEMPTION_GRACE_PERIOD_S=str(settings.PREEMPTION_GRACE_PERIOD_S),
         LOCAL_PROVISION_DELAY_S=str(settings.LOCAL_PROVISION_DELAY_S),
         LOCAL_USE_NVML=str(settings.LOCAL_USE_NVML),
