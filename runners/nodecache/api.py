@@ -1,10 +1,17 @@
 """REST API of the node caches: each node's cache figures, staff only (anyone else lists nothing and gets 404)."""
 
+import hmac
+
+from django.conf import settings
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
 
 from quotas.api import StaffWritesOnly
 from runners.clusters.selectors import is_inventory_reader
-from runners.nodecache import selectors
+from runners.nodecache import selectors, services
 from runners.nodecache.models import NodeCacheState
 
 
@@ -20,6 +27,56 @@ class NodeCacheStateSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class CacheAgentToken(BasePermission):
+    """The caller is a node's cache agent: ``Authorization: Bearer <CACHE_AGENT_TOKEN>`` (the Secret
+    portal-cache-agent). Nobody is, while the portal has no token set."""
+
+    message = "Only a node's cache agent reports its cache."
+
+    def has_permission(self, request, view):
+        token = getattr(settings, "CACHE_AGENT_TOKEN", "")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return bool(token) and scheme == "Bearer" and hmac.compare_digest(given.encode(), token.encode())
+
+
+class CacheStatsSerializer(serializers.Serializer):
+    capacity_bytes = serializers.IntegerField(min_value=0)
+    bytes_held = serializers.IntegerField(min_value=0)
+    blobs = serializers.IntegerField(min_value=0)
+    pinned_bytes = serializers.IntegerField(min_value=0)
+    hits = serializers.IntegerField(min_value=0)
+    misses = serializers.IntegerField(min_value=0)
+    bytes_pulled = serializers.IntegerField(min_value=0)
+    evictions = serializers.IntegerField(min_value=0)
+    bytes_evicted = serializers.IntegerField(min_value=0)
+
+
+class CacheEntrySerializer(serializers.Serializer):
+    sha256 = serializers.RegexField(r"^[0-9a-f]{64}$")
+    kind = serializers.CharField(max_length=16)
+    bytes = serializers.IntegerField(min_value=0)
+    state = serializers.CharField(max_length=16)
+    filled_at = serializers.FloatField()
+    last_used = serializers.FloatField()
+    pins = serializers.ListField(child=serializers.CharField(max_length=128))
+
+
+class CacheSnapshotSerializer(serializers.Serializer):
+    stats = CacheStatsSerializer()
+    entries = CacheEntrySerializer(many=True)
+
+
+class CacheReportSerializer(serializers.Serializer):
+    node = serializers.CharField(max_length=253)
+    snapshot = CacheSnapshotSerializer()
+
+
+class CacheReportResultSerializer(serializers.Serializer):
+    node = serializers.CharField()
+    added = serializers.IntegerField()
+    removed = serializers.IntegerField()
+
+
 class NodeCacheViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Each node's cache of dataset shards and model weights, as last synced: staff only."""
 
@@ -31,3 +88,14 @@ class NodeCacheViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewset
         if not is_inventory_reader(self.request.user):
             return NodeCacheState.objects.none()
         return selectors.node_cache_states(user=self.request.user)
+
+    @extend_schema(request=CacheReportSerializer, responses=CacheReportResultSerializer)
+    @action(detail=False, methods=["post"], url_path="report", authentication_classes=[],
+            permission_classes=[CacheAgentToken])
+    def report(self, request):
+        """A Kubernetes node's cache agent reports what its cache holds (runners.workloads.cache_agent): the
+        node's rows are brought to it. Only the agents' token is accepted."""
+        given = CacheReportSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        return Response(services.node_cache_report(node_name=given.validated_data["node"],
+                                                   snapshot=given.validated_data["snapshot"]))

@@ -15,11 +15,12 @@ from datetime import UTC, datetime
 from django.db import transaction
 from django.utils import timezone
 
+from common.errors import NotFound
 from runners.backends.base import NodeCacheSpec
 from runners.clusters.models import Node
 from runners.clusters.registry import get_backend
 from runners.nodecache.models import BlobKind, CachedBlob, NodeCacheState
-from runners.storage.nodecache import READY, Snapshot
+from runners.storage.nodecache import READY, CacheStats, Entry, Snapshot
 
 logger = logging.getLogger(__name__)
 KINDS = set(BlobKind.values)
@@ -80,3 +81,15 @@ def node_cache_record(*, node: Node, snapshot: Snapshot) -> tuple[int, int]:
             bytes_pulled=stats.bytes_pulled, evictions=stats.evictions, synced_at=timezone.now(),
         ))
     return len([sha for sha in held if sha not in rows]), len(gone)
+
+
+def node_cache_report(*, node_name: str, snapshot: dict) -> dict:
+    """A Kubernetes node's cache agent reports its cache (`nodecache.snapshot_json`, already checked for shape):
+    its rows brought to it, as the sync does on the local backend. NotFound for a node the portal does not know."""
+    node = Node.objects.filter(name=node_name).first()
+    if node is None:
+        raise NotFound(f"No node {node_name!r} in the portal's inventory.")
+    read = Snapshot(stats=CacheStats(**snapshot["stats"]),
+                    entries=tuple(Entry(**{**entry, "pins": tuple(entry["pins"])}) for entry in snapshot["entries"]))
+    added, removed = node_cache_record(node=node, snapshot=read)
+    return {"node": node.name, "added": added, "removed": removed}
