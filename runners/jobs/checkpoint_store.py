@@ -24,9 +24,12 @@ What holds, and how:
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.utils import timezone
 
 from common.dispatch import send_task
@@ -53,6 +56,14 @@ BYTES_PER_GB = 10**9
 TENANT_QUOTA_LOCK = 35_001
 STORE_CHUNKS_LOCK = 35_002
 HOLDING = ("storing", "durable")
+# How long a worker (or a pod's uploader) holds a checkpoint it is storing before the sweep takes it for a dead
+# one's and asks again; renewed every third of it while the work goes on.
+STORE_LEASE_S = 600
+# The spool's reads and writes: large, so the copy is a few system calls per checkpoint, not thousands.
+SPOOL_BUFFER_BYTES = 8 << 20
+# The CPU priority of the agent's hashing, chunking and copying (CHECKPOINT_STORE_PRIORITY): "idle" runs it
+# under SCHED_IDLE (only when a core would otherwise idle) and nice 19, "nice" at nice 19 only, "normal" as is.
+PRIORITIES = ("idle", "nice", "normal")
 
 
 class StoreRefused(Exception):
@@ -116,13 +127,114 @@ def checkpoints_store_ask(job_id: int) -> None:
         send_task("runners.jobs.tasks.checkpoint_store", checkpoint_id)
 
 
-def _spool(opened, target: Path) -> None:
+def _lease_until() -> datetime:
+    return timezone.now() + timedelta(seconds=int(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)))
+
+
+def _spool(opened, target: Path) -> str:
+    """Copy the opened checkpoint into the worker's own file, hashing it in the same read; its sha256."""
+    digest = hashlib.sha256()
     with open(target, "wb") as spool:
         if opened.stream is not None:
-            shutil.copyfileobj(opened.stream, spool, 1 << 20)
+            buffer = memoryview(bytearray(SPOOL_BUFFER_BYTES))
+            reader = getattr(opened.stream, "readinto", None)
+            while True:
+                if reader is not None:
+                    count = reader(buffer)
+                    piece = buffer[:count] if count else b""
+                else:
+                    piece = opened.stream.read(SPOOL_BUFFER_BYTES)
+                if not piece:
+                    break
+                digest.update(piece)
+                spool.write(piece)
         else:
             for piece in opened.chunks:
+                digest.update(piece)
                 spool.write(piece)
+    return digest.hexdigest()
+
+
+def _lower_own_priority(priority: str) -> None:
+    """Lower the calling thread's CPU priority (Linux: nice and the scheduling policy are per thread); what
+    the kernel refuses is left as it is."""
+    if priority == "normal":
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, 19)
+    except (OSError, AttributeError):
+        pass
+    if priority == "idle":
+        try:
+            os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
+
+
+def at_low_priority(work, *args):
+    """Run ``work(*args)`` in a thread of its own at the agent's priority (CHECKPOINT_STORE_PRIORITY) and
+    return what it returns (or raise what it raised). The thread ends with the work, so the worker's own
+    priority is never lowered for its other tasks. No database access in ``work``."""
+    priority = getattr(settings, "CHECKPOINT_STORE_PRIORITY", "idle")
+    if priority not in PRIORITIES:
+        priority = "idle"
+    outcome: dict = {}
+
+    def run() -> None:
+        _lower_own_priority(priority)
+        try:
+            outcome["value"] = work(*args)
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="checkpoint-store", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+class _LeaseRenewed:
+    """Renew a storing checkpoint's lease every third of its length while the block runs (a thread of its
+    own, with its own database connection, closed at the end)."""
+
+    def __init__(self, checkpoint_id: int):
+        self.checkpoint_id = checkpoint_id
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._renew, name="checkpoint-lease", daemon=True)
+
+    def _renew(self) -> None:
+        every = int(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)) / 3
+        try:
+            while not self.done.wait(every):
+                Checkpoint.objects.filter(id=self.checkpoint_id, store_state="storing").update(
+                    store_lease_until=_lease_until())
+        except Exception:  # a lease that is not renewed runs out; the sweep then asks again
+            logger.exception("Could not renew the store lease of checkpoint %s", self.checkpoint_id)
+        finally:
+            connection.close()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        return False
+
+
+def _prepare(opened, folder: Path) -> tuple[Path, chunks.Manifest]:
+    """The agent's CPU work before the quota is asked: the checkpoint copied into the worker's own file (hashed
+    in the same read, large buffers), then cut into chunks, each hashed once."""
+    spool = folder / "checkpoint"
+    try:
+        whole = _spool(opened, spool)
+    finally:
+        opened.close()
+    return spool, chunks.split(spool, sha256=whole)
 
 
 def _event(job: Job, reason: str) -> None:
@@ -132,7 +244,7 @@ def _event(job: Job, reason: str) -> None:
 def _fail(checkpoint: Checkpoint, reason: str) -> None:
     with transaction.atomic():
         changed = Checkpoint.objects.filter(id=checkpoint.id, store_state="storing").update(
-            store_state="failed", store_reason=reason[:500], manifest=None, stored_bytes=0)
+            store_state="failed", store_reason=reason[:500], manifest=None, stored_bytes=0, store_lease_until=None)
         if changed:
             _event(checkpoint.job, reason)
     logger.warning("Checkpoint %s of job %s not stored: %s", checkpoint.step, checkpoint.job_id, reason)
@@ -163,51 +275,92 @@ def checkpoint_reserve(checkpoint: Checkpoint, manifest: chunks.Manifest) -> Non
         f"{_gb(freed)} GB first). Lower the retention's counts or ask for a larger quota.")
 
 
+def _superseded_by(checkpoint: Checkpoint) -> Checkpoint | None:
+    """The newer checkpoint waiting to be stored that lets this one be skipped, when the agent fell behind:
+    one exists, and the job's retention policy would not keep this one anyway (a policy that keeps
+    everything never skips). None: store it."""
+    job = checkpoint.job
+    newer = (Checkpoint.objects.filter(job_id=job.id, store_state="pending", step__gt=checkpoint.step)
+             .order_by("-step").first())
+    if newer is None:
+        return None
+    policy = job_policy(job, tenant_policy(job.tenant_id))
+    if policy.keeps_everything:
+        return None
+    rows = list(Checkpoint.objects.filter(job_id=job.id).values_list("id", "step", "store_state"))
+    losses = dict(JobMetric.objects.filter(job_id=job.id, loss__isnull=False, step__in=[row[1] for row in rows])
+                  .order_by("step", "attempt").values_list("step", "loss"))
+    history = [retention.StoredCheckpoint(row_id, step, losses.get(step)) for row_id, step, _ in rows]
+    # What retention weighs it against: the checkpoints that are or will be in the store, itself included.
+    alive = {row_id for row_id, _, state in rows if state in ("pending", "storing", "durable")} | {checkpoint.id}
+    if checkpoint.id in retention.kept(policy, history, candidates=alive):
+        return None
+    return newer
+
+
 def checkpoint_store_run(checkpoint_id: int) -> str:
     """Store one pending checkpoint; what became of it."""
-    if not Checkpoint.objects.filter(id=checkpoint_id, store_state="pending").update(store_state="storing"):
+    if not Checkpoint.objects.filter(id=checkpoint_id, store_state="pending").update(
+            store_state="storing", store_lease_until=_lease_until()):
         return "not pending"
     checkpoint = Checkpoint.objects.select_related("job__environment", "job__tenant").get(id=checkpoint_id)
     job = checkpoint.job
+    newer = _superseded_by(checkpoint)
+    if newer is not None:
+        Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
+            store_state="skipped", store_lease_until=None,
+            store_reason=f"Not stored: the checkpoint of step {newer.step} came before the store reached it, "
+                         "and the retention policy would not keep this one.")
+        return "skipped"
     folder = Path(tempfile.mkdtemp(prefix=f"checkpoint-{checkpoint_id}-"))
     try:
-        spool = folder / "checkpoint"
         try:
             opened = get_backend().job_checkpoint(job.id, job.environment.namespace, checkpoint.uri)
         except CheckpointElsewhere as exc:
             Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
-                store_state="", store_reason=str(exc)[:500])
+                store_state="", store_reason=str(exc)[:500], store_lease_until=None)
             return "elsewhere"
         except CheckpointGone:
             _fail(checkpoint, f"Checkpoint of step {checkpoint.step} not stored: its file was deleted first.")
             return "gone"
-        try:
-            _spool(opened, spool)
-        finally:
-            opened.close()
-        manifest = chunks.split(spool)
-        try:
-            checkpoint_reserve(checkpoint, manifest)
-        except StoreRefused as exc:
-            _fail(checkpoint, str(exc))
-            return "refused"
-        store = checkpoint_blobs()
-        chunks.store_chunks(store, spool, manifest)
-        with transaction.atomic():
-            _lock(STORE_CHUNKS_LOCK, 0, shared=True)
-            lacking = chunks.missing(store, manifest)
-            if lacking:  # collected by a sweep between our put and now
-                chunks.store_chunks(store, spool, manifest, only=lacking)
-            Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
-                store_state="durable", durable_at=timezone.now(), store_reason="")
-        return "durable"
+        with _LeaseRenewed(checkpoint_id):
+            spool, manifest = at_low_priority(_prepare, opened, folder)
+            try:
+                checkpoint_reserve(checkpoint, manifest)
+            except StoreRefused as exc:
+                _fail(checkpoint, str(exc))
+                return "refused"
+            store = checkpoint_blobs()
+            # The spool is the worker's own copy, cut into this very manifest: no chunk is hashed again.
+            at_low_priority(lambda: chunks.store_chunks(store, spool, manifest, verify=False))
+            return checkpoint_seal(checkpoint_id, manifest, store=store, spool=spool)
     except (BackendError, OSError) as exc:
         # Asked again by the task's retry; what it reserved is released meanwhile.
         Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(
-            store_state="pending", manifest=None, stored_bytes=0)
+            store_state="pending", manifest=None, stored_bytes=0, store_lease_until=None)
         raise TransientBackendError(f"Checkpoint {checkpoint_id} not stored yet: {exc}") from exc
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def checkpoint_seal(checkpoint_id: int, manifest: chunks.Manifest, *, store: BlobStore | None = None,
+                    spool: Path | None = None) -> str:
+    """Record a storing checkpoint durable once the store holds every chunk of its manifest, checked under the
+    store's lock (shared), so no sweep deletes one meanwhile. A chunk missing is stored again from ``spool``
+    when given; without it (a pod's upload) the checkpoint stays storing and the answer is "incomplete".
+    "lost": the checkpoint is no longer this manifest's (its lease ran out and it was asked for again)."""
+    store = store or checkpoint_blobs()
+    with transaction.atomic():
+        _lock(STORE_CHUNKS_LOCK, 0, shared=True)
+        lacking = chunks.missing(store, manifest)
+        if lacking and spool is not None:  # collected by a sweep between our put and now
+            chunks.store_chunks(store, spool, manifest, only=lacking, verify=False)
+        elif lacking:
+            return "incomplete"
+        changed = Checkpoint.objects.filter(id=checkpoint_id, store_state="storing",
+                                            manifest__sha256=manifest.sha256).update(
+            store_state="durable", durable_at=timezone.now(), store_reason="", store_lease_until=None)
+    return "durable" if changed else "lost"
 
 
 # --- Reading one back -------------------------------------------------------------------------------
@@ -353,9 +506,31 @@ def chunks_collect() -> dict:
     return {"chunks_deleted": count, "bytes_deleted": freed}
 
 
+def checkpoints_stuck_release(now: datetime | None = None) -> list[int]:
+    """Put back to pending every checkpoint left storing past its lease (the worker that held it died
+    mid-upload): its reservation released, its chunks collected by the sweep unless another names them.
+    The ids released; the caller asks for them (``checkpoints_store_ask``)."""
+    now = now or timezone.now()
+    stuck = Checkpoint.objects.filter(store_state="storing").filter(
+        models.Q(store_lease_until__lt=now) | models.Q(store_lease_until__isnull=True))
+    released = []
+    for checkpoint_id in stuck.values_list("id", flat=True):
+        # Each one conditionally: a worker renewing its lease meanwhile keeps it.
+        if Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").filter(
+                models.Q(store_lease_until__lt=now) | models.Q(store_lease_until__isnull=True)).update(
+                store_state="pending", manifest=None, stored_bytes=0, store_lease_until=None,
+                store_reason="Asked again: the worker storing it stopped holding it (its lease ran out)."):
+            released.append(checkpoint_id)
+    if released:
+        logger.warning("Checkpoints %s were left storing past their lease; asked for again", released)
+    return released
+
+
 def checkpoints_sweep_run() -> dict:
     """The beat's sweep: every tenant's retention applied, then the chunks nothing names collected."""
-    # A pending checkpoint whose message was lost is asked for again.
+    # A checkpoint a dead worker left storing (its lease ran out) is released and asked for again; a pending
+    # checkpoint whose message was lost is asked for again.
+    checkpoints_stuck_release()
     waiting = Checkpoint.objects.filter(store_state="pending", created_at__lt=timezone.now() - timedelta(minutes=1))
     for job_id in set(waiting.values_list("job_id", flat=True)):
         checkpoints_store_ask(job_id)

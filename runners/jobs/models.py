@@ -184,11 +184,15 @@ class Checkpoint(models.Model):
     # Its copy in the checkpoint store (runners.jobs.checkpoint_store): "" never asked for (a backend whose
     # files the portal cannot read, or written before the store), pending, storing (its chunks' bytes
     # reserved against the tenant's storage quota), durable (every chunk stored: a resume or a promotion may
-    # read it from the store), failed (store_reason says why), discarded (deleted by retention).
+    # read it from the store), failed (store_reason says why), discarded (deleted by retention), skipped
+    # (superseded by a newer pending checkpoint while the store was behind, and not one retention keeps).
     store_state = models.CharField(max_length=10, blank=True, default="")
     store_reason = models.CharField(max_length=500, blank=True)
     durable_at = models.DateTimeField(null=True, blank=True)
     discarded_at = models.DateTimeField(null=True, blank=True)
+    # Until when the worker storing it holds it (renewed while it works): a checkpoint still "storing" past
+    # this was left by a worker that died, and the sweep asks for it again.
+    store_lease_until = models.DateTimeField(null=True, blank=True)
     # runners.storage.chunks.Manifest.to_json(): the ordered chunks, the file's sha256 and size.
     manifest = models.JSONField(null=True, blank=True)
     # What it added to its tenant's stored bytes when it was stored: its chunks no other checkpoint of the

@@ -171,9 +171,10 @@ def _chunks_of(view) -> Iterator[tuple[int, int]]:
             yield start + offset, length
 
 
-def split(path: str | os.PathLike) -> Manifest:
-    """The manifest of a local file (its chunks hashed, nothing stored)."""
-    return _walk(path, None)
+def split(path: str | os.PathLike, *, sha256: str | None = None) -> Manifest:
+    """The manifest of a local file (its chunks hashed, nothing stored). ``sha256``: the whole file's, when the
+    caller hashed it already as it wrote the file (then each byte is hashed once here, in its chunk)."""
+    return _walk(path, None, whole_sha256=sha256)
 
 
 def store_file(store: BlobStore, path: str | os.PathLike) -> tuple[Manifest, int]:
@@ -190,9 +191,12 @@ def store_file(store: BlobStore, path: str | os.PathLike) -> tuple[Manifest, int
 
 
 def store_chunks(store: BlobStore, path: str | os.PathLike, manifest: Manifest,
-                 only: Iterable[str] | None = None) -> int:
+                 only: Iterable[str] | None = None, *, verify: bool = True) -> int:
     """Store the chunks of ``manifest`` cut from the local file ``path`` (``only`` those keys when given) that
-    the store lacks; the bytes written. HashMismatch when the file is no longer the manifest's bytes."""
+    the store lacks; the bytes written. HashMismatch when the file is no longer the manifest's bytes.
+
+    ``verify=False`` trusts that the file is the one the manifest was cut from (a private copy no one else
+    writes): no chunk is hashed again, and each is stored under the manifest's key."""
     wanted = set(only) if only is not None else None
     written = 0
     with _mapped(path) as view:
@@ -202,10 +206,11 @@ def store_chunks(store: BlobStore, path: str | os.PathLike, manifest: Manifest,
             if wanted is not None and chunk.sha256 not in wanted:
                 continue
             with view[start:offset] as piece:
-                if hashlib.sha256(piece).hexdigest() != chunk.sha256:
+                if verify and hashlib.sha256(piece).hexdigest() != chunk.sha256:
                     raise HashMismatch(f"{path} changed since its manifest was made (the chunk at {start})")
                 if not store.exists(chunk.sha256):
-                    store.put_bytes(bytes(piece))
+                    # Its key is the hash just checked (or the manifest's, for a trusted copy): not hashed again.
+                    store._put(chunk.sha256, lambda target, piece=piece: target.write(piece))
                     written += chunk.bytes
     return written
 
@@ -242,19 +247,20 @@ def _mapped(path):
     return _Empty() if os.path.getsize(path) == 0 else _Mapped(path)
 
 
-def _walk(path, put) -> Manifest:
-    whole = hashlib.sha256()
+def _walk(path, put, *, whole_sha256: str | None = None) -> Manifest:
+    whole = hashlib.sha256() if whole_sha256 is None else None
     chunks = []
     with _mapped(path) as view:
         for offset, length in _chunks_of(view) if len(view) else ():
             with view[offset:offset + length] as piece:
-                whole.update(piece)
+                if whole is not None:
+                    whole.update(piece)
                 sha256 = hashlib.sha256(piece).hexdigest()
                 if put is not None:
                     put(piece, sha256)
             chunks.append(ChunkRef(sha256, length))
         size = len(view)
-    return Manifest(whole.hexdigest(), size, tuple(chunks))
+    return Manifest(whole.hexdigest() if whole is not None else whole_sha256, size, tuple(chunks))
 
 
 def missing(store: BlobStore, manifest: Manifest) -> list[str]:

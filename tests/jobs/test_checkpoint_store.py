@@ -137,8 +137,12 @@ def test_retention_keeps_the_newest_and_the_best_and_the_sweep_collects_the_rest
 def test_a_save_past_the_quota_applies_retention_first_then_fails_with_the_reason(owner, tenant, flavors, tmp_path):
     TenantStorage.objects.create(tenant=tenant, quota_gb="0.002", retention={"keep_newest": 1})  # 2 MB
     job, attempt, job_dir = _running(owner, tenant, flavors)
-    saved = [_save(job, attempt, job_dir, step, os.urandom(600_000), tmp_path) for step in (10, 20, 30, 40)]
-    assert [_store(checkpoint) for checkpoint in saved[:3]] == ["durable"] * 3  # 1.8 MB, nothing applied yet
+    # Each stored before the next is saved (the agent keeps up, so none is skipped as superseded).
+    saved = []
+    for step in (10, 20, 30):
+        saved.append(_save(job, attempt, job_dir, step, os.urandom(600_000), tmp_path))
+        assert _store(saved[-1]) == "durable"  # 1.8 MB in all, nothing applied yet
+    saved.append(_save(job, attempt, job_dir, 40, os.urandom(600_000), tmp_path))
     # Step 40 would take it to 2.4 MB: retention discards steps 10 and 20 (the newest durable one, step 30,
     # stays while step 40 is not stored: the job may still have to resume from it), and step 40 fits.
     assert _store(saved[3]) == "durable"
