@@ -6,9 +6,23 @@ its start is clipped to the end of the job's previous attempts, so a preemption 
 never count the same second twice, and an attempt is always counted beside the other attempts of
 its job (one's end, recorded late, moves the others'). A piece is one day (UTC) and one
 price card of one attempt: units x seconds, priced at the card in force, and at the flavor's
-cloud reference price beside it. A checkpoint is charged per GB-month (30 days) from its writing to
-its deletion, and so is a code bundle (its stored archive, item ``bundle:<id>``, a tenant's with no job)
-from its upload to its deletion.
+cloud reference price beside it.
+
+Storage is charged per GB-month (30 days), for what the store holds of the tenant's:
+
+- a checkpoint in the checkpoint store: its ``stored_bytes`` (the chunks it added that no other checkpoint
+  of the tenant held: its bytes after deduplication) from when it became durable until retention discarded
+  it. A checkpoint the store never took (its backend's files unreadable to the portal, written before the
+  store, or refused by the quota) is charged its file's bytes from its writing to the file's deletion, as
+  it is kept on the environment's volume; one still pending or storing is charged nothing until it is
+  durable or failed;
+- a code bundle (its stored archive, item ``bundle:<id>``, a tenant's with no job) from its upload to its
+  deletion;
+- a sealed dataset version (item ``dataset:<version id>``): the bytes of the shards it added that no
+  version of the same tenant sealed before it held, from its seal on (sealed versions are kept). Each shard
+  is charged once per tenant that owns a dataset holding it, to that tenant; a tenant a dataset is shared
+  with pays nothing for it, and two tenants that stored the same shard each pay for it, so no tenant's
+  bill depends on, or tells, what another tenant stores.
 
 The sweep (``settle_run``) writes what has ended, and every whole day of what still runs, as
 entries; an entry is never edited: when the truth of an item changes (an attempt found to have
@@ -27,12 +41,26 @@ from decimal import ROUND_HALF_EVEN, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Exists, F, Min, OuterRef, Q, Subquery, Sum, Value
+from django.db.models import (
+    BigIntegerField,
+    Case,
+    DateTimeField,
+    Exists,
+    F,
+    Min,
+    OuterRef,
+    Q,
+    Subquery,
+    Sum,
+    Value,
+    When,
+)
 from django.db.models.functions import Extract, Greatest
 from django.utils import timezone
 
 from quotas.models import PriceCard, ResourceFlavor
 from runners.bundles.models import Bundle
+from runners.datasets.models import DatasetVersion, VersionState
 from runners.inference.models import Replica
 from runners.jobs.models import Checkpoint, JobAttempt
 from runners.usage.models import CapacityChange, CloudPrice, EntryKind, Settlement, UsageEntry
@@ -214,9 +242,12 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
     return list(by_key.values())
 
 
-def _kept_pieces(item: str, size: int, created_at: datetime, deleted_at: datetime | None, tenant_id: int,
+def _kept_pieces(item: str, size: int, created_at: datetime | None, deleted_at: datetime | None, tenant_id: int,
                  job_id: int | None, upto: datetime, since: datetime | None) -> list[Piece]:
-    """Storage kept from its writing to its deletion (or `upto`), per day, at the storage price."""
+    """Storage kept from its writing to its deletion (or `upto`), per day, at the storage price (nothing when
+    it is not charged yet: `created_at` None)."""
+    if created_at is None:
+        return []
     end = min(deleted_at, upto) if deleted_at else upto
     begin = max(created_at, since) if since else created_at
     price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
@@ -232,9 +263,44 @@ def _kept_pieces(item: str, size: int, created_at: datetime, deleted_at: datetim
     return pieces
 
 
+# A checkpoint the store never took is kept as its file, on the environment's volume.
+NOT_IN_STORE = ("", "failed")
+
+
+def checkpoint_charge(checkpoint: Checkpoint) -> tuple[int, datetime | None, datetime | None]:
+    """What a checkpoint is charged for: (bytes, from, until), `from` None while it is not charged yet."""
+    if checkpoint.durable_at is not None:
+        return checkpoint.stored_bytes, checkpoint.durable_at, checkpoint.discarded_at
+    if checkpoint.store_state in NOT_IN_STORE:
+        return checkpoint.bytes, checkpoint.created_at, checkpoint.deleted_at
+    return 0, None, None
+
+
+def _charged(model):
+    """The annotations every storage row is found by: charged_bytes, charged_from, charged_until (the SQL
+    form of checkpoint_charge, and its like for bundles and dataset versions)."""
+    if model is Checkpoint:
+        return {
+            "charged_bytes": Case(When(durable_at__isnull=False, then=F("stored_bytes")),
+                                  When(store_state__in=NOT_IN_STORE, then=F("bytes")),
+                                  default=Value(0), output_field=BigIntegerField()),
+            "charged_from": Case(When(durable_at__isnull=False, then=F("durable_at")),
+                                 When(store_state__in=NOT_IN_STORE, then=F("created_at")),
+                                 default=Value(None), output_field=DateTimeField()),
+            "charged_until": Case(When(durable_at__isnull=False, then=F("discarded_at")),
+                                  default=F("deleted_at"), output_field=DateTimeField()),
+        }
+    if model is Bundle:
+        return {"charged_from": F("created_at"), "charged_until": F("deleted_at")}
+    return {"charged_from": Case(When(state=VersionState.SEALED, then=F("sealed_at")), default=Value(None),
+                                 output_field=DateTimeField()),
+            "charged_until": Value(None, output_field=DateTimeField())}
+
+
 def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
-    return _kept_pieces(f"checkpoint:{checkpoint.id}", checkpoint.bytes, checkpoint.created_at, checkpoint.deleted_at,
-                        checkpoint.job.tenant_id, checkpoint.job_id, upto, since)
+    size, start, end = checkpoint_charge(checkpoint)
+    return _kept_pieces(f"checkpoint:{checkpoint.id}", size, start, end, checkpoint.job.tenant_id, checkpoint.job_id,
+                        upto, since)
 
 
 def bundle_pieces(bundle: Bundle, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
@@ -243,7 +309,44 @@ def bundle_pieces(bundle: Bundle, upto: datetime, *, since: datetime | None = No
                         bundle.tenant_id, None, upto, since)
 
 
-_STORAGE_PIECES = {"checkpoint": checkpoint_pieces, "bundle": bundle_pieces}
+def dataset_stored_bytes(version_ids) -> dict[int, int]:
+    """Per sealed dataset version, the bytes of the shards it added to its tenant's store: those no version of
+    the tenant sealed before it (by seal time, then id) held. Sealed versions never change and are kept, so
+    the figure of a version never moves."""
+    version_ids = list(version_ids)
+    if not version_ids:
+        return {}
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            SELECT first_version, SUM(bytes) FROM (
+                SELECT DISTINCT ON (dataset.tenant_id, shard.sha256) shard.version_id AS first_version, shard.bytes
+                FROM datasets_versionshard shard
+                JOIN datasets_datasetversion version ON version.id = shard.version_id
+                JOIN datasets_dataset dataset ON dataset.id = version.dataset_id
+                WHERE version.state = 'sealed' AND dataset.tenant_id IN (
+                    SELECT owner.tenant_id FROM datasets_datasetversion asked
+                    JOIN datasets_dataset owner ON owner.id = asked.dataset_id WHERE asked.id = ANY(%s))
+                ORDER BY dataset.tenant_id, shard.sha256, version.sealed_at, version.id
+            ) firsts WHERE first_version = ANY(%s) GROUP BY first_version
+        """, [version_ids, version_ids])
+        return {version_id: int(size) for version_id, size in cursor.fetchall()}
+
+
+def dataset_pieces(version: DatasetVersion, upto: datetime, *, since: datetime | None = None,
+                   stored: dict[int, int] | None = None) -> list[Piece]:
+    """A sealed dataset version's shards that no earlier version of its tenant held, charged from its seal."""
+    size = (stored if stored is not None else dataset_stored_bytes([version.id])).get(version.id, 0)
+    start = version.sealed_at if version.state == VersionState.SEALED else None
+    return _kept_pieces(f"dataset:{version.id}", size, start, None, version.dataset.tenant_id, None, upto, since)
+
+
+def _storage_span(kind: str, obj) -> tuple[datetime | None, datetime | None]:
+    """When a storage item's charge starts and ends (None: not yet; still kept)."""
+    if kind == "checkpoint":
+        return checkpoint_charge(obj)[1:]
+    if kind == "bundle":
+        return obj.created_at, obj.deleted_at
+    return (obj.sealed_at if obj.state == VersionState.SEALED else None), None
 
 
 # --- Writing it -------------------------------------------------------------------------------
@@ -311,7 +414,7 @@ class _Seen:
 
 
 def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices, *,
-          fresh: bool = True, bundles: list[Bundle] = ()) -> list[_Work]:
+          fresh: bool = True, bundles: list[Bundle] = (), datasets: list[DatasetVersion] = ()) -> list[_Work]:
     """What to write for these items, counting open ones through `through`.
 
     `fresh`: read the items' settlements now (a writer, under the items' locks); otherwise use what
@@ -322,12 +425,14 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
             Q(kind="attempt", object_id__in=[a.id for a in attempts])
             | Q(kind="checkpoint", object_id__in=[c.id for c in checkpoints])
             | Q(kind="bundle", object_id__in=[b.id for b in bundles])
+            | Q(kind="dataset", object_id__in=[v.id for v in datasets])
         )
         settled = {f"{row.kind}:{row.object_id}": _Seen(row.upto, row.closed) for row in rows}
     else:
         settled = {
             f"{prefix}{obj.id}": _Seen(obj.settled_upto, obj.settled_closed)
-            for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints), ("bundle:", bundles))
+            for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints), ("bundle:", bundles),
+                                 ("dataset:", datasets))
             for obj in objs if obj.settled_upto is not None
         }
     work = []
@@ -343,15 +448,21 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
             counted_to = row.ended_at or row.end or through
             work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, counted_to,
                               row.end is not None))
-    for kind, kept in (("checkpoint", checkpoints), ("bundle", bundles)):
-        pieces_of = _STORAGE_PIECES[kind]
+    stored = dataset_stored_bytes([version.id for version in datasets])
+    pieces_by_kind = {"checkpoint": checkpoint_pieces, "bundle": bundle_pieces,
+                      "dataset": lambda version, upto, since=None: dataset_pieces(version, upto, since=since,
+                                                                                  stored=stored)}
+    for kind, kept in (("checkpoint", checkpoints), ("bundle", bundles), ("dataset", datasets)):
+        pieces_of = pieces_by_kind[kind]
         for obj in kept:
+            start, end = _storage_span(kind, obj)
+            if start is None:
+                continue  # not charged yet (a checkpoint being stored): no settlement, so it is found again
             item, seen = f"{kind}:{obj.id}", settled.get(f"{kind}:{obj.id}")
-            if obj.deleted_at is None and seen is not None and not seen.closed:
+            if end is None and seen is not None and not seen.closed:
                 work.append(_Work(item, pieces_of(obj, through, since=seen.upto), True, through, False))
             else:
-                work.append(_Work(item, pieces_of(obj, obj.deleted_at or through), False,
-                                  obj.deleted_at or through, obj.deleted_at is not None))
+                work.append(_Work(item, pieces_of(obj, end or through), False, end or through, end is not None))
     return work
 
 
@@ -380,7 +491,8 @@ def _lock_flavors(flavor_ids, *, shared: bool) -> None:
         )
 
 
-def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime, bundle_ids: list[int] = ()) -> int:
+def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime, bundle_ids: list[int] = (),
+           dataset_ids: list[int] = ()) -> int:
     """Settle a batch of items (with the other attempts of their jobs) in one transaction, each item
     locked so two sweeps never add the same piece.
 
@@ -394,7 +506,7 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime,
         attempt_ids = sorted(set(attempt_ids) | set(JobAttempt.objects.filter(job_id__in=jobs)
                                                      .values_list("id", flat=True)))
     items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids]
-                   + [f"bundle:{i}" for i in bundle_ids])
+                   + [f"bundle:{i}" for i in bundle_ids] + [f"dataset:{i}" for i in dataset_ids])
     if not items:
         return 0
     with transaction.atomic():
@@ -406,8 +518,9 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime,
         attempts = list(JobAttempt.objects.select_related("job").filter(id__in=attempt_ids).order_by("id"))
         checkpoints = list(Checkpoint.objects.select_related("job").filter(id__in=checkpoint_ids).order_by("id"))
         bundles = list(Bundle.objects.filter(id__in=bundle_ids).order_by("id"))
+        datasets = list(DatasetVersion.objects.select_related("dataset").filter(id__in=dataset_ids).order_by("id"))
         _lock_flavors({attempt.job.flavor_id for attempt in attempts}, shared=True)
-        work = _plan(attempts, checkpoints, through, Prices(), bundles=bundles)
+        work = _plan(attempts, checkpoints, through, Prices(), bundles=bundles, datasets=datasets)
         written_before = set(_written([entry.item for entry in work]))
         changes = _changes(work)
         UsageEntry.objects.bulk_create([
@@ -438,25 +551,32 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
     """
     fields = {JobAttempt: ["number", "admitted_at", "ended_at", "job__tenant_id", "job__flavor_id", "job__replicas",
                            "job__gpus_per_replica"],
-              Checkpoint: ["bytes", "created_at", "deleted_at", "job__tenant_id"],
-              Bundle: ["size_bytes", "created_at", "deleted_at", "tenant_id"]}[model]
+              Checkpoint: ["bytes", "created_at", "deleted_at", "stored_bytes", "store_state", "durable_at",
+                           "discarded_at", "job__tenant_id"],
+              Bundle: ["size_bytes", "created_at", "deleted_at", "tenant_id"],
+              DatasetVersion: ["state", "sealed_at", "dataset__tenant_id"]}[model]
     if model is Bundle:  # a tenant's own, no job's
         rows, tenant_field = model.objects.only("id", *fields), "tenant_id"
+    elif model is DatasetVersion:  # its dataset's tenant's, no job's
+        rows, tenant_field = model.objects.select_related("dataset").only("id", *fields), "dataset__tenant_id"
     else:
         rows, tenant_field = model.objects.select_related("job").only("id", "job_id", *fields), "job__tenant_id"
-    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint", Bundle: "bundle"}[model]
+    if model is not JobAttempt:
+        rows = rows.annotate(**_charged(model))
+    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint", Bundle: "bundle", DatasetVersion: "dataset"}[model]
     settlement = Settlement.objects.filter(kind=kind, object_id=OuterRef("id"))
     rows = rows.annotate(settled_upto=Subquery(settlement.values("upto")[:1]),
                          settled_closed=Subquery(settlement.values("closed")[:1]))
     if tenant_ids is not None:
         rows = rows.filter(**{f"{tenant_field}__in": tenant_ids})
     if job_ids is not None:
-        rows = rows.none() if model is Bundle else rows.filter(job_id__in=job_ids)
+        rows = rows.none() if model in (Bundle, DatasetVersion) else rows.filter(job_id__in=job_ids)
     counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
     counted_through = settlement.filter(
         Q(closed=True) | Q(upto__gte=min(through, counted_since or through))
     )
-    ended = Q(**{f"{end_field}__isnull": False}) & ~Exists(counted_to_end)
+    # A storage item not charged yet (a checkpoint being stored, a version not sealed) is left alone.
+    ended = Q(**{f"{end_field}__isnull": False, f"{start_field}__isnull": False}) & ~Exists(counted_to_end)
     running = Q(**{f"{end_field}__isnull": True, f"{start_field}__lt": through}) & ~Exists(counted_through)
     return rows, ended, running
 
@@ -477,7 +597,7 @@ def _stale_attempts(through: datetime, tenant_ids=None, job_ids=None) -> list[Jo
 
 def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: datetime | None = None,
                        job_ids=None) -> list[Checkpoint]:
-    return _stale(Checkpoint, "deleted_at", "created_at", through, tenant_ids, counted_since, job_ids)
+    return _stale(Checkpoint, "charged_until", "charged_from", through, tenant_ids, counted_since, job_ids)
 
 
 def _kept_checkpoints_today(now: datetime, tenant_ids=None, job_ids=None) -> list[Piece]:
@@ -488,11 +608,13 @@ def _kept_checkpoints_today(now: datetime, tenant_ids=None, job_ids=None) -> lis
     """
     today = midnight(utc_day(now))
     rows = (
-        Checkpoint.objects.filter(deleted_at__isnull=True)
+        Checkpoint.objects.annotate(**_charged(Checkpoint))
+        .filter(charged_until__isnull=True, charged_from__isnull=False)
         .filter(Exists(Settlement.objects.filter(kind="checkpoint", object_id=OuterRef("id"), closed=False,
                                                  upto__gte=today)))
         .values("job_id", "job__tenant_id")
-        .annotate(byte_seconds=Sum(F("bytes") * Extract(Value(now) - Greatest("created_at", Value(today)), "epoch")))
+        .annotate(byte_seconds=Sum(F("charged_bytes")
+                                   * Extract(Value(now) - Greatest("charged_from", Value(today)), "epoch")))
         .order_by()
     )
     if tenant_ids is not None:
@@ -550,8 +672,9 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
     _capacity_history_started(now)
     items = entries = 0
     for model, end_field, start_field in ((JobAttempt, "ended_at", "admitted_at"),
-                                          (Checkpoint, "deleted_at", "created_at"),
-                                          (Bundle, "deleted_at", "created_at")):
+                                          (Checkpoint, "charged_until", "charged_from"),
+                                          (Bundle, "charged_until", "charged_from"),
+                                          (DatasetVersion, "charged_until", "charged_from")):
         after = 0
         while True:
             rows, ended, running = _stale_query(model, end_field, start_field, through)
@@ -560,8 +683,12 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
                 break
             if model is JobAttempt:
                 entries += _write(ids, [], through)
+            elif model is Checkpoint:
+                entries += _write([], ids, through)
+            elif model is Bundle:
+                entries += _write([], [], through, ids)
             else:
-                entries += _write([], ids, through) if model is Checkpoint else _write([], [], through, ids)
+                entries += _write([], [], through, dataset_ids=ids)
             items, after = items + len(ids), ids[-1]
             if time.monotonic() - started >= budget_s:
                 return {"items": items, "entries": entries, "more": True}
@@ -582,6 +709,7 @@ def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: lis
     attempts = _stale_attempts(after_today, tenant_ids, job_ids)
     checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)), job_ids=job_ids)
     # Kept bundles are few beside checkpoints: each is planned (today's tail from the last midnight counted).
-    bundles = _stale(Bundle, "deleted_at", "created_at", after_today, tenant_ids, job_ids=job_ids)
-    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False, bundles=bundles))
+    bundles = _stale(Bundle, "charged_until", "charged_from", after_today, tenant_ids, job_ids=job_ids)
+    datasets = _stale(DatasetVersion, "charged_until", "charged_from", after_today, tenant_ids, job_ids=job_ids)
+    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False, bundles=bundles, datasets=datasets))
             + _kept_checkpoints_today(now, tenant_ids, job_ids))
