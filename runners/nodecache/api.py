@@ -3,13 +3,17 @@
 import hmac
 
 from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, viewsets
+from rest_framework.authentication import BaseAuthentication
 from rest_framework.decorators import action
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 
 from quotas.api import StaffWritesOnly
+from runners.clusters.models import Node
 from runners.clusters.selectors import is_inventory_reader
 from runners.nodecache import selectors, services
 from runners.nodecache.models import NodeCacheState
@@ -27,16 +31,37 @@ class NodeCacheStateSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class CacheAgentToken(BasePermission):
-    """The caller is a node's cache agent: ``Authorization: Bearer <CACHE_AGENT_TOKEN>`` (the Secret
-    portal-cache-agent). Nobody is, while the portal has no token set."""
+CACHE_AGENT = "cache-agent"
 
+
+class CacheAgentAuthentication(BaseAuthentication):
+    """A node's cache agent: ``Authorization: Bearer <CACHE_AGENT_TOKEN>`` (the Secret portal-cache-agent).
+    Nobody is one while the portal has no token set; a wrong token is a 401, like no token."""
+
+    def authenticate(self, request):
+        token = getattr(settings, "CACHE_AGENT_TOKEN", "")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if token and scheme == "Bearer" and hmac.compare_digest(given.encode(), token.encode()):
+            return AnonymousUser(), CACHE_AGENT
+        return None
+
+    def authenticate_header(self, request):
+        return "Bearer"
+
+
+class CacheAgentScheme(OpenApiAuthenticationExtension):
+    target_class = "runners.nodecache.api.CacheAgentAuthentication"
+    name = "cacheAgentToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "The node cache agents' token (CACHE_AGENT_TOKEN)."}
+
+
+class IsCacheAgent(BasePermission):
     message = "Only a node's cache agent reports its cache."
 
     def has_permission(self, request, view):
-        token = getattr(settings, "CACHE_AGENT_TOKEN", "")
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return bool(token) and scheme == "Bearer" and hmac.compare_digest(given.encode(), token.encode())
+        return request.auth == CACHE_AGENT
 
 
 class CacheStatsSerializer(serializers.Serializer):
@@ -70,6 +95,11 @@ class CacheReportSerializer(serializers.Serializer):
     node = serializers.CharField(max_length=253)
     snapshot = CacheSnapshotSerializer()
 
+    def validate_node(self, value):
+        if not Node.objects.filter(name=value).exists():
+            raise serializers.ValidationError(f"No node {value!r} in the portal's inventory.")
+        return value
+
 
 class CacheReportResultSerializer(serializers.Serializer):
     node = serializers.CharField()
@@ -90,8 +120,8 @@ class NodeCacheViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewset
         return selectors.node_cache_states(user=self.request.user)
 
     @extend_schema(request=CacheReportSerializer, responses=CacheReportResultSerializer)
-    @action(detail=False, methods=["post"], url_path="report", authentication_classes=[],
-            permission_classes=[CacheAgentToken])
+    @action(detail=False, methods=["post"], url_path="report", authentication_classes=[CacheAgentAuthentication],
+            permission_classes=[IsCacheAgent])
     def report(self, request):
         """A Kubernetes node's cache agent reports what its cache holds (runners.workloads.cache_agent): the
         node's rows are brought to it. Only the agents' token is accepted."""

@@ -49,12 +49,13 @@ def test_a_report_without_the_agents_token_or_for_an_unknown_node_or_malformed_c
                                                                                                client_for, staff):
     node = Node.objects.order_by("name").first()
     settings.CACHE_AGENT_TOKEN = ""
-    assert _post(_report(node.name), token="").status_code == 403  # no token set: no agent is believed
+    assert _post(_report(node.name), token="").status_code == 401  # no token set: no agent is believed
     settings.CACHE_AGENT_TOKEN = TOKEN
-    assert _post(_report(node.name), token=None).status_code == 403
-    assert _post(_report(node.name), token="a-guess").status_code == 403
+    assert _post(_report(node.name), token=None).status_code == 401
+    assert _post(_report(node.name), token="a-guess").status_code == 401
     # Not even staff's API token is an agent's.
-    assert client_for(staff).post(URL, _report(node.name), format="json").status_code == 403
-    assert _post(_report("no-such-node")).status_code == 404
+    assert client_for(staff).post(URL, _report(node.name), format="json").status_code == 401
+    unknown = _post(_report("no-such-node"))
+    assert unknown.status_code == 400 and "node" in unknown.json()
     assert _post(_report(node.name, sha="not-a-hash")).status_code == 400
     assert not CachedBlob.objects.exists() and not NodeCacheState.objects.exists()
