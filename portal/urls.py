@@ -51,6 +51,8 @@ urlpatterns = [
     path("api/v1/", include(bundles_router.urls)),
     # Datasets: /api/v1/tenants/<slug>/datasets/... and the pods' signed shard fetch (runners/datasets/urls.py).
     path("", include("runners.datasets.urls")),
+    # A tenant's checkpoint storage: /api/v1/tenants/<slug>/storage/ and its retention preview.
+    path("", include("runners.jobs.storage_urls")),
     path("api/v1/", include(registry_router.urls)),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
