@@ -411,6 +411,10 @@ except ValueError as exc:
 if not isinstance(DATASET_SOURCE_OPTIONS, dict):
     raise ImproperlyConfigured('DATASET_SOURCE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
 DATASET_REGISTER_SHARD_BYTES = env_int("DATASET_REGISTER_SHARD_BYTES", 64 * 1000 * 1000, minimum=1024)
+# The node cache agents' token on Kubernetes (the Secret portal-cache-agent, key `token`): it authenticates
+# their reports and keys the grants that say what each pod may read from its node's cache. Empty: no
+# agent is believed, and a job that reads datasets is refused at launch on Kubernetes.
+CACHE_AGENT_TOKEN = env_str("CACHE_AGENT_TOKEN", "")
 BUNDLE_MAX_BYTES = env_int("BUNDLE_MAX_BYTES", 100 * 1000 * 1000, minimum=1024)
 BUNDLE_MAX_FILES = env_int("BUNDLE_MAX_FILES", 10000, minimum=1)
 BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
