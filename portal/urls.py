@@ -58,6 +58,8 @@ urlpatterns = [
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).
     path("bundles/fetch/<str:token>/", bundle_fetch, name="bundle-fetch"),
+    # A Kubernetes job's pods upload its checkpoints here, with a URL signed for the attempt (runners/jobs/checkpoint_upload.py).
+    path("", include("runners.jobs.checkpoint_upload")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves Swagger UI's start-up script as a file of its own: no inline script, so the
     # Content-Security-Policy holds on this page too.

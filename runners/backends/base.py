@@ -191,6 +191,21 @@ class ShardRef:
 
 
 @dataclass(frozen=True)
+class CheckpointRestore:
+    """The job's newest durable checkpoint (runners.jobs.checkpoint_store), for a launch whose job folder on the
+    node it lands on lacks it: restored from the store's chunks (each checked, the file whole or not at all)
+    into the job folder before the ranks start, where the script's resume_from finds it. ``path`` is relative
+    to the job folder, as its record has it; ``node``: where rank 0 of the attempt that wrote it ran ("" when
+    not known); ``manifest``: its runners.storage.chunks manifest (JSON). Never the store's credentials: the
+    backend has them (locally the supervisor gets them in its environment, PORTAL_DATA_STORAGE)."""
+
+    step: int
+    path: str
+    node: str
+    manifest: str
+
+
+@dataclass(frozen=True)
 class ServingSettings:
     """What an inference replica runs: the shipped server (runners.workloads.serve) over one checkpoint.
 
@@ -295,6 +310,11 @@ class JobLaunch:
     node_caches: tuple[NodeCacheSpec, ...] = ()
     # The dataset versions the spec names, as the node's cache fills them and the script reads them.
     datasets: tuple[DatasetMount, ...] = ()
+    # The newest durable checkpoint, restored from the store where the job folder lacks it (None: none durable).
+    restore: CheckpointRestore | None = None
+    # Kubernetes: where the pods' checkpoint uploader sends the job's checkpoints (a URL the portal signed for
+    # the attempt, runners.jobs.checkpoint_upload); empty: no uploader.
+    checkpoint_upload_url: str = ""
 
     @property
     def workload(self) -> str:

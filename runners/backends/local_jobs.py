@@ -273,6 +273,10 @@ class LocalJobs:
         bundle_dir = self._bundle(launch) if script else None
         attempt_dir.mkdir(parents=True, exist_ok=True)
         resumed = progress.latest_checkpoint_step(job_dir)
+        restore = self._restore_plan(launch, job_dir)
+        if restore is not None:
+            # Restored before the ranks start; a newer checkpoint still in the folder is resumed from instead.
+            resumed = max(restore["step"], resumed if resumed is not None else -1)
         port = free_port()
         real_nodes = self._real_gpu_nodes()
         host = {name: os.environ[name] for name in HOST_VARIABLES if name in os.environ}
@@ -359,6 +363,7 @@ class LocalJobs:
             "environment": environment,
             "sandbox": self._sandbox_record(job_dir, attempt_dir, bundle_dir, environment) if sandboxed else None,
             "caches": caches,
+            "restore": restore,
         }
         temp = attempt_dir / f".{supervise.LAUNCH_FILE}.tmp"
         temp.write_text(json.dumps(record, indent=2))
@@ -371,7 +376,7 @@ class LocalJobs:
         # The store's URL and options (credentials, perhaps) reach the supervisor in its environment only,
         # never in launch.json, which the job's later attempts can read.
         storage = {supervise.STORAGE_VARIABLE: json.dumps(
-            {"url": self.data_storage_url, "options": self.data_storage_options})} if caches else {}
+            {"url": self.data_storage_url, "options": self.data_storage_options})} if caches or restore else {}
         try:
             subprocess.run(
                 [sys.executable, "-m", SUPERVISOR_MODULE, str(attempt_dir)], cwd=REPO_ROOT, check=True, timeout=30,
@@ -386,6 +391,35 @@ class LocalJobs:
                 raise TransientBackendError(f"The supervisor of job {launch.job_id} did not start.")
             time.sleep(0.05)
         return resumed
+
+    # --- resume from the store: what the supervisor restores before the ranks start ---------------
+
+    def _restore_plan(self, launch: JobLaunch, job_dir: Path) -> dict | None:
+        """What the supervisor restores from the store (`runners.workloads.checkpoint_restore`): the job's newest
+        durable checkpoint, when the attempt's rank 0 lands on another node than the one that wrote it (this
+        host's one job folder stands for that node's disk, which another node does not have), or when the
+        folder's file is missing or of another size; "check" (hashed by the supervisor, restored when it is not
+        the manifest's) otherwise. None without a durable checkpoint."""
+        restore = launch.restore
+        if restore is None or launch.serving is not None:
+            return None
+        relative = PurePosixPath(restore.path)
+        if relative.is_absolute() or not relative.parts or ".." in relative.parts:
+            return None
+        manifest = json.loads(restore.manifest)
+        landing = next((replica.node for replica in launch.replicas if replica.rank == 0), "")
+        if restore.node and restore.node != landing:
+            why = "elsewhere"
+        else:
+            with _job_file(job_dir.joinpath(*relative.parts)) as found:
+                size = os.stat(found).st_size if found is not None else None
+            why = "missing" if size is None else "damaged" if size != manifest.get("bytes") else "check"
+        owner = None
+        if launch.template == SCRIPT_TEMPLATE and self.sandboxed():
+            who = sandbox.account()
+            owner = [who.uid, who.gid]
+        return {"step": restore.step, "path": str(relative), "job_dir": str(job_dir), "manifest": manifest,
+                "why": why, "node": restore.node, "landing": landing, "owner": owner}
 
     # --- node caches: what the supervisor fills before the ranks start ----------------------------
 

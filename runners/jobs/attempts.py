@@ -42,6 +42,7 @@ from runners.backends.base import (
     BundleRef,
     CheckpointElsewhere,
     CheckpointGone,
+    CheckpointRestore,
     DatasetMount,
     JobLaunch,
     NodeLostError,
@@ -57,7 +58,7 @@ from runners.clusters.registry import get_backend
 from runners.clusters.selectors import node_cache_specs
 from runners.datasets import selectors as datasets
 from runners.datasets.fetch_view import signed_shard_url
-from runners.jobs import checkpoint_store, signals
+from runners.jobs import checkpoint_store, checkpoint_upload, signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
     AttemptOutcome,
@@ -159,6 +160,31 @@ def _dataset_mounts(job: Job, attempt: JobAttempt) -> tuple[DatasetMount, ...]:
     )
 
 
+def _checkpoint_restore(job: Job) -> CheckpointRestore | None:
+    """The job's newest durable checkpoint, for the backend to restore from the store where the job folder on
+    the node the attempt lands on lacks it (or holds it damaged); None when no checkpoint is durable."""
+    if job.kind == Job.Kind.SERVING:
+        return None
+    newest = (job.checkpoints.filter(store_state="durable", manifest__isnull=False)
+              .select_related("attempt").order_by("-step").first())
+    if newest is None:
+        return None
+    placement = newest.attempt.placement if newest.attempt is not None else []
+    node = next((replica["node"] for replica in placement if replica.get("replica") == 0), "")
+    return CheckpointRestore(step=newest.step, path=newest.uri, node=node,
+                             manifest=json.dumps(newest.manifest, separators=(",", ":")))
+
+
+def _serving_settings(job: Job, attempt: JobAttempt) -> ServingSettings:
+    """An inference replica's settings; a model version's weights come with the URL signed for this attempt that
+    a pod without the node cache's volume fetches them from (the apps above answer ``serving_weights_url``)."""
+    serving = ServingSettings(**job.spec["serving"])
+    if serving.weights is None:
+        return serving
+    urls = [url for _receiver, url in signals.serving_weights_url.send(sender=Job, job=job, attempt=attempt) if url]
+    return replace(serving, weights=replace(serving.weights, fetch_url=urls[0])) if urls else serving
+
+
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
     hyper = spec.get("hyperparameters") or {}
@@ -195,6 +221,9 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
         datasets=_dataset_mounts(job, attempt),
+        restore=_checkpoint_restore(job),
+        checkpoint_upload_url=checkpoint_upload.signed_upload_url(job, attempt) if job.kind != Job.Kind.SERVING
+        and checkpoint_store.store_enabled() else "",
         node_caches=node_cache_specs(replica["node"] for replica in attempt.placement),
     )
 

@@ -49,6 +49,10 @@ and no other part of the cache. The store's URL and options come in the supervis
 (``PORTAL_DATA_STORAGE``), never in launch.json. What each fill found and pulled is ``cache-fills.json``.
 A fill that fails (the cache is full of pinned blobs, a blob is missing or does not hash to its key)
 starts no replica, and ``prepare.failed`` says why.
+Resume from the store: when launch.json names a ``restore`` (the job's newest durable checkpoint, which the
+job folder of the node the attempt landed on may lack), the supervisor restores it from the store's chunks
+into the job folder before any replica starts (`runners.workloads.checkpoint_restore`, with the same
+PORTAL_DATA_STORAGE); one it cannot restore starts no replica, and ``prepare.failed`` says why.
 Stdlib only (torch is imported by the store host alone; fsspec by a fill, through runners.storage).
 """
 
@@ -67,7 +71,7 @@ import time
 import venv
 from pathlib import Path
 
-from runners.workloads import sandbox
+from runners.workloads import checkpoint_restore, sandbox
 
 LAUNCH_FILE = "launch.json"
 PID_FILE = "supervisor.pid"
@@ -269,7 +273,7 @@ def fill_caches(attempt_dir: Path, launch: dict) -> str | None:
 
 def _prepare(attempt_dir: Path, launch: dict) -> str | None:
     """What must be done before a script job's replicas start (None: done; else why it failed)."""
-    failure = fill_caches(attempt_dir, launch)
+    failure = fill_caches(attempt_dir, launch) or checkpoint_restore.restore_checkpoint(attempt_dir, launch)
     if failure:
         return failure
     box = launch.get("sandbox")
