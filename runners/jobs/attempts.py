@@ -175,16 +175,6 @@ def _checkpoint_restore(job: Job) -> CheckpointRestore | None:
                              manifest=json.dumps(newest.manifest, separators=(",", ":")))
 
 
-def _serving_settings(job: Job, attempt: JobAttempt) -> ServingSettings:
-    """An inference replica's settings; a model version's weights come with the URL signed for this attempt that
-    a pod without the node cache's volume fetches them from (the apps above answer ``serving_weights_url``)."""
-    serving = ServingSettings(**job.spec["serving"])
-    if serving.weights is None:
-        return serving
-    urls = [url for _receiver, url in signals.serving_weights_url.send(sender=Job, job=job, attempt=attempt) if url]
-    return replace(serving, weights=replace(serving.weights, fetch_url=urls[0])) if urls else serving
-
-
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
     hyper = spec.get("hyperparameters") or {}
