@@ -20,14 +20,28 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
   never holds a drain up.
 
 What the pod runs is the portal's choice alone: the shipped server (the trainer's image, as
-pytorch-ddp jobs run) with its flags from the endpoint's validated settings, over the source
-job's checkpoint folder, mounted read-only; or the endpoint's image from the allow-list, with
+pytorch-ddp jobs run) with its flags from the endpoint's validated settings, over a model version's
+weights or the source job's checkpoint folder, mounted read-only; or the endpoint's image from the allow-list, with
 the same settings as the server's SERVE_* variables and no command of the tenant's. Nothing else
 of the launch (variables, command) reaches the pod spec. The pod is ready while `/readyz`
 answers 200 (false while the server loads and once it drains); it is restarted if `/healthz`
 stops answering; a deleted pod first sleeps in preStop, so Services and proxies stop sending it
 requests before the server gets SIGTERM, then drains within terminationGracePeriodSeconds (the
 launch's grace period, preStop included).
+
+A model version's weights (`ServingSettings.weights`, a blob of kind "models") reach the pod one of two ways,
+chosen when the manifest is built (`weights_source`):
+
+- from the node cache, where the cluster runs the cache agents (the portal holds their token, so it can sign a
+  grant): the CSI ephemeral volume of `cache_manifests.dataset_volume`, its grant naming the weights, mounted
+  read-only; the server reads `<mount>/<sha256>`. The agent fills the cache from the store, checked, once per
+  node, and the next replica on that node finds them there.
+- else through the portal: an init container (`python -m runners.workloads.fetch_weights`, the trainer's image)
+  downloads them from the URL the portal signed for the attempt (`ShardRef.fetch_url`), checks their sha256 and
+  size and moves them into an emptyDir (sized to them) that the server mounts read-only. The pod holds no
+  storage credentials and needs to reach only the portal.
+
+Both keep the namespace's Pod Security "restricted": a `csi` volume and an `emptyDir` are allowed, no host path.
 """
 
 from __future__ import annotations
@@ -35,9 +49,12 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 from runners.backends.base import JobLaunch, PermanentBackendError, ServingSettings
+from runners.backends.cache_manifests import DATASETS_MOUNT, dataset_volume
 from runners.backends.job_manifests import (
     CHECKPOINT_CLAIM,
     CONTAINER_SECURITY_CONTEXT,
+    FETCH_CPU_MILLI,
+    FETCH_MEMORY_MIB,
     POD_SECURITY_CONTEXT,
     SCRATCH_MOUNT,
     SCRATCH_VARIABLES,
@@ -65,6 +82,13 @@ MODEL_VOLUME = "model"
 MODEL_MOUNT = "/model"
 # How long a deleted pod waits before SIGTERM, so endpoints and proxies stop routing to it first.
 PRESTOP_SLEEP_S = 5
+# A model version's weights fetched through the portal: into this emptyDir, read-only in the server.
+WEIGHTS_VOLUME = "weights"
+WEIGHTS_MOUNT = "/weights"
+FETCH_WEIGHTS_CONTAINER = "fetch-weights"
+FETCH_WEIGHTS_COMMAND = ["python", "-m", "runners.workloads.fetch_weights"]
+# The emptyDir's size limit over the weights' own bytes (the partial file is renamed, never copied).
+WEIGHTS_VOLUME_SLACK_MIB = 64
 
 
 def endpoint_name(endpoint_id: int) -> str:
@@ -88,6 +112,55 @@ def model_path(serving: ServingSettings) -> str:
     return str(PurePosixPath(MODEL_MOUNT) / path)
 
 
+def weights_source(launch: JobLaunch, cache_grant_key: bytes) -> str:
+    """Where a model version's weights come from: "cache" (the node cache's CSI volume; the cluster runs the cache
+    agents, whose token the portal holds), "fetch" (the init container, through the signed URL), or "" (no
+    version: a job's checkpoint or an image)."""
+    serving = launch.serving
+    if serving is None or serving.weights is None or serving.image is not None:
+        return ""
+    return "cache" if cache_grant_key else "fetch"
+
+
+def weights_path(launch: JobLaunch, source: str) -> str:
+    """The weights' file in the server's container."""
+    root = DATASETS_MOUNT if source == "cache" else WEIGHTS_MOUNT
+    return f"{root}/{launch.serving.weights.sha256}"
+
+
+def fetch_weights_container(launch: JobLaunch, image: str) -> dict:
+    """The init container of a replica serving a model version without the node cache: downloads the weights from
+    the portal's signed URL, checks their sha256 and size, and moves them into the weights volume."""
+    weights = launch.serving.weights
+    if not weights.fetch_url.startswith(("https://", "http://")):
+        raise PermanentBackendError(
+            "A replica's pod fetches its model version's weights from the portal, and the launch has no URL to fetch "
+            "them from (set PORTAL_PUBLIC_URL to the address the cluster reaches the portal at, or run the cache "
+            "agents and set CACHE_AGENT_TOKEN so the pod reads them from its node's cache)."
+        )
+    share = {
+        "cpu": f"{min(FETCH_CPU_MILLI, launch.cpu_milli_per_replica)}m",
+        "memory": f"{min(FETCH_MEMORY_MIB, launch.memory_mib_per_replica)}Mi",
+    }
+    return {
+        "name": FETCH_WEIGHTS_CONTAINER,
+        "image": image,
+        "command": [*FETCH_WEIGHTS_COMMAND, weights.fetch_url, weights_path(launch, "fetch"),
+                    "--sha256", weights.sha256, "--bytes", str(weights.bytes)],
+        "env": [{"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()],
+        "resources": {"requests": dict(share), "limits": dict(share)},
+        "volumeMounts": [
+            {"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
+        ],
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def _weights_volume_limit(size: int) -> str:
+    return f"{-(-size // (1 << 20)) + WEIGHTS_VOLUME_SLACK_MIB}Mi"
+
+
 def _settings_variables(serving: ServingSettings) -> list[dict]:
     """The server's flags as the SERVE_* variables it reads too (`--queue-limit` is SERVE_QUEUE_LIMIT)."""
     flags = serving.flags()
@@ -102,8 +175,9 @@ def _probe(path: str, *, period_s: int, failures: int) -> dict:
             "timeoutSeconds": 2}
 
 
-def server_container(launch: JobLaunch, *, server_image: str) -> dict:
-    """The replica's one container: the shipped server over the model folder, or the endpoint's image."""
+def server_container(launch: JobLaunch, *, server_image: str, weights: str = "") -> dict:
+    """The replica's one container: the shipped server over the model version's weights (``weights``: where they
+    come from, see `weights_source`) or the source job's folder, or the endpoint's image."""
     serving = launch.serving
     fixed = [
         {"name": "PORTAL_ATTEMPT", "value": str(launch.attempt)},
@@ -114,13 +188,20 @@ def server_container(launch: JobLaunch, *, server_image: str) -> dict:
     if serving.source_job_id is not None:
         mounts.insert(0, {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True,
                           "subPath": f"job-{serving.source_job_id}"})
+    if weights == "fetch":
+        mounts.insert(0, {"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT, "readOnly": True})
     if serving.image is None:
-        if serving.source_job_id is None:
-            raise PermanentBackendError("The shipped server serves a job's checkpoint: the replica names no source job.")
+        if weights:
+            checkpoint = weights_path(launch, weights)
+        elif serving.source_job_id is None:
+            raise PermanentBackendError("The shipped server serves a model version or a job's checkpoint: the replica "
+                                        "names no source job and no model version.")
+        else:
+            checkpoint = model_path(serving)
         run = {
             "image": server_image,
             "command": list(SERVER_COMMAND),
-            "args": ["--checkpoint", model_path(serving), "--host", "0.0.0.0", "--port", str(SERVER_PORT),
+            "args": ["--checkpoint", checkpoint, "--host", "0.0.0.0", "--port", str(SERVER_PORT),
                      *serving.flags()],
             "env": fixed,
         }
@@ -152,8 +233,11 @@ def prestop_sleep_s(grace_period_s: int) -> int:
     return max(1, min(PRESTOP_SLEEP_S, grace_period_s // 3))
 
 
-def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, scheduler_name: str) -> dict:
-    """The Deployment of one replica's attempt: one pod, bound where the portal placed it."""
+def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, scheduler_name: str,
+                                cache_grant_key: bytes = b"") -> dict:
+    """The Deployment of one replica's attempt: one pod, bound where the portal placed it. ``cache_grant_key``: the
+    key of the cache agents' grants (empty where the cluster runs none), which decides where a model version's
+    weights come from (`weights_source`)."""
     if launch.serving is None:
         raise PermanentBackendError(f"Job {launch.job_id} is not an inference replica.")
     if len(launch.replicas) != 1 or launch.replicas[0].rank != 0:
@@ -168,6 +252,18 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
             "name": MODEL_VOLUME,
             "persistentVolumeClaim": {"claimName": CHECKPOINT_CLAIM, "readOnly": True},
         })
+    weights = weights_source(launch, cache_grant_key)
+    container = server_container(launch, server_image=server_image, weights=weights)
+    init_containers = []
+    if weights == "cache":
+        # The grant names the weights alone (a serving launch reads no dataset); the server reads the view's copy.
+        volume, mount, _variable = dataset_volume(launch, cache_grant_key)
+        volumes.insert(0, volume)
+        container["volumeMounts"].insert(0, mount)
+    elif weights == "fetch":
+        volumes.insert(0, {"name": WEIGHTS_VOLUME,
+                           "emptyDir": {"sizeLimit": _weights_volume_limit(launch.serving.weights.bytes)}})
+        init_containers.append(fetch_weights_container(launch, server_image))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -186,7 +282,8 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": launch.grace_period_s,
                     "securityContext": dict(POD_SECURITY_CONTEXT),
-                    "containers": [server_container(launch, server_image=server_image)],
+                    **({"initContainers": init_containers} if init_containers else {}),
+                    "containers": [container],
                     "volumes": volumes,
                 },
             },
@@ -230,14 +327,16 @@ def endpoint_manifests(*, namespace: str, tenant_slug: str, endpoint_id: int) ->
     return [endpoint_service_manifest(**where), endpoint_pdb_manifest(**where)]
 
 
-def serve_manifests(launch: JobLaunch, *, server_image: str, scheduler_name: str) -> list[dict]:
+def serve_manifests(launch: JobLaunch, *, server_image: str, scheduler_name: str, cache_grant_key: bytes = b""
+                    ) -> list[dict]:
     """The replica's Deployment, then its endpoint's Service and PodDisruptionBudget, in the order they are applied.
 
     The Deployment first: the backend removes the endpoint's shared objects only when it finds
     no Deployment of the endpoint, so one applied after its Deployment is never removed for good.
     """
     return [
-        serving_deployment_manifest(launch, server_image=server_image, scheduler_name=scheduler_name),
+        serving_deployment_manifest(launch, server_image=server_image, scheduler_name=scheduler_name,
+                                    cache_grant_key=cache_grant_key),
         *endpoint_manifests(namespace=launch.namespace, tenant_slug=launch.tenant_slug,
                             endpoint_id=launch.serving.endpoint_id),
     ]

@@ -90,10 +90,6 @@ def _source(value, tenant: Tenant) -> dict:
             raise Invalid("source", "A model source takes no job, step or image.")
         if "model" not in value:
             raise Invalid("source.model", "The model whose version to serve.")
-        if settings.CLUSTER_BACKEND == "kubernetes":
-            # A replica's pod has no way to its weights yet (neither a signed URL nor the node cache's volume).
-            raise Invalid("source.model", "On the Kubernetes backend an endpoint serves a job's checkpoint from the "
-                                          "job's volume, or an image; model versions are served on the local backend.")
         version = registry_selectors.tenant_version_get(
             tenant=tenant, name=value["model"], version=value.get("version"), field="source.model",
             version_field="source.version")
@@ -153,7 +149,8 @@ def _version_servable(version: ModelVersion) -> None:
 def served_version(*, actor: AbstractBaseUser, tenant: Tenant, source: dict, model_name: str) -> ModelVersion | None:
     """The model version an endpoint with this checked source serves: the one named, or the job's checkpoint promoted
     to a version of ``model_name`` (the endpoint's name). None for an image, and for a checkpoint the portal cannot
-    copy (Kubernetes keeps it on the cluster's claim): the replicas then read it from the source job's volume."""
+    copy (on Kubernetes, a checkpoint on the cluster's claim not yet durable in the checkpoint store): the replicas
+    then read it from the source job's volume."""
     if "model" in source:
         return registry_selectors.tenant_version_get(tenant=tenant, name=source["model"], version=source["version"],
                                                      field="source.model", version_field="source.version")
@@ -162,7 +159,7 @@ def served_version(*, actor: AbstractBaseUser, tenant: Tenant, source: dict, mod
     job = Job.objects.select_related("environment", "bundle", "tenant").get(id=source["job"])
     try:
         version, _ = registry.promote_checkpoint(actor=actor, job=job, step=source["step"], name=model_name)
-    except registry.NotCopyable:
+    except registry.NotDurable:
         return None
     except Invalid as exc:
         raise Invalid("source.step", "; ".join(exc.messages)) from None
@@ -311,6 +308,8 @@ def endpoint_deploy(*, actor: AbstractBaseUser, data) -> InferenceEndpoint:
                 id=checked["environment"].id).order_by("id").first()
             if environment is None or environment.state != EnvironmentState.READY:
                 raise Invalid("environment", f"Environment {checked['environment'].name} is no longer ready.")
+            if version is not None:  # a delete of the version waits for this, or wins and this says so
+                version = registry_selectors.version_lock(version)
             desired = max(spec["min_replicas"], min(spec["max_replicas"], 1 + spec["warm_replicas"]))
             endpoint = InferenceEndpoint.objects.create(
                 tenant=checked["tenant"], environment=environment, name=spec["name"], spec=spec,
@@ -411,6 +410,8 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         endpoint = _locked(endpoint)
         if endpoint.stop_requested_at is not None:
             raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
+        if version is not None:  # a delete of the version waits for this, or wins and this says so
+            version = registry_selectors.version_lock(version)
         audit_before = {"source": _served_what(endpoint), "generation": endpoint.generation}
         endpoint.spec["source"] = source
         for field, value in _checkpoint_fields(source, version).items():

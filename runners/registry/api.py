@@ -1,6 +1,6 @@
 """REST API of the model registry, under a tenant: list models, promote a checkpoint, read a model and a version.
 
-Members promote (any role but viewer), every member reads; anyone else gets 404. A model name or version
+Members promote (any role but viewer), admins and owners delete a version, every member reads; anyone else gets 404. A model name or version
 that does not exist is a 404 whose detail names the field (``model: ...``, ``version: ...``).
 """
 
@@ -89,10 +89,15 @@ class ModelViewSet(TenantScopedMixin, viewsets.GenericViewSet):
         versions = selectors.model_versions(user=request.user, tenant=self.tenant(), name=name)
         return Response({"name": name, "versions": ModelVersionSerializer(versions[:200], many=True).data})
 
-    @extend_schema(responses={200: ModelVersionSerializer})
-    @action(detail=True, methods=["get"], url_path=r"versions/(?P<version>[0-9]{1,9})")
+    @extend_schema(methods=["GET"], responses={200: ModelVersionSerializer})
+    @extend_schema(methods=["DELETE"], responses={204: None})
+    @action(detail=True, methods=["get", "delete"], url_path=r"versions/(?P<version>[0-9]{1,9})")
     def version(self, request, tenant_slug, name, version):
-        """One version: its weights and its lineage."""
+        """GET: one version, its weights and its lineage. DELETE (admins and owners): the version leaves every read
+        and its weights go with the next sweep; 409 naming the endpoints while any serves it."""
+        if request.method == "DELETE":
+            services.model_version_delete(actor=request.user, tenant=self.tenant(), name=name, version=int(version))
+            return Response(status=status.HTTP_204_NO_CONTENT)
         found = selectors.version_get(user=request.user, tenant=self.tenant(), name=name, version=int(version))
         return Response(ModelVersionSerializer(found).data)
 

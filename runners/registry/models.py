@@ -25,8 +25,16 @@ class WeightsFormat(models.TextChoices):
     TAR_GZ = "tar.gz"  # a checkpoint folder, kept as a .tar.gz of its files
 
 
+class ModelVersionQuerySet(models.QuerySet):
+    def kept(self):
+        """The versions not deleted."""
+        return self.filter(deleted_at__isnull=True)
+
+
 class ModelVersion(models.Model):
-    """One version of a tenant's model: immutable once written (``save`` refuses an update)."""
+    """One version of a tenant's model: immutable once written (``save`` refuses an update); a delete only marks it."""
+
+    objects = ModelVersionQuerySet.as_manager()
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="model_versions")
     name = models.CharField(max_length=MODEL_NAME_MAX, validators=[model_name_validator])
@@ -45,6 +53,12 @@ class ModelVersion(models.Model):
     lineage = models.JSONField(default=dict)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
+    # A delete is soft: the row stays (endpoints and replicas that served it keep naming it, and its number is
+    # never given again), it leaves every read, and the weights sweep removes its blob once no kept version
+    # names it. Written only by ``services.model_version_delete``, with an update of these two fields alone.
+    deleted_at = models.DateTimeField(null=True, blank=True)
+    deleted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
 
     class Meta:
         ordering = ["tenant_id", "name", "-version"]

@@ -12,7 +12,8 @@ from tenants.selectors import tenant_list
 
 def version_list(*, user: AbstractBaseUser, tenant: Tenant | None = None, name: str | None = None
                  ) -> QuerySet[ModelVersion]:
-    queryset = ModelVersion.objects.filter(tenant__in=tenant_list(user=user)).select_related("tenant", "created_by")
+    queryset = ModelVersion.objects.kept().filter(tenant__in=tenant_list(user=user)).select_related(
+        "tenant", "created_by")
     if tenant is not None:
         queryset = queryset.filter(tenant=tenant)
     if name is not None:
@@ -42,7 +43,12 @@ def version_get(*, user: AbstractBaseUser, tenant: Tenant, name: str, version=No
 def tenant_version_get(*, tenant: Tenant, name: str, version=None, field: str = "model",
                        version_field: str = "version") -> ModelVersion:
     """As ``version_get``, for a service that has already checked the caller's role in ``tenant``."""
-    return _version(ModelVersion.objects.filter(tenant=tenant), tenant, name, version, field, version_field)
+    return _version(ModelVersion.objects.kept().filter(tenant=tenant), tenant, name, version, field, version_field)
+
+
+def version_of_replica_weights(*, version_id: int, sha256: str) -> ModelVersion | None:
+    """The kept version of this id whose weights are ``sha256`` (what a signed weights URL names), else None."""
+    return ModelVersion.objects.kept().filter(id=version_id, weights_sha256=sha256).first()
 
 
 def _versions(queryset: QuerySet[ModelVersion], tenant: Tenant, name, field: str) -> QuerySet[ModelVersion]:
@@ -60,6 +66,17 @@ def _version(queryset, tenant: Tenant, name, version, field: str, version_field:
         raise NotFound(f"{version_field}: model {name} has no version {version!r}.")
     found = versions.filter(version=version).first()
     if found is None:
+        if ModelVersion.objects.filter(tenant=tenant, name=name, version=version, deleted_at__isnull=False).exists():
+            raise NotFound(f"{version_field}: model {name} version {version} was deleted.")
         newest = versions.first().version
         raise NotFound(f"{version_field}: model {name} has no version {version}; its versions are 1 to {newest}.")
     return found
+
+
+def version_lock(version: ModelVersion) -> ModelVersion:
+    """Lock a version's row for the caller's transaction (a deploy or rollout about to serve it); NotFound naming
+    ``source.version`` when it was deleted meanwhile."""
+    locked = ModelVersion.objects.select_for_update().filter(id=version.id, deleted_at__isnull=True).first()
+    if locked is None:
+        raise NotFound(f"source.version: model {version.name} version {version.version} was deleted.")
+    return locked

@@ -1,0 +1,121 @@
+"""Fetch a model version's weights into a file, checked: what an inference replica's pod runs before its server
+(its init container) where it does not read them from the node cache.
+
+    python -m runners.workloads.fetch_weights URL DEST --sha256 HEX --bytes N
+
+URL is the portal's signed URL for the replica's attempt (the pod holds no storage credentials). The download is
+streamed into ``DEST.partial`` beside DEST, hashed as it arrives and cut off past N bytes; only bytes whose size is
+N and whose sha256 is HEX are moved to DEST (a rename: the server never sees a partial file). DEST already holding
+them (a pod whose init container runs again) is kept without a download. Exit 0 once DEST holds the weights; 1
+with one line on stderr saying why not. A URL that cannot be read is tried again a few times (the portal may be
+restarting); an expired, forged or unknown one (a 4xx) is not.
+
+Pure: the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HTTP_TIMEOUT_S = 60
+TRIES = 5
+FIRST_WAIT_S = 1.0
+CHUNK = 1 << 20
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FetchError(Exception):
+    """The weights could not be fetched, or are not the ones asked for; the message says why."""
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while block := source.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_once(url: str, partial: Path, *, sha256: str, size: int) -> None:
+    digest = hashlib.sha256()
+    got = 0
+    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as source, open(partial, "wb") as target:  # noqa: S310
+        while block := source.read(CHUNK):
+            got += len(block)
+            if got > size:
+                raise FetchError(f"The portal sent more than the weights' {size} bytes.")
+            digest.update(block)
+            target.write(block)
+        target.flush()
+        os.fsync(target.fileno())
+    if got != size:
+        raise FetchError(f"The portal sent {got} bytes, not the weights' {size}.")
+    if digest.hexdigest() != sha256:
+        raise FetchError(f"The bytes' sha256 is {digest.hexdigest()}, not the weights' {sha256}.")
+
+
+def fetch(url: str, dest: str | Path, *, sha256: str, size: int, tries: int = TRIES,
+          first_wait_s: float = FIRST_WAIT_S) -> bool:
+    """Make ``dest`` hold the weights (sha256, size) from ``url``; True when downloaded, False when already there."""
+    if not SHA256.match(sha256):
+        raise FetchError(f"{sha256!r} is not a sha256 (64 lowercase hex digits).")
+    if not url.startswith(("https://", "http://")):
+        raise FetchError(f"{url!r} is not an http(s) URL.")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_file() and dest.stat().st_size == size and _sha256_of(dest) == sha256:
+        return False
+    partial = dest.with_name(dest.name + ".partial")
+    wait = first_wait_s
+    try:
+        for attempt in range(1, tries + 1):
+            try:
+                _download_once(url, partial, sha256=sha256, size=size)
+                break
+            except urllib.error.HTTPError as exc:
+                if 400 <= exc.code < 500 or attempt == tries:
+                    raise FetchError(f"The portal refused the weights' URL ({exc.code}: "
+                                     f"{exc.read(300).decode(errors='replace').strip()}).") from None
+            except FetchError:
+                raise
+            except OSError as exc:  # refused, reset, timed out: the portal may be back in a moment
+                if attempt == tries:
+                    raise FetchError(f"Could not read the weights ({type(exc).__name__}: {exc}).") from None
+            time.sleep(wait)
+            wait *= 2
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runners.workloads.fetch_weights",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("url", help="The portal's signed URL of the weights.")
+    parser.add_argument("dest", help="The file to write them to.")
+    parser.add_argument("--sha256", required=True, help="The weights' sha256; the bytes must match it.")
+    parser.add_argument("--bytes", type=int, required=True, help="The weights' size; the bytes must match it.")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    try:
+        fetched = fetch(args.url, args.dest, sha256=args.sha256, size=args.bytes)
+    except FetchError as exc:
+        print(f"fetch_weights: {exc}", file=sys.stderr)
+        return 1
+    what = "fetched" if fetched else "already there"
+    print(f"fetch_weights: {args.bytes} bytes of weights {args.sha256} {what} in {args.dest} "
+          f"({time.monotonic() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
