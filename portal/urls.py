@@ -11,7 +11,6 @@ from portal.api import router
 from runners.bundles.api import router as bundles_router
 from runners.bundles.fetch_view import bundle_fetch
 from runners.inference.router import GenerateView
-from runners.registry.api import router as registry_router
 from runners.usage.api import (
     BudgetAlertView,
     BudgetView,
@@ -53,7 +52,8 @@ urlpatterns = [
     path("", include("runners.datasets.urls")),
     # A tenant's checkpoint storage: /api/v1/tenants/<slug>/storage/ and its retention preview.
     path("", include("runners.jobs.storage_urls")),
-    path("api/v1/", include(registry_router.urls)),
+    # Models: /api/v1/tenants/<slug>/models/... and the replicas' signed weights fetch (runners/registry/urls.py).
+    path("", include("runners.registry.urls")),
     path("api/v1/", include(router.urls)),
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
     # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).

@@ -796,7 +796,8 @@ class KubernetesBackend:
         The shipped server runs the trainer's image (as pytorch-ddp jobs do). The checkpoint
         volume is applied too when the replica serves a job's checkpoint: it is where that is.
         """
-        manifests = serve_manifests(launch, server_image=self.trainer_image, scheduler_name=self.scheduler_name)
+        manifests = serve_manifests(launch, server_image=self.trainer_image, scheduler_name=self.scheduler_name,
+                                    cache_grant_key=self.cache_grant_key)
         self._launched_since.add((launch.job_id, launch.attempt))
         if launch.serving.source_job_id is not None:
             self._ensure_checkpoint_volume(launch)

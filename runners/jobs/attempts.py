@@ -28,6 +28,7 @@ import json
 import logging
 import threading
 import uuid
+from dataclasses import replace
 from datetime import datetime
 
 from django.conf import settings
@@ -175,6 +176,16 @@ def _checkpoint_restore(job: Job) -> CheckpointRestore | None:
                              manifest=json.dumps(newest.manifest, separators=(",", ":")))
 
 
+def _serving_settings(job: Job, attempt: JobAttempt) -> ServingSettings:
+    """An inference replica's settings; a model version's weights come with the URL signed for this attempt that
+    a pod without the node cache's volume fetches them from (the apps above answer ``serving_weights_url``)."""
+    serving = ServingSettings(**job.spec["serving"])
+    if serving.weights is None:
+        return serving
+    urls = [url for _receiver, url in signals.serving_weights_url.send(sender=Job, job=job, attempt=attempt) if url]
+    return replace(serving, weights=replace(serving.weights, fetch_url=urls[0])) if urls else serving
+
+
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
     spec = job.spec
     hyper = spec.get("hyperparameters") or {}
@@ -207,7 +218,7 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         resume_from_step=newest_checkpoint_step(job),
         # The shipped trainer's settings are its hyperparameters; a script's are its own, handed over as JSON.
         trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **({} if script else hyper)),
-        serving=ServingSettings(**spec["serving"]) if job.kind == Job.Kind.SERVING else None,
+        serving=_serving_settings(job, attempt) if job.kind == Job.Kind.SERVING else None,
         bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
         datasets=_dataset_mounts(job, attempt),
