@@ -363,6 +363,21 @@ class Client:
         body = {"name": name, "job": job_id, **({} if step is None else {"step": step})}
         return self.post(f"/api/v1/tenants/{tenant}/models/", body)
 
+    # --- Checkpoint storage ------------------------------------------------
+
+    def storage(self, tenant: str) -> dict:
+        """The tenant's checkpoint storage: quota, bytes stored after deduplication, retention policy."""
+        return self.get(f"/api/v1/tenants/{tenant}/storage/")
+
+    def storage_set(self, tenant: str, **fields) -> dict:
+        """Change `retention` (admins, owners; None keeps everything) or `quota_gb` (staff; None: no limit)."""
+        return self._send("PATCH", f"/api/v1/tenants/{tenant}/storage/", json=fields).json()
+
+    def retention_preview(self, tenant: str, retention: dict | None, *, job_id: int | None = None) -> dict:
+        """What a proposed retention policy would delete and free now; nothing is saved."""
+        body = {"retention": retention, **({} if job_id is None else {"job": job_id})}
+        return self.post(f"/api/v1/tenants/{tenant}/storage/preview/", body)
+
     # --- Endpoints, usage ---------------------------------------------------
 
     def endpoint_create(self, spec: dict) -> dict:

@@ -378,3 +378,19 @@ def test_run_uploads_this_folder_once_and_runs_its_command_there(cli):
     ended = json.loads(failed.stdout)
     assert (ended["name"], ended["state"]) == ("my-script-fails", "failed")
     assert ended["attempts"][-1]["exit_code"] == 3
+
+
+def test_storage_shows_usage_previews_a_policy_and_saves_it(cli, trained):
+    _, job_id = trained
+    shown = cli.json("storage", "show")
+    assert shown["tenant"] == "ml-research" and shown["used_bytes"] >= 0 and shown["can_set_retention"] is True
+    preview = cli.json("storage", "preview", "--keep-newest", "1", "--job", str(job_id))
+    # A finished job keeps only its newest: what it would delete is among its earlier steps, nothing is saved.
+    assert all(item["job"] == job_id and 40 not in item["steps"] for item in preview["jobs"])
+    assert cli.json("storage", "show")["retention"] == shown["retention"]
+    saved = cli("storage", "set-retention", "--keep-every", "1000")
+    assert saved.returncode == 0 and "every 1000" in saved.stderr, saved.stderr
+    assert cli.json("storage", "show")["retention"]["keep_every"] == 1000
+    assert "keep every 1000" in cli("storage", "show").stdout
+    assert cli("storage", "set-retention").returncode == 0  # no rule: keep everything again
+    assert cli("storage", "preview", "--keep-newest", "-1").returncode == 2

@@ -690,3 +690,8 @@ app.add_typer(data_app, name="data")
 from gpuportal.cli.models import app as models_app  # noqa: E402
 
 app.add_typer(models_app, name="models")
+
+# `portal storage ...` (gpuportal/cli/storage.py), likewise.
+from gpuportal.cli.storage import app as storage_app  # noqa: E402
+
+app.add_typer(storage_app, name="storage")
