@@ -360,6 +360,8 @@ class ProgressRead:
     # Stop records (the SDK's, each naming its attempt): the script saw should_stop() and checkpointed,
     # so its ranks exiting 0 count as stopped on request, not finished.
     stops: list[dict] = field(default_factory=list)
+    # The datasets the script opened ({"name", "version", "attempt", ...}: gpuportal.datasets.record_read).
+    datasets: list[dict] = field(default_factory=list)
 
 
 @dataclass

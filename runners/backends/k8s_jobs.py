@@ -544,6 +544,8 @@ class ProgressChunk:
     skipped_second: int | None = None
     # The SDK's stop records (`PORTAL_STOPPED {...}`): the script checkpointed on a stop and exits 0.
     stops: list[dict] = field(default_factory=list)
+    # The SDK's dataset read records (`PORTAL_DATASET {...}`).
+    datasets: list[dict] = field(default_factory=list)
 
 
 def read_progress(data: bytes, cursor: LogCursor, *, limit: int) -> ProgressChunk:
@@ -555,16 +557,17 @@ def read_progress(data: bytes, cursor: LogCursor, *, limit: int) -> ProgressChun
     complete, cut = lines[:-1], lines[-1]
     new = _unread(complete, cursor)
     records = progress.parse_log_records("\n".join(_payload(line) for line in new if _TAG_MARK in line))
-    metrics, checkpoints, stops = records.metrics, records.checkpoints, records.stops
+    metrics, checkpoints, stops, datasets = records.metrics, records.checkpoints, records.stops, records.datasets
     if len(data) >= limit and not new:
         # The whole answer was lines read before (or one longer line): reading from here again
         # would bring the same. Go on from the second after the line that could not be read.
         blocked = log_stamp(cut) or (log_stamp(complete[-1]) if complete else None)
         if blocked is not None:
             moved = LogCursor(cursor.job_id, cursor.attempt, cursor.pod_uid, since=blocked[0] + 1)
-            return ProgressChunk(metrics, checkpoints, moved, skipped_second=blocked[0], stops=stops)
+            return ProgressChunk(metrics, checkpoints, moved, skipped_second=blocked[0], stops=stops,
+                                 datasets=datasets)
     if not complete:
-        return ProgressChunk(metrics, checkpoints, cursor, stops=stops)
+        return ProgressChunk(metrics, checkpoints, cursor, stops=stops, datasets=datasets)
     last_stamp = log_stamp(complete[-1])
     if last_stamp is None:
         # No timestamps (not what the API sends with timestamps=true): count lines from where this read began.
@@ -582,7 +585,7 @@ def read_progress(data: bytes, cursor: LogCursor, *, limit: int) -> ProgressChun
                 break
     moved = LogCursor(cursor.job_id, cursor.attempt, cursor.pod_uid, since=since, skip=skip,
                       digest=_line_digest(complete[-1]), last=last_stamp)
-    return ProgressChunk(metrics, checkpoints, moved, stops=stops)
+    return ProgressChunk(metrics, checkpoints, moved, stops=stops, datasets=datasets)
 
 
 def _unread(lines: list[bytes], cursor: LogCursor) -> list[bytes]:

@@ -1199,7 +1199,7 @@ class KubernetesBackend:
                            "skipping the rest of that second.", metadata["namespace"], metadata["name"],
                            k8s_jobs.since_time(chunk.skipped_second), PROGRESS_READ_MAX_BYTES)
         return ProgressRead(metrics=chunk.metrics, checkpoints=chunk.checkpoints, stops=chunk.stops,
-                            cursor=chunk.cursor.as_dict(), bytes_read=len(data))
+                            datasets=chunk.datasets, cursor=chunk.cursor.as_dict(), bytes_read=len(data))
 
     def gpu_readings(self, attempts: set[tuple[int, int]]) -> dict[tuple[int, int], list[GpuReading]]:
         """The attempts' devices as the DCGM exporter last saw them, read from Prometheus in one query.

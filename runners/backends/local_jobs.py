@@ -700,13 +700,13 @@ class LocalJobs:
         return "\n".join(lines[-tail:]) + ("\n" if lines else "")
 
     def progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
-        """New records of the job folder's checkpoints.jsonl, stops.jsonl, then metrics.jsonl, from the cursor's
-        byte offsets.
+        """New records of the job folder's checkpoints.jsonl, stops.jsonl, datasets.jsonl, then metrics.jsonl, from
+        the cursor's byte offsets.
 
-        The cursor is {"checkpoints": offset, "stops": offset, "metrics": offset} (a missing or unusable
-        key: 0). The files are the job's, shared by its attempts; the portal keeps one cursor per job and
-        each record names its attempt, so nothing is filtered here. Checkpoints and stops first: they are
-        few and what a resume (and an exit after a stop) needs; metrics take what is left of
+        The cursor is {"checkpoints": offset, "stops": offset, "datasets": offset, "metrics": offset} (a missing
+        or unusable key: 0). The files are the job's, shared by its attempts; the portal keeps one cursor per job
+        and each record names its attempt, so nothing is filtered here. Checkpoints, stops and dataset reads
+        first: they are few and what a resume (and an exit after a stop) needs; metrics take what is left of
         PROGRESS_READ_MAX_BYTES.
         Only whole lines are taken; ``bytes_read`` counts them (a torn last line read and left
         for the next call does not count, so a read that returns 0 means nothing new).
@@ -717,12 +717,13 @@ class LocalJobs:
         left = PROGRESS_READ_MAX_BYTES
         found: dict[str, list[dict]] = {}
         new_cursor: dict[str, int] = {}
+        keeps = {"stops": progress.is_stop, "datasets": progress.is_dataset_read}
         for key, name in (("checkpoints", progress.CHECKPOINTS_FILE), ("stops", progress.STOPS_FILE),
-                          ("metrics", progress.METRICS_FILE)):
+                          ("datasets", progress.DATASETS_FILE), ("metrics", progress.METRICS_FILE)):
             start = cursor.get(key) if isinstance(cursor, dict) else None
             start = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else 0
             whole_budget = left == PROGRESS_READ_MAX_BYTES
-            keep = progress.is_stop if key == "stops" else progress.has_step
+            keep = keeps.get(key, progress.has_step)
             with _job_file(job_dir / name) as readable:
                 if readable is None:
                     chunk = progress.Chunk([], start, 0)
@@ -732,7 +733,8 @@ class LocalJobs:
             new_cursor[key] = chunk.offset
             left -= chunk.taken
         return ProgressRead(
-            metrics=found["metrics"], checkpoints=found["checkpoints"], stops=found["stops"], cursor=new_cursor,
+            metrics=found["metrics"], checkpoints=found["checkpoints"], stops=found["stops"],
+            datasets=found["datasets"], cursor=new_cursor,
             bytes_read=PROGRESS_READ_MAX_BYTES - left,
         )
 

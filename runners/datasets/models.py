@@ -66,6 +66,11 @@ class DatasetVersion(models.Model):
                                    related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
     sealed_at = models.DateTimeField(null=True, blank=True)
+    # An open version's last sign of life (opened or resumed, shards declared, a part received, a shard packed by
+    # the registering worker): the sweep discards an upload and sends a registration again only a lease after it.
+    touched_at = models.DateTimeField(null=True, blank=True)
+    # How many times a registration was sent to a worker (the first send included); 0 for an upload.
+    register_sends = models.PositiveSmallIntegerField(default=0)
 
     class Meta:
         constraints = [

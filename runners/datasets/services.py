@@ -20,12 +20,14 @@ import hashlib
 import logging
 import re
 import tempfile
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.db.models import Max
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from gpuportal import datasets as packing
 
@@ -156,11 +158,19 @@ def version_open(*, actor: AbstractBaseUser, tenant: Tenant, dataset: Dataset, m
             existing = dataset.versions.filter(state=VersionState.OPEN, manifest_sha256=manifest_sha256,
                                                source="upload").first()
             if existing is not None:
+                _touch(existing)
                 return existing, False
         number = (dataset.versions.aggregate(top=Max("number"))["top"] or 0) + 1
         version = DatasetVersion.objects.create(dataset=dataset, number=number, manifest_sha256=manifest_sha256,
-                                                source=source, created_by=actor if actor.is_authenticated else None)
+                                                source=source, created_by=actor if actor.is_authenticated else None,
+                                                touched_at=timezone.now(),
+                                                register_sends=0 if source == "upload" else 1)
     return version, True
+
+
+def _touch(version: DatasetVersion) -> None:
+    """A sign of life of an open version (see DatasetVersion.touched_at): the sweep leaves it a lease from now."""
+    DatasetVersion.objects.filter(id=version.id, state=VersionState.OPEN).update(touched_at=timezone.now())
 
 
 def _open_version_locked(version: DatasetVersion) -> DatasetVersion:
@@ -209,6 +219,7 @@ def shards_declare(*, actor: AbstractBaseUser, tenant: Tenant, version: DatasetV
             new.append(VersionShard(version=version, position=position, sha256=sha256, bytes=size, samples=samples,
                                     stored=stored, members=known.members if stored else []))
         VersionShard.objects.bulk_create(new)
+        _touch(version)
     return missing(version)
 
 
@@ -260,6 +271,15 @@ def _remove_parts(version: DatasetVersion, sha256: str) -> None:
     uploads.fs.invalidate_cache(folder)
 
 
+def _remove_version_parts(version: DatasetVersion) -> None:
+    """Remove every upload part of the version (its folder under uploads/)."""
+    uploads = store(UPLOADS)
+    folder = f"{uploads.root}/{version.id}"
+    with contextlib.suppress(FileNotFoundError):
+        uploads.fs.rm(folder, recursive=True)
+    uploads.fs.invalidate_cache(folder)
+
+
 def shard_receive(*, actor: AbstractBaseUser, tenant: Tenant, version: DatasetVersion, sha256: str, offset, stream,
                   length: int) -> dict:
     """Take one part of a declared shard's bytes, at `offset` (what the server has of it: a push that resumes asks
@@ -295,6 +315,7 @@ def shard_receive(*, actor: AbstractBaseUser, tenant: Tenant, version: DatasetVe
         uploads.fs.makedirs(folder, exist_ok=True)
         # A part cut while written is ignored (its size is not its name's); the push sends it again.
         uploads.fs.put_file(spool.name, f"{folder}/{offset:015d}-{length}")
+    _touch(version)
     have = offset + length
     if have < row.bytes:
         return {"sha256": sha256, "received_bytes": have, "stored": False}
@@ -379,10 +400,8 @@ def version_discard(*, actor: AbstractBaseUser, tenant: Tenant, version: Dataset
         row = DatasetVersion.objects.select_for_update().get(id=version.id)
         if row.state == VersionState.SEALED:
             raise Conflict(f"Version {row.number} is sealed; sealed versions are kept.")
-        shas = list(row.shard_rows.values_list("sha256", flat=True))
         row.delete()
-    for sha256 in set(shas):
-        _remove_parts(version, sha256)
+    _remove_version_parts(version)
 
 
 # --- Registering from a storage URL ---------------------------------------------------------------------
@@ -436,14 +455,17 @@ def version_register_run(version_id: int) -> str:
     version = DatasetVersion.objects.select_related("dataset", "dataset__tenant").filter(id=version_id).first()
     if version is None or version.state != VersionState.OPEN:
         return "gone" if version is None else version.state
+    _touch(version)
     try:
         blobs = store()
         with tempfile.TemporaryDirectory(prefix="dataset-register-") as work:
             shards = packing.pack(_source_members(version.source), work,
-                                  int(getattr(settings, "DATASET_REGISTER_SHARD_BYTES", packing.DEFAULT_SHARD_BYTES)))
+                                  int(getattr(settings, "DATASET_REGISTER_SHARD_BYTES", packing.DEFAULT_SHARD_BYTES)),
+                                  progress=lambda _bytes: _touch(version))
             rows = []
             for position, shard in enumerate(shards):
                 sha256, size = blobs.put_file(shard.path, shard.sha256)
+                _touch(version)
                 with open(shard.path, "rb") as handle:
                     members = packing.shard_index(handle)
                 rows.append(VersionShard(version=version, position=position, sha256=sha256, bytes=size,
@@ -454,12 +476,104 @@ def version_register_run(version_id: int) -> str:
             VersionShard.objects.bulk_create(rows)
             _seal_locked(row, [(r.position, True, r.bytes, r.samples, r.members) for r in rows], version.created_by)
         return VersionState.SEALED
+    except Conflict:
+        # Another run (the sweep sent the registration again) sealed or failed it first: its outcome stands.
+        return DatasetVersion.objects.get(id=version.id).state
     except (Invalid, packing.DatasetError, OSError, ValueError) as exc:
         reason = exc.messages[0] if isinstance(exc, Invalid) else str(exc)
         logger.warning("Dataset version %s from %s failed: %s", version.id, version.source, reason)
         DatasetVersion.objects.filter(id=version.id, state=VersionState.OPEN).update(
             state=VersionState.FAILED, reason=f"Could not pack {version.source}: {reason}"[:1000])
         return VersionState.FAILED
+
+
+# --- The sweep ------------------------------------------------------------------------------------------
+
+UPLOAD_LEASE_S_DEFAULT = 24 * 3600
+REGISTER_LEASE_S_DEFAULT = 15 * 60
+REGISTER_MAX_SENDS_DEFAULT = 3
+
+
+def versions_sweep(*, now=None) -> dict:
+    """What open versions left behind, put right (the beat's ``runners.datasets.tasks.versions_sweep``):
+
+    - a push abandoned: an open upload with no sign of life for DATASET_UPLOAD_LEASE_S (no declare, no part) is
+      discarded, with its stored upload parts; a push of the same folder later opens a new version;
+    - a registration whose message was lost (or whose worker died): an open registered version with no sign of
+      life for DATASET_REGISTER_LEASE_S is sent to a worker again, at most DATASET_REGISTER_MAX_SENDS times in
+      all, then failed with the reason (a run that finds it no longer open does nothing, and of two runs the
+      first to seal wins);
+    - upload parts of versions no longer open (a discard cut between its row and its files) are removed.
+
+    Answers the counts: {"discarded", "resent", "failed", "orphan_parts"}."""
+    now = now or timezone.now()
+    upload_lease = timedelta(seconds=int(getattr(settings, "DATASET_UPLOAD_LEASE_S", UPLOAD_LEASE_S_DEFAULT)))
+    register_lease = timedelta(seconds=int(getattr(settings, "DATASET_REGISTER_LEASE_S", REGISTER_LEASE_S_DEFAULT)))
+    max_sends = int(getattr(settings, "DATASET_REGISTER_MAX_SENDS", REGISTER_MAX_SENDS_DEFAULT))
+    done = {"discarded": 0, "resent": 0, "failed": 0, "orphan_parts": 0}
+    last_sign = Coalesce("touched_at", "created_at")
+    open_versions = DatasetVersion.objects.filter(state=VersionState.OPEN).annotate(last_sign=last_sign)
+
+    for version_id in open_versions.filter(source="upload", last_sign__lt=now - upload_lease).values_list("id", flat=True):
+        with transaction.atomic():
+            row = (DatasetVersion.objects.select_for_update(skip_locked=True).annotate(last_sign=last_sign)
+                   .filter(id=version_id, state=VersionState.OPEN, last_sign__lt=now - upload_lease).first())
+            if row is None:  # resumed meanwhile, or being written now
+                continue
+            gone = DatasetVersion(id=row.id)  # delete() clears the row's id; its parts' folder is named by it
+            row.delete()
+        _remove_version_parts(gone)
+        logger.info("Discarded open version %s of dataset %s: no push touched it since %s.", row.number,
+                    row.dataset_id, row.last_sign)
+        done["discarded"] += 1
+
+    stale = open_versions.exclude(source="upload").filter(last_sign__lt=now - register_lease)
+    for version_id in stale.values_list("id", flat=True):
+        with transaction.atomic():
+            row = (DatasetVersion.objects.select_for_update(skip_locked=True).annotate(last_sign=last_sign)
+                   .filter(id=version_id, state=VersionState.OPEN, last_sign__lt=now - register_lease).first())
+            if row is None:
+                continue
+            if row.register_sends >= max_sends:
+                row.state = VersionState.FAILED
+                row.reason = (f"The registration from {row.source} was sent to a worker {row.register_sends} times "
+                              f"and never finished; register it again.")[:1000]
+                row.save(update_fields=["state", "reason"])
+                done["failed"] += 1
+                continue
+            row.register_sends += 1
+            row.touched_at = timezone.now()
+            row.save(update_fields=["register_sends", "touched_at"])
+            transaction.on_commit(lambda version_id=row.id: send_task("runners.datasets.tasks.version_register",
+                                                                      version_id))
+        logger.warning("Dataset version %s from %s showed no sign of life since %s; its registration is sent "
+                       "again (send %s of %s).", row.id, row.source, row.last_sign, row.register_sends, max_sends)
+        done["resent"] += 1
+
+    done["orphan_parts"] = _orphan_parts_removed()
+    return done
+
+
+def _orphan_parts_removed() -> int:
+    """Remove the upload parts' folders (uploads/<version id>/) of versions that are not open: listed first, then
+    the open versions read, so a version opened meanwhile (a new id) is never taken for an orphan."""
+    uploads = store(UPLOADS)
+    uploads.fs.invalidate_cache(uploads.root)
+    try:
+        listed = uploads.fs.ls(uploads.root, detail=False)
+    except FileNotFoundError:
+        return 0
+    folders = {int(name): path for path in listed if (name := path.rstrip("/").rsplit("/", 1)[-1]).isdigit()}
+    still_open = set(DatasetVersion.objects.filter(id__in=folders, state=VersionState.OPEN).values_list("id", flat=True))
+    removed = 0
+    for version_id, path in folders.items():
+        if version_id in still_open:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            uploads.fs.rm(path, recursive=True)
+        removed += 1
+    uploads.fs.invalidate_cache(uploads.root)
+    return removed
 
 
 # --- Uses by jobs ---------------------------------------------------------------------------------------
@@ -477,6 +591,30 @@ def uses_record(*, tenant: Tenant, job_id: int, job_name: str, versions: list[Da
     DatasetUse.objects.bulk_create(
         [DatasetUse(version=version, tenant=tenant, job_id=job_id, job_name=job_name[:100]) for version in versions],
         ignore_conflicts=True)
+
+
+def uses_read(*, job_id: int, records: list[dict]) -> int:
+    """Record which versions the job's script opened (the SDK's dataset read records, read back through the
+    attempt's progress): each use's ``read_at`` is its first read. A record is matched to a use by the name the
+    spec gave the dataset and the version it pinned; one naming anything else is ignored (the script's words
+    never add a use). Its time is the script's, so it is kept within the use's creation and now. Answers how
+    many uses were marked."""
+    uses = list(DatasetUse.objects.filter(job_id=job_id, read_at__isnull=True)
+                .select_related("version__dataset__tenant", "tenant"))
+    waiting = {(selectors.reference_of(use.version.dataset, use.tenant), use.version.number): use for use in uses}
+    marked = 0
+    for entry in records:
+        use = waiting.pop((entry.get("name"), entry.get("version")), None)
+        if use is None:
+            continue
+        now = timezone.now()
+        try:
+            said = datetime.fromisoformat(str(entry.get("time")))
+        except ValueError:
+            said = None
+        at = min(max(said, use.created_at), now) if said is not None and not timezone.is_naive(said) else now
+        marked += DatasetUse.objects.filter(id=use.id, read_at__isnull=True).update(read_at=at)
+    return marked
 
 
 def verify_stored(sha256: str) -> bool:

@@ -59,6 +59,7 @@ from runners.clusters.registry import get_backend
 from runners.clusters.selectors import node_cache_specs
 from runners.datasets import selectors as datasets
 from runners.datasets.fetch_view import signed_shard_url
+from runners.datasets.services import uses_read
 from runners.jobs import checkpoint_store, checkpoint_upload, signals
 from runners.jobs.models import (
     JOB_HOLDING_STATES,
@@ -515,6 +516,8 @@ def progress_record(job: Job, attempt: JobAttempt, backend, *, drain: bool = Fal
         if checkpoints and job.spec.get("template") == "pytorch-ddp":
             _checkpoints_pruned(job)
         _stops_recorded(job, read.stops)
+        if read.datasets:
+            uses_read(job_id=job.id, records=read.datasets)  # DatasetUse.read_at: which version the script read
         if attempt.first_step_at is None:
             mine = [m for m in metrics if m.attempt == attempt.number]
             if mine:

@@ -67,6 +67,8 @@ from gpuportal._protocol import (
     CHECKPOINT_DIR,
     CHECKPOINT_TAG,
     CHECKPOINTS_FILE,
+    DATASET_TAG,
+    DATASETS_FILE,
     EXIT_CHECKPOINTED_ON_SIGNAL,
     EXIT_FAILED,
     EXIT_OK,
@@ -81,9 +83,9 @@ from gpuportal._protocol import (
 from gpuportal._protocol import checkpoint_entries as checkpoint_files
 
 __all__ = [
-    "CHECKPOINTS_FILE", "CHECKPOINT_DIR", "CHECKPOINT_TAG", "EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK",
+    "CHECKPOINTS_FILE", "CHECKPOINT_DIR", "CHECKPOINT_TAG", "DATASETS_FILE", "DATASET_TAG", "EXIT_CHECKPOINTED_ON_SIGNAL", "EXIT_FAILED", "EXIT_OK",
     "METRICS_FILE", "METRIC_TAG", "STOPPED_TAG", "STOPS_FILE", "Chunk", "LogRecords", "checkpoint_files",
-    "checkpoint_name", "checkpoint_step", "has_step", "is_stop", "latest_checkpoint_step", "latest_per_step",
+    "checkpoint_name", "checkpoint_step", "has_step", "is_dataset_read", "is_stop", "latest_checkpoint_step", "latest_per_step",
     "parse_log", "parse_log_records", "read_checkpoints", "read_jsonl", "read_jsonl_chunk", "read_metrics", "read_stops",
     "stop_of_attempt", "tagged_line",
 ]
@@ -121,6 +123,12 @@ def is_stop(record: dict) -> bool:
     """A stop record: an object with an integer "attempt"."""
     attempt = record.get("attempt")
     return isinstance(attempt, int) and not isinstance(attempt, bool)
+
+
+def is_dataset_read(record: dict) -> bool:
+    """A dataset read record (gpuportal.datasets.record_read): a string "name" and an integer "version"."""
+    version = record.get("version")
+    return isinstance(record.get("name"), str) and isinstance(version, int) and not isinstance(version, bool)
 
 
 def read_jsonl_chunk(path: str | Path, offset: int, budget: int, *, whole_budget: bool = True,
@@ -211,12 +219,16 @@ class LogRecords(NamedTuple):
     metrics: list[dict]
     checkpoints: list[dict]
     stops: list[dict]
+    datasets: list[dict]  # the datasets the script opened (PORTAL_DATASET lines)
 
 
 def parse_log_records(text: str) -> LogRecords:
-    """The metric, checkpoint and stop records in a replica's log, in order; other lines are skipped."""
-    found = LogRecords([], [], [])
-    kinds = {METRIC_TAG: found.metrics, CHECKPOINT_TAG: found.checkpoints, STOPPED_TAG: found.stops}
+    """The metric, checkpoint, stop and dataset read records in a replica's log, in order; other lines are
+    skipped."""
+    found = LogRecords([], [], [], [])
+    kinds = {METRIC_TAG: found.metrics, CHECKPOINT_TAG: found.checkpoints, STOPPED_TAG: found.stops,
+             DATASET_TAG: found.datasets}
+    keep = {METRIC_TAG: has_step, CHECKPOINT_TAG: has_step, STOPPED_TAG: is_stop, DATASET_TAG: is_dataset_read}
     for line in text.splitlines():
         tag, _, payload = line.partition(" ")
         if tag not in kinds:
@@ -227,7 +239,7 @@ def parse_log_records(text: str) -> LogRecords:
             continue
         if not isinstance(record, dict):
             continue
-        if is_stop(record) if tag == STOPPED_TAG else has_step(record):
+        if keep[tag](record):
             kinds[tag].append(record)
     return found
 

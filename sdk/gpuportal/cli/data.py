@@ -176,7 +176,8 @@ def show_command(
         out.print(f"{data['dataset']}:{data['number']}  {data['state']}  {data['shards']} shards, {data['files']} files, "
                   f"{data['samples']} samples, {_human(data['bytes'])}  from {data['source']}")
         for use in data.get("jobs") or []:
-            out.print(f"  used by job {use['job_id']} {use['job_name']}")
+            read = f"read {use['read_at']}" if use.get("read_at") else "not read yet"
+            out.print(f"  used by job {use['job_id']} {use['job_name']} ({read})")
         return
     out.print(f"{data['reference']} (owner {data['owner']})" + (f": {data['description']}" if data["description"] else ""))
     if data.get("shared_with"):
