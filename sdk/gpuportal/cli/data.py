@@ -1,4 +1,5 @@
-"""`portal data`: push a folder as a new version of a dataset, list datasets, show one, share one.
+"""`portal data`: push a folder as a new version of a dataset, register one from a storage URL, list datasets,
+show one, share one.
 
 A push packs the folder into WebDataset shards on this machine (gpuportal.datasets: the same files always
 make the same shards), opens a version for that shard list (the portal answers the open version of the
@@ -10,6 +11,7 @@ version; after it, it never changes.
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -29,9 +31,9 @@ from gpuportal.cli.commands import (
     print_json,
     resolve_tenant,
 )
-from gpuportal.client import EXIT_BAD_INPUT, Client, PortalError
+from gpuportal.client import EXIT_BAD_INPUT, EXIT_JOB_FAILED, Client, PortalError
 
-app = typer.Typer(name="data", no_args_is_help=True, help="Datasets: push a folder, list, show, share.")
+app = typer.Typer(name="data", no_args_is_help=True, help="Datasets: push a folder, register a URL, list, show, share.")
 
 DECLARE_BATCH = 500
 
@@ -134,6 +136,63 @@ def push_command(
         return
     err.print(f"Sealed {name}:{version['number']} ({version['shards']} shards, {version['files']} files, "
               f"{_human(version['bytes'])}).")
+
+
+def register(client: Client, tenant: str, url: str, name: str, *, say: Callable[[str], None] = lambda text: None) -> dict:
+    """Ask the portal to pack the files under `url` (s3://bucket/prefix/ or file:///folder/, one of the portal's
+    DATASET_SOURCE_URLS) as a new version of `name` (created when the tenant has none): the version, still open
+    (a worker packs it)."""
+    try:
+        client.dataset(tenant, name)
+    except PortalError as exc:
+        if exc.status != 404:
+            raise
+        client.dataset_create(tenant, name)
+        say(f"Created dataset {name} in {tenant}.")
+    return client.dataset_register(tenant, name, url)
+
+
+def registered(client: Client, tenant: str, name: str, number: int, *, timeout_s: float, poll_s: float = 2.0) -> dict:
+    """The version once it is sealed; PortalError (exit 1) saying why when it failed, or when it is still being packed
+    after `timeout_s` (it goes on: `portal data show NAME:N` tells later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        version = client.dataset_version(tenant, name, number)
+        if version["state"] == "sealed":
+            return version
+        if version["state"] == "failed":
+            raise PortalError(f"{name}:{number} failed: {version.get('reason') or 'no reason given'}", EXIT_JOB_FAILED)
+        if time.monotonic() >= deadline:
+            raise PortalError(f"{name}:{number} is still being packed after {timeout_s:.0f} s; `portal data show "
+                              f"{name}:{number}` tells when it is sealed.", EXIT_JOB_FAILED)
+        time.sleep(poll_s)
+
+
+@app.command("register")
+@handled
+def register_command(
+    url: Annotated[str, typer.Argument(help="Where the files are: s3://bucket/prefix/ or file:///folder/ (one of the "
+                                            "portal's DATASET_SOURCE_URLS).", show_default=False)],
+    name: Annotated[str, typer.Argument(help="The dataset's name (made when the tenant has none).", show_default=False)],
+    tenant: TenantOption = None,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Wait until the version is sealed or failed.")] = True,
+    timeout_s: Annotated[int, typer.Option("--timeout", min=0, help="Wait at most this many seconds.")] = 3600,
+    as_json: JsonFlag = False,
+) -> None:
+    """Register the files under a storage URL as a new version of a dataset: the portal reads, packs and seals them
+    (exit 1 when it cannot, with the reason)."""
+    with connect() as client:
+        slug = resolve_tenant(client, tenant)
+        version = register(client, slug, url, name, say=err.print)
+        err.print(f"{name}:{version['number']} is registered from {version['source']}; the portal packs it.")
+        if wait:
+            version = registered(client, slug, name, version["number"], timeout_s=timeout_s)
+    if as_json:
+        print_json(version)
+        return
+    if version["state"] == "sealed":
+        err.print(f"Sealed {name}:{version['number']} ({version['shards']} shards, {version['files']} files, "
+                  f"{_human(version['bytes'])}).")
 
 
 @app.command("ls")
