@@ -77,8 +77,10 @@ class NodeCache:
     """One node's shard cache: bounded, least recently used first out, never a shard in use.
 
     `pins` counts the running jobs on the node reading each shard; a pinned shard is never evicted.
-    `on_change(sha256, delta)` hears every byte cached or evicted, so the replay can keep each
-    dataset's bytes per node without rescanning caches.
+    The shards no job reads wait in `evictable`, in the order they were last used (filled, or
+    released by the last job reading them), so an eviction takes the oldest without looking at
+    the pinned ones. `on_change(sha256, delta)` hears every byte cached or evicted, so the replay
+    can keep each dataset's bytes per node without rescanning caches.
     """
 
     def __init__(self, capacity_bytes: int, on_change=None):
@@ -86,34 +88,38 @@ class NodeCache:
             raise ValueError(f"a node cache's capacity must be 0 bytes or more, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.shards: OrderedDict[str, int] = OrderedDict()  # oldest use first
+        self.shards: dict[str, int] = {}
+        self.evictable: OrderedDict[str, int] = OrderedDict()  # oldest use first
+        self.evictable_bytes = 0
         self.pins: dict[str, int] = defaultdict(int)
         self.on_change = on_change
 
     def _evict_for(self, size: int) -> bool:
-        """Make room for `size` bytes by evicting unpinned shards, oldest use first; False when it cannot."""
-        if size > self.capacity_bytes:
+        """Make room for `size` bytes, evicting unpinned shards oldest first; False (and nothing
+        evicted) when even evicting all of them would not."""
+        if self.used_bytes - self.evictable_bytes + size > self.capacity_bytes:
             return False
-        if self.used_bytes + size <= self.capacity_bytes:
-            return True
-        unpinned = [sha for sha in self.shards if not self.pins.get(sha)]
-        for sha in unpinned:
-            if self.used_bytes + size <= self.capacity_bytes:
-                break
-            freed = self.shards.pop(sha)
-            self.used_bytes -= freed
+        while self.used_bytes + size > self.capacity_bytes:
+            sha, held = self.evictable.popitem(last=False)
+            self.evictable_bytes -= held
+            del self.shards[sha]
+            self.used_bytes -= held
             if self.on_change:
-                self.on_change(sha, -freed)
-        return self.used_bytes + size <= self.capacity_bytes
+                self.on_change(sha, -held)
+        return True
 
     def fill(self, shards: Sequence[tuple[str, int]]) -> int:
-        """Prefetch a job's shards and pin them for it; returns the bytes pulled from storage."""
+        """Prefetch a job's shards and pin them for it; returns the bytes pulled from storage.
+
+        A shard that cannot be kept (the cache full of shards in use) is pulled and read through."""
         pulled = 0
         for sha, _ in shards:
             self.pins[sha] += 1
+            held = self.evictable.pop(sha, None)
+            if held is not None:
+                self.evictable_bytes -= held
         for sha, size in shards:
             if sha in self.shards:
-                self.shards.move_to_end(sha)
                 continue
             pulled += size
             if self._evict_for(size):
@@ -124,15 +130,19 @@ class NodeCache:
         return pulled
 
     def release(self, shards: Sequence[tuple[str, int]]) -> None:
-        """The job that pinned these shards has ended here."""
+        """The job that pinned these shards has ended here: a shard no job reads now may be evicted."""
         for sha, _ in shards:
             left = self.pins[sha] - 1
             if left < 0:
                 raise ValueError(f"shard {sha[:12]} released more often than it was filled")
             if left:
                 self.pins[sha] = left
-            else:
-                del self.pins[sha]
+                continue
+            del self.pins[sha]
+            held = self.shards.get(sha)
+            if held is not None:
+                self.evictable[sha] = held
+                self.evictable_bytes += held
 
 
 @dataclass

@@ -15,7 +15,10 @@ scheduler, and writes every decision.
   (``runners.scheduler.batch.place_queue``, over ``placement.place_gangs``) then finds GPUs for
   every admitted gang, whole, on free GPUs of the inventory (what holding attempts use is taken
   out first), inside the topology asked for, scored against the typical pods of the flavor's
-  latest submissions. A gang admitted but not placeable waits with placement's reason.
+  latest submissions. A gang admitted but not placeable waits with placement's reason. Each gang
+  carries the bytes of its data (its datasets' shards, a serving replica's weights) that every
+  node's cache holds now (`runners.nodecache.selectors.bytes_held`), and placement prefers the
+  nodes holding more among placements it finds otherwise as good (runners.scheduler.placement).
 - Launches and stops are sent after commit, so a worker never acts on a rolled-back decision.
 """
 
@@ -40,9 +43,11 @@ from common.dispatch import send_tasks
 from quotas.models import BorrowingPause, PartitionKind, Quota, ResourceFlavor
 from runners.clusters.models import Gpu, Node
 from runners.clusters.services import nodes_locked_unschedulable
+from runners.datasets.selectors import UnknownDataset, blobs_for_job_spec
 from runners.jobs.attempts import job_preempt_locked, jobs_admit_locked, open_attempts
 from runners.jobs.models import JOB_HOLDING_STATES, Job, JobAttempt, JobState
 from runners.jobs.services import DOMAIN_FIELDS, gang_misfit, job_rows_update, jobs_locked, send_job_stop
+from runners.nodecache.selectors import bytes_held
 from runners.scheduler import model as placement_model
 from runners.scheduler.admission import (
     AdmissionSnapshot,
@@ -264,7 +269,7 @@ def _pod(flavor: ResourceFlavor, timeslice_share: int, name: str, cpu_milli: int
     return placement_model.PodRequest(**common, num_gpu=gpus_per_replica, gpu_milli=placement_model.GPU_MILLI)
 
 
-def _gang(job: Job, timeslice_share: int) -> placement_model.Gang:
+def _gang(job: Job, timeslice_share: int, cached_bytes: dict[str, int] | None = None) -> placement_model.Gang:
     spec, flavor = job.spec, job.flavor
     pods = tuple(
         _pod(flavor, timeslice_share, f"{job.id}-{rank}", spec["cpu_milli_per_replica"], spec["memory_mib_per_replica"],
@@ -272,7 +277,36 @@ def _gang(job: Job, timeslice_share: int) -> placement_model.Gang:
         for rank in range(job.replicas)
     )
     topology = spec["topology"]
-    return placement_model.Gang(str(job.id), pods, topology=topology["level"], required=topology["mode"] == "required")
+    return placement_model.Gang(str(job.id), pods, topology=topology["level"], required=topology["mode"] == "required",
+                                cached_bytes=cached_bytes or {})
+
+
+def _job_blobs(job: Job) -> list[tuple[str, int]]:
+    """The (sha256, bytes) of the blobs a job reads: its datasets' shards (access checked) and a serving
+    replica's model weights (its spec, built by the inference app from the endpoint's model version).
+
+    A dataset the job may no longer read (deleted, or no longer shared) adds nothing here: placement
+    only loses a preference, and the launch says what is wrong."""
+    try:
+        blobs = dict(blobs_for_job_spec(job.tenant, job.spec)) if job.spec.get("datasets") else {}
+    except UnknownDataset:
+        blobs = {}
+    weights = (job.spec.get("serving") or {}).get("weights")
+    if weights:
+        blobs.setdefault(weights["sha256"], int(weights["bytes"]))
+    return list(blobs.items())
+
+
+def _cached_bytes(jobs: list[Job], node_names: list[str]) -> dict[int, dict[str, int]]:
+    """For each job that reads blobs, the bytes of them each of these nodes' caches holds (nodes holding
+    none left out): what placement prefers among placements otherwise as good (runners.scheduler.placement)."""
+    held = {}
+    for job in jobs:
+        blobs = _job_blobs(job)
+        if blobs and node_names:
+            by_node = bytes_held(node_names, [sha256 for sha256, _ in blobs])
+            held[job.id] = {name: count for name, count in by_node.items() if count}
+    return held
 
 
 # How many of a flavor's latest submissions the cycle learns the typical pods from.
@@ -312,8 +346,11 @@ def _place(admitted: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage]) 
     for jobs in by_flavor.values():
         flavor = jobs[0].flavor
         snapshot, index_maps, share = _snapshot_for(flavor, nodes, used, bare)
+        # Each job's bytes already in the node caches of this flavor's nodes, as the caches' rows say now.
+        held = _cached_bytes(jobs, [name for name, gpus in index_maps.items() if gpus])
+        gangs = [_gang(job, share, held.get(job.id)) for job in jobs]
         # Both orders (admission's and largest first) are tried; see runners.scheduler.batch.place_queue.
-        decisions = place_queue(snapshot, [_gang(job, share) for job in jobs], typical=_recent_typical(flavor, share, snapshot))
+        decisions = place_queue(snapshot, gangs, typical=_recent_typical(flavor, share, snapshot))
         for job, decision in zip(jobs, decisions):
             if not decision.placed:
                 results[job.id] = f"Waiting: {decision.reason}."
