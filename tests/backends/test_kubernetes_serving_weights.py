@@ -14,12 +14,20 @@ SHA = "ef" * 32
 URL = "https://portal.example.com/models/fetch/token/"
 
 
+def restricted(api):
+    """The tenant's namespace enforcing Pod Security "restricted", as the portal provisions it."""
+    _prepare(api)
+    api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    return api
+
+
 def version_launch():
     return make_launch(serving=ServingSettings(endpoint_id=3, checkpoint="", weights=ShardRef(SHA, 4096, URL)))
 
 
 def test_a_replica_fetches_its_versions_weights_in_an_init_container_and_is_bound(make_backend, standin):
-    api = _prepare(standin)
+    api = restricted(standin)
     backend = make_backend()
     launched(backend, api, version_launch())
     [pod] = replica_pods(api)
@@ -32,7 +40,7 @@ def test_a_replica_fetches_its_versions_weights_in_an_init_container_and_is_boun
 
 
 def test_where_the_cache_agents_run_the_replica_reads_the_node_caches_volume(make_backend, standin):
-    api = _prepare(standin)
+    api = restricted(standin)
     backend = make_backend(cache_agent_token="agents-token")
     launched(backend, api, version_launch())
     [pod] = replica_pods(api)
