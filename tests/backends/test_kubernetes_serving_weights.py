@@ -6,7 +6,9 @@ agents' token, and is bound where the portal placed it."""
 import pytest
 
 from runners.backends.base import ServingSettings, ShardRef
-from tests.backends.test_kubernetes_serving import NAMESPACE, _prepare, launched, make_launch, replica_pods
+from runners.backends.manifests import WORKLOAD_SERVICE_ACCOUNT
+from tests.backends.test_kubernetes_serving import NAMESPACE, launched, make_launch, replica_pods
+from tests.support.k8s import gpu_node
 
 pytestmark = pytest.mark.e2e
 
@@ -16,9 +18,13 @@ URL = "https://portal.example.com/models/fetch/token/"
 
 def restricted(api):
     """The tenant's namespace enforcing Pod Security "restricted", as the portal provisions it."""
-    _prepare(api)
+    for node in ("gpu-a", "gpu-b"):
+        api.put(gpu_node(node))
     api.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {
         "name": NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}})
+    api.put({"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": WORKLOAD_SERVICE_ACCOUNT, "namespace": NAMESPACE}})
+    api.sigterm_exit_code = 0
     return api
 
 
