@@ -281,31 +281,43 @@ def _gang(job: Job, timeslice_share: int, cached_bytes: dict[str, int] | None = 
                                 cached_bytes=cached_bytes or {})
 
 
-def _job_blobs(job: Job) -> list[tuple[str, int]]:
-    """The (sha256, bytes) of the blobs a job reads: its datasets' shards (access checked) and a serving
-    replica's model weights (its spec, built by the inference app from the endpoint's model version).
+def _job_blobs(job: Job, shards_of: dict) -> tuple[str, ...]:
+    """The sha256 of every blob a job reads: its datasets' shards (access checked) and a serving replica's
+    model weights (its spec, built by the inference app from the endpoint's model version).
 
-    A dataset the job may no longer read (deleted, or no longer shared) adds nothing here: placement
-    only loses a preference, and the launch says what is wrong."""
-    try:
-        blobs = dict(blobs_for_job_spec(job.tenant, job.spec)) if job.spec.get("datasets") else {}
-    except UnknownDataset:
-        blobs = {}
+    ``shards_of`` remembers each (tenant, datasets) asked within the cycle: a team's jobs often read the
+    same versions. A dataset the job may no longer read (deleted, or no longer shared) adds nothing
+    here: placement only loses a preference, and the launch says what is wrong."""
+    blobs: dict[str, None] = {}
+    named = job.spec.get("datasets")
+    if named:
+        key = (job.tenant_id, tuple((entry["name"], entry["version"]) for entry in named))
+        if key not in shards_of:
+            try:
+                shards_of[key] = tuple(sha256 for sha256, _ in blobs_for_job_spec(job.tenant, job.spec))
+            except UnknownDataset:
+                shards_of[key] = ()
+        blobs.update(dict.fromkeys(shards_of[key]))
     weights = (job.spec.get("serving") or {}).get("weights")
     if weights:
-        blobs.setdefault(weights["sha256"], int(weights["bytes"]))
-    return list(blobs.items())
+        blobs[weights["sha256"]] = None
+    return tuple(blobs)
 
 
 def _cached_bytes(jobs: list[Job], node_names: list[str]) -> dict[int, dict[str, int]]:
     """For each job that reads blobs, the bytes of them each of these nodes' caches holds (nodes holding
-    none left out): what placement prefers among placements otherwise as good (runners.scheduler.placement)."""
-    held = {}
+    none left out): what placement prefers among placements otherwise as good (runners.scheduler.placement).
+    One query per distinct set of blobs, not per job."""
+    held: dict[int, dict[str, int]] = {}
+    shards_of: dict = {}
+    by_blobs: dict[tuple[str, ...], dict[str, int]] = {}
     for job in jobs:
-        blobs = _job_blobs(job)
-        if blobs and node_names:
-            by_node = bytes_held(node_names, [sha256 for sha256, _ in blobs])
-            held[job.id] = {name: count for name, count in by_node.items() if count}
+        blobs = _job_blobs(job, shards_of)
+        if not blobs or not node_names:
+            continue
+        if blobs not in by_blobs:
+            by_blobs[blobs] = {name: count for name, count in bytes_held(node_names, blobs).items() if count}
+        held[job.id] = by_blobs[blobs]
     return held
 
 
