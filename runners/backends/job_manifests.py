@@ -213,6 +213,41 @@ def bundle_fetch_container(launch: JobLaunch, image: str) -> dict:
     }
 
 
+# The checkpoint uploader, a native sidecar (an init container that restarts: it runs beside the trainer and
+# is ended after it). Its share is added to the pod's: requests equal limits, so the pod stays as placed.
+UPLOADER_COMMAND = ["python", "-m", "runners.workloads.checkpoint_uploader"]
+UPLOADER_CPU_MILLI = 250
+UPLOADER_MEMORY_MIB = 256
+UPLOAD_URL_VARIABLE = "PORTAL_CHECKPOINT_UPLOAD_URL"
+
+
+def checkpoint_uploader_container(launch: JobLaunch, image: str) -> dict | None:
+    """The sidecar that sends the job folder's checkpoints to the portal's store through the portal's upload
+    endpoint (runners/jobs/checkpoint_upload.py), with the URL the portal signed for the attempt: the pod never
+    holds the store's credentials, and reads the checkpoint volume read-only. None without an absolute URL
+    (PORTAL_PUBLIC_URL unset): the checkpoints then stay on the volume, as before the store."""
+    url = launch.checkpoint_upload_url
+    if not url.startswith(("https://", "http://")):
+        return None
+    share = {"cpu": f"{UPLOADER_CPU_MILLI}m", "memory": f"{UPLOADER_MEMORY_MIB}Mi"}
+    rank = {"name": "RANK", "valueFrom": {"fieldRef": {
+        "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}}
+    return {
+        "name": "checkpoint-uploader",
+        "image": image,
+        "restartPolicy": "Always",
+        "command": [*UPLOADER_COMMAND, "--job-dir", _job_dir(launch)],
+        "env": [rank, {"name": UPLOAD_URL_VARIABLE, "value": url},
+                *({"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items())],
+        "resources": {"requests": dict(share), "limits": dict(share)},
+        "volumeMounts": [
+            {"name": CHECKPOINT_CLAIM, "mountPath": CHECKPOINT_MOUNT, "readOnly": True},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
+        ],
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
 def placement_annotation(launch: JobLaunch) -> dict[str, str]:
     """Rank -> node, as the binder reads it from each pod (every pod carries the whole placement)."""
     placement = {str(replica.rank): replica.node for replica in launch.replicas}
@@ -255,6 +290,9 @@ def training_job_manifest(
         container["volumeMounts"].append({"name": CODE_VOLUME, "mountPath": CODE_MOUNT, "readOnly": True})
         volumes.append({"name": CODE_VOLUME, "emptyDir": {}})
         init_containers.append(bundle_fetch_container(launch, trainer_image))
+    uploader = checkpoint_uploader_container(launch, trainer_image)
+    if uploader is not None:
+        init_containers.append(uploader)
     # The node cache's view of the job's shards, read-only, granted by the portal's signature (cache_manifests).
     datasets = dataset_volume(launch, cache_grant_key)
     if datasets is not None:

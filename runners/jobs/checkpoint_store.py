@@ -127,8 +127,8 @@ def checkpoints_store_ask(job_id: int) -> None:
         send_task("runners.jobs.tasks.checkpoint_store", checkpoint_id)
 
 
-def _lease_until() -> datetime:
-    return timezone.now() + timedelta(seconds=int(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)))
+def lease_until() -> datetime:
+    return timezone.now() + timedelta(seconds=float(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)))
 
 
 def _spool(opened, target: Path) -> str:
@@ -206,11 +206,11 @@ class _LeaseRenewed:
         self.thread = threading.Thread(target=self._renew, name="checkpoint-lease", daemon=True)
 
     def _renew(self) -> None:
-        every = int(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)) / 3
+        every = float(getattr(settings, "CHECKPOINT_STORE_LEASE_S", STORE_LEASE_S)) / 3
         try:
             while not self.done.wait(every):
                 Checkpoint.objects.filter(id=self.checkpoint_id, store_state="storing").update(
-                    store_lease_until=_lease_until())
+                    store_lease_until=lease_until())
         except Exception:  # a lease that is not renewed runs out; the sweep then asks again
             logger.exception("Could not renew the store lease of checkpoint %s", self.checkpoint_id)
         finally:
@@ -241,7 +241,7 @@ def _event(job: Job, reason: str) -> None:
     JobEvent.objects.create(job=job, from_state=job.state, to_state=job.state, reason=reason[:1000])
 
 
-def _fail(checkpoint: Checkpoint, reason: str) -> None:
+def checkpoint_fail(checkpoint: Checkpoint, reason: str) -> None:
     with transaction.atomic():
         changed = Checkpoint.objects.filter(id=checkpoint.id, store_state="storing").update(
             store_state="failed", store_reason=reason[:500], manifest=None, stored_bytes=0, store_lease_until=None)
@@ -276,11 +276,12 @@ def checkpoint_reserve(checkpoint: Checkpoint, manifest: chunks.Manifest) -> Non
 
 
 def _superseded_by(checkpoint: Checkpoint) -> Checkpoint | None:
-    """The newer checkpoint waiting to be stored that lets this one be skipped, when the agent fell behind:
-    one exists, and the job's retention policy would not keep this one anyway (a policy that keeps
-    everything never skips). None: store it."""
+    """The newer checkpoint that lets this one be skipped when the agent fell behind: one of the job's is
+    already waiting to be stored, being stored or durable, and the job's retention policy would not keep this
+    one anyway (a policy that keeps everything never skips). None: store it."""
     job = checkpoint.job
-    newer = (Checkpoint.objects.filter(job_id=job.id, store_state="pending", step__gt=checkpoint.step)
+    newer = (Checkpoint.objects.filter(job_id=job.id, store_state__in=("pending", "storing", "durable"),
+                                       step__gt=checkpoint.step)
              .order_by("-step").first())
     if newer is None:
         return None
@@ -301,7 +302,7 @@ def _superseded_by(checkpoint: Checkpoint) -> Checkpoint | None:
 def checkpoint_store_run(checkpoint_id: int) -> str:
     """Store one pending checkpoint; what became of it."""
     if not Checkpoint.objects.filter(id=checkpoint_id, store_state="pending").update(
-            store_state="storing", store_lease_until=_lease_until()):
+            store_state="storing", store_lease_until=lease_until()):
         return "not pending"
     checkpoint = Checkpoint.objects.select_related("job__environment", "job__tenant").get(id=checkpoint_id)
     job = checkpoint.job
@@ -321,14 +322,14 @@ def checkpoint_store_run(checkpoint_id: int) -> str:
                 store_state="", store_reason=str(exc)[:500], store_lease_until=None)
             return "elsewhere"
         except CheckpointGone:
-            _fail(checkpoint, f"Checkpoint of step {checkpoint.step} not stored: its file was deleted first.")
+            checkpoint_fail(checkpoint, f"Checkpoint of step {checkpoint.step} not stored: its file was deleted first.")
             return "gone"
         with _LeaseRenewed(checkpoint_id):
             spool, manifest = at_low_priority(_prepare, opened, folder)
             try:
                 checkpoint_reserve(checkpoint, manifest)
             except StoreRefused as exc:
-                _fail(checkpoint, str(exc))
+                checkpoint_fail(checkpoint, str(exc))
                 return "refused"
             store = checkpoint_blobs()
             # The spool is the worker's own copy, cut into this very manifest: no chunk is hashed again.

@@ -88,7 +88,7 @@ def _launched_pods(cluster, job) -> dict[int, dict]:
 def _play_the_init_container(pod: dict, dest) -> subprocess.CompletedProcess:
     """Run the pod's init container command here, as its image would: python is this interpreter, and the
     code volume is `dest`."""
-    (fetch,) = pod["spec"]["initContainers"]
+    fetch, _uploader = pod["spec"]["initContainers"]  # the checkpoint uploader is the native sidecar after it
     command = list(fetch["command"])
     assert command[:3] == ["python", "-m", "gpuportal.fetch"]
     command[0], command[4] = sys.executable, str(dest)

@@ -79,7 +79,7 @@ def test_the_ddp_example_bundle_runs_as_an_indexed_job_of_two_pods_and_ends_succ
     running = {}
     for rank, pod in pods.items():
         # The init container: the portal's runtime image fetching this bundle by its digest.
-        (fetch,) = pod["spec"]["initContainers"]
+        fetch, _uploader = pod["spec"]["initContainers"]  # then the checkpoint uploader, a native sidecar
         assert fetch["command"][-2:] == ["--sha256", example_bundle.sha256]
         code = tmp_path / f"code-{rank}"
         fetched = _play_the_init_container(pod, code)
