@@ -445,6 +445,8 @@ CELERY_BEAT_SCHEDULE = {
     "notifications-sweep": {"task": "runners.tasks.notifications_sweep", "schedule": SWEEP_INTERVAL_S},
     "node-caches-sync": {"task": "runners.nodecache.tasks.caches_sync", "schedule": SWEEP_INTERVAL_S},
     "checkpoints-sweep": {"task": "runners.jobs.tasks.checkpoints_sweep", "schedule": CHECKPOINT_SWEEP_INTERVAL_S},
+    # Model weights no kept version names (a delete also sends it at once).
+    "model-weights-sweep": {"task": "runners.registry.tasks.model_weights_sweep", "schedule": 3600.0},
 }
 # Partition changes: how long to wait for nodes to report a new layout, and how
 # long preempted work gets to write its checkpoint.
