@@ -406,6 +406,8 @@ class LocalJobs:
         relative = PurePosixPath(restore.path)
         if relative.is_absolute() or not relative.parts or ".." in relative.parts:
             return None
+        if not relative.suffix:
+            return None  # a folder checkpoint (the SDK names it without a suffix): stored as its .tar.gz, not unpacked
         manifest = json.loads(restore.manifest)
         landing = next((replica.node for replica in launch.replicas if replica.rank == 0), "")
         if restore.node and restore.node != landing:
