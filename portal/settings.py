@@ -410,6 +410,11 @@ except ValueError as exc:
     raise ImproperlyConfigured(f"DATASET_SOURCE_OPTIONS is not JSON: {exc}") from None
 if not isinstance(DATASET_SOURCE_OPTIONS, dict):
     raise ImproperlyConfigured('DATASET_SOURCE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+# The datasets' sweep: an open upload untouched this long is discarded with its parts; a registration
+# untouched this long is sent to a worker again, at most DATASET_REGISTER_MAX_SENDS times in all.
+DATASET_UPLOAD_LEASE_S = env_int("DATASET_UPLOAD_LEASE_S", 86400, minimum=60)
+DATASET_REGISTER_LEASE_S = env_int("DATASET_REGISTER_LEASE_S", 900, minimum=10)
+DATASET_REGISTER_MAX_SENDS = env_int("DATASET_REGISTER_MAX_SENDS", 3, minimum=1)
 DATASET_REGISTER_SHARD_BYTES = env_int("DATASET_REGISTER_SHARD_BYTES", 64 * 1000 * 1000, minimum=1024)
 # The node cache agents' token on Kubernetes (the Secret portal-cache-agent, key `token`): it authenticates
 # their reports and keys the grants that say what each pod may read from its node's cache. Empty: no
@@ -445,6 +450,7 @@ CELERY_BEAT_SCHEDULE = {
     "notifications-sweep": {"task": "runners.tasks.notifications_sweep", "schedule": SWEEP_INTERVAL_S},
     "node-caches-sync": {"task": "runners.nodecache.tasks.caches_sync", "schedule": SWEEP_INTERVAL_S},
     "checkpoints-sweep": {"task": "runners.jobs.tasks.checkpoints_sweep", "schedule": CHECKPOINT_SWEEP_INTERVAL_S},
+    "datasets-sweep": {"task": "runners.datasets.tasks.versions_sweep", "schedule": SWEEP_INTERVAL_S},
     # Model weights no kept version names (a delete also sends it at once).
     "model-weights-sweep": {"task": "runners.registry.tasks.model_weights_sweep", "schedule": 3600.0},
 }
