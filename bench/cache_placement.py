@@ -173,7 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--load", type=float, default=0.9, help="GPU demand offered, over the cluster's GPUs")
     parser.add_argument("--runtime-min", type=float, default=60, help="mean runtime of a job, minutes")
     parser.add_argument("--jobs-demo", type=int, default=3000)
-    parser.add_argument("--jobs-openb", type=int, default=30000)
+    parser.add_argument("--jobs-openb", type=int, default=50000)
     parser.add_argument("--pass-limit", type=int, default=64, help="queued jobs a scheduling pass considers")
     parser.add_argument("--tolerance", type=float, default=0, help="points below the best score a cached node may be")
     parser.add_argument("--json", help="append one JSON line per replay to this file")

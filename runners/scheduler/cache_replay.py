@@ -20,9 +20,9 @@ node keeps a bounded cache of shards, as the portal's node caches do:
   (storage's total bandwidth is not modelled as a limit).
 * Time to first step is that fetch, from the moment the job is placed (what placement changes);
   the wait in the queue before it is reported apart. Allocation is the share of the
-  cluster's GPU milli held by placed jobs, averaged over time from the first arrival after the
-  warm-up (`warmup_share` of the jobs) to the last arrival, so the stream's tail, when the queue
-  runs dry, does not count.
+  cluster's GPU milli held by placed jobs, averaged over time from the end of the warm-up
+  (`warmup_runtimes` mean runtimes after the first arrival, once the cluster has filled) to the
+  last arrival, so neither the filling nor the stream's tail, when the queue runs dry, counts.
 
 Pure apart from the clock (the elapsed time it reports); one seed gives the same figures anywhere.
 """
@@ -191,7 +191,7 @@ def replay_stream(
     policy_name: PolicyName = "portal",
     seed: int = 0,
     pass_limit: int = 64,
-    warmup_share: float = 0.3,
+    warmup_runtimes: float = 2.0,
     cache_tolerance_points: float = CACHE_TOLERANCE_POINTS,
 ) -> CacheReplayResult:
     """Replay the stream (jobs in submit order) once, cache-aware or cache-blind; see the module's note."""
@@ -227,8 +227,13 @@ def replay_stream(
     fetch_s: list[float] = []
     wait_s: list[float] = []
     bytes_needed = bytes_pulled = placed_jobs = 0
-    warmup_s = jobs[int(len(jobs) * warmup_share)].submit_s if jobs else 0.0
-    end_s = jobs[-1].submit_s if jobs else 0.0
+    if not jobs:
+        raise ValueError("the stream has no jobs")
+    warmup_s = jobs[0].submit_s + warmup_runtimes * float(np.mean([job.runtime_s for job in jobs]))
+    end_s = jobs[-1].submit_s
+    if warmup_s >= end_s:
+        raise ValueError(f"the stream's arrivals end {end_s - jobs[0].submit_s:.0f} s after they start, within its "
+                         f"warm-up of {warmup_runtimes:g} mean runtimes: give it more jobs or shorter runtimes")
     allocated_milli, allocation_integral, last_s = 0, 0.0, warmup_s
 
     def advance(to_s: float) -> None:
