@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -226,6 +227,16 @@ class _LeaseRenewed:
         return False
 
 
+def _regular_file(opened) -> bool:
+    """Whether the opened checkpoint is a regular file read by its descriptor (the local backend's job folder),
+    which ``chunks.store_open`` reads in place: a folder's tar stream is spooled first."""
+    stream = opened.stream
+    try:
+        return stream is not None and stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _prepare(opened, folder: Path) -> tuple[Path, chunks.Manifest]:
     """The agent's CPU work before the quota is asked: the checkpoint copied into the worker's own file (hashed
     in the same read, large buffers), then cut into chunks, each hashed once."""
@@ -324,17 +335,30 @@ def checkpoint_store_run(checkpoint_id: int) -> str:
         except CheckpointGone:
             checkpoint_fail(checkpoint, f"Checkpoint of step {checkpoint.step} not stored: its file was deleted first.")
             return "gone"
+        store = checkpoint_blobs()
         with _LeaseRenewed(checkpoint_id):
-            spool, manifest = at_low_priority(_prepare, opened, folder)
+            if _regular_file(opened):
+                # One read of the file: cut, hashed and the chunks the store lacks stored as they come, then
+                # reserved. A refused one's chunks are left to the sweep, which collects what nothing names.
+                try:
+                    manifest, _written = at_low_priority(chunks.store_open, store, opened.stream)
+                finally:
+                    opened.close()
+                spool = None
+            else:
+                spool, manifest = at_low_priority(_prepare, opened, folder)
             try:
                 checkpoint_reserve(checkpoint, manifest)
             except StoreRefused as exc:
                 checkpoint_fail(checkpoint, str(exc))
                 return "refused"
-            store = checkpoint_blobs()
-            # The spool is the worker's own copy, cut into this very manifest: no chunk is hashed again.
-            at_low_priority(lambda: chunks.store_chunks(store, spool, manifest, verify=False))
-            return checkpoint_seal(checkpoint_id, manifest, store=store, spool=spool)
+            if spool is not None:
+                # The spool is the worker's own copy, cut into this very manifest: no chunk is hashed again.
+                at_low_priority(lambda: chunks.store_chunks(store, spool, manifest, verify=False))
+            sealed = checkpoint_seal(checkpoint_id, manifest, store=store, spool=spool)
+            if sealed == "incomplete":  # a sweep collected a chunk before the reservation named it
+                raise OSError("a chunk was collected before the checkpoint was reserved; stored again next try")
+            return sealed
     except (BackendError, OSError) as exc:
         # Asked again by the task's retry; what it reserved is released meanwhile.
         Checkpoint.objects.filter(id=checkpoint_id, store_state="storing").update(

@@ -32,6 +32,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from fastcdc import fastcdc
 
@@ -169,6 +170,91 @@ def _chunks_of(view) -> Iterator[tuple[int, int]]:
                 region, min_size=MIN_CHUNK_BYTES, avg_size=AVERAGE_CHUNK_BYTES, max_size=MAX_CHUNK_BYTES)]
         for offset, length in cuts:
             yield start + offset, length
+
+
+# How much of a file ``split_open`` holds at once: at least twice the largest chunk, so every window cuts at
+# least one chunk that ends where a cut of the whole file would.
+WINDOW_BYTES = 4 * MAX_CHUNK_BYTES
+
+
+class ChangedWhileRead(OSError):
+    """The file shrank while it was being read (another process truncated it): read it again later."""
+
+
+class _FileView:
+    """Slices of an open file by offset (``os.pread``), as ``_zip_members`` and ``_regions`` read a buffer: the
+    zip's directory and headers are read where they are, nothing else."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: slice) -> bytes:
+        start, stop, _ = index.indices(self.size)
+        return os.pread(self.fd, max(0, stop - start), start)
+
+
+def _read_exactly(fd: int, buffer: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buffer):
+        count = os.preadv(fd, [buffer[done:]], offset + done)
+        if count == 0:
+            raise ChangedWhileRead(f"the file ended at {offset + done} bytes while it was read")
+        done += count
+
+
+def split_open(handle: BinaryIO, put=None, *, window_bytes: int = WINDOW_BYTES) -> Manifest:
+    """The manifest of an open regular file, read once, front to back, a window at a time (no mapping, no copy):
+    each byte hashed once for its chunk and once for the whole file, in the same read. ``put(piece, sha256)``
+    is called with each chunk as it is cut (to store it). The chunks are the ones ``split`` cuts from the same
+    bytes (a cut depends on at most MAX_CHUNK_BYTES from the chunk's start, and a window's last chunks that
+    could reach past it are cut again from the next window). A file another process changes meanwhile gives the
+    manifest of the bytes read, or ChangedWhileRead if it shrank; it never crashes the reader, as a mapping of a
+    truncated file would (SIGBUS)."""
+    if window_bytes < 2 * MAX_CHUNK_BYTES:
+        raise ValueError("a window holds at least two of the largest chunks")
+    fd = handle.fileno()
+    size = os.fstat(fd).st_size
+    whole = hashlib.sha256()
+    found = []
+    buffer = memoryview(bytearray(min(window_bytes, max(size, 1))))
+    for start, end in _regions(_FileView(fd, size)) if size else ():
+        position = start
+        while position < end:
+            window = buffer[:min(len(buffer), end - position)]
+            _read_exactly(fd, window, position)
+            last = position + len(window) == end
+            consumed = 0
+            for cut in fastcdc(window, min_size=MIN_CHUNK_BYTES, avg_size=AVERAGE_CHUNK_BYTES,
+                               max_size=MAX_CHUNK_BYTES):
+                if not last and cut.offset + MAX_CHUNK_BYTES > len(window):
+                    break  # its cut may depend on bytes past the window: cut it again from the next one
+                with window[cut.offset:cut.offset + cut.length] as piece:
+                    whole.update(piece)
+                    sha256 = hashlib.sha256(piece).hexdigest()
+                    if put is not None:
+                        put(piece, sha256)
+                found.append(ChunkRef(sha256, cut.length))
+                consumed = cut.offset + cut.length
+            window.release()
+            position += consumed
+    buffer.release()
+    return Manifest(whole.hexdigest(), size, tuple(found))
+
+
+def store_open(store: BlobStore, handle: BinaryIO) -> tuple[Manifest, int]:
+    """Store the chunks of an open file that the store lacks, in the one read that cuts them (``split_open``);
+    its manifest and the bytes newly written. Each chunk is stored under the hash just taken of its bytes."""
+    written = [0]
+
+    def put(piece: memoryview, sha256: str) -> None:
+        if not store.exists(sha256):
+            store._put(sha256, lambda target: target.write(piece))
+            written[0] += len(piece)
+
+    return split_open(handle, put), written[0]
 
 
 def split(path: str | os.PathLike, *, sha256: str | None = None) -> Manifest:
