@@ -23,6 +23,7 @@ had the last checkpoint stored, and the store's bytes after deduplication over t
 against one checkpoint.
 
     .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5
+    .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5 --agent-cpu
 """
 
 from __future__ import annotations
@@ -146,6 +147,41 @@ def run(mode: str, args, scratch: Path) -> dict:
             "stored": stored_count.value if mode == "lean" else (args.steps if mode != "local" else 0)}
 
 
+def agent_cpu(args) -> None:
+    """The agent's own CPU time per checkpoint, on a quiet core: the portal's agent before (the file spooled with
+    1 MiB copies, the spool cut with its whole hash, every chunk hashed again as it is stored) against now
+    (``chunks.store_open``: one read, each byte hashed once for its chunk and once for the whole file), over the
+    same ``--steps`` checkpoints of one run, each into a fresh store, ``--repeats`` times alternating."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-agent-cpu-"))
+    try:
+        run("local", args, scratch)
+        files = sorted((scratch / "local-checkpoints").glob("*.pt"))
+        figures: dict[str, list[float]] = {"before": [], "now": []}
+        for repeat in range(args.repeats):
+            for variant in (("before", "now") if repeat % 2 == 0 else ("now", "before")):
+                store = BlobStore(f"file://{scratch}/{variant}-{repeat}", chunks.KIND)
+                started = time.process_time()
+                for path in files:
+                    if variant == "before":
+                        spool = scratch / "spool"
+                        with open(path, "rb") as source, open(spool, "wb") as target:
+                            shutil.copyfileobj(source, target, 1 << 20)
+                        manifest = chunks.split(spool)
+                        chunks.store_chunks(store, spool, manifest)
+                    else:
+                        with open(path, "rb") as handle:
+                            chunks.store_open(store, handle)
+                figures[variant].append((time.process_time() - started) / len(files))
+                shutil.rmtree(f"{scratch}/{variant}-{repeat}", ignore_errors=True)
+        size = files[0].stat().st_size
+        print(f"agent CPU per checkpoint of {size / 1e6:.1f} MB ({len(files)} checkpoints, {args.repeats} repeats):")
+        for variant, values in figures.items():
+            print(f"  {variant:6s}: {statistics.median(values) * 1000:6.1f} ms (min {min(values) * 1000:.1f}, "
+                  f"max {max(values) * 1000:.1f})")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -157,7 +193,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--coalesce", action="store_true", help="the lean agent stores only the newest waiting")
     parser.add_argument("--modes", default="local,async,lean,sync")
+    parser.add_argument("--agent-cpu", action="store_true", help="the agent's own CPU time per checkpoint only")
     args = parser.parse_args()
+    if args.agent_cpu:
+        agent_cpu(args)
+        return
     modes = args.modes.split(",")
     results = {mode: [] for mode in modes}
     for repeat in range(args.repeats):

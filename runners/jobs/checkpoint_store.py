@@ -3,9 +3,15 @@ deduplicated chunks (runners.storage.chunks), under the tenant's storage quota a
 
 The training script never waits for it: the SDK writes the checkpoint to the job's folder and returns; the
 reconcile's progress read records the checkpoint (store_state "pending") and sends ``checkpoint_store`` by
-name, and a worker reads the file through the backend (``job_checkpoint``, which never follows the sandboxed
-script's links), cuts it into chunks, reserves their bytes against the quota, stores the chunks the store
-lacks and only then records the checkpoint durable.
+name, and a worker claims it under a lease, reads the file through the backend (``job_checkpoint``, which
+never follows the sandboxed script's links) once, cutting it into chunks and storing those the store lacks
+as it reads, reserves their bytes against the quota, and only then records the checkpoint durable. On
+Kubernetes the pods' uploader does the cutting and sends the chunks (runners.jobs.checkpoint_upload).
+
+The agent's cost beside training is kept small: one read, each byte hashed once for its chunk and once for the
+whole file, at idle CPU priority in a thread of its own (``at_low_priority``); and when it is behind, a
+checkpoint a newer one supersedes that retention would not keep is skipped (``_superseded_by``). A worker
+that dies mid-upload leaves its checkpoint storing past its lease; the sweep asks for it again.
 
 What holds, and how:
 
