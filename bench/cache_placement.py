@@ -19,7 +19,7 @@ Two clusters:
 * openb: the openb node list (1,213 nodes, 6,212 GPUs, tests/data/openb/); jobs: pods drawn from
   the `default` trace's GPU pods, each a job of one replica.
 
-    python bench/cache_placement.py                          # both clusters, seeds 1-3, about 5 minutes
+    python bench/cache_placement.py                          # both clusters, seeds 1-3, about 4 minutes
     python bench/cache_placement.py --clusters demo --seeds 1 --jobs-demo 300   # the suite's short form
     python bench/cache_placement.py --json /tmp/cache_placement.jsonl           # one JSON line per replay
 
