@@ -395,6 +395,10 @@ NODE_CACHE_BYTES = env_int("NODE_CACHE_BYTES", 20 * 1024**3, minimum=0)
 # DATA_STORAGE_URL as deduplicated chunks, and how often the sweep resends pending ones, applies retention
 # and collects chunks no checkpoint names.
 CHECKPOINT_STORE_ENABLED = env_bool("CHECKPOINT_STORE_ENABLED", True)
+# How long a worker holds a checkpoint it is storing (renewed while it works; the sweep hands one past its
+# lease to another), and the storing thread's priority: idle (SCHED_IDLE), nice (19) or normal.
+CHECKPOINT_STORE_LEASE_S = env_int("CHECKPOINT_STORE_LEASE_S", 600, minimum=10)
+CHECKPOINT_STORE_PRIORITY = env_choice("CHECKPOINT_STORE_PRIORITY", "idle", ("idle", "nice", "normal"))
 CHECKPOINT_SWEEP_INTERVAL_S = env_float("CHECKPOINT_SWEEP_INTERVAL_S", 300.0, minimum=1.0)
 # Datasets (runners.datasets): the largest shard a version may hold, the most shards in one version, the
 # most bytes one upload request carries, the storage URLs a tenant may register a dataset from (`{tenant}`
@@ -428,6 +432,7 @@ BUNDLE_MAX_RATIO = env_int("BUNDLE_MAX_RATIO", 200, minimum=2)
 REQUEST_BODY_BOUNDED_BY_VIEW = [
     r"^/api/v1/tenants/[a-z0-9-]+/bundles/$",
     r"^/api/v1/tenants/[a-z0-9-]+/datasets/[a-z0-9-]+/versions/\d+/shards/[0-9a-f]{64}/$",
+    r"^/checkpoints/upload/[^/]+/(chunks/[0-9a-f]{64})?$",
 ]
 # The portal's public address (https://portal.example.com): links in notifications are absolute when
 # set; empty, they are paths (/jobs/12/).

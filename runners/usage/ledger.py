@@ -263,8 +263,9 @@ def _kept_pieces(item: str, size: int, created_at: datetime | None, deleted_at: 
     return pieces
 
 
-# A checkpoint the store never took is kept as its file, on the environment's volume.
-NOT_IN_STORE = ("", "failed")
+# A checkpoint the store never took (not asked, refused, or skipped as superseded while the agent was behind)
+# is kept as its file, on the environment's volume, and charged as that file.
+NOT_IN_STORE = ("", "failed", "skipped")
 
 
 def checkpoint_charge(checkpoint: Checkpoint) -> tuple[int, datetime | None, datetime | None]:

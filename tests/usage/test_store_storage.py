@@ -82,9 +82,12 @@ def test_a_checkpoint_is_charged_nothing_while_stored_and_its_file_when_the_stor
     pending = _checkpoint(job, 2, store_state="pending")
     refused = _checkpoint(job, 3, store_state="failed", store_reason="over quota", deleted_at=START + timedelta(days=1))
     never = _checkpoint(job, 4, store_state="")  # a backend whose files the portal cannot read: on the volume
+    # Superseded while the agent was behind, never stored: its file stays on the volume until pruned.
+    skipped = _checkpoint(job, 5, store_state="skipped", deleted_at=START + timedelta(hours=12))
     ledger.settle_run(now=NOW)
     assert not UsageEntry.objects.filter(item=f"checkpoint:{pending.id}").exists()
-    file_charges = [(50 * GB, refused.created_at, refused.deleted_at), (50 * GB, never.created_at, NOW)]
+    file_charges = [(50 * GB, refused.created_at, refused.deleted_at), (50 * GB, never.created_at, NOW),
+                    (50 * GB, skipped.created_at, skipped.deleted_at)]
     assert _close(_charged(tenant, NOW), _expected(*file_charges))
 
     # Stored a day later than written: charged its bytes after dedup from then, found by the next sweep.
@@ -93,7 +96,8 @@ def test_a_checkpoint_is_charged_nothing_while_stored_and_its_file_when_the_stor
     later = NOW + timedelta(days=1)
     ledger.settle_run(now=later)
     assert _close(_charged(tenant, later), _expected((50 * GB, refused.created_at, refused.deleted_at),
-                                                     (50 * GB, never.created_at, later), (2 * GB, durable_at, later)))
+                                                     (50 * GB, never.created_at, later), (2 * GB, durable_at, later),
+                                                     (50 * GB, skipped.created_at, skipped.deleted_at)))
 
 
 def _version(tenant, name, number, sealed_at, shards: list[tuple[str, int]], state="sealed") -> DatasetVersion:
