@@ -61,7 +61,9 @@ class ModelViewSet(TenantScopedMixin, viewsets.GenericViewSet):
     queryset = ModelVersion.objects.select_related("tenant", "created_by")
     serializer_class = ModelVersionSerializer
     lookup_field = "name"
-    lookup_value_regex = MODEL_NAME_PATTERN
+    # The URL takes any run of a name's characters (no nested group, so every route reads as one template);
+    # a string that is not a model's name finds no model: 404, as any unknown name.
+    lookup_value_regex = r"[-a-z0-9]{1,64}"
 
     def tenant(self):
         return tenant_get(user=self.request.user, slug=self.kwargs["tenant_slug"])
