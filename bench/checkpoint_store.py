@@ -22,8 +22,10 @@ in every mode that has one:
   the next step starts, as a synchronous save would.
 
 ``--agent-work`` swaps what the agent does with each file, to find what in it slows the step: ``store`` (the
-portal's code, the default), ``read`` (the same windows read, nothing hashed or stored), ``hash`` (read and
-cut and hashed, nothing stored), ``spin`` (the same CPU time spent in a loop touching no memory).
+portal's code, the default), ``read`` (the same windows read, nothing hashed or stored), ``spin``
+(``--spin-s`` of CPU in a loop that touches no memory) and ``stream`` (``--spin-s`` of CPU copying 64 MiB
+buffers: the most memory traffic one core makes, the control that shows whether the other core can slow the
+step at all). All run as the portal's agent does, in a thread at ``CHECKPOINT_STORE_PRIORITY``.
 
 Each run's figure is the median step time (the first step, which warms up, left out), and its parts: the
 forward and backward pass and optimizer step (``compute``), the ``torch.save`` and rename (``save``) and the
@@ -38,6 +40,8 @@ its core), its involuntary context switches and major faults, each core's busy a
     .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5
     .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5 --coalesce --modes local,background
     .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5 --modes local,background --agent-work read
+    CHECKPOINT_STORE_PRIORITY=normal .venv/bin/python bench/checkpoint_store.py --modes local,background \
+        --agent-work stream
     .venv/bin/python bench/checkpoint_store.py --steps 10 --repeats 5 --agent-cpu
 
 The agent imports the portal's settings to run its code, so ``DATABASE_URL`` and ``CELERY_BROKER_URL`` must
@@ -207,18 +211,20 @@ def _read_only(handle) -> None:
         position += count
 
 
-def _hash_only(handle) -> None:
-    """The agent's reads, cuts and hashes, nothing stored (``chunks.split_open`` without ``put``)."""
-    from runners.storage import chunks
-
-    chunks.split_open(handle)
-
-
 def _spin(seconds: float) -> None:
     """CPU time spent in a loop that touches no memory to speak of."""
     deadline = time.thread_time() + seconds
     while time.thread_time() < deadline:
         sum(range(1000))
+
+
+def _stream(seconds: float) -> None:
+    """CPU time spent copying 64 MiB buffers over and over: as much memory traffic as one core makes (the
+    control that shows whether the trainer's step can be slowed from the other core at all)."""
+    source, target = bytearray(64 << 20), bytearray(64 << 20)
+    deadline = time.thread_time() + seconds
+    while time.thread_time() < deadline:
+        target[:] = source
 
 
 def agent(args) -> None:
@@ -255,8 +261,8 @@ def agent(args) -> None:
                     at_low_priority(chunks.store_open, store, handle)
                 elif args.agent_work == "read":
                     at_low_priority(_read_only, handle)
-                elif args.agent_work == "hash":
-                    at_low_priority(_hash_only, handle)
+                elif args.agent_work == "stream":
+                    at_low_priority(_stream, args.spin_s)
                 else:
                     at_low_priority(_spin, args.spin_s)
             seen.add(name)
@@ -314,6 +320,7 @@ def run(mode: str, args, scratch: Path) -> dict:
     result = {part: statistics.median(step[part] for step in steps)
               for part in ("step_s", "compute_s", "save_s", "store_s", "on_core_s", "queued_s", "blocked_s")}
     result["machine"] = trained["machine"]
+    result["steps"] = trained["steps"]
     result["one_bytes"] = (folder / "step-00000000.pt").stat().st_size
     result["stored_bytes"] = None
     result["lag_s"] = None
@@ -391,8 +398,8 @@ def report(args, modes: list[str], results: dict[str, list[dict]]) -> None:
     print(f"\n{args.layers} frozen {args.width}x{args.width} layers, rank-{args.rank} adapters "
           f"({100 * trainable / frozen:.2f}% of the base trainable), {args.steps} steps, a checkpoint of "
           f"{results[modes[0]][0]['one_bytes'] / 1e6:.1f} MB every step, {args.repeats} paired repeats; trainer "
-          f"on core {TRAINER_CORE} (1 torch thread), agent on core {AGENT_CORE} ({args.agent_work}"
-          f"{', coalescing' if args.coalesce else ''})")
+          f"on core {TRAINER_CORE} (1 torch thread), agent on core {AGENT_CORE} ({args.agent_work}, priority "
+          f"{os.environ.get('CHECKPOINT_STORE_PRIORITY', 'idle')}{', coalescing' if args.coalesce else ''})")
     print("ms, median over repeats of each run's median step (min-max):")
     for mode in modes:
         runs = results[mode]
@@ -401,11 +408,13 @@ def report(args, modes: list[str], results: dict[str, list[dict]]) -> None:
         if mode == "sync":
             line += f"  store {_spread([r['store_s'] for r in runs])}"
         print(line)
-    print("the step's wall time split: on its core, runnable but another task on its core (queued), blocked:")
+    print("the step's wall time split: on its core, runnable but another task on its core (queued), blocked; and "
+          "the step as on a core of its own (on core + blocked, what a node's reserved cores give it):")
     for mode in modes:
         runs = results[mode]
         print(f"  {mode:10s}: on core {_spread([r['on_core_s'] for r in runs])}  queued "
-              f"{_spread([r['queued_s'] for r in runs])}  blocked {_spread([r['blocked_s'] for r in runs])}")
+              f"{_spread([r['queued_s'] for r in runs])}  blocked {_spread([r['blocked_s'] for r in runs])}  "
+              f"own core {_spread([r['on_core_s'] + r['blocked_s'] for r in runs])}")
     print("during the trainer's steps (median over repeats): trainer's run-queue wait per step, involuntary "
           "switches, major faults; each core busy and steal (share of the time); pages in/out; pressure "
           "(ms stalled, some)")
@@ -425,7 +434,9 @@ def report(args, modes: list[str], results: dict[str, list[dict]]) -> None:
         print(f"  {mode:10s}: wait {median(lambda m: m['wait_s']) / counted * 1000:.2f} ms/step, "
               f"nivcsw {median(lambda m: m['nivcsw']):.0f}, majflt {median(lambda m: m['majflt']):.0f}; {core_text}; "
               f"pgpgin {median(lambda m: m['vm'].get('pgpgin', 0)):.0f} pgpgout "
-              f"{median(lambda m: m['vm'].get('pgpgout', 0)):.0f}; {pressure}")
+              f"{median(lambda m: m['vm'].get('pgpgout', 0)):.0f} pgsteal "
+              f"{median(lambda m: m['vm'].get('pgsteal_kswapd', 0) + m['vm'].get('pgsteal_direct', 0)):.0f}; "
+              f"{pressure}")
     if "background" in modes:
         runs = results["background"]
         print(f"  background: last checkpoint stored {_spread([r['lag_s'] for r in runs], 1, 2)} s after training "
@@ -450,9 +461,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--coalesce", action="store_true", help="the agent stores only the newest waiting")
     parser.add_argument("--modes", default="local,background,sync")
-    parser.add_argument("--agent-work", choices=("store", "read", "hash", "spin"), default="store",
+    parser.add_argument("--agent-work", choices=("store", "read", "spin", "stream"), default="store",
                         help="what the agent does with each checkpoint (see the module's docstring)")
-    parser.add_argument("--spin-s", type=float, default=0.145, help="CPU seconds per checkpoint for --agent-work spin")
+    parser.add_argument("--spin-s", type=float, default=0.145,
+                        help="CPU seconds per checkpoint for --agent-work spin and stream")
     parser.add_argument("--agent-cpu", action="store_true", help="the agent's own CPU time per checkpoint only")
     parser.add_argument("--json", help="write every run's figures here")
     parser.add_argument("--role", choices=("trainer", "agent"), help=argparse.SUPPRESS)
