@@ -4,7 +4,7 @@ through services that check them and tell the environments (quota_changed)."""
 from django.contrib import admin
 
 from common.admin import ReadOnlyAdmin
-from quotas.models import BorrowingPause, GuaranteeReduction, PriceCard, Quota, ResourceFlavor
+from quotas.models import BorrowingPause, GuaranteeReduction, PriceCard, Quota, ResourceFlavor, TenantStorage
 
 
 @admin.register(ResourceFlavor)
@@ -35,3 +35,8 @@ class GuaranteeReductionAdmin(ReadOnlyAdmin):
 @admin.register(BorrowingPause)
 class BorrowingPauseAdmin(ReadOnlyAdmin):
     list_display = ["tenant", "since", "reason"]
+
+
+@admin.register(TenantStorage)
+class TenantStorageAdmin(ReadOnlyAdmin):
+    list_display = ["tenant", "quota_gb", "retention", "updated_at"]

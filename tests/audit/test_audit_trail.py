@@ -220,7 +220,11 @@ def test_endpoints_created_scaled_rolled_out_and_stopped(flavors, tenant, owner,
     body = {"tenant": "acme", "environment": acme_env.id, "name": "chat", "source": {"job": job.id},
             "flavor": "h100-80gb", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 2, "warm_replicas": 0}
     endpoint = _ok(as_owner.post("/api/v1/endpoints/", body), 201)
-    entry = trail.one("endpoint.created", "olivia", "acme")
+    # A job's checkpoint is promoted to a model version first, then the endpoint serves that version.
+    promoted, entry = trail.new()
+    assert [(e.action, e.actor_name, e.tenant_slug) for e in (promoted, entry)] == [
+        ("model.promoted", "olivia", "acme"), ("endpoint.created", "olivia", "acme")]
+    assert promoted.after["job"] == job.id
     assert entry.after["min_replicas"] == 1 and entry.after["source"]["job"] == job.id
     _ok(as_owner.post(f"/api/v1/endpoints/{endpoint['id']}/scale/", {"max_replicas": 3}), 202)
     entry = trail.one("endpoint.scaled", "olivia", "acme")
