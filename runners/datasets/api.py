@@ -6,12 +6,16 @@ of their own tenant's datasets; admins share them. A push: open a version with t
 list (an open version of the same list is answered again, so a cut push resumes), declare its shards (the
 answer lists those the portal still lacks and how many bytes of each it has), PUT each missing shard's
 bytes in parts at their offset (checked against the shard's sha256 once whole), then seal.
+
+Every list (datasets, a dataset's versions, a version's shards and its file index) is paginated as the rest of
+the API is (common/pagination.py): ``?page=`` and ``?page_size=``, answered as {count, next, previous, results}.
 """
 
 from django.db import transaction
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers, status
+from rest_framework.generics import GenericAPIView
 from rest_framework.parsers import BaseParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -109,12 +113,26 @@ class DatasetCreateSerializer(serializers.Serializer):
     description = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
 
 
-class DatasetListView(APIView):
+class ListView(GenericAPIView):
+    """A view whose GET answers one page of a list, with the API's pagination (DEFAULT_PAGINATION_CLASS).
+
+    Its rows come from the datasets' selectors, scoped to the caller's tenant, not from a queryset of the view,
+    so it has no filters of its own."""
+
+    filter_backends = ()
+
+    def page_of(self, rows, shape=lambda row: row) -> Response:
+        """The page the request asks for of ``rows`` (a queryset or anything sliceable with a length), each
+        row shaped by ``shape``."""
+        return self.get_paginated_response([shape(row) for row in self.paginate_queryset(rows)])
+
+
+class DatasetListView(ListView):
     @extend_schema(responses=DatasetSerializer(many=True))
     def get(self, request, tenant_slug):
-        """The datasets this tenant reads: its own and those shared with it."""
+        """The datasets this tenant reads: its own and those shared with it, by owner then name."""
         tenant, datasets = selectors.dataset_list(user=request.user, tenant_slug=tenant_slug)
-        return Response([_dataset_data(dataset, tenant) for dataset in datasets])
+        return self.page_of(datasets, lambda dataset: _dataset_data(dataset, tenant))
 
     @extend_schema(request=DatasetCreateSerializer, responses={201: DatasetDetailSerializer})
     def post(self, request, tenant_slug):
@@ -139,12 +157,12 @@ class VersionOpenSerializer(serializers.Serializer):
                                                                           "shard list to push.")
 
 
-class VersionListView(APIView):
+class VersionListView(ListView):
     @extend_schema(parameters=[OWNER], responses=VersionSerializer(many=True))
     def get(self, request, tenant_slug, name):
         """The dataset's sealed versions, newest first."""
         _tenant, dataset = _resolve(request, tenant_slug, name)
-        return Response([_version_data(version) for version in selectors.sealed_versions(dataset)])
+        return self.page_of(selectors.sealed_versions(dataset), _version_data)
 
     @extend_schema(request=VersionOpenSerializer, responses={201: VersionDetailSerializer, 200: VersionDetailSerializer})
     def post(self, request, tenant_slug, name):
@@ -203,13 +221,13 @@ _CONFLICT = OpenApiResponse(_PROBLEM, description="The version is sealed (it nev
                                                   "what the portal has of the shard (the detail says which).")
 
 
-class VersionShardsView(APIView):
+class VersionShardsView(ListView):
     @extend_schema(parameters=[OWNER], responses=ShardSerializer(many=True))
     def get(self, request, tenant_slug, name, number):
         """The version's shards in order: sha256, bytes, samples, whether stored."""
         tenant, dataset = _resolve(request, tenant_slug, name)
         version = _version(tenant, dataset, number)
-        return Response(list(selectors.version_shards(version).values("position", "sha256", "bytes", "samples", "stored")))
+        return self.page_of(selectors.version_shards(version).values("position", "sha256", "bytes", "samples", "stored"))
 
     @extend_schema(request=ShardsDeclareSerializer, responses={200: _MISSING, 409: _CONFLICT})
     def post(self, request, tenant_slug, name, number):
@@ -284,20 +302,33 @@ class IndexEntrySerializer(serializers.Serializer):
     shard = serializers.IntegerField()
 
 
-class VersionIndexView(APIView):
-    @extend_schema(parameters=[OWNER, OpenApiParameter("offset", int), OpenApiParameter("limit", int)],
-                   responses=IndexEntrySerializer(many=True))
+class IndexRows:
+    """A version's file index as the paginator takes it: its length is the version's file count, and a slice
+    reads the index from the slice's start, no further than its end."""
+
+    def __init__(self, version: DatasetVersion):
+        self.version = version
+
+    def __len__(self) -> int:
+        if self.version.state == VersionState.SEALED:
+            return self.version.files  # written at the seal, from the shards' members
+        # An open or failed version (its own tenant's view): the files of the shards stored so far.
+        return sum(len(members or []) for members in
+                   selectors.version_shards(self.version).values_list("members", flat=True))
+
+    def __getitem__(self, bounds: slice) -> list[dict]:
+        start, stop = bounds.start or 0, bounds.stop
+        if stop is None or stop <= start:
+            return []
+        return selectors.version_index(self.version, offset=start, limit=stop - start)
+
+
+class VersionIndexView(ListView):
+    @extend_schema(parameters=[OWNER], responses=IndexEntrySerializer(many=True))
     def get(self, request, tenant_slug, name, number):
-        """The version's files, each with the shard that holds it (``offset`` and ``limit``, at most 1000)."""
+        """The version's files in order, each with the position of the shard that holds it."""
         tenant, dataset = _resolve(request, tenant_slug, name)
-        version = _version(tenant, dataset, number)
-        bounds = {}
-        for field, default, high in (("offset", 0, 10**12), ("limit", 1000, 1000)):
-            raw = request.query_params.get(field, str(default))
-            if not raw.isdigit() or not (0 if field == "offset" else 1) <= int(raw) <= high:
-                raise Invalid(field, f"A whole number up to {high}.")
-            bounds[field] = int(raw)
-        return Response(selectors.version_index(version, **bounds))
+        return self.page_of(IndexRows(_version(tenant, dataset, number)))
 
 
 class ShareSerializer(serializers.Serializer):

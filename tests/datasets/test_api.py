@@ -82,10 +82,42 @@ def test_a_pushed_version_is_sealed_with_its_index_and_stored_once(pushed, data_
     assert version["bytes"] == sum(s.bytes for s in shards)
     blobs = BlobStore(f"file://{data_store}", "shards")
     assert sorted(blobs.keys()) == sorted(s.sha256 for s in shards)
-    index = api.get(BASE.format(slug="acme") + "images/versions/1/index/?limit=5").json()
-    assert index[0] == {"path": "000.txt", "bytes": len(FILES["000.txt"]), "shard": 0} and len(index) == 5
-    listed = api.get(BASE.format(slug="acme")).json()
+    index = api.get(BASE.format(slug="acme") + "images/versions/1/index/?page_size=5").json()
+    assert index["count"] == 30 and len(index["results"]) == 5
+    assert index["results"][0] == {"path": "000.txt", "bytes": len(FILES["000.txt"]), "shard": 0}
+    listed = api.get(BASE.format(slug="acme")).json()["results"]
     assert [(d["reference"], d["latest_version"]["number"]) for d in listed] == [("images", 1)]
+
+
+def every_row(api, url):
+    """The rows of every page of a list, following its next links; and the count its first page gave."""
+    page = api.get(url).json()
+    count, rows = page["count"], list(page["results"])
+    while page["next"]:
+        page = api.get(page["next"]).json()
+        rows += page["results"]
+    return count, rows
+
+
+def test_each_list_pages_every_row_once_in_order(pushed, tmp_path):
+    api, shards, _version = pushed
+    push(api, "acme", "images", pack(tmp_path, {"only.txt": b"one file\n"}, name="second"))
+    url = BASE.format(slug="acme") + "images/versions/"
+
+    versions = every_row(api, url)
+    assert [version["number"] for version in versions[1]] == [2, 1] and versions[0] == 2
+    assert every_row(api, f"{url}?page_size=1") == versions
+    count, rows = every_row(api, f"{url}1/shards/?page_size=2")
+    assert count == len(shards) > 2 and rows == [
+        {"position": n, "sha256": s.sha256, "bytes": s.bytes, "samples": s.samples, "stored": True}
+        for n, s in enumerate(shards)]
+    # The index reads across shard boundaries: pages of 7 files over shards of a few files each.
+    count, rows = every_row(api, f"{url}1/index/?page_size=7")
+    assert count == 30 and [row["path"] for row in rows] == sorted(FILES)
+    assert [row["shard"] for row in rows] == sorted(row["shard"] for row in rows) and rows[-1]["shard"] == len(shards) - 1
+    assert api.get(f"{url}1/index/", {"page_size": 7, "page": 5}).json()["results"] == rows[28:]
+    assert api.get(f"{url}1/index/", {"page_size": 7, "page": 6}).status_code == 404
+    assert every_row(api, f"{url}2/index/") == (1, [{"path": "only.txt", "bytes": 9, "shard": 0}])
 
 
 def test_the_outsider_gets_404_for_everything_until_it_is_shared_and_then_only_reads(pushed, client_for, outsider,
@@ -96,10 +128,10 @@ def test_the_outsider_gets_404_for_everything_until_it_is_shared_and_then_only_r
         assert api.get(f"/api/v1/tenants/{path}").status_code == 404, path
     assert api.get("/api/v1/tenants/globex/datasets/images/").status_code == 404
     assert api.get("/api/v1/tenants/globex/datasets/images/?owner=acme").status_code == 404
-    assert api.get("/api/v1/tenants/globex/datasets/").json() == []
+    assert api.get("/api/v1/tenants/globex/datasets/").json()["results"] == []
 
     assert owner_api.post(BASE.format(slug="acme") + "images/shares/", {"tenant": "globex"}).status_code == 201
-    shared = api.get("/api/v1/tenants/globex/datasets/").json()
+    shared = api.get("/api/v1/tenants/globex/datasets/").json()["results"]
     assert [(d["reference"], d["owner"], d["shared_with"]) for d in shared] == [("acme/images", "acme", [])]
     assert api.get("/api/v1/tenants/globex/datasets/images/versions/1/").json()["number"] == 1
     # Read-only: globex cannot push to it, nor share it on.
@@ -128,9 +160,14 @@ def test_a_cut_push_resumes_where_it_stopped_and_nothing_is_visible_before_the_s
     assert upload(api, "acme", "text", number, shards[0]) == shards[0].bytes
     half = upload(api, "acme", "text", number, shards[1], stop_after=1)
     assert 0 < half < shards[1].bytes
+    # Its own tenant reads the open version's shards, and the index of those stored.
+    opened = BASE.format(slug="acme") + f"text/versions/{number}/"
+    assert [row["stored"] for row in api.get(f"{opened}shards/").json()["results"]] == [True] + [False] * (len(shards) - 1)
+    index = api.get(f"{opened}index/").json()
+    assert index["count"] == len(index["results"]) > 0 and {row["shard"] for row in index["results"]} == {0}
     # Nothing is visible to readers, nor usable by a job, before the seal.
     assert api.get(BASE.format(slug="acme") + "text/").json()["versions"] == []
-    assert api.get(BASE.format(slug="acme")).json()[0]["latest_version"] is None
+    assert api.get(BASE.format(slug="acme")).json()["results"][0]["latest_version"] is None
     assert api.post(BASE.format(slug="acme") + f"text/versions/{number}/seal/", {"shards": len(shards)}).status_code == 409
     with pytest.raises(selectors.UnknownDataset):
         selectors.spec_versions(tenant, [{"name": "text"}])

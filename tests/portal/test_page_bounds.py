@@ -12,6 +12,7 @@ from drf_spectacular.generators import SchemaGenerator
 from rest_framework.test import APIClient
 
 from common.pagination import MAX_PAGE_SIZE, PageNumberPagination
+from runners.datasets.models import Dataset, DatasetVersion
 from runners.notifications.models import Webhook
 from tenants.models import Membership, Tenant
 
@@ -49,14 +50,18 @@ def _list_operations(schema: dict) -> tuple[dict[str, dict], set[str]]:
 
 @pytest.fixture
 def world(inventory, make_user, tenant):
-    """A user who is staff and an owner of acme (so every list is open to them), and a webhook."""
+    """A user who is staff and an owner of acme (so every list is open to them), a webhook, and a dataset with a
+    version (its own tenant reads an open one)."""
     root = make_user("root", is_staff=True, is_superuser=True)
     Membership.objects.create(user=root, tenant=tenant, role="owner")
     webhook = Webhook.objects.create(tenant=tenant, url="https://hooks.example.com/x", secret="s" * 32,
                                      events=["job.finished"], created_by=root)
+    dataset = Dataset.objects.create(tenant=tenant, name="images")
+    version = DatasetVersion.objects.create(dataset=dataset, number=1)
     client = APIClient()
     client.force_authenticate(root)
-    return {"client": client, "values": {"tenant_slug": tenant.slug, "id": webhook.id}}
+    return {"client": client, "values": {"tenant_slug": tenant.slug, "id": webhook.id, "name": dataset.name,
+                                         "number": version.number}}
 
 
 def _fill(path: str, values: dict) -> str:
