@@ -87,6 +87,14 @@ def test_assignments_read_their_values_as_yaml():
         jobfile.parse_env(["=1"])
 
 
+def test_datasets_are_named_with_an_optional_version():
+    assert jobfile.parse_datasets(["images", "acme/text:3", "audio:latest"]) == [
+        {"name": "images"}, {"name": "acme/text", "version": 3}, {"name": "audio"}]
+    for wrong in ["", "images:", "images:0", "images:v2"]:
+        with pytest.raises(PortalError, match="--dataset"):
+            jobfile.parse_datasets([wrong])
+
+
 @pytest.mark.parametrize("folder, name", [
     ("My Project_2", "my-project-2"), ("___", "job"), ("x" * 50, "x" * 40), ("a" * 39 + "-b", "a" * 39)])
 def test_a_job_is_named_after_its_folder(tmp_path, folder, name):

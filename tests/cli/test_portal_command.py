@@ -394,3 +394,40 @@ def test_storage_shows_usage_previews_a_policy_and_saves_it(cli, trained):
     assert "keep every 1000" in cli("storage", "show").stdout
     assert cli("storage", "set-retention").returncode == 0  # no rule: keep everything again
     assert cli("storage", "preview", "--keep-newest", "-1").returncode == 2
+
+
+DATASET_SCRIPT = """\
+import gpuportal
+
+ctx = gpuportal.init()
+data = ctx.dataset("corpus")
+samples = size = 0
+for sample in data.samples(rank=ctx.rank, world_size=ctx.world_size):
+    samples += 1
+    size += sum(len(value) for key, value in sample.items() if not key.startswith("__"))
+print(f"read {samples} samples, {size} bytes of corpus version {data.version}", flush=True)
+"""
+
+
+def test_a_pushed_dataset_is_read_by_the_job_that_names_it(cli):
+    """A newcomer's data path: `portal data push`, then `portal run --dataset`: the script reads every sample
+    from its node's cache through ctx.dataset, and the portal records which version the job read."""
+    data = cli.home / "corpus"
+    data.mkdir()
+    for n in range(30):
+        (data / f"doc-{n:03}.txt").write_bytes(bytes([65 + n % 26]) * (50_000 + n))
+    pushed = cli.json("data", "push", str(data), "corpus", "--shard-mb", "1")
+    assert pushed["number"] == 1 and pushed["shards"] >= 2, pushed
+
+    folder = cli.home / "reader"
+    folder.mkdir()
+    (folder / "read.py").write_text(DATASET_SCRIPT)
+    result = cli("run", "--flavor", "h100-80gb", "--dataset", "corpus", "--", "python", "read.py", cwd=folder,
+                 timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = sum(50_000 + n for n in range(30))
+    assert f"read 30 samples, {expected} bytes of corpus version 1" in result.stdout
+    job = cli.json("status", re.search(r"Submitted job (\d+)", result.stderr).group(1))
+    assert job["spec"]["datasets"] == [{"name": "corpus", "version": 1}]
+    shown = cli("data", "show", "corpus:1")
+    assert shown.returncode == 0 and "not read yet" not in shown.stdout, shown.stdout + shown.stderr

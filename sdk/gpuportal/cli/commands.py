@@ -515,6 +515,8 @@ def run(
     hyperparameter: Annotated[list[str] | None, typer.Option("--hp", help="KEY=VALUE, a hyperparameter (again for "
                                                                           "more).")] = None,
     env: Annotated[list[str] | None, typer.Option("--env", help="KEY=VALUE, a variable for the replicas.")] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", help="NAME[:VERSION], a dataset the job reads as "
+                                                                         "ctx.dataset(NAME) (again for more).")] = None,
     workdir: Annotated[Path, typer.Option("--workdir", "-C", help="The folder to upload (its .gitignore and "
                                                                   ".portalignore honoured).")] = Path("."),
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Return once submitted.")] = False,
@@ -537,6 +539,8 @@ def run(
     )
     if environment is not None:
         spec["environment"] = environment
+    if dataset:
+        spec["datasets"] = [*(spec.get("datasets") or []), *jobfile.parse_datasets(dataset)]
     spec.setdefault("name", jobfile.job_name(workdir))
     if not spec.get("flavor"):
         raise PortalError("--flavor: which GPUs to run on (`portal quota` lists your tenant's flavors)", EXIT_BAD_INPUT)

@@ -71,6 +71,23 @@ def parse_env(values: list[str]) -> dict[str, str]:
     return env
 
 
+def parse_datasets(values: list[str]) -> list[dict[str, Any]]:
+    """`--dataset NAME[:VERSION]` (NAME may be owner/name, one shared with you): the spec's `datasets`, a version
+    a number or "latest" (the newest sealed one, pinned by the portal at submit) when left out."""
+    datasets = []
+    for value in values:
+        name, colon, version = value.partition(":")
+        if not name.strip() or (colon and not version):
+            raise bad(f"--dataset {value!r}: give NAME or NAME:VERSION")
+        entry: dict[str, Any] = {"name": name.strip()}
+        if colon and version != "latest":
+            if not version.isdigit() or int(version) < 1:
+                raise bad(f"--dataset {value!r}: a version is a number from 1, or latest")
+            entry["version"] = int(version)
+        datasets.append(entry)
+    return datasets
+
+
 def job_name(folder: Path) -> str:
     """A job name made from a folder's name: lowercase letters, digits and '-', at most 40."""
     name = re.sub(r"[^a-z0-9]+", "-", folder.resolve().name.lower()).strip("-")[:NAME_MAX].strip("-")
