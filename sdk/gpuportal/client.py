@@ -307,7 +307,23 @@ class Client:
         return f"/api/v1/tenants/{tenant}/datasets/{bare}", ({"owner": owner} if owner else {})
 
     def datasets(self, tenant: str) -> list[dict]:
-        return self.get(f"/api/v1/tenants/{tenant}/datasets/")
+        """Every dataset the tenant reads, its own and those shared with it (every page of the list)."""
+        return list(self.pages(f"/api/v1/tenants/{tenant}/datasets/"))
+
+    def dataset_versions(self, tenant: str, name: str) -> list[dict]:
+        """The dataset's sealed versions, newest first (every page of the list)."""
+        path, query = self._dataset_path(tenant, name)
+        return list(self.pages(f"{path}/versions/", **query))
+
+    def dataset_shards(self, tenant: str, name: str, number: int) -> Iterator[dict]:
+        """The version's shards in order, read a page at a time: {position, sha256, bytes, samples, stored}."""
+        path, query = self._dataset_path(tenant, name)
+        return self.pages(f"{path}/versions/{number}/shards/", **query)
+
+    def dataset_index(self, tenant: str, name: str, number: int) -> Iterator[dict]:
+        """The version's files in order, read a page at a time: {path, bytes, shard}."""
+        path, query = self._dataset_path(tenant, name)
+        return self.pages(f"{path}/versions/{number}/index/", **query)
 
     def dataset(self, tenant: str, name: str) -> dict:
         path, query = self._dataset_path(tenant, name)

@@ -31,7 +31,7 @@ def _folder(root, count=60):
     return root
 
 
-def test_a_cut_push_resumes_and_the_second_push_sends_nothing(portal, tenant, tmp_path):
+def test_a_cut_push_resumes_and_the_second_push_sends_nothing(portal, tenant, tmp_path, settings):
     folder = _folder(tmp_path / "files")
     seen = []
 
@@ -61,3 +61,12 @@ def test_a_cut_push_resumes_and_the_second_push_sends_nothing(portal, tenant, tm
                        progress=lambda sent, total: again.append((sent, total)))
     assert second["number"] == version["number"] + 1 and again == [(0, 0)]
     assert [v["number"] for v in portal.dataset("acme", "frames")["versions"]] == [2, 1]
+
+    # The client reads every page of a list: 60 files are more than one page of the index.
+    assert [d["reference"] for d in portal.datasets("acme")] == ["frames"]
+    assert [v["number"] for v in portal.dataset_versions("acme", "frames")] == [2, 1]
+    files = list(portal.dataset_index("acme", "frames", 2))
+    assert [row["path"] for row in files] == [f"{n:03d}.bin" for n in range(60)]
+    assert len(files) > settings.REST_FRAMEWORK["PAGE_SIZE"]
+    shards = list(portal.dataset_shards("acme", "frames", 2))
+    assert [shard["position"] for shard in shards] == list(range(second["shards"])) and all(s["stored"] for s in shards)
