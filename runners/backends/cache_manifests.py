@@ -25,7 +25,7 @@ from runners.backends.base import JobLaunch, PermanentBackendError
 from runners.backends.manifests import MANAGED_BY, MANAGED_BY_LABEL
 from runners.storage import cache_grants
 
-CSI_DRIVER = "cache.portal.gpu"
+CSI_DRIVER = cache_grants.CSI_DRIVER
 AGENT_NAMESPACE = "gpu-portal-cache"
 AGENT_NAME = "portal-cache-agent"
 AGENT_SERVICE_ACCOUNT = "portal-cache-agent"
@@ -38,7 +38,7 @@ CACHE_MOUNT = "/cache"
 POOL_CACHE_PATH = "/var/lib/portal-cache"  # a pool's cache on its nodes when the pool sets no path
 DATASETS_VOLUME = "datasets"
 DATASETS_MOUNT = "/portal/datasets"
-DATASETS_MANIFEST = "datasets.json"
+DATASETS_MANIFEST = cache_grants.DATASETS_MANIFEST
 POOL_LABEL = "portal.gpu/pool"
 
 

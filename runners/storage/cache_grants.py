@@ -30,6 +30,11 @@ from dataclasses import dataclass
 
 from runners.storage.blobs import SHA256
 
+# The CSI driver's name, shared by the manifests that name it and the agent that answers for it, and the file
+# in a published view (and in a local attempt's view) that tells the script where each dataset's shards are.
+CSI_DRIVER = "cache.portal.gpu"
+DATASETS_MANIFEST = "datasets.json"
+
 VERSION = "v1"
 JOB = "job"
 ATTEMPT = "attempt"

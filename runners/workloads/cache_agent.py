@@ -55,9 +55,9 @@ from pathlib import Path
 import grpc
 from google.protobuf import wrappers_pb2
 
-from runners.backends.cache_manifests import CSI_DRIVER, DATASETS_MANIFEST
 from runners.storage import cache_grants
 from runners.storage.blobs import BlobMissing, BlobStore, HashMismatch
+from runners.storage.cache_grants import CSI_DRIVER, DATASETS_MANIFEST
 from runners.storage.nodecache import BlobWanted, CacheFull, FillFailed, NodeCache, snapshot_json
 from runners.workloads.csi import csi_pb2, csi_pb2_grpc
 

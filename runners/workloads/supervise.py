@@ -71,6 +71,7 @@ import time
 import venv
 from pathlib import Path
 
+from runners.storage.cache_grants import DATASETS_MANIFEST
 from runners.workloads import checkpoint_restore, sandbox
 
 LAUNCH_FILE = "launch.json"
@@ -98,7 +99,6 @@ STORE_STOP_TIMEOUT_S = 10
 # The node caches: where the store's URL and options come from, the fills' record, the datasets' manifest.
 STORAGE_VARIABLE = "PORTAL_DATA_STORAGE"
 CACHE_FILLS_FILE = "cache-fills.json"
-DATASETS_MANIFEST = "datasets.json"
 # The store host (argv: port world-size): SIGTERM ignored first, then the store, then "listening" on
 # stdout, then it holds the store until its stdin ends (the supervisor closes it, or the supervisor died).
 STORE_HOST = (
