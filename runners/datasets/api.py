@@ -117,7 +117,8 @@ class ListView(GenericAPIView):
     """A view whose GET answers one page of a list, with the API's pagination (DEFAULT_PAGINATION_CLASS).
 
     Its rows come from the datasets' selectors, scoped to the caller's tenant, not from a queryset of the view,
-    so it has no filters of its own."""
+    so it has no filters of its own. One that also takes a POST names its body's serializer as serializer_class,
+    which an OPTIONS request describes."""
 
     filter_backends = ()
 
@@ -128,6 +129,8 @@ class ListView(GenericAPIView):
 
 
 class DatasetListView(ListView):
+    serializer_class = DatasetCreateSerializer
+
     @extend_schema(responses=DatasetSerializer(many=True))
     def get(self, request, tenant_slug):
         """The datasets this tenant reads: its own and those shared with it, by owner then name."""
@@ -158,6 +161,8 @@ class VersionOpenSerializer(serializers.Serializer):
 
 
 class VersionListView(ListView):
+    serializer_class = VersionOpenSerializer
+
     @extend_schema(parameters=[OWNER], responses=VersionSerializer(many=True))
     def get(self, request, tenant_slug, name):
         """The dataset's sealed versions, newest first."""
@@ -222,6 +227,8 @@ _CONFLICT = OpenApiResponse(_PROBLEM, description="The version is sealed (it nev
 
 
 class VersionShardsView(ListView):
+    serializer_class = ShardsDeclareSerializer
+
     @extend_schema(parameters=[OWNER], responses=ShardSerializer(many=True))
     def get(self, request, tenant_slug, name, number):
         """The version's shards in order: sha256, bytes, samples, whether stored."""

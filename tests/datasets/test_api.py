@@ -120,6 +120,13 @@ def test_each_list_pages_every_row_once_in_order(pushed, tmp_path):
     assert every_row(api, f"{url}2/index/") == (1, [{"path": "only.txt", "bytes": 9, "shard": 0}])
 
 
+def test_an_options_request_on_a_list_describes_what_its_post_takes(pushed):
+    api = pushed[0]
+    for path, field in (("", "name"), ("images/versions/", "manifest_sha256"), ("images/versions/1/shards/", "shards")):
+        answer = api.options(BASE.format(slug="acme") + path)
+        assert answer.status_code == 200 and field in answer.json()["actions"]["POST"], (path, answer.content[:300])
+
+
 def test_the_outsider_gets_404_for_everything_until_it_is_shared_and_then_only_reads(pushed, client_for, outsider,
                                                                                      tmp_path):
     owner_api = pushed[0]
