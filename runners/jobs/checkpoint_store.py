@@ -26,6 +26,11 @@ What holds, and how:
   an upload found present and the sweep deleted meanwhile is stored again before the checkpoint is durable.
 - Retention (runners.storage.retention) discards durable checkpoints only, never one being stored, and
   never the newest durable checkpoint of a job that may still resume from it.
+- What the ledger charges a tenant's checkpoints is, at every moment, the bytes of the distinct chunks its
+  durable checkpoints name: each chunk's charge is carried by the first of them stored that names it (its
+  stored_bytes, set at the seal), and a discard hands what it carried and a kept one still names to that one
+  (``checkpoints_discard``); seals and discards of a tenant take its lock, so none comes between another's
+  weighing and writing.
 """
 
 from __future__ import annotations
@@ -51,15 +56,16 @@ from common.dispatch import send_task
 from quotas.models import TenantStorage
 from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone, TransientBackendError
 from runners.clusters.registry import get_backend
-from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, Job, JobEvent, JobMetric
+from runners.jobs.models import JOB_FINAL_STATES, Checkpoint, CheckpointHandover, Job, JobEvent, JobMetric
 from runners.storage import chunks, retention
 from runners.storage.blobs import BlobStore
 
 logger = logging.getLogger(__name__)
 
 BYTES_PER_GB = 10**9
-# The two advisory lock classes (pg_advisory_xact_lock(class, id)): one tenant's quota, and the store's
-# chunks (the sweep exclusive, an upload's last check shared).
+# The two advisory lock classes (pg_advisory_xact_lock(class, id)): one tenant's quota and charges (a
+# reservation, a seal, a discard), and the store's chunks (the sweep exclusive, an upload's last check shared).
+# A seal takes the tenant's first, then the store's.
 TENANT_QUOTA_LOCK = 35_001
 STORE_CHUNKS_LOCK = 35_002
 HOLDING = ("storing", "durable")
@@ -114,6 +120,49 @@ def _tenant_holds(tenant_id: int, sha256s: list[str]) -> set[str]:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT sha256 FROM ({_TENANT_CHUNKS}) held WHERE sha256 = ANY(%s)", [tenant_id, sha256s])
         return {row[0] for row in cursor.fetchall()}
+
+
+# The charge of each distinct chunk a tenant's durable checkpoints name is carried by the first of them stored
+# (durable_at, then id) that names it. A checkpoint made durable carries the chunks no durable one named (its
+# stored_bytes), so a seal never moves another's charge; a discard moves the chunks the discarded carried that
+# a kept one still names to the first kept one that names them (a handover). Chunks are deduplicated per
+# tenant, across its jobs, so a carrier may be another job's checkpoint of the same tenant.
+_DURABLE_HOLDS = """
+    SELECT DISTINCT chunk->>0
+    FROM runners_checkpoint checkpoint
+    JOIN runners_job job ON job.id = checkpoint.job_id,
+    jsonb_array_elements(checkpoint.manifest->'chunks') chunk
+    WHERE job.tenant_id = %s AND checkpoint.store_state = 'durable' AND chunk->>0 = ANY(%s)
+"""
+_CARRIED = """
+    SELECT carrier, SUM(size) FROM (
+        SELECT DISTINCT ON (chunk->>0) checkpoint.id AS carrier, (chunk->>1)::bigint AS size
+        FROM runners_checkpoint checkpoint
+        JOIN runners_job job ON job.id = checkpoint.job_id,
+        jsonb_array_elements(checkpoint.manifest->'chunks') chunk
+        WHERE job.tenant_id = %s AND checkpoint.store_state = 'durable' AND checkpoint.id <> ALL(%s)
+          AND chunk->>0 IN (SELECT named->>0 FROM runners_checkpoint discarded,
+                            jsonb_array_elements(discarded.manifest->'chunks') named WHERE discarded.id = ANY(%s))
+        ORDER BY chunk->>0, checkpoint.durable_at, checkpoint.id
+    ) carried GROUP BY carrier
+"""
+
+
+def _durable_adds(tenant_id: int, manifest: chunks.Manifest) -> int:
+    """The bytes of the manifest's chunks that no durable checkpoint of the tenant names."""
+    sizes = {chunk.sha256: chunk.bytes for chunk in manifest.chunks}
+    with connection.cursor() as cursor:
+        cursor.execute(_DURABLE_HOLDS, [tenant_id, list(sizes)])
+        held = {row[0] for row in cursor.fetchall()}
+    return sum(size for sha256, size in sizes.items() if sha256 not in held)
+
+
+def _carried(tenant_id: int, discard: list[int], *, without: list[int]) -> dict[int, int]:
+    """Per durable checkpoint of the tenant (less ``without``), the bytes it carries of the chunks that the
+    ``discard`` checkpoints name."""
+    with connection.cursor() as cursor:
+        cursor.execute(_CARRIED, [tenant_id, without, discard])
+        return {carrier: int(size) for carrier, size in cursor.fetchall()}
 
 
 def tenant_quota_bytes(tenant_id: int) -> int | None:
@@ -375,13 +424,20 @@ def checkpoint_store_run(checkpoint_id: int) -> str:
 
 
 def checkpoint_seal(checkpoint_id: int, manifest: chunks.Manifest, *, store: BlobStore | None = None,
-                    spool: Path | None = None) -> str:
+                    spool: Path | None = None, now: datetime | None = None) -> str:
     """Record a storing checkpoint durable once the store holds every chunk of its manifest, checked under the
     store's lock (shared), so no sweep deletes one meanwhile. A chunk missing is stored again from ``spool``
     when given; without it (a pod's upload) the checkpoint stays storing and the answer is "incomplete".
-    "lost": the checkpoint is no longer this manifest's (its lease ran out and it was asked for again)."""
+    "lost": the checkpoint is no longer this manifest's (its lease ran out and it was asked for again).
+
+    Its stored_bytes become what it adds to the tenant's durable checkpoints, weighed under the tenant's lock
+    so no other seal or discard of the tenant comes between: the bytes the ledger charges it."""
     store = store or checkpoint_blobs()
+    tenant_id = Checkpoint.objects.filter(id=checkpoint_id).values_list("job__tenant_id", flat=True).first()
+    if tenant_id is None:
+        return "lost"
     with transaction.atomic():
+        _lock(TENANT_QUOTA_LOCK, tenant_id)
         _lock(STORE_CHUNKS_LOCK, 0, shared=True)
         lacking = chunks.missing(store, manifest)
         if lacking and spool is not None:  # collected by a sweep between our put and now
@@ -390,7 +446,8 @@ def checkpoint_seal(checkpoint_id: int, manifest: chunks.Manifest, *, store: Blo
             return "incomplete"
         changed = Checkpoint.objects.filter(id=checkpoint_id, store_state="storing",
                                             manifest__sha256=manifest.sha256).update(
-            store_state="durable", durable_at=timezone.now(), store_reason="", store_lease_until=None)
+            store_state="durable", durable_at=now or timezone.now(), stored_bytes=_durable_adds(tenant_id, manifest),
+            store_reason="", store_lease_until=None)
     return "durable" if changed else "lost"
 
 
@@ -509,14 +566,36 @@ def retention_preview(*, tenant_id: int, policy: retention.RetentionPolicy | Non
     }
 
 
+def checkpoints_discard(*, tenant_id: int, checkpoint_ids, now: datetime | None = None) -> int:
+    """Discard these durable checkpoints of the tenant; how many went.
+
+    Their chunks that a kept checkpoint still names stay in the store, and so does their charge: what the
+    discarded carried of those is handed over to the first kept checkpoint that names them, charged to it
+    from now on (a CheckpointHandover). Under the tenant's lock, so no seal or other discard comes between."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        _lock(TENANT_QUOTA_LOCK, tenant_id)
+        discard = list(Checkpoint.objects.filter(id__in=list(checkpoint_ids), job__tenant_id=tenant_id,
+                                                 store_state="durable").values_list("id", flat=True))
+        if not discard:
+            return 0
+        before = _carried(tenant_id, discard, without=[])
+        after = _carried(tenant_id, discard, without=discard)
+        CheckpointHandover.objects.bulk_create([
+            CheckpointHandover(checkpoint_id=carrier, bytes=size - before.get(carrier, 0), handed_at=now)
+            for carrier, size in sorted(after.items()) if size > before.get(carrier, 0)
+        ])
+        return Checkpoint.objects.filter(id__in=discard).update(store_state="discarded", discarded_at=now,
+                                                                manifest=None)
+
+
 def retention_apply(*, tenant_id: int, now: datetime | None = None) -> list[dict]:
     """Discard what the tenant's policies (its own, its jobs') do not keep; per job, what went."""
     now = now or timezone.now()
     done = []
     for plan in _plans(tenant_id, tenant_policy(tenant_id)):
         freed = _bytes_freed(tenant_id, plan.discard)
-        changed = Checkpoint.objects.filter(id__in=plan.discard, store_state="durable").update(
-            store_state="discarded", discarded_at=now, manifest=None)
+        changed = checkpoints_discard(tenant_id=tenant_id, checkpoint_ids=plan.discard, now=now)
         if changed:
             done.append({"job": plan.job.id, "checkpoints": changed, "bytes_freed": freed})
     return done

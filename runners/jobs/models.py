@@ -195,14 +195,24 @@ class Checkpoint(models.Model):
     store_lease_until = models.DateTimeField(null=True, blank=True)
     # runners.storage.chunks.Manifest.to_json(): the ordered chunks, the file's sha256 and size.
     manifest = models.JSONField(null=True, blank=True)
-    # What it added to its tenant's stored bytes when it was stored: its chunks no other checkpoint of the
-    # tenant held then (what the ledger charges once it is durable).
+    # What it added to its tenant's stored bytes: while storing, its chunks no checkpoint of the tenant being
+    # stored or durable held (its reservation); once durable, its chunks no durable checkpoint of the tenant
+    # held at that moment (what the ledger charges it from then on, with its handovers).
     stored_bytes = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         db_table = "runners_checkpoint"  # the table kept its name when the model moved here
         ordering = ["job_id", "step"]
         constraints = [models.UniqueConstraint(fields=["job", "step"], name="unique_checkpoint_step")]
+
+
+class CheckpointHandover(models.Model):
+    """Stored bytes a discarded checkpoint was charged for that a kept checkpoint still names: charged to the
+    kept one from the discard (``handed_at``) until it is discarded in turn (runners.jobs.checkpoint_store)."""
+
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="handovers")
+    bytes = models.PositiveBigIntegerField()
+    handed_at = models.DateTimeField()
 
 
 class JobMetric(models.Model):

@@ -10,9 +10,12 @@ cloud reference price beside it.
 
 Storage is charged per GB-month (30 days), for what the store holds of the tenant's:
 
-- a checkpoint in the checkpoint store: its ``stored_bytes`` (the chunks it added that no other checkpoint
-  of the tenant held: its bytes after deduplication) from when it became durable until retention discarded
-  it. A checkpoint the store never took (its backend's files unreadable to the portal, written before the
+- a checkpoint in the checkpoint store: its ``stored_bytes`` (the chunks it added that no durable checkpoint
+  of the tenant named: its bytes after deduplication) from when it became durable until retention discarded
+  it, and each of its handovers (item ``handover:<id>``: the bytes of chunks a discarded checkpoint was
+  charged for that it still names) from the discard until it is discarded too. So at every moment the
+  tenant is charged the bytes of the distinct chunks its durable checkpoints name, each once, across its
+  jobs (the store deduplicates per tenant), and nothing for chunks no durable checkpoint names. A checkpoint the store never took (its backend's files unreadable to the portal, written before the
   store, or refused by the quota) is charged its file's bytes from its writing to the file's deletion, as
   it is kept on the environment's volume; one still pending or storing is charged nothing until it is
   durable or failed;
@@ -62,7 +65,7 @@ from quotas.models import PriceCard, ResourceFlavor
 from runners.bundles.models import Bundle
 from runners.datasets.models import DatasetVersion, VersionState
 from runners.inference.models import Replica
-from runners.jobs.models import Checkpoint, JobAttempt
+from runners.jobs.models import Checkpoint, CheckpointHandover, JobAttempt
 from runners.usage.models import CapacityChange, CloudPrice, EntryKind, Settlement, UsageEntry
 
 SECONDS_PER_HOUR = Decimal(3600)
@@ -291,6 +294,9 @@ def _charged(model):
             "charged_until": Case(When(durable_at__isnull=False, then=F("discarded_at")),
                                   default=F("deleted_at"), output_field=DateTimeField()),
         }
+    if model is CheckpointHandover:  # charged from the discard that handed it over until its checkpoint's own
+        return {"charged_bytes": F("bytes"), "charged_from": F("handed_at"),
+                "charged_until": F("checkpoint__discarded_at")}
     if model is Bundle:
         return {"charged_from": F("created_at"), "charged_until": F("deleted_at")}
     return {"charged_from": Case(When(state=VersionState.SEALED, then=F("sealed_at")), default=Value(None),
@@ -302,6 +308,13 @@ def checkpoint_pieces(checkpoint: Checkpoint, upto: datetime, *, since: datetime
     size, start, end = checkpoint_charge(checkpoint)
     return _kept_pieces(f"checkpoint:{checkpoint.id}", size, start, end, checkpoint.job.tenant_id, checkpoint.job_id,
                         upto, since)
+
+
+def handover_pieces(handover: CheckpointHandover, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
+    """Bytes handed over to a kept checkpoint at a discard, charged to it (its job) until it is discarded."""
+    checkpoint = handover.checkpoint
+    return _kept_pieces(f"handover:{handover.id}", handover.bytes, handover.handed_at, checkpoint.discarded_at,
+                        checkpoint.job.tenant_id, checkpoint.job_id, upto, since)
 
 
 def bundle_pieces(bundle: Bundle, upto: datetime, *, since: datetime | None = None) -> list[Piece]:
@@ -345,6 +358,8 @@ def _storage_span(kind: str, obj) -> tuple[datetime | None, datetime | None]:
     """When a storage item's charge starts and ends (None: not yet; still kept)."""
     if kind == "checkpoint":
         return checkpoint_charge(obj)[1:]
+    if kind == "handover":
+        return obj.handed_at, obj.checkpoint.discarded_at
     if kind == "bundle":
         return obj.created_at, obj.deleted_at
     return (obj.sealed_at if obj.state == VersionState.SEALED else None), None
@@ -415,7 +430,8 @@ class _Seen:
 
 
 def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: datetime, prices: Prices, *,
-          fresh: bool = True, bundles: list[Bundle] = (), datasets: list[DatasetVersion] = ()) -> list[_Work]:
+          fresh: bool = True, bundles: list[Bundle] = (), datasets: list[DatasetVersion] = (),
+          handovers: list[CheckpointHandover] = ()) -> list[_Work]:
     """What to write for these items, counting open ones through `through`.
 
     `fresh`: read the items' settlements now (a writer, under the items' locks); otherwise use what
@@ -427,13 +443,14 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
             | Q(kind="checkpoint", object_id__in=[c.id for c in checkpoints])
             | Q(kind="bundle", object_id__in=[b.id for b in bundles])
             | Q(kind="dataset", object_id__in=[v.id for v in datasets])
+            | Q(kind="handover", object_id__in=[h.id for h in handovers])
         )
         settled = {f"{row.kind}:{row.object_id}": _Seen(row.upto, row.closed) for row in rows}
     else:
         settled = {
             f"{prefix}{obj.id}": _Seen(obj.settled_upto, obj.settled_closed)
             for prefix, objs in (("attempt:", attempts), ("checkpoint:", checkpoints), ("bundle:", bundles),
-                                 ("dataset:", datasets))
+                                 ("dataset:", datasets), ("handover:", handovers))
             for obj in objs if obj.settled_upto is not None
         }
     work = []
@@ -450,10 +467,11 @@ def _plan(attempts: list[JobAttempt], checkpoints: list[Checkpoint], through: da
             work.append(_Work(item, attempt_pieces(row, row.end or through, prices), False, counted_to,
                               row.end is not None))
     stored = dataset_stored_bytes([version.id for version in datasets])
-    pieces_by_kind = {"checkpoint": checkpoint_pieces, "bundle": bundle_pieces,
+    pieces_by_kind = {"checkpoint": checkpoint_pieces, "handover": handover_pieces, "bundle": bundle_pieces,
                       "dataset": lambda version, upto, since=None: dataset_pieces(version, upto, since=since,
                                                                                   stored=stored)}
-    for kind, kept in (("checkpoint", checkpoints), ("bundle", bundles), ("dataset", datasets)):
+    for kind, kept in (("checkpoint", checkpoints), ("handover", handovers), ("bundle", bundles),
+                       ("dataset", datasets)):
         pieces_of = pieces_by_kind[kind]
         for obj in kept:
             start, end = _storage_span(kind, obj)
@@ -493,7 +511,7 @@ def _lock_flavors(flavor_ids, *, shared: bool) -> None:
 
 
 def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime, bundle_ids: list[int] = (),
-           dataset_ids: list[int] = ()) -> int:
+           dataset_ids: list[int] = (), handover_ids: list[int] = ()) -> int:
     """Settle a batch of items (with the other attempts of their jobs) in one transaction, each item
     locked so two sweeps never add the same piece.
 
@@ -507,7 +525,8 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime,
         attempt_ids = sorted(set(attempt_ids) | set(JobAttempt.objects.filter(job_id__in=jobs)
                                                      .values_list("id", flat=True)))
     items = sorted([f"attempt:{i}" for i in attempt_ids] + [f"checkpoint:{i}" for i in checkpoint_ids]
-                   + [f"bundle:{i}" for i in bundle_ids] + [f"dataset:{i}" for i in dataset_ids])
+                   + [f"bundle:{i}" for i in bundle_ids] + [f"dataset:{i}" for i in dataset_ids]
+                   + [f"handover:{i}" for i in handover_ids])
     if not items:
         return 0
     with transaction.atomic():
@@ -520,8 +539,11 @@ def _write(attempt_ids: list[int], checkpoint_ids: list[int], through: datetime,
         checkpoints = list(Checkpoint.objects.select_related("job").filter(id__in=checkpoint_ids).order_by("id"))
         bundles = list(Bundle.objects.filter(id__in=bundle_ids).order_by("id"))
         datasets = list(DatasetVersion.objects.select_related("dataset").filter(id__in=dataset_ids).order_by("id"))
+        handovers = list(CheckpointHandover.objects.select_related("checkpoint__job").filter(id__in=handover_ids)
+                         .order_by("id"))
         _lock_flavors({attempt.job.flavor_id for attempt in attempts}, shared=True)
-        work = _plan(attempts, checkpoints, through, Prices(), bundles=bundles, datasets=datasets)
+        work = _plan(attempts, checkpoints, through, Prices(), bundles=bundles, datasets=datasets,
+                     handovers=handovers)
         written_before = set(_written([entry.item for entry in work]))
         changes = _changes(work)
         UsageEntry.objects.bulk_create([
@@ -555,8 +577,13 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
               Checkpoint: ["bytes", "created_at", "deleted_at", "stored_bytes", "store_state", "durable_at",
                            "discarded_at", "job__tenant_id"],
               Bundle: ["size_bytes", "created_at", "deleted_at", "tenant_id"],
-              DatasetVersion: ["state", "sealed_at", "dataset__tenant_id"]}[model]
-    if model is Bundle:  # a tenant's own, no job's
+              DatasetVersion: ["state", "sealed_at", "dataset__tenant_id"],
+              CheckpointHandover: ["bytes", "handed_at", "checkpoint__discarded_at", "checkpoint__job__tenant_id"],
+              }[model]
+    if model is CheckpointHandover:  # its checkpoint's job's
+        rows = model.objects.select_related("checkpoint__job").only("id", "checkpoint_id", *fields)
+        tenant_field = "checkpoint__job__tenant_id"
+    elif model is Bundle:  # a tenant's own, no job's
         rows, tenant_field = model.objects.only("id", *fields), "tenant_id"
     elif model is DatasetVersion:  # its dataset's tenant's, no job's
         rows, tenant_field = model.objects.select_related("dataset").only("id", *fields), "dataset__tenant_id"
@@ -564,14 +591,17 @@ def _stale_query(model, end_field: str, start_field: str, through: datetime, ten
         rows, tenant_field = model.objects.select_related("job").only("id", "job_id", *fields), "job__tenant_id"
     if model is not JobAttempt:
         rows = rows.annotate(**_charged(model))
-    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint", Bundle: "bundle", DatasetVersion: "dataset"}[model]
+    kind = {JobAttempt: "attempt", Checkpoint: "checkpoint", Bundle: "bundle", DatasetVersion: "dataset",
+            CheckpointHandover: "handover"}[model]
     settlement = Settlement.objects.filter(kind=kind, object_id=OuterRef("id"))
     rows = rows.annotate(settled_upto=Subquery(settlement.values("upto")[:1]),
                          settled_closed=Subquery(settlement.values("closed")[:1]))
     if tenant_ids is not None:
         rows = rows.filter(**{f"{tenant_field}__in": tenant_ids})
     if job_ids is not None:
-        rows = rows.none() if model in (Bundle, DatasetVersion) else rows.filter(job_id__in=job_ids)
+        rows = (rows.none() if model in (Bundle, DatasetVersion)
+                else rows.filter(checkpoint__job_id__in=job_ids) if model is CheckpointHandover
+                else rows.filter(job_id__in=job_ids))
     counted_to_end = settlement.filter(closed=True, upto=OuterRef(end_field))
     counted_through = settlement.filter(
         Q(closed=True) | Q(upto__gte=min(through, counted_since or through))
@@ -602,33 +632,38 @@ def _stale_checkpoints(through: datetime, tenant_ids=None, counted_since: dateti
 
 
 def _kept_checkpoints_today(now: datetime, tenant_ids=None, job_ids=None) -> list[Piece]:
-    """Today's storage of the checkpoints still kept and counted through today's midnight, summed per job in SQL.
+    """Today's storage of the checkpoints still kept and counted through today's midnight (their own bytes and
+    their handovers'), summed per job in SQL.
 
     These are most checkpoints of a cluster (every job keeps its newest few for as long as it
     exists), and their day so far is one interval each, so the database sums it.
     """
     today = midnight(utc_day(now))
-    rows = (
-        Checkpoint.objects.annotate(**_charged(Checkpoint))
-        .filter(charged_until__isnull=True, charged_from__isnull=False)
-        .filter(Exists(Settlement.objects.filter(kind="checkpoint", object_id=OuterRef("id"), closed=False,
-                                                 upto__gte=today)))
-        .values("job_id", "job__tenant_id")
-        .annotate(byte_seconds=Sum(F("charged_bytes")
-                                   * Extract(Value(now) - Greatest("charged_from", Value(today)), "epoch")))
-        .order_by()
-    )
-    if tenant_ids is not None:
-        rows = rows.filter(job__tenant_id__in=tenant_ids)
-    if job_ids is not None:
-        rows = rows.filter(job_id__in=job_ids)
+    byte_seconds: dict[tuple[int, int], Decimal] = defaultdict(Decimal)
+    for model, kind, job in ((Checkpoint, "checkpoint", "job"), (CheckpointHandover, "handover", "checkpoint__job")):
+        rows = (
+            model.objects.annotate(**_charged(model))
+            .filter(charged_until__isnull=True, charged_from__isnull=False)
+            .filter(Exists(Settlement.objects.filter(kind=kind, object_id=OuterRef("id"), closed=False,
+                                                     upto__gte=today)))
+            .values(f"{job}_id", f"{job}__tenant_id")
+            .annotate(byte_seconds=Sum(F("charged_bytes")
+                                       * Extract(Value(now) - Greatest("charged_from", Value(today)), "epoch")))
+            .order_by()
+        )
+        if tenant_ids is not None:
+            rows = rows.filter(**{f"{job}__tenant_id__in": tenant_ids})
+        if job_ids is not None:
+            rows = rows.filter(**{f"{job}_id__in": job_ids})
+        for row in rows:
+            byte_seconds[row[f"{job}_id"], row[f"{job}__tenant_id"]] += Decimal(row["byte_seconds"] or 0)
     price = Decimal(settings.USAGE_STORAGE_PRICE_PER_GB_MONTH)
     pieces = []
-    for row in rows:
-        gb_seconds = Decimal(row["byte_seconds"] or 0) / BYTES_PER_GB
+    for (job_id, tenant_id), total in sorted(byte_seconds.items()):
+        gb_seconds = total / BYTES_PER_GB
         pieces.append(Piece(
-            item=f"kept-checkpoints-of-job:{row['job_id']}", piece=today.date().isoformat(), kind=EntryKind.STORAGE,
-            tenant_id=row["job__tenant_id"], flavor_id=None, job_id=row["job_id"], endpoint_id=None, day=today.date(),
+            item=f"kept-checkpoints-of-job:{job_id}", piece=today.date().isoformat(), kind=EntryKind.STORAGE,
+            tenant_id=tenant_id, flavor_id=None, job_id=job_id, endpoint_id=None, day=today.date(),
             gpu_seconds=Decimal(0), gb_seconds=gb_seconds, price_card_id=None,
             cost=gb_seconds * price / SECONDS_PER_MONTH, cloud_cost=None, currency=_currency(),
         ))
@@ -674,6 +709,7 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
     items = entries = 0
     for model, end_field, start_field in ((JobAttempt, "ended_at", "admitted_at"),
                                           (Checkpoint, "charged_until", "charged_from"),
+                                          (CheckpointHandover, "charged_until", "charged_from"),
                                           (Bundle, "charged_until", "charged_from"),
                                           (DatasetVersion, "charged_until", "charged_from")):
         after = 0
@@ -686,6 +722,8 @@ def settle_run(now: datetime | None = None, *, batch: int = SETTLE_BATCH, budget
                 entries += _write(ids, [], through)
             elif model is Checkpoint:
                 entries += _write([], ids, through)
+            elif model is CheckpointHandover:
+                entries += _write([], [], through, handover_ids=ids)
             elif model is Bundle:
                 entries += _write([], [], through, ids)
             else:
@@ -709,8 +747,11 @@ def unwritten(now: datetime, *, tenant_ids: set[int] | None = None, job_ids: lis
     after_today = midnight(utc_day(now)) + timedelta(days=1)  # everything up to now counts, today included
     attempts = _stale_attempts(after_today, tenant_ids, job_ids)
     checkpoints = _stale_checkpoints(after_today, tenant_ids, counted_since=midnight(utc_day(now)), job_ids=job_ids)
+    handovers = _stale(CheckpointHandover, "charged_until", "charged_from", after_today, tenant_ids,
+                       counted_since=midnight(utc_day(now)), job_ids=job_ids)
     # Kept bundles are few beside checkpoints: each is planned (today's tail from the last midnight counted).
     bundles = _stale(Bundle, "charged_until", "charged_from", after_today, tenant_ids, job_ids=job_ids)
     datasets = _stale(DatasetVersion, "charged_until", "charged_from", after_today, tenant_ids, job_ids=job_ids)
-    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False, bundles=bundles, datasets=datasets))
+    return (_changes(_plan(attempts, checkpoints, now, Prices(), fresh=False, bundles=bundles, datasets=datasets,
+                           handovers=handovers))
             + _kept_checkpoints_today(now, tenant_ids, job_ids))
