@@ -15,10 +15,12 @@ Storage is charged per GB-month (30 days), for what the store holds of the tenan
   it, and each of its handovers (item ``handover:<id>``: the bytes of chunks a discarded checkpoint was
   charged for that it still names) from the discard until it is discarded too. So at every moment the
   tenant is charged the bytes of the distinct chunks its durable checkpoints name, each once, across its
-  jobs (the store deduplicates per tenant), and nothing for chunks no durable checkpoint names. A checkpoint the store never took (its backend's files unreadable to the portal, written before the
-  store, or refused by the quota) is charged its file's bytes from its writing to the file's deletion, as
-  it is kept on the environment's volume; one still pending or storing is charged nothing until it is
-  durable or failed;
+  jobs (the store deduplicates per tenant), and nothing for chunks no durable checkpoint names. A handover is
+  an item of its own, so one recorded after its checkpoint's days were written is still counted whole by the
+  next sweep, with no correction to the checkpoint's entries. A checkpoint the store never took (its
+  backend's files unreadable to the portal, written before the store, or refused by the quota) is charged
+  its file's bytes from its writing to the file's deletion, as it is kept on the environment's volume; one
+  still pending or storing is charged nothing until it is durable or failed;
 - a code bundle (its stored archive, item ``bundle:<id>``, a tenant's with no job) from its upload to its
   deletion;
 - a sealed dataset version (item ``dataset:<version id>``): the bytes of the shards it added that no
