@@ -4,7 +4,7 @@
 from django.contrib import admin
 
 from common.admin import ReadOnlyAdmin
-from runners.jobs.models import Checkpoint, IdempotencyKey, Job, JobAttempt, JobEvent, JobMetric
+from runners.jobs.models import Checkpoint, CheckpointHandover, IdempotencyKey, Job, JobAttempt, JobEvent, JobMetric
 
 
 class JobAttemptInline(admin.TabularInline):
@@ -41,8 +41,14 @@ class JobAttemptAdmin(ReadOnlyAdmin):
 
 @admin.register(Checkpoint)
 class CheckpointAdmin(ReadOnlyAdmin):
-    list_display = ["job", "step", "bytes", "created_at", "uri"]
+    list_display = ["job", "step", "bytes", "store_state", "stored_bytes", "durable_at", "created_at", "uri"]
+    list_filter = ["store_state"]
     search_fields = ["job__name"]
+
+
+@admin.register(CheckpointHandover)
+class CheckpointHandoverAdmin(ReadOnlyAdmin):
+    list_display = ["checkpoint", "bytes", "handed_at"]
 
 
 @admin.register(JobMetric)
