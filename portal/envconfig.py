@@ -5,6 +5,7 @@ start-up with a message that says what to fix instead of a traceback from deep
 inside Django.
 """
 
+import json
 import os
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
@@ -97,3 +98,15 @@ def env_url(name: str, default: str, *, schemes: tuple[str, ...]) -> str:
             f"{name}={value!r} must be a URL starting with one of: {', '.join(s + '://' for s in schemes)}."
         )
     return value
+
+
+def env_json_object(name: str, example: str) -> dict:
+    """A JSON object (fsspec's options for a store, say); `example` shows one in the error."""
+    value = env_str(name, "{}")
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} is not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ImproperlyConfigured(f"{name} must be a JSON object, e.g. {example}.")
+    return parsed

@@ -7,14 +7,23 @@ With nothing else set, the portal runs on one machine with the local cluster bac
 secret key. Every variable is listed in docs/configuration.md.
 """
 
-import json
 import re
 from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from portal.envconfig import env_bool, env_choice, env_decimal, env_float, env_int, env_list, env_str, env_url
+from portal.envconfig import (
+    env_bool,
+    env_choice,
+    env_decimal,
+    env_float,
+    env_int,
+    env_json_object,
+    env_list,
+    env_str,
+    env_url,
+)
 from portal.logs import init_sentry, logging_config
 from runners.scheduler.admission.cycle import DEFAULT_GRACE_PERIOD_S
 
@@ -371,22 +380,12 @@ NOTIFY_WEBHOOK_MAX_PER_TENANT = env_int("NOTIFY_WEBHOOK_MAX_PER_TENANT", 10, min
 # the most a bundle may hold unpacked, in bytes and in members (files and folders); and the compression
 # ratio past which an archive is taken for a zip bomb.
 BUNDLE_STORAGE_URL = env_str("BUNDLE_STORAGE_URL", f"file://{VAR_DIR / 'bundles'}")
-try:
-    BUNDLE_STORAGE_OPTIONS = json.loads(env_str("BUNDLE_STORAGE_OPTIONS", "{}"))
-except ValueError as exc:
-    raise ImproperlyConfigured(f"BUNDLE_STORAGE_OPTIONS is not JSON: {exc}") from None
-if not isinstance(BUNDLE_STORAGE_OPTIONS, dict):
-    raise ImproperlyConfigured('BUNDLE_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+BUNDLE_STORAGE_OPTIONS = env_json_object("BUNDLE_STORAGE_OPTIONS", '{"endpoint_url": "https://s3.example.com"}')
 # The storage layer's blob store (runners.storage.blobs): dataset shards, checkpoint chunks and model
 # weights, each stored once by content hash, under an fsspec URL (a folder, or s3://bucket/prefix in
 # production) with its fsspec options as JSON.
 DATA_STORAGE_URL = env_str("DATA_STORAGE_URL", f"file://{VAR_DIR / 'store'}")
-try:
-    DATA_STORAGE_OPTIONS = json.loads(env_str("DATA_STORAGE_OPTIONS", "{}"))
-except ValueError as exc:
-    raise ImproperlyConfigured(f"DATA_STORAGE_OPTIONS is not JSON: {exc}") from None
-if not isinstance(DATA_STORAGE_OPTIONS, dict):
-    raise ImproperlyConfigured('DATA_STORAGE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+DATA_STORAGE_OPTIONS = env_json_object("DATA_STORAGE_OPTIONS", '{"endpoint_url": "https://s3.example.com"}')
 # Node caches on the local backend (runners.storage.nodecache): the folder holding each node's cache
 # (<NODE_CACHE_DIR>/<node name>/) and each cache's size in bytes, where the node's pool sets neither.
 NODE_CACHE_DIR = Path(env_str("NODE_CACHE_DIR", str(VAR_DIR / "node-cache")))
@@ -408,12 +407,7 @@ DATASET_SHARD_MAX_BYTES = env_int("DATASET_SHARD_MAX_BYTES", 256 * 1024 * 1024, 
 DATASET_MAX_SHARDS = env_int("DATASET_MAX_SHARDS", 100_000, minimum=1)
 DATASET_UPLOAD_PART_BYTES = env_int("DATASET_UPLOAD_PART_BYTES", 8 * 1024 * 1024, minimum=64 * 1024)
 DATASET_SOURCE_URLS = env_list("DATASET_SOURCE_URLS", [f"file://{VAR_DIR / 'datasets-incoming'}/{{tenant}}/"])
-try:
-    DATASET_SOURCE_OPTIONS = json.loads(env_str("DATASET_SOURCE_OPTIONS", "{}"))
-except ValueError as exc:
-    raise ImproperlyConfigured(f"DATASET_SOURCE_OPTIONS is not JSON: {exc}") from None
-if not isinstance(DATASET_SOURCE_OPTIONS, dict):
-    raise ImproperlyConfigured('DATASET_SOURCE_OPTIONS must be a JSON object, e.g. {"endpoint_url": "https://s3.example.com"}.')
+DATASET_SOURCE_OPTIONS = env_json_object("DATASET_SOURCE_OPTIONS", '{"endpoint_url": "https://s3.example.com"}')
 # The datasets' sweep: an open upload untouched this long is discarded with its parts; a registration
 # untouched this long is sent to a worker again, at most DATASET_REGISTER_MAX_SENDS times in all.
 DATASET_UPLOAD_LEASE_S = env_int("DATASET_UPLOAD_LEASE_S", 86400, minimum=60)
