@@ -1,5 +1,5 @@
-"""The `portal` command's subcommands (Typer): login, whoami, quota, run, ls, status, logs, cancel,
-checkpoints, download, serve, usage, kubeconfig.
+"""The `portal` command (Typer): login, whoami, quota, run, ls, status, logs, cancel, checkpoints, download,
+serve, usage, kubeconfig, and the groups data, models and storage (their own modules, on `shared`).
 
 Reads print a table, or with `--json` the API's own JSON for scripts. Errors are one line on stderr
 saying what to do, and the exit code says what kind (gpuportal.client's EXIT_* and docs/cli.md).
@@ -9,25 +9,36 @@ from __future__ import annotations
 
 import datetime
 import email.message
-import functools
-import json
 import os
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import httpx
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from gpuportal.cli import config as config_file
 from gpuportal.cli import jobfile
+from gpuportal.cli.data import app as data_app
 from gpuportal.cli.follow import LogFollower, exit_code, is_progress_line
+from gpuportal.cli.models import app as models_app
+from gpuportal.cli.shared import (
+    JobArgument,
+    JsonFlag,
+    TenantOption,
+    connect,
+    err,
+    handled,
+    out,
+    print_json,
+    progress_bar,
+    resolve_tenant,
+)
+from gpuportal.cli.storage import app as storage_app
 from gpuportal.client import (
     EXIT_AUTH,
     EXIT_BAD_INPUT,
@@ -48,43 +59,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-# Text from the portal (names, reasons, paths) is printed as it is: no markup, no highlighting.
-out = Console(soft_wrap=True, markup=False, highlight=False)
-err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
-
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print the API's JSON (for scripts) instead of a table.")]
-TenantOption = Annotated[str | None, typer.Option("--tenant", "-t", help="A tenant's slug; yours when you have one.")]
-JobArgument = Annotated[int, typer.Argument(help="The job's id (`portal ls` lists them).", min=1, show_default=False)]
-
-
-def handled(command):
-    """Turn a PortalError into its one line on stderr and its exit code."""
-
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except PortalError as exc:
-            typer.echo(f"portal: {exc.message}", err=True)
-            raise typer.Exit(exc.exit_code) from None
-
-    return run
-
-
-def print_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, sort_keys=False))
-
-
-def connect() -> Client:
-    url, token = config_file.require_login(config_file.effective())
-    return Client(url, token)
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    console=err, transient=True, disable=not err.is_terminal)
-
-
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"portal (gpuportal {package_version()})")
@@ -105,22 +79,6 @@ def _main(
 
 
 # --- Choosing a tenant and an environment ----------------------------------
-
-
-def resolve_tenant(client: Client, given: str | None) -> str:
-    """The tenant named, the one saved at login, or the user's only tenant."""
-    if given:
-        return given
-    saved = config_file.load().tenant
-    if saved:
-        return saved
-    slugs = [tenant["slug"] for tenant in client.tenants()]
-    if len(slugs) == 1:
-        return slugs[0]
-    if not slugs:
-        raise PortalError("you belong to no tenant yet: ask a tenant's owner to add you", EXIT_AUTH)
-    raise PortalError(f"--tenant: you belong to {', '.join(slugs)}; name one with --tenant "
-                      "(or save one with `portal login URL --tenant SLUG`)", EXIT_BAD_INPUT)
 
 
 def resolve_environment(client: Client, tenant: str, given: str | int | None) -> int:
@@ -430,7 +388,7 @@ def save_checkpoint(client: Client, job: dict, row: dict, output: Path | None) -
     client.http.event_hooks = {**hooks, "response": [*hooks.get("response", []), remember]}
     descriptor, partial = tempfile.mkstemp(prefix=".portal-download.", dir=partial_in)
     try:
-        with os.fdopen(descriptor, "wb") as stream, _progress() as bar:
+        with os.fdopen(descriptor, "wb") as stream, progress_bar() as bar:
             task = bar.add_task(f"step {row['step']}", total=row.get("bytes") or None)
             size = client.checkpoint_download(job["id"], row["step"], stream,
                                               lambda done, total: bar.update(task, completed=done, total=total))
@@ -485,7 +443,7 @@ def _upload_bundle(client: Client, tenant: str, folder: Path) -> str:
     if client.bundle_exists(tenant, digest):
         err.print(f"The portal has this code already ({digest[:12]}).")
         return digest
-    with _progress() as bar:
+    with progress_bar() as bar:
         task = bar.add_task(f"uploading {digest[:12]}", total=len(archive))
         client.bundle_upload(tenant, archive, lambda sent: bar.update(task, completed=sent))
     err.print(f"Uploaded {folder.resolve().name} ({len(archive)} bytes, {digest[:12]}).")
@@ -685,17 +643,7 @@ def main(args: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-# `portal data ...` (gpuportal/cli/data.py), added last: it uses the helpers above.
-from gpuportal.cli.data import app as data_app  # noqa: E402
-
+# The groups of subcommands, each in a module of its own.
 app.add_typer(data_app, name="data")
-
-# `portal models ...` (gpuportal/cli/models.py), likewise.
-from gpuportal.cli.models import app as models_app  # noqa: E402
-
 app.add_typer(models_app, name="models")
-
-# `portal storage ...` (gpuportal/cli/storage.py), likewise.
-from gpuportal.cli.storage import app as storage_app  # noqa: E402
-
 app.add_typer(storage_app, name="storage")

@@ -20,15 +20,15 @@ import typer
 from rich.table import Table
 
 from gpuportal import datasets as packing
-from gpuportal.cli.commands import (
+from gpuportal.cli.shared import (
     JsonFlag,
     TenantOption,
-    _progress,
     connect,
     err,
     handled,
     out,
     print_json,
+    progress_bar,
     resolve_tenant,
 )
 from gpuportal.client import EXIT_BAD_INPUT, EXIT_JOB_FAILED, Client, PortalError
@@ -123,7 +123,7 @@ def push_command(
     cut and it resumes."""
     with connect() as client:
         slug = resolve_tenant(client, tenant)
-        with _progress() as bar:
+        with progress_bar() as bar:
             task = bar.add_task(f"pushing {name}", total=None)
 
             def progress(sent: int, total: int) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from gpuportal.cli.commands import (
+from gpuportal.cli.shared import (
     JobArgument,
     JsonFlag,
     TenantOption,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gpuportal.cli.commands import JsonFlag, TenantOption, connect, err, handled, out, print_json, resolve_tenant
+from gpuportal.cli.shared import JsonFlag, TenantOption, connect, err, handled, out, print_json, resolve_tenant
 
 app = typer.Typer(name="storage", no_args_is_help=True,
                   help="Checkpoint storage: usage after deduplication, quota, retention policy and its preview.")

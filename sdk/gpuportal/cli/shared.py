@@ -1,0 +1,69 @@
+"""What every `portal` subcommand module shares: the consoles, the common options, the error handling, the
+client from the saved login and the tenant it acts for. The root app (`gpuportal.cli.commands`) and each group
+of subcommands (`data`, `models`, `storage`) import it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from gpuportal.cli import config as config_file
+from gpuportal.client import EXIT_AUTH, EXIT_BAD_INPUT, Client, PortalError
+
+# Text from the portal (names, reasons, paths) is printed as it is: no markup, no highlighting.
+out = Console(soft_wrap=True, markup=False, highlight=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the API's JSON (for scripts) instead of a table.")]
+TenantOption = Annotated[str | None, typer.Option("--tenant", "-t", help="A tenant's slug; yours when you have one.")]
+JobArgument = Annotated[int, typer.Argument(help="The job's id (`portal ls` lists them).", min=1, show_default=False)]
+
+
+def handled(command):
+    """Turn a PortalError into its one line on stderr and its exit code."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except PortalError as exc:
+            typer.echo(f"portal: {exc.message}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return run
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def connect() -> Client:
+    url, token = config_file.require_login(config_file.effective())
+    return Client(url, token)
+
+
+def progress_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=err, transient=True, disable=not err.is_terminal)
+
+
+def resolve_tenant(client: Client, given: str | None) -> str:
+    """The tenant named, the one saved at login, or the user's only tenant."""
+    if given:
+        return given
+    saved = config_file.load().tenant
+    if saved:
+        return saved
+    slugs = [tenant["slug"] for tenant in client.tenants()]
+    if len(slugs) == 1:
+        return slugs[0]
+    if not slugs:
+        raise PortalError("you belong to no tenant yet: ask a tenant's owner to add you", EXIT_AUTH)
+    raise PortalError(f"--tenant: you belong to {', '.join(slugs)}; name one with --tenant "
+                      "(or save one with `portal login URL --tenant SLUG`)", EXIT_BAD_INPUT)
