@@ -10,45 +10,36 @@ storage is (a folder under var/ or an S3 bucket), which a pre-signed S3 URL woul
 needs to reach only the portal.
 """
 
-import time
 from datetime import datetime
 
-from django.conf import settings
-from django.core import signing
 from django.http import FileResponse, Http404, HttpResponse
-from django.urls import reverse
 from django.views.decorators.http import require_GET
 
+from common.signed_fetch import FETCH_URL_MAX_AGE_S, signed_payload, signed_url
 from runners.bundles.models import Bundle
 from runners.bundles.services import open_archive
 
+# FETCH_URL_MAX_AGE_S is the one age of every signed fetch URL; named here too, where it was first.
+__all__ = ["FETCH_URL_MAX_AGE_S", "bundle_fetch", "signed_fetch_url"]
+
 SALT = "runners.bundles.fetch"
-# Counted from the attempt's admission: long enough for a pod that waits to be placed, bound and pull its
-# image; the next attempt gets a URL of its own.
-FETCH_URL_MAX_AGE_S = 6 * 3600
 
 
 def signed_fetch_url(bundle: Bundle, *, job_id: int, attempt: int, since: datetime) -> str:
     """The URL the pods of this attempt fetch the bundle's archive from, valid FETCH_URL_MAX_AGE_S after `since`
     (absolute when PORTAL_PUBLIC_URL is set). The same attempt always gets the same URL, so a launch applied
     again leaves its pods' spec as it was."""
-    until = int(since.timestamp()) + FETCH_URL_MAX_AGE_S
-    token = signing.Signer(salt=SALT).sign_object(
-        {"bundle": bundle.id, "sha256": bundle.sha256, "job": job_id, "attempt": attempt, "until": until}
-    )
-    return settings.PORTAL_PUBLIC_URL.rstrip("/") + reverse("bundle-fetch", kwargs={"token": token})
+    return signed_url("bundle-fetch", salt=SALT, since=since,
+                      payload={"bundle": bundle.id, "sha256": bundle.sha256, "job": job_id, "attempt": attempt})
 
 
 @require_GET
 def bundle_fetch(request, token: str):
     """The archive a signed URL names, while the bundle is kept; 404 for anything else, 410 once the URL expired."""
-    try:
-        signed = signing.Signer(salt=SALT).unsign_object(token)
-    except signing.BadSignature:
-        raise Http404("No such bundle.") from None
-    if not isinstance(signed.get("until"), int) or signed["until"] < time.time():
-        return HttpResponse("This bundle URL has expired; each attempt of the job is signed one of its own.\n",
-                            status=410, content_type="text/plain; charset=utf-8")
+    signed = signed_payload(token, salt=SALT, not_found="No such bundle.",
+                            expired="This bundle URL has expired; each attempt of the job is signed one of its own.\n")
+    if isinstance(signed, HttpResponse):
+        return signed
     bundle = Bundle.objects.select_related("tenant").filter(
         id=signed.get("bundle"), sha256=signed.get("sha256"), deleted_at__isnull=True
     ).first()

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
-from django.conf import settings
-from django.core import signing
 from django.http import Http404, HttpResponse, JsonResponse
-from django.urls import path, reverse
+from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods
 
+from common.signed_fetch import signed_payload, signed_url
 from runners.jobs import checkpoint_store
 from runners.jobs.models import Checkpoint, Job, JobAttempt
 from runners.storage import chunks
@@ -48,19 +46,16 @@ MANIFEST_MAX_BYTES = 64 << 20
 def signed_upload_url(job: Job, attempt: JobAttempt) -> str:
     """Where this attempt's pods send the job's checkpoints (absolute when PORTAL_PUBLIC_URL is set). The same
     attempt always gets the same URL, so a launch applied again leaves its pods' spec as it was."""
-    until = int(attempt.admitted_at.timestamp()) + int(job.spec.get("max_runtime_s") or 0) + UPLOAD_URL_SLACK_S
-    token = signing.Signer(salt=SALT).sign_object({"job": job.id, "attempt": attempt.number, "until": until})
-    return settings.PORTAL_PUBLIC_URL.rstrip("/") + reverse("checkpoint-upload", kwargs={"token": token})
+    return signed_url("checkpoint-upload", salt=SALT, payload={"job": job.id, "attempt": attempt.number},
+                      since=attempt.admitted_at,
+                      max_age_s=int(job.spec.get("max_runtime_s") or 0) + UPLOAD_URL_SLACK_S)
 
 
 def _job_of(token: str) -> Job | HttpResponse:
-    try:
-        signed = signing.Signer(salt=SALT).unsign_object(token)
-    except signing.BadSignature:
-        raise Http404("No such upload.") from None
-    if not isinstance(signed.get("until"), int) or signed["until"] < time.time():
-        return HttpResponse("This upload URL has expired; each attempt of the job is signed one of its own.\n",
-                            status=410, content_type="text/plain; charset=utf-8")
+    signed = signed_payload(token, salt=SALT, not_found="No such upload.",
+                            expired="This upload URL has expired; each attempt of the job is signed one of its own.\n")
+    if isinstance(signed, HttpResponse):
+        return signed
     job = Job.objects.select_related("tenant").filter(id=signed.get("job")).first()
     if job is None or not job.attempts.filter(number=signed.get("attempt")).exists():
         raise Http404("No such upload.")

@@ -11,22 +11,15 @@ are never served (a 404 saying so; the init container checks the hash again). A 
 as not found, an expired URL says so (410), a forged one is not found.
 """
 
-import shutil
-import tempfile
-import time
 from datetime import datetime
 
-from django.conf import settings
-from django.core import signing
-from django.http import FileResponse, Http404, HttpResponse
-from django.urls import reverse
+from django.http import Http404, HttpResponse
 from django.views.decorators.http import require_GET
 
-from runners.bundles.fetch_view import FETCH_URL_MAX_AGE_S
+from common.signed_fetch import checked_blob_response, signed_payload, signed_url
 from runners.registry.models import ModelVersion
 from runners.registry.selectors import version_of_replica_weights
 from runners.registry.services import weights_store
-from runners.storage.blobs import BlobMissing, HashMismatch
 
 SALT = "runners.registry.weights-fetch"
 
@@ -35,36 +28,25 @@ def signed_weights_url(version: ModelVersion, *, job_id: int, attempt: int, sinc
     """The URL this replica attempt's pod fetches the version's weights from, valid FETCH_URL_MAX_AGE_S after
     `since` (absolute when PORTAL_PUBLIC_URL is set). The same attempt always gets the same URL, so a launch
     applied again leaves its pod's spec as it was."""
-    until = int(since.timestamp()) + FETCH_URL_MAX_AGE_S
-    token = signing.Signer(salt=SALT).sign_object({
-        "version": version.id, "sha256": version.weights_sha256, "job": job_id, "attempt": attempt, "until": until})
-    return settings.PORTAL_PUBLIC_URL.rstrip("/") + reverse("model-weights-fetch", kwargs={"token": token})
+    return signed_url("model-weights-fetch", salt=SALT, since=since, payload={
+        "version": version.id, "sha256": version.weights_sha256, "job": job_id, "attempt": attempt})
 
 
 @require_GET
 def weights_fetch(request, token: str):
     """The weights a signed URL names, checked; 404 for anything else, 410 once the URL expired."""
-    try:
-        signed = signing.Signer(salt=SALT).unsign_object(token)
-    except signing.BadSignature:
-        raise Http404("No such model weights.") from None
-    if not isinstance(signed, dict) or not isinstance(signed.get("until"), int) or signed["until"] < time.time():
-        return HttpResponse("This weights URL has expired; each attempt of a replica is signed one of its own.\n",
-                            status=410, content_type="text/plain; charset=utf-8")
+    signed = signed_payload(
+        token, salt=SALT, not_found="No such model weights.",
+        expired="This weights URL has expired; each attempt of a replica is signed one of its own.\n")
+    if isinstance(signed, HttpResponse):
+        return signed
     version_id, sha256 = signed.get("version"), signed.get("sha256")
     if not isinstance(version_id, int) or not isinstance(sha256, str):
         raise Http404("No such model weights.")
     version = version_of_replica_weights(version_id=version_id, sha256=sha256)
     if version is None:
         raise Http404("No such model weights (the version was deleted, or never had these).")
-    work = tempfile.mkdtemp(prefix="weights-fetch-")
-    try:
-        weights_store().fetch(sha256, f"{work}/weights")  # whole and checked, or nothing
-        handle = open(f"{work}/weights", "rb")  # noqa: SIM115 - the response closes it; its name goes at once
-    except (HashMismatch, BlobMissing):
-        raise Http404("These weights' stored bytes are missing or do not match their hash; they are not served.") \
-            from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return FileResponse(handle, as_attachment=True, filename=f"{version.name}-v{version.version}-{sha256[:12]}.weights",
-                        content_type="application/octet-stream")
+    return checked_blob_response(
+        weights_store(), sha256, filename=f"{version.name}-v{version.version}-{sha256[:12]}.weights",
+        content_type="application/octet-stream",
+        missing="These weights' stored bytes are missing or do not match their hash; they are not served.")
