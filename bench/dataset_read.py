@@ -56,7 +56,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,8 @@ from gpuportal import datasets as sdk  # noqa: E402
 
 from runners.storage.blobs import BlobStore  # noqa: E402
 from runners.storage.nodecache import BlobWanted, NodeCache  # noqa: E402
+from tests.support.portal_up import free_port  # noqa: E402
+from tests.support.s3 import MotoS3  # noqa: E402
 
 RAW_BUCKET = "bench-raw"
 STORE_BUCKET = "bench-store"
@@ -101,27 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def s3_server(kind: str, cpu: int | None) -> Iterator[str]:
     """moto's S3 server on a loopback port: its endpoint URL, for as long as the block runs."""
+    if kind == "thread":
+        with MotoS3() as server:
+            yield server.endpoint
+        return
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    if kind == "thread":
-        from moto.server import ThreadedMotoServer
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield endpoint
-        finally:
-            server.stop()
-        return
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     if cpu is not None and shutil.which("taskset"):
         command = ["taskset", "-c", str(cpu), *command]

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.support.s3 import MotoS3  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -48,28 +49,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--store", choices=("s3", "folder"), default="s3")
     parser.add_argument("--json", type=Path, help="Also write the figures here.")
     return parser.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def s3_store():
-    """A moto S3 server on a loopback port with one bucket: (the server, DATA_STORAGE_URL, DATA_STORAGE_OPTIONS)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
-                 region_name="us-east-1").create_bucket(Bucket="models")
-    options = {"key": "bench", "secret": "bench", "client_kwargs": {"endpoint_url": endpoint,
-                                                                    "region_name": "us-east-1"}}
-    return server, "s3://models/store", options
 
 
 def padded_job(actor, environment, weights_mb: int):
@@ -173,7 +152,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="model-cold-start-"))
     server = None
     if args.store == "s3":
-        server, url, options = s3_store()
+        # A moto S3 server on a loopback port with one bucket; the portal reads it through s3fs.
+        server = MotoS3("models").start()
+        url, options = "s3://models/store", server.options
     else:
         url, options = f"file://{work / 'store'}", {}
     os.environ.update(DATA_STORAGE_URL=url, DATA_STORAGE_OPTIONS=json.dumps(options),

@@ -1,6 +1,5 @@
 """Bundles kept in an S3 bucket (s3fs) of an S3 server the test starts: moto's server mode, as s3fs's own tests do."""
 
-import socket
 import tarfile
 
 import pytest
@@ -10,39 +9,20 @@ from gpuportal import bundle as bundles
 from runners.bundles import services
 from runners.bundles.models import Bundle
 from tests.bundles.archives import member, project, targz
+from tests.support.s3 import MotoS3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 BUCKET = "portal-bundles"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def s3(settings):
     """An S3 server on a free port, a bucket in it, and the portal's bundle storage pointed at a prefix there."""
-    import boto3
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "portal", "secret": "portal-secret",
-               "client_kwargs": {"region_name": "us-east-1"}}
-    try:
-        boto3.client("s3", endpoint_url=options["endpoint_url"], region_name="us-east-1", aws_access_key_id="portal",
-                     aws_secret_access_key="portal-secret").create_bucket(Bucket=BUCKET)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    with MotoS3(BUCKET) as server:
         settings.BUNDLE_STORAGE_URL = f"s3://{BUCKET}/kept"
-        settings.BUNDLE_STORAGE_OPTIONS = options
-        yield fs
-    finally:
-        server.stop()
+        settings.BUNDLE_STORAGE_OPTIONS = server.options
+        yield server.filesystem()
 
 
 def _objects(fs) -> list[str]:

@@ -1,45 +1,25 @@
 """Datasets kept in an S3 bucket (s3fs) of an S3 server the test starts (moto's server mode): a push whose parts
 and shards live in the bucket, a forged shard refused there too, and a version registered from an s3:// prefix."""
 
-import socket
-
 import pytest
 
 from runners.datasets import services
 from runners.datasets.models import VersionState
 from tests.datasets.test_api import BASE, FILES, open_and_declare, pack, push, upload
+from tests.support.s3 import MotoS3
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
 BUCKET = "portal-data"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def s3(settings):
-    import boto3
-    import s3fs
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "portal", "secret": "portal-secret",
-               "client_kwargs": {"region_name": "us-east-1"}}
-    try:
-        boto3.client("s3", endpoint_url=options["endpoint_url"], region_name="us-east-1", aws_access_key_id="portal",
-                     aws_secret_access_key="portal-secret").create_bucket(Bucket=BUCKET)
+    with MotoS3(BUCKET) as server:
         settings.DATA_STORAGE_URL = f"s3://{BUCKET}/store"
-        settings.DATA_STORAGE_OPTIONS = options
+        settings.DATA_STORAGE_OPTIONS = server.options
         settings.DATASET_UPLOAD_PART_BYTES = 4096
-        yield s3fs.S3FileSystem(skip_instance_cache=True, **options)
-    finally:
-        server.stop()
+        yield server.filesystem()
 
 
 def _objects(fs, prefix):
