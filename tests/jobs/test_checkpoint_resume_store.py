@@ -9,16 +9,12 @@ import hashlib
 import json
 
 import pytest
-from gpuportal import bundle as packing
 
-from runners.bundles import services as bundles
 from runners.clusters.registry import get_backend
-from runners.jobs import checkpoint_store, reconcile
-from runners.jobs import services as jobs
+from runners.jobs import checkpoint_store
 from runners.workloads import sandbox
 from runners.workloads.checkpoint_restore import RESTORE_RECORD
-from tests.support.jobs import admit_and_launch, job_data, preempt, reconcile_until
-from tests.support.races import wait_until
+from tests.support.jobs import preempted_after_step, reconcile_until, script_bundle, script_job_launched
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
@@ -63,33 +59,16 @@ def _store_in_tmp(settings, tmp_path):
 
 @pytest.fixture
 def stored(tenant, owner, tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
-    (folder / "train.py").write_text(SCRIPT)
-    archive = tmp_path / "project.tar.gz"
-    archive.write_bytes(packing.pack(folder))
-    with archive.open("rb") as upload:
-        return bundles.store(tenant, owner, upload)[0]
+    return script_bundle(tenant, owner, tmp_path, SCRIPT)
 
 
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
 def test_a_job_whose_folder_lost_its_stored_checkpoint_resumes_from_the_store_at_its_step_with_its_bytes(
     script_environment, stored, owner
 ):
-    job = jobs.job_submit(actor=owner, data=job_data(
-        script_environment, name="from-store", template="script", bundle=stored.sha256, command=["python", "train.py"],
-        hyperparameters={"steps": 80, "pause_s": 0.1}, replicas=1, topology={"level": "none", "mode": "preferred"},
-        memory_mib_per_replica=2048, max_runtime_s=600, max_retries=0, env={}))
-    admit_and_launch(job)
+    job = script_job_launched(owner, script_environment, stored, name="from-store", steps=80)
     backend = get_backend()
-
-    def stepped():
-        reconcile.jobs_reconcile_run()
-        return job.metrics.filter(step__gte=3).exists()
-
-    assert wait_until(stepped, timeout_s=120), backend.job_logs(job.id, 1, 0, tail=50)
-    preempt(job)
-    job = reconcile_until(job, {"queued"}, timeout_s=60, pause_s=0.2)
+    job = preempted_after_step(job)
     checkpoint = job.checkpoints.get()
     # The store's task, as a worker runs it; then the job folder loses the file (a node's disk gone).
     assert checkpoint_store.checkpoint_store_run(checkpoint.id) == "durable"

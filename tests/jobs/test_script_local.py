@@ -9,15 +9,10 @@ are real processes.
 import json
 
 import pytest
-from gpuportal import bundle as packing
 
-from runners.bundles import services as bundles
 from runners.clusters.registry import get_backend
-from runners.jobs import reconcile
-from runners.jobs import services as jobs
 from runners.workloads import sandbox
-from tests.support.jobs import admit_and_launch, job_data, preempt, reconcile_until
-from tests.support.races import wait_until
+from tests.support.jobs import preempted_after_step, reconcile_until, script_bundle, script_job_launched
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
 
@@ -53,34 +48,17 @@ save(settings["steps"])
 
 @pytest.fixture
 def stored(tenant, owner, tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
-    (folder / "train.py").write_text(SCRIPT)
-    archive = tmp_path / "project.tar.gz"
-    archive.write_bytes(packing.pack(folder))
-    with archive.open("rb") as upload:
-        return bundles.store(tenant, owner, upload)[0]
+    return script_bundle(tenant, owner, tmp_path, SCRIPT)
 
 
 @pytest.mark.skipif(sandbox.unavailable() is not None, reason=f"no sandbox here: {sandbox.unavailable()}")
 def test_a_preempted_script_that_stops_through_the_sdk_is_requeued_and_its_next_attempt_resumes_and_finishes(
     script_environment, stored, owner
 ):
-    job = jobs.job_submit(actor=owner, data=job_data(
-        script_environment, name="sdk-script", template="script", bundle=stored.sha256, command=["python", "train.py"],
-        hyperparameters={"steps": 120, "pause_s": 0.1}, replicas=1, topology={"level": "none", "mode": "preferred"},
-        memory_mib_per_replica=2048, max_runtime_s=600, max_retries=0, env={}))
-    admit_and_launch(job)
+    job = script_job_launched(owner, script_environment, stored, name="sdk-script", steps=120)
     stored.refresh_from_db()
     assert stored.last_used_at is not None  # the bundle list says a job started from it
-
-    def stepped():
-        reconcile.jobs_reconcile_run()
-        return job.metrics.filter(step__gte=3).exists()
-
-    assert wait_until(stepped, timeout_s=120), get_backend().job_logs(job.id, 1, 0, tail=50)
-    preempt(job)
-    job = reconcile_until(job, {"queued"}, timeout_s=60, pause_s=0.2)
+    job = preempted_after_step(job)
     first = job.attempts.get(number=1)
     assert (first.outcome, first.exit_code) == ("preempted", 75), first.reason
     assert first.stop_recorded_at is not None

@@ -129,3 +129,46 @@ def preempt(job, reason: str = "Preempted for globex's guarantee.") -> None:
         locked = Job.objects.select_for_update().get(id=job.id)
         assert attempts.job_preempt_locked(locked, reason) == "stopping"
     attempts.job_stop_run(job_id=job.id)
+
+
+def script_bundle(tenant, owner, folder, script: str):
+    """A project folder whose train.py is `script`, packed as the CLI packs it and stored as an upload is: the
+    bundle row."""
+    from gpuportal import bundle as packing
+
+    from runners.bundles import services as bundles
+
+    (folder / "project").mkdir()
+    (folder / "project" / "train.py").write_text(script)
+    archive = folder / "project.tar.gz"
+    archive.write_bytes(packing.pack(folder / "project"))
+    with archive.open("rb") as upload:
+        return bundles.store(tenant, owner, upload)[0]
+
+
+def script_job_launched(actor, environment, bundle, *, name: str, steps: int):
+    """A one-rank script job running `python train.py` of the bundle for `steps` steps of 0.1 s, in the sandbox,
+    admitted and launched."""
+    from runners.jobs import services as jobs
+
+    job = jobs.job_submit(actor=actor, data=job_data(
+        environment, name=name, template="script", bundle=bundle.sha256, command=["python", "train.py"],
+        hyperparameters={"steps": steps, "pause_s": 0.1}, replicas=1, topology={"level": "none", "mode": "preferred"},
+        memory_mib_per_replica=2048, max_runtime_s=600, max_retries=0, env={}))
+    admit_and_launch(job)
+    return job
+
+
+def preempted_after_step(job, step: int = 3):
+    """Reconcile the running job until it reported `step`, preempt it, and reconcile it until it is queued again
+    (its log's tail when it never reports the step): the job, read again."""
+    from runners.clusters.registry import get_backend
+    from tests.support.races import wait_until
+
+    def stepped():
+        reconcile.jobs_reconcile_run()
+        return job.metrics.filter(step__gte=step).exists()
+
+    assert wait_until(stepped, timeout_s=120), get_backend().job_logs(job.id, 1, 0, tail=50)
+    preempt(job)
+    return reconcile_until(job, {"queued"}, timeout_s=60, pause_s=0.2)
