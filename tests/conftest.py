@@ -146,22 +146,16 @@ def inventory(db):
 @pytest.fixture
 def kubernetes_cluster(settings, tmp_path):
     """CLUSTER_BACKEND=kubernetes against the API server stand-in, through a real kubeconfig."""
-    import yaml
 
     from runners.clusters.registry import get_backend
-    from tests.support.k8s import deploy_rbac
+    from tests.support.k8s import deploy_rbac, portal_kubeconfig
     from tests.support.k8s_standin import KubernetesStandIn
 
     # The portal's token may do what deploy/'s RBAC grants it, no more.
     with KubernetesStandIn(termination_delay_s=0.1, operator_delay_s=0.05, admin_tokens={"standin-token"},
                            portal_rbac=deploy_rbac(), watch_hold_s=0.1) as api:
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
-            "clusters": [{"name": "standin", "cluster": {"server": api.url}}],
-            "users": [{"name": "portal", "user": {"token": "standin-token"}}],
-            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "portal"}}],
-        }))
+        kubeconfig.write_text(portal_kubeconfig(api))
         settings.CLUSTER_BACKEND = "kubernetes"
         settings.KUBECONFIG = str(kubeconfig)
         get_backend.cache_clear()

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 from django.core import signing
 from django.test import Client
 from django.utils import timezone
@@ -25,6 +24,7 @@ from runners.registry.services import weights_store
 from runners.scheduling import services as scheduling
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+from tests.support.k8s import portal_kubeconfig
 from tests.support.k8s_standin import KubernetesStandIn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db]
@@ -48,12 +48,7 @@ def on_kubernetes(settings, folder):
     """CLUSTER_BACKEND=kubernetes against the API server stand-in (in this process, plain HTTP)."""
     with KubernetesStandIn(admin_tokens={"standin-token"}) as api:
         kubeconfig = folder / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "standin",
-            "clusters": [{"name": "standin", "cluster": {"server": api.url}}],
-            "users": [{"name": "portal", "user": {"token": "standin-token"}}],
-            "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "portal"}}],
-        }))
+        kubeconfig.write_text(portal_kubeconfig(api))
         settings.CLUSTER_BACKEND = "kubernetes"
         settings.KUBECONFIG = str(kubeconfig)
         get_backend.cache_clear()
