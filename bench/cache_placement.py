@@ -39,6 +39,7 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.replay_openb import parse_seeds  # noqa: E402
 from runners.backends.cluster_file import load_cluster_file  # noqa: E402
 from runners.scheduler.cache_replay import replay_stream, synthetic_datasets, synthetic_stream  # noqa: E402
 from runners.scheduler.model import GPU_MILLI, Gpu, Node, PodRequest  # noqa: E402
@@ -146,18 +147,6 @@ def report(rows: list[dict]) -> str:
                 f"points per seed (mean {sum(allocation) / len(allocation):+.2f})."
             )
     return "\n".join(lines + [""] + notes)
-
-
-def parse_seeds(text: str) -> list[int]:
-    """'1-3' or '1,4' -> list of seeds."""
-    seeds = []
-    for part in text.split(","):
-        if "-" in part:
-            low, high = part.split("-")
-            seeds.extend(range(int(low), int(high) + 1))
-        elif part:
-            seeds.append(int(part))
-    return seeds
 
 
 def main(argv: Optional[list[str]] = None) -> int:
