@@ -92,7 +92,7 @@ class NodePoolSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = NodePool
-        fields = ["id", "name", "gpu_model", "partition_profile", "nodes", "latest_change"]
+        fields = ["id", "name", "gpu_model", "partition_profile", "nodes", "cache_path", "cache_bytes", "latest_change"]
 
     def get_latest_change(self, pool) -> dict | None:
         change = pool.partition_changes.order_by("-created_at", "-id").first()
@@ -117,6 +117,12 @@ class CapacityChangeSerializer(serializers.Serializer):
     capacity_after = serializers.IntegerField()
     guaranteed = serializers.IntegerField()
     unbacked = serializers.ListField(child=serializers.DictField(), help_text="Guarantees the new capacity cannot back.")
+
+
+class NodePoolCacheSerializer(StrictTypesMixin, serializers.Serializer):
+    cache_path = serializers.CharField(allow_blank=True, max_length=255, trim_whitespace=False,
+                                       help_text="An absolute folder on the pool's nodes; blank for the backend's default.")
+    cache_bytes = serializers.IntegerField(min_value=0, help_text="The most each node's cache holds; 0 for the default.")
 
 
 class ApplyPreviewSerializer(serializers.Serializer):
@@ -152,6 +158,16 @@ class NodePoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         if result["change"] is None:
             return Response(ApplyPreviewSerializer(result).data)
         return Response(PartitionChangeSerializer(result["change"]).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=NodePoolCacheSerializer, responses={200: NodePoolSerializer})
+    @action(detail=True, methods=["put"])
+    def cache(self, request, pk):
+        """Where each node of the pool keeps its cache of dataset shards and model weights, and its size."""
+        pool = self.get_object()
+        data = NodePoolCacheSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        pool = clusters.node_pool_cache_set(actor=request.user, pool=pool, **data.validated_data)
+        return Response(NodePoolSerializer(pool).data)
 
 
 class NodeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

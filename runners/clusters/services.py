@@ -159,6 +159,35 @@ def partition_profile_create(
         raise Invalid("name", f"A partition profile named {name!r} already exists.") from None
 
 
+# The most a node pool's cache may be set to hold: a petabyte is past any node's local NVMe.
+NODE_CACHE_MAX_BYTES = 10**15
+
+
+def node_pool_cache_set(*, actor: AbstractBaseUser, pool: NodePool, cache_path: str, cache_bytes: int) -> NodePool:
+    """Where each node of the pool keeps its cache of shards and weights, and how many bytes it may hold (staff).
+
+    A blank path and 0 bytes take the backend's defaults (NODE_CACHE_DIR and NODE_CACHE_BYTES on the local
+    backend). The path is an absolute folder on the nodes; a node's cache agent (or, on the local backend, the
+    next attempt's supervisor) keeps its cache there, within the size, from the next fill on."""
+    require_staff(actor)
+    if not isinstance(cache_path, str) or len(cache_path) > 255:
+        raise Invalid("cache_path", "A folder's absolute path, at most 255 characters, or blank for the default.")
+    cache_path = cache_path.strip()
+    if cache_path and (not cache_path.startswith("/") or "\0" in cache_path
+                       or any(part in (".", "..") for part in cache_path.split("/"))):
+        raise Invalid("cache_path", "An absolute path on the nodes (starting with /, no . or .. parts), or blank.")
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or not 0 <= cache_bytes <= NODE_CACHE_MAX_BYTES:
+        raise Invalid("cache_bytes", f"Whole bytes from 0 (the default size) to {NODE_CACHE_MAX_BYTES}.")
+    with transaction.atomic():
+        locked = NodePool.objects.select_for_update().get(id=pool.id)
+        before = snapshot(locked, ["cache_path", "cache_bytes"])
+        locked.cache_path, locked.cache_bytes = cache_path, cache_bytes
+        locked.save(update_fields=["cache_path", "cache_bytes", "updated_at"])
+        record("node_pool.cache_changed", actor=actor, obj=locked, object_repr=locked.name, before=before,
+               after=snapshot(locked, ["cache_path", "cache_bytes"]))
+    return locked
+
+
 def pool_workloads(pool: NodePool) -> dict[str, list[str]]:
     """What runs on each node of the pool now: what the backend reports, and the portal's jobs placed there.
 
