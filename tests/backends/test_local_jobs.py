@@ -235,7 +235,7 @@ def test_a_million_metric_lines_are_read_in_bounded_chunks_each_exactly_once(bac
         calls += 1
         assert calls < 100
     assert steps == list(range(1, lines + 1))
-    assert cursor == {"checkpoints": 0, "stops": 0, "metrics": size}
+    assert cursor == {"checkpoints": 0, "stops": 0, "datasets": 0, "metrics": size}
     longest = max(len(json.dumps(_metric(step))) + 1 for step in (1, lines))
     assert -(-size // PROGRESS_READ_MAX_BYTES) <= calls <= -(-size // (PROGRESS_READ_MAX_BYTES - longest))
 
@@ -250,8 +250,8 @@ def test_a_read_takes_whole_lines_checkpoints_first_and_goes_on_across_attempts(
 
     first = backend.job_progress(9, 0, {})
     assert [r["step"] for r in first.metrics] == [1, 2] and first.checkpoints == [checkpoint]
-    assert first.cursor == {
-        "checkpoints": checkpoints.stat().st_size, "stops": 0, "metrics": metrics.read_bytes().rindex(b"\n") + 1}
+    assert first.cursor == {"checkpoints": checkpoints.stat().st_size, "stops": 0, "datasets": 0,
+                            "metrics": metrics.read_bytes().rindex(b"\n") + 1}
     assert first.bytes_read == first.cursor["checkpoints"] + first.cursor["metrics"]
     assert backend.job_progress(9, 0, first.cursor).bytes_read == 0, "a torn last line waits"
 

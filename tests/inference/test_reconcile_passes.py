@@ -54,7 +54,10 @@ class _Held(http.server.BaseHTTPRequestHandler):
         with server.lock:
             server.open += 1
             server.seen += 1
-            server.most = max(server.most, server.open)
+            if not server.gate.is_set():
+                # Counted while the gate holds the probes: once it opens, a handler that has answered may not
+                # have counted itself out yet when the prober's next request comes in.
+                server.most = max(server.most, server.open)
         try:
             while not server.gate.wait(0.01):
                 if self._gone():
