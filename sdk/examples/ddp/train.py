@@ -38,4 +38,5 @@ for step in range(start + 1, hp["steps"] + 1):
         ctx.checkpoint(step, {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()})
     if stopping:
         break
+dist.barrier()  # every rank here (rank 0 has written the last checkpoint) before the group is torn down
 dist.destroy_process_group()
