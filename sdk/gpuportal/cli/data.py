@@ -26,6 +26,7 @@ from gpuportal.cli.shared import (
     connect,
     err,
     handled,
+    name_and_version,
     out,
     print_json,
     progress_bar,
@@ -222,16 +223,14 @@ def show_command(
     as_json: JsonFlag = False,
 ) -> None:
     """A dataset and its versions, or one version and the jobs that used it."""
-    name, _, number = reference.partition(":")
-    if number and not number.isdigit():
-        raise PortalError(f"{reference}: a version is a number (NAME:3)", EXIT_BAD_INPUT)
+    name, number = name_and_version(reference)
     with connect() as client:
         slug = resolve_tenant(client, tenant)
-        data = client.dataset_version(slug, name, int(number)) if number else client.dataset(slug, name)
+        data = client.dataset_version(slug, name, number) if number is not None else client.dataset(slug, name)
     if as_json:
         print_json(data)
         return
-    if number:
+    if number is not None:
         out.print(f"{data['dataset']}:{data['number']}  {data['state']}  {data['shards']} shards, {data['files']} files, "
                   f"{data['samples']} samples, {_human(data['bytes'])}  from {data['source']}")
         for use in data.get("jobs") or []:

@@ -16,11 +16,11 @@ from gpuportal.cli.shared import (
     connect,
     err,
     handled,
+    name_and_version,
     out,
     print_json,
     resolve_tenant,
 )
-from gpuportal.client import EXIT_BAD_INPUT, PortalError
 
 app = typer.Typer(name="models", no_args_is_help=True, help="The model registry: list, show, promote a checkpoint.")
 
@@ -63,16 +63,14 @@ def show_command(
     as_json: JsonFlag = False,
 ) -> None:
     """A model's versions, or one version: its weights and lineage (job, bundle, datasets, hyperparameters, metrics)."""
-    name, _, number = reference.partition(":")
-    if number and not number.isdigit():
-        raise PortalError(f"{reference}: a version is a number (NAME:3)", EXIT_BAD_INPUT)
+    name, number = name_and_version(reference)
     with connect() as client:
         slug = resolve_tenant(client, tenant)
-        data = client.model_version(slug, name, int(number)) if number else client.model(slug, name)
+        data = client.model_version(slug, name, number) if number is not None else client.model(slug, name)
     if as_json:
         print_json(data)
         return
-    if not number:
+    if number is None:
         table = Table("version", "from", "loss", "weights", "promoted", box=None)
         for version in data["versions"]:
             loss = version["lineage"].get("metrics", {}).get("loss")

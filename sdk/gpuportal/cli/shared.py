@@ -67,3 +67,11 @@ def resolve_tenant(client: Client, given: str | None) -> str:
         raise PortalError("you belong to no tenant yet: ask a tenant's owner to add you", EXIT_AUTH)
     raise PortalError(f"--tenant: you belong to {', '.join(slugs)}; name one with --tenant "
                       "(or save one with `portal login URL --tenant SLUG`)", EXIT_BAD_INPUT)
+
+
+def name_and_version(reference: str) -> tuple[str, int | None]:
+    """NAME or NAME:VERSION (a dataset's or a model's): the name, and the version's number or None."""
+    name, _, number = reference.partition(":")
+    if number and not number.isdigit():
+        raise PortalError(f"{reference}: a version is a number (NAME:3)", EXIT_BAD_INPUT)
+    return name, int(number) if number else None
