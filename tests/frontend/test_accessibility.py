@@ -35,7 +35,8 @@ MAX_PAGES = 60
 IMPACTS = ("serious", "critical")
 # The pages each role must have reached (and found whole: HTML, 200), as path patterns.
 _MEMBER_PAGES = (r"/tenants/[-a-z0-9]+/", r"/environments/\d+/", r"/jobs/\d+/", r"/tenants/[-a-z0-9]+/jobs/",
-                 r"/tenants/[-a-z0-9]+/notifications/", r"/tokens/")
+                 r"/tenants/[-a-z0-9]+/notifications/", r"/tokens/", r"/tenants/[-a-z0-9]+/datasets/",
+                 r"/tenants/[-a-z0-9]+/models/", r"/tenants/[-a-z0-9]+/storage/")
 REQUIRED = {
     "anonymous": (r"/login/",),
     "member": _MEMBER_PAGES,
