@@ -1,39 +1,37 @@
 """Fetch a model version's weights into a file, checked: what an inference replica's pod runs before its server
-(its init container) where it does not read them from the node cache.
+(its init container) where it does not read them from the node cache; the download is gpuportal.fetch's.
 
     python -m runners.workloads.fetch_weights URL DEST --sha256 HEX --bytes N
 
 URL is the portal's signed URL for the replica's attempt (the pod holds no storage credentials). The download is
-streamed into ``DEST.partial`` beside DEST, hashed as it arrives and cut off past N bytes; only bytes whose size is
-N and whose sha256 is HEX are moved to DEST (a rename: the server never sees a partial file). DEST already holding
+streamed into a temporary file beside DEST, hashed as it arrives and cut off past N bytes; only bytes whose size
+is N and whose sha256 is HEX are moved to DEST (a rename: the server never sees a partial file). DEST already holding
 them (a pod whose init container runs again) is kept without a download. Exit 0 once DEST holds the weights; 1
 with one line on stderr saying why not. A URL that cannot be read is tried again a few times (the portal may be
 restarting); an expired, forged or unknown one (a 4xx) is not.
 
-Pure: the standard library only.
+Pure: the standard library and the SDK (gpuportal.fetch), which the workloads' image carries.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-HTTP_TIMEOUT_S = 60
-TRIES = 5
-FIRST_WAIT_S = 1.0
-CHUNK = 1 << 20
+from gpuportal import fetch as fetch_tool
+
+TRIES = fetch_tool.TRIES
+FIRST_WAIT_S = fetch_tool.FIRST_WAIT_S
+CHUNK = fetch_tool.CHUNK
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-class FetchError(Exception):
-    """The weights could not be fetched, or are not the ones asked for; the message says why."""
+# The weights' errors are the bundle fetch's: one download, retried, hashed and renamed into place.
+FetchError = fetch_tool.FetchError
 
 
 def _sha256_of(path: Path) -> str:
@@ -44,24 +42,6 @@ def _sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_once(url: str, partial: Path, *, sha256: str, size: int) -> None:
-    digest = hashlib.sha256()
-    got = 0
-    with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as source, open(partial, "wb") as target:  # noqa: S310
-        while block := source.read(CHUNK):
-            got += len(block)
-            if got > size:
-                raise FetchError(f"The portal sent more than the weights' {size} bytes.")
-            digest.update(block)
-            target.write(block)
-        target.flush()
-        os.fsync(target.fileno())
-    if got != size:
-        raise FetchError(f"The portal sent {got} bytes, not the weights' {size}.")
-    if digest.hexdigest() != sha256:
-        raise FetchError(f"The bytes' sha256 is {digest.hexdigest()}, not the weights' {sha256}.")
-
-
 def fetch(url: str, dest: str | Path, *, sha256: str, size: int, tries: int = TRIES,
           first_wait_s: float = FIRST_WAIT_S) -> bool:
     """Make ``dest`` hold the weights (sha256, size) from ``url``; True when downloaded, False when already there."""
@@ -70,30 +50,10 @@ def fetch(url: str, dest: str | Path, *, sha256: str, size: int, tries: int = TR
     if not url.startswith(("https://", "http://")):
         raise FetchError(f"{url!r} is not an http(s) URL.")
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_file() and dest.stat().st_size == size and _sha256_of(dest) == sha256:
         return False
-    partial = dest.with_name(dest.name + ".partial")
-    wait = first_wait_s
-    try:
-        for attempt in range(1, tries + 1):
-            try:
-                _download_once(url, partial, sha256=sha256, size=size)
-                break
-            except urllib.error.HTTPError as exc:
-                if 400 <= exc.code < 500 or attempt == tries:
-                    raise FetchError(f"The portal refused the weights' URL ({exc.code}: "
-                                     f"{exc.read(300).decode(errors='replace').strip()}).") from None
-            except FetchError:
-                raise
-            except OSError as exc:  # refused, reset, timed out: the portal may be back in a moment
-                if attempt == tries:
-                    raise FetchError(f"Could not read the weights ({type(exc).__name__}: {exc}).") from None
-            time.sleep(wait)
-            wait *= 2
-        os.replace(partial, dest)
-    finally:
-        partial.unlink(missing_ok=True)
+    fetch_tool.download_checked(url, dest, sha256=sha256, size=size, tries=tries, first_wait_s=first_wait_s,
+                                what="weights file")
     return True
 
 

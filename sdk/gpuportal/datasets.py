@@ -30,15 +30,14 @@ import queue
 import re
 import shutil
 import tarfile
-import tempfile
 import threading
-import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from gpuportal import _protocol as protocol
+from gpuportal import fetch
 
 DEFAULT_SHARD_BYTES = 64 * 1024 * 1024
 BLOCK = 512
@@ -253,22 +252,14 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def download_checked(url: str, sha256: str, destination: Path, timeout_s: float = 60.0) -> Path:
+def download_checked(url: str, sha256: str, destination: Path) -> Path:
     """Download a shard from a signed URL to `destination`, whole and checked, or raise (nothing left there)."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=destination.parent, prefix=".download-")
-    digest = hashlib.sha256()
     try:
-        with os.fdopen(fd, "wb") as target, urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
-            for block in iter(lambda: response.read(CHUNK), b""):
-                digest.update(block)
-                target.write(block)
-        if digest.hexdigest() != sha256:
-            raise ShardHashMismatch(f"the shard downloaded for {sha256} hashes to {digest.hexdigest()}; not used")
-        os.replace(temporary, destination)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        fetch.download_checked(url, destination, sha256=sha256, what="shard")
+    except fetch.DigestMismatch as exc:
+        raise ShardHashMismatch(f"the shard downloaded for {sha256}: {exc} Not used.") from None
+    except fetch.FetchError as exc:
+        raise DatasetError(f"the shard {sha256} could not be fetched: {exc}") from None
     return destination
 
 

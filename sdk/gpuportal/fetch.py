@@ -14,6 +14,8 @@ restarting), an expired or unknown one is not.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +37,10 @@ class FetchError(Exception):
     """The bundle could not be fetched or is not the one asked for; the message says why."""
 
 
+class DigestMismatch(FetchError):
+    """The bytes fetched are not the ones asked for (their sha256 differs): they are never used."""
+
+
 def _final(exc: BaseException) -> bool:
     """Whether trying again cannot help: the URL is unknown, expired or refused (a 4xx), or names no file."""
     if isinstance(exc, urllib.error.HTTPError):
@@ -52,8 +58,9 @@ def _open(url: str):
 
 
 def download(url: str, into, *, max_bytes: int = DEFAULT_MAX_BYTES, tries: int = TRIES,
-             first_wait_s: float = FIRST_WAIT_S) -> int:
-    """Copy the archive at `url` into the binary file `into` (from its start); returns its size."""
+             first_wait_s: float = FIRST_WAIT_S, what: str = "bundle") -> int:
+    """Copy the `what` at `url` (a bundle's archive by default) into the binary file `into` (from its start);
+    returns its size."""
     wait = first_wait_s
     for attempt in range(1, tries + 1):
         into.seek(0)
@@ -64,7 +71,8 @@ def download(url: str, into, *, max_bytes: int = DEFAULT_MAX_BYTES, tries: int =
                 while chunk := source.read(CHUNK):
                     size += len(chunk)
                     if size > max_bytes:
-                        raise FetchError(f"The archive is larger than {max_bytes} bytes.")
+                        raise FetchError(f"The {'archive' if what == 'bundle' else what} is larger than "
+                                         f"{max_bytes} bytes.")
                     into.write(chunk)
             into.flush()
             return size
@@ -72,10 +80,58 @@ def download(url: str, into, *, max_bytes: int = DEFAULT_MAX_BYTES, tries: int =
             raise
         except Exception as exc:  # urllib's and fsspec's filesystems' own kinds: OSError, HTTPError, botocore's
             if _final(exc) or attempt == tries:
-                raise FetchError(f"Could not read the bundle ({type(exc).__name__}: {exc}).") from exc
+                raise FetchError(f"Could not read the {what} ({type(exc).__name__}: {exc}).") from exc
             time.sleep(wait)
             wait *= 2
     raise AssertionError("unreachable")
+
+
+class _Hashed:
+    """A binary file that hashes what is written to it, from its start again whenever download() starts over."""
+
+    def __init__(self, target):
+        self.target, self.digest = target, hashlib.sha256()
+
+    def seek(self, offset: int) -> None:
+        self.target.seek(offset)
+        self.digest = hashlib.sha256()
+
+    def truncate(self) -> None:
+        self.target.truncate()
+
+    def write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.target.write(chunk)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+def download_checked(url: str, dest: str | Path, *, sha256: str, size: int | None = None,
+                     max_bytes: int = DEFAULT_MAX_BYTES, tries: int = TRIES, first_wait_s: float = FIRST_WAIT_S,
+                     what: str = "file") -> int:
+    """Make `dest` hold the bytes at `url` whose sha256 is `sha256` (and whose size is `size`, when given):
+    downloaded with download()'s retries into a temporary file beside `dest`, hashed as they arrive, and renamed
+    into place only when they match, so nothing partial or wrong is ever at `dest` (FetchError otherwise).
+    Returns the size."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+    try:
+        with os.fdopen(fd, "wb") as target:
+            hashed = _Hashed(target)
+            got = download(url, hashed, max_bytes=max_bytes if size is None else size, tries=tries,
+                           first_wait_s=first_wait_s, what=what)
+            os.fsync(target.fileno())
+        if size is not None and got != size:
+            raise FetchError(f"Got {got} bytes, not the {what}'s {size}.")
+        if hashed.digest.hexdigest() != sha256:
+            raise DigestMismatch(f"The bytes' sha256 is {hashed.digest.hexdigest()}, not the {what}'s {sha256}.")
+        os.replace(temporary, dest)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return got
 
 
 def fetch(url: str, dest: str | Path, *, sha256: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
