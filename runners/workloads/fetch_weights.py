@@ -10,13 +10,12 @@ them (a pod whose init container runs again) is kept without a download. Exit 0 
 with one line on stderr saying why not. A URL that cannot be read is tried again a few times (the portal may be
 restarting); an expired, forged or unknown one (a 4xx) is not.
 
-Pure: the standard library and the SDK (gpuportal.fetch), which the workloads' image carries.
+Pure: the SDK (gpuportal.fetch) and runners.storage, which the workloads' image carries.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import re
 import sys
 import time
@@ -24,22 +23,15 @@ from pathlib import Path
 
 from gpuportal import fetch as fetch_tool
 
+from runners.storage.blobs import sha256_file
+
 TRIES = fetch_tool.TRIES
 FIRST_WAIT_S = fetch_tool.FIRST_WAIT_S
-CHUNK = fetch_tool.CHUNK
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 # The weights' errors are the bundle fetch's: one download, retried, hashed and renamed into place.
 FetchError = fetch_tool.FetchError
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as source:
-        while block := source.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch(url: str, dest: str | Path, *, sha256: str, size: int, tries: int = TRIES,
@@ -50,7 +42,7 @@ def fetch(url: str, dest: str | Path, *, sha256: str, size: int, tries: int = TR
     if not url.startswith(("https://", "http://")):
         raise FetchError(f"{url!r} is not an http(s) URL.")
     dest = Path(dest)
-    if dest.is_file() and dest.stat().st_size == size and _sha256_of(dest) == sha256:
+    if dest.is_file() and dest.stat().st_size == size and sha256_file(dest)[0] == sha256:
         return False
     fetch_tool.download_checked(url, dest, sha256=sha256, size=size, tries=tries, first_wait_s=first_wait_s,
                                 what="weights file")
