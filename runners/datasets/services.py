@@ -346,11 +346,7 @@ def _store_received(version: DatasetVersion, row: VersionShard) -> None:
         except Exception:  # noqa: BLE001 - any unreadable tar is the client's mistake, said in one line
             _remove_parts(version, row.sha256)
             raise Invalid("sha256", f"Shard {row.sha256} is not a tar file (WebDataset shards are tars).") from None
-        try:
-            store().put_file(joined, row.sha256)
-        except HashMismatch:
-            _remove_parts(version, row.sha256)
-            raise
+        store().put_file_hashed(joined, row.sha256)  # hashed as it was joined, above
     VersionShard.objects.filter(version=version, sha256=row.sha256).update(stored=True, members=members)
     _remove_parts(version, row.sha256)
 

@@ -84,8 +84,7 @@ class BlobStore:
     def put_bytes(self, data: bytes) -> tuple[str, int]:
         """Store these bytes; (sha256, size). Storing bytes already there writes nothing."""
         sha256 = hashlib.sha256(data).hexdigest()
-        if not self.exists(sha256):
-            self._put(sha256, lambda target: target.write(data))
+        self.put_hashed(data, sha256)
         return sha256, len(data)
 
     def put_file(self, source: str | os.PathLike, sha256: str | None = None) -> tuple[str, int]:
@@ -93,13 +92,30 @@ class BlobStore:
         actual, size = sha256_file(source)
         if sha256 is not None and sha256 != actual:
             raise HashMismatch(f"{source} hashes to {actual}, not {sha256}")
-        if not self.exists(actual):
-            def copy(target: BinaryIO) -> None:
-                with open(source, "rb") as handle:
-                    for block in iter(lambda: handle.read(CHUNK), b""):
-                        target.write(block)
-            self._put(actual, copy)
+        self.put_file_hashed(source, actual)
         return actual, size
+
+    def put_hashed(self, data: bytes | memoryview, sha256: str) -> bool:
+        """Store bytes under the sha256 the caller took of these very bytes (it hashed them as it cut or received
+        them), without hashing them again; whether anything was written (False: the store had them)."""
+        if self.exists(sha256):
+            return False
+        self._put(sha256, lambda target: target.write(data))
+        return True
+
+    def put_file_hashed(self, source: str | os.PathLike, sha256: str) -> bool:
+        """Store a local file under the sha256 the caller took of its bytes as it wrote them, without reading it
+        twice for the hash; whether anything was written."""
+        if self.exists(sha256):
+            return False
+
+        def copy(target: BinaryIO) -> None:
+            with open(source, "rb") as handle:
+                for block in iter(lambda: handle.read(CHUNK), b""):
+                    target.write(block)
+
+        self._put(_check_key(sha256), copy)
+        return True
 
     def _put(self, sha256: str, write) -> None:
         final = self.path(sha256)

@@ -250,8 +250,7 @@ def store_open(store: BlobStore, handle: BinaryIO) -> tuple[Manifest, int]:
     written = [0]
 
     def put(piece: memoryview, sha256: str) -> None:
-        if not store.exists(sha256):
-            store._put(sha256, lambda target: target.write(piece))
+        if store.put_hashed(piece, sha256):
             written[0] += len(piece)
 
     return split_open(handle, put), written[0]
@@ -294,9 +293,8 @@ def store_chunks(store: BlobStore, path: str | os.PathLike, manifest: Manifest,
             with view[start:offset] as piece:
                 if verify and hashlib.sha256(piece).hexdigest() != chunk.sha256:
                     raise HashMismatch(f"{path} changed since its manifest was made (the chunk at {start})")
-                if not store.exists(chunk.sha256):
-                    # Its key is the hash just checked (or the manifest's, for a trusted copy): not hashed again.
-                    store._put(chunk.sha256, lambda target, piece=piece: target.write(piece))
+                # Its key is the hash just checked (or the manifest's, for a trusted copy): not hashed again.
+                if store.put_hashed(piece, chunk.sha256):
                     written += chunk.bytes
     return written
 
