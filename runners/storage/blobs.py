@@ -68,10 +68,6 @@ class BlobStore:
         _check_key(sha256)
         return f"{self.root}/{sha256[:2]}/{sha256}"
 
-    def url_of(self, sha256: str) -> str:
-        """The blob's fsspec URL (file:///... or s3://...)."""
-        return self.fs.unstrip_protocol(self.path(sha256))
-
     def exists(self, sha256: str) -> bool:
         return self.fs.exists(self.path(sha256))
 
