@@ -226,6 +226,14 @@ class ServingSettings:
     # The model version's weights (a blob of kind "models"): served from the node cache's copy where the node
     # has one, else fetched from the store; None for an endpoint deployed before the registry (``checkpoint``).
     weights: ShardRef | None = None
+    # The engine the replica runs (runners.backends.engines): "shipped" (the server above) or a foreign one
+    # ("vllm", "tgi", "sglang"; Kubernetes only), whose ``image`` is the endpoint's and which serves ``model``
+    # (a folder in the image, or a name the engine resolves) as ``served_name`` with the settings below.
+    engine: str = "shipped"
+    model: str = ""
+    served_name: str = ""
+    max_model_len: int | None = None
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # The replica job's spec is JSON: its weights arrive as {"sha256": ..., "bytes": ...}.

@@ -22,7 +22,9 @@ kubernetes-validate, strictly, for 1.30 and the newest schema.
 What the pod runs is the portal's choice alone: the shipped server (the trainer's image, as
 pytorch-ddp jobs run) with its flags from the endpoint's validated settings, over a model version's
 weights or the source job's checkpoint folder, mounted read-only; or the endpoint's image from the allow-list, with
-the same settings as the server's SERVE_* variables and no command of the tenant's. Nothing else
+the same settings as the server's SERVE_* variables and no command of the tenant's; or a foreign engine (vLLM, TGI,
+SGLang: `engine_container`) from the endpoint's image, started as its engine documents (runners.backends.engines),
+its probes on the engine's own health route, with a memory-backed /dev/shm. Nothing else
 of the launch (variables, command) reaches the pod spec. The pod is ready while `/readyz`
 answers 200 (false while the server loads and once it drains); it is restarted if `/healthz`
 stops answering; a deleted pod first sleeps in preStop, so Services and proxies stop sending it
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
+from runners.backends import engines
 from runners.backends.base import JobLaunch, PermanentBackendError, ServingSettings
 from runners.backends.cache_manifests import DATASETS_MOUNT, dataset_volume
 from runners.backends.job_manifests import (
@@ -89,6 +92,15 @@ FETCH_WEIGHTS_CONTAINER = "fetch-weights"
 FETCH_WEIGHTS_COMMAND = ["python", "-m", "runners.workloads.fetch_weights"]
 # The emptyDir's size limit over the weights' own bytes (the partial file is renamed, never copied).
 WEIGHTS_VOLUME_SLACK_MIB = 64
+# A foreign engine's shared memory (its tensor-parallel workers talk through /dev/shm, which a container
+# otherwise gets 64 MiB of): a memory-backed emptyDir, counted in the container's memory limit.
+SHM_VOLUME = "shm"
+SHM_MOUNT = "/dev/shm"
+SHM_SIZE_MIB = 4096
+# A foreign engine may take a long while to load a big model before its health route answers: the kubelet
+# leaves it STARTUP_PERIOD_S x STARTUP_FAILURES (30 minutes) before liveness counts.
+ENGINE_STARTUP_PERIOD_S = 10
+ENGINE_STARTUP_FAILURES = 180
 
 
 def endpoint_name(endpoint_id: int) -> str:
@@ -190,6 +202,8 @@ def server_container(launch: JobLaunch, *, server_image: str, weights: str = "")
                           "subPath": f"job-{serving.source_job_id}"})
     if weights == "fetch":
         mounts.insert(0, {"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT, "readOnly": True})
+    if serving.engine != engines.SHIPPED:
+        return engine_container(launch, fixed=fixed, mounts=mounts)
     if serving.image is None:
         if weights:
             checkpoint = weights_path(launch, weights)
@@ -228,6 +242,45 @@ def server_container(launch: JobLaunch, *, server_image: str, weights: str = "")
     }
 
 
+def engine_container(launch: JobLaunch, *, fixed: list[dict], mounts: list[dict]) -> dict:
+    """A foreign engine's container (vLLM, TGI, SGLang): the endpoint's image, started with the command and flags
+    its engine documents (runners.backends.engines) from the endpoint's named settings, on the replica's port.
+
+    Readiness is the engine's own health route (it answers once the model is loaded), liveness the same route
+    after a long start-up allowance. Deleted, the pod first sleeps in preStop while the reconcile has already
+    taken it out of the edge's rotation and the Service's endpoints drop it; then SIGTERM: each engine's HTTP
+    server stops taking connections and finishes the requests it has, within the grace period."""
+    serving = launch.serving
+    if serving.image is None:
+        raise PermanentBackendError(f"Engine {serving.engine} runs the endpoint's image, and the launch names none.")
+    if not serving.model:
+        raise PermanentBackendError(f"Engine {serving.engine} serves a model, and the launch names none.")
+    try:
+        command, args = engines.engine_command(
+            serving.engine, model=serving.model, port=SERVER_PORT, gpus=launch.gpus_per_replica,
+            served_name=serving.served_name or launch.name,
+            settings=engines.EngineSettings(max_model_len=serving.max_model_len, dtype=serving.dtype))
+    except ValueError as exc:
+        raise PermanentBackendError(str(exc)) from None
+    resources = replica_resources(launch)
+    ready, live = engines.health_path(serving.engine), engines.liveness_path(serving.engine)
+    return {
+        "name": SERVER_CONTAINER,
+        "image": serving.image,
+        "command": command,
+        "args": args,
+        "env": fixed,
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+        "volumeMounts": [{"name": SHM_VOLUME, "mountPath": SHM_MOUNT}, *mounts],
+        "startupProbe": _probe(live, period_s=ENGINE_STARTUP_PERIOD_S, failures=ENGINE_STARTUP_FAILURES),
+        "livenessProbe": _probe(live, period_s=10, failures=3),
+        "readinessProbe": _probe(ready, period_s=2, failures=1),
+        "lifecycle": {"preStop": {"sleep": {"seconds": prestop_sleep_s(launch.grace_period_s)}}},
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
 def prestop_sleep_s(grace_period_s: int) -> int:
     """PRESTOP_SLEEP_S, but at most a third of the grace period: the drain needs the rest."""
     return max(1, min(PRESTOP_SLEEP_S, grace_period_s // 3))
@@ -254,6 +307,8 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
         })
     weights = weights_source(launch, cache_grant_key)
     container = server_container(launch, server_image=server_image, weights=weights)
+    if launch.serving.engine != engines.SHIPPED:
+        volumes.insert(0, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_SIZE_MIB}Mi"}})
     init_containers = []
     if weights == "cache":
         # The grant names the weights alone (a serving launch reads no dataset); the server reads the view's copy.

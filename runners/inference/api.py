@@ -7,6 +7,7 @@ from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from runners.backends import engines as engine_kinds
 from runners.inference import services as endpoints
 from runners.inference.models import EndpointSample, InferenceEndpoint, Replica, ScaleEvent
 from runners.jobs.attempts import open_attempts
@@ -26,6 +27,8 @@ class SourceSerializer(serializers.Serializer):
                                                              "promoted to a version of the model named as the endpoint.")
     step = serializers.IntegerField(required=False, help_text="Which checkpoint of the job; its newest unless given.")
     image = serializers.CharField(required=False, help_text="A custom image from the allow-list (Kubernetes only).")
+    path = serializers.CharField(required=False, help_text="A foreign engine's model: a folder in its image "
+                                                           "(/models/<name>) or a name the engine resolves.")
 
 
 class EndpointCreateSerializer(serializers.Serializer):
@@ -44,6 +47,17 @@ class EndpointCreateSerializer(serializers.Serializer):
     batch_token_budget = _bounded("batch_token_budget", "Prompt plus max_tokens of the running batch, at most.")
     max_batch_wait_ms = _bounded("max_batch_wait_ms")
     default_deadline_ms = _bounded("default_deadline_ms", "For requests that give no deadline_ms.")
+    engine = serializers.ChoiceField(choices=list(engine_kinds.ENGINES), default=engine_kinds.SHIPPED, help_text=(
+        "shipped: the portal's server. vllm, tgi, sglang: that OpenAI-compatible engine's image (Kubernetes only), "
+        "serving source {\"path\": ...}; queue_limit, batch_token_budget and max_batch_wait_ms are the shipped "
+        "server's only."))
+    image = serializers.CharField(required=False, help_text="A foreign engine's image, from an allowed registry.")
+    max_model_len = serializers.IntegerField(
+        required=False, allow_null=True, min_value=engine_kinds.MAX_MODEL_LEN[0],
+        max_value=engine_kinds.MAX_MODEL_LEN[1], help_text="A foreign engine's longest prompt plus "
+                                                                     "completion, in tokens (the model's own unless given).")
+    dtype = serializers.ChoiceField(choices=list(engine_kinds.DTYPES), required=False,
+                                    help_text="A foreign engine's weights type (auto: the model's own; TGI: no float32).")
 
 
 class ScaleSerializer(serializers.Serializer):
@@ -54,6 +68,7 @@ class ScaleSerializer(serializers.Serializer):
 
 class RolloutSerializer(serializers.Serializer):
     source = SourceSerializer()
+    image = serializers.CharField(required=False, help_text="A foreign engine's endpoint: its new image.")
 
 
 class ServedVersionSerializer(serializers.Serializer):
@@ -150,7 +165,7 @@ class SampleSerializer(serializers.ModelSerializer):
     class Meta:
         model = EndpointSample
         fields = ["at", "ready_replicas", "queue_depth", "running", "requests_per_s", "shed_per_s", "expired_per_s",
-                  "p50_ms", "p99_ms"]
+                  "p50_ms", "p99_ms", "kv_cache_use"]
 
 
 class EndpointViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

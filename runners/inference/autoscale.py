@@ -12,6 +12,9 @@ than any target, because they are work the endpoint failed to take.
   hysteresis: a load at the edge never flaps.
 - Warm: ``warm_replicas`` more than the load needs, within [min, max].
 - Zero: with ``min_replicas`` 0 and no request for ``idle_after_s``, the load needs none.
+- KV cache: a foreign engine (vLLM, SGLang) also reports how full its KV cache is; at ``kv_cache_high`` or
+  more (the mean over the ready replicas) the engine is about to queue or preempt sequences whatever the
+  request count says, so the load needs one replica more than now (under the same two-sample rule).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Policy:
     target_inflight: float = 8.0  # requests in flight one replica should carry
     scale_in_after_s: float = 30.0
     idle_after_s: float = 120.0
+    kv_cache_high: float = 0.9  # KV-cache use (0..1) at which an engine's replicas count as full
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Load:
     inflight: int  # queued + running over the ready replicas
     shed_per_s: float = 0.0  # shed or expired since the last sample
     since_last_request_s: float = 0.0
+    kv_cache_use: float | None = None  # mean over the ready replicas of a foreign engine; None: not reported
 
 
 @dataclass(frozen=True)
@@ -42,13 +47,18 @@ class Bounds:
     warm_replicas: int = 0
 
 
+def kv_cache_full(load: Load, policy: Policy) -> bool:
+    return load.kv_cache_use is not None and load.kv_cache_use >= policy.kv_cache_high
+
+
 def needed(load: Load, policy: Policy, current: int) -> int:
     """Replicas this one sample's load needs (before warm and bounds)."""
     if load.since_last_request_s >= policy.idle_after_s and load.inflight == 0:
         return 0
     by_inflight = math.ceil(load.inflight / policy.target_inflight)
-    if load.shed_per_s > 0:
-        # Work is being refused: at least one more than now, whatever the in-flight count says.
+    if load.shed_per_s > 0 or kv_cache_full(load, policy):
+        # Work is being refused, or the engines' KV caches are full: at least one more than now, whatever the
+        # in-flight count says.
         by_inflight = max(by_inflight, current + 1)
     # Traffic within the idle window keeps one replica up even when nothing is in flight at the sample.
     return max(1, by_inflight)
@@ -78,6 +88,9 @@ def decide(history: list[dict], load: Load, bounds: Bounds, policy: Policy, *, c
         if urgent or (previous is not None and with_warm(previous) > current):
             why = (f"{load.inflight} requests in flight need {wants} replicas at {policy.target_inflight:g} each"
                    if load.shed_per_s <= 0 else f"requests were being shed ({load.shed_per_s:.1f}/s)")
+            if load.shed_per_s <= 0 and kv_cache_full(load, policy):
+                why = (f"the replicas' KV caches are {load.kv_cache_use:.0%} full (at {policy.kv_cache_high:.0%} "
+                       f"an engine queues or preempts sequences)")
             if current == 0 and wants > 0 and load.inflight == 0:
                 why = "a request arrived while scaled to zero"
             warm = f" plus {bounds.warm_replicas} warm" if bounds.warm_replicas else ""

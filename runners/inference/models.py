@@ -32,7 +32,8 @@ class InferenceEndpoint(models.Model):
     environment = models.ForeignKey(Environment, on_delete=models.PROTECT, related_name="endpoints")
     name = models.CharField(max_length=40, validators=[dns_label_validator])
     # The request as validated: {"job": id, "step": n} (a checkpoint of one of the tenant's own jobs)
-    # or {"image": "..."} (Kubernetes only), and the serving settings.
+    # or {"image": "..."} (Kubernetes only), and the serving settings; with a foreign engine ("engine": "vllm",
+    # "tgi", "sglang"; Kubernetes only), its "image", "max_model_len", "dtype" and {"path": ...} as its source.
     spec = models.JSONField()
     # Where the checkpoint being served lies (its record's uri) and its step; a rollout changes both
     # and bumps the generation, and replicas of an older generation are replaced one at a time.
@@ -123,6 +124,8 @@ class EndpointSample(models.Model):
     expired_per_s = models.FloatField()
     p50_ms = models.FloatField(null=True)
     p99_ms = models.FloatField(null=True)
+    # A foreign engine's KV-cache use (0..1), the mean over the ready replicas; null for the shipped server.
+    kv_cache_use = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["endpoint_id", "at"]

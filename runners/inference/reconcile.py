@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.errors import TooMany
 from common.locks import one_pass_at_a_time
 from quotas.models import Quota
+from runners.backends import engines
 from runners.backends.base import BackendError
 from runners.clusters.registry import get_backend
 from runners.environments.models import EnvironmentState
@@ -70,23 +71,33 @@ class Probe:
     running: int = 0
     counts: dict = field(default_factory=dict)  # outcome -> total
     buckets: list = field(default_factory=list)  # [(le as text, cumulative count)] of serve_request_seconds
+    kv_cache_use: float | None = None  # a foreign engine's KV-cache use, 0..1 (None: the shipped server, or unknown)
 
 
-def probe(address: str) -> Probe | None:
-    """/readyz and /metrics of one server; None when it does not answer (a timeout, the connection refused)."""
+def probe(address: str, engine: str = engines.SHIPPED) -> Probe | None:
+    """The engine's health route (/readyz for the shipped server, /health for vLLM, TGI and SGLang) and /metrics
+    of one replica; None when it does not answer (a timeout, the connection refused)."""
     found = Probe()
     timeout_s = settings.ENDPOINT_PROBE_TIMEOUT_S
     try:
-        with urllib.request.urlopen(f"{address}/readyz", timeout=timeout_s) as answer:
+        with urllib.request.urlopen(f"{address}{engines.health_path(engine)}", timeout=timeout_s) as answer:
             found.ready = answer.status == 200
     except urllib.error.HTTPError:
         found.ready = False
     except (OSError, ValueError):
         return None
     try:
-        with urllib.request.urlopen(f"{address}/metrics", timeout=timeout_s) as answer:
+        with urllib.request.urlopen(f"{address}{engines.metrics_path(engine)}", timeout=timeout_s) as answer:
             text = answer.read().decode()
     except (OSError, ValueError):
+        return found
+    if engine != engines.SHIPPED:
+        # The engine's own Prometheus names, through its adapter: running, waiting, KV-cache use.
+        try:
+            signals = engines.read_metrics(engine, text)
+        except ValueError:
+            return found
+        found.queue, found.running, found.kv_cache_use = signals.waiting, signals.running, signals.kv_cache_use
         return found
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -119,6 +130,11 @@ def _quantile_ms(buckets: list[tuple[str, float]], q: float) -> float | None:
 Read = tuple[str, Probe | None, bool]
 
 
+def _engine(replica: Replica) -> str:
+    """The engine a replica runs, as its job's spec says ("shipped" for one from before engines)."""
+    return (replica.job.spec.get("serving") or {}).get("engine") or engines.SHIPPED
+
+
 def _read_one(backend, replica: Replica, attempt_number: int) -> Read:
     try:
         address = backend.serving_address(replica.job_id, attempt_number)
@@ -128,7 +144,7 @@ def _read_one(backend, replica: Replica, attempt_number: int) -> Read:
         return "", None, False
     if not address:
         return "", Probe(ready=False), True
-    return address, probe(address), True
+    return address, probe(address, _engine(replica)), True
 
 
 def _read_replicas(endpoints: list[int], backend) -> dict[int, dict[int, Read]]:
@@ -157,12 +173,15 @@ def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -
     totals, answered, shed, expired = {}, 0.0, 0.0, 0.0
     bucket_delta: dict[str, float] = {}
     queue = running = 0
+    kv_uses = []
     for replica_id, (_, found, _asked) in read.items():
         if found is None:
             continue
         if replica_id in ready_ids:
             queue += found.queue
             running += found.running
+            if found.kv_cache_use is not None:
+                kv_uses.append(found.kv_cache_use)
         before = previous.get(str(replica_id), {})
         counts = found.counts
         totals[str(replica_id)] = {"counts": counts, "buckets": found.buckets}
@@ -184,6 +203,7 @@ def _sample(endpoint: InferenceEndpoint, read: dict, ready_ids: set[int], now) -
         requests_per_s=(answered + shed + expired) / elapsed if elapsed else 0.0,
         shed_per_s=shed / elapsed if elapsed else 0.0, expired_per_s=expired / elapsed if elapsed else 0.0,
         p50_ms=_quantile_ms(buckets, 0.5), p99_ms=_quantile_ms(buckets, 0.99),
+        kv_cache_use=sum(kv_uses) / len(kv_uses) if kv_uses else None,
     )
 
 
@@ -191,6 +211,7 @@ def policy() -> autoscale.Policy:
     return autoscale.Policy(
         target_inflight=settings.ENDPOINT_TARGET_INFLIGHT, scale_in_after_s=settings.ENDPOINT_SCALE_IN_AFTER_S,
         idle_after_s=settings.ENDPOINT_IDLE_AFTER_S,
+        kv_cache_high=getattr(settings, "ENDPOINT_KV_CACHE_HIGH", autoscale.Policy.kv_cache_high),
     )
 
 
@@ -200,6 +221,7 @@ def _autoscale(endpoint: InferenceEndpoint, sample: EndpointSample, now) -> None
     load = autoscale.Load(
         at_s=now.timestamp(), inflight=sample.queue_depth + sample.running,
         shed_per_s=sample.shed_per_s + sample.expired_per_s, since_last_request_s=since_request,
+        kv_cache_use=sample.kv_cache_use,
     )
     bounds = autoscale.Bounds(endpoint.min_replicas, endpoint.max_replicas, endpoint.warm_replicas)
     wanted, why, memory["history"] = autoscale.decide(

@@ -24,6 +24,7 @@ from audit.services import SYSTEM, record, snapshot
 from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota
+from runners.backends import engines as engine_kinds
 from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone
 from runners.clusters.registry import get_backend
 from runners.environments.models import Environment, EnvironmentState
@@ -52,11 +53,20 @@ BOUNDS = {
     "default_deadline_ms": (100, 120_000, 10_000),
 }
 REQUIRED = ("tenant", "environment", "name", "source", "flavor")
-FIELDS = (*REQUIRED, *BOUNDS)
-SOURCE_FIELDS = ("job", "step", "model", "version", "image")
+# A foreign engine's fields (runners.backends.engines): which engine, its image, and its named settings.
+ENGINE_FIELDS = ("engine", "image", "max_model_len", "dtype")
+# The shipped server's own settings, which a foreign engine takes none of.
+SHIPPED_ONLY = ("queue_limit", "batch_token_budget", "max_batch_wait_ms")
+FIELDS = (*REQUIRED, *BOUNDS, *ENGINE_FIELDS)
+SOURCE_FIELDS = ("job", "step", "model", "version", "image", "path")
 # What every replica asks for besides its GPUs: the portal's choice (the server needs no more).
 REPLICA_CPU_MILLI = 1000
 REPLICA_MEMORY_MIB = max(TRAINER_MIN_MEMORY_MIB, 2048)
+# A foreign engine's replica, per GPU: its tokenizers, scheduler and workers, and the host side of its KV cache.
+ENGINE_CPU_MILLI_PER_GPU = 4000
+ENGINE_MEMORY_MIB_PER_GPU = 32768
+# What a foreign engine serves from its image: a folder in it (absolute) or a name the engine resolves itself.
+ENGINE_MODEL_PATTERN = r"[A-Za-z0-9_./-]{1,200}"
 # A replica job's retries before the endpoint counts it as failed.
 REPLICA_MAX_RETRIES = 3
 
@@ -236,6 +246,60 @@ def _script_bytes_load(what: str, data: bytes, *, shown_as: str) -> None:
                                     f"{first_line}). {SERVER_LOADS}") from None
 
 
+def engine_of(spec: dict) -> str:
+    """The engine an endpoint's spec runs ("shipped" for a spec from before engines)."""
+    return spec.get("engine") or engine_kinds.SHIPPED
+
+
+def _engine_check(spec: dict, given: dict) -> None:
+    """The engine fields of a spec, checked in place (Invalid names the field): ``engine`` one of the engines, a
+    foreign one on the Kubernetes backend only, with its ``image`` from an allowed registry and its settings."""
+    engine = spec.setdefault("engine", engine_kinds.SHIPPED)
+    if engine not in engine_kinds.ENGINES:
+        raise Invalid("engine", f"One of {', '.join(engine_kinds.ENGINES)}, got {engine!r}.")
+    if engine == engine_kinds.SHIPPED:
+        for field in ("image", "max_model_len", "dtype"):
+            if field in given:
+                raise Invalid(field, f"Only a foreign engine ({', '.join(engine_kinds.FOREIGN_ENGINES)}) takes "
+                                     f"{field}; the shipped server's image is the portal's (a custom one is "
+                                     f'source {{"image": ...}}).')
+        for field in ENGINE_FIELDS[1:]:
+            spec.pop(field, None)
+        return
+    if settings.CLUSTER_BACKEND != "kubernetes":
+        raise Invalid("engine", f"Engine {engine} runs on the Kubernetes backend only; here endpoints run the "
+                                f"shipped server.")
+    for field in SHIPPED_ONLY:
+        if field in given:
+            raise Invalid(field, f"A setting of the shipped server; engine {engine} takes none (max_model_len and "
+                                 f"dtype are its settings).")
+        spec.pop(field, None)
+    if given.get("image") in (None, ""):
+        raise Invalid("image", f"Engine {engine} runs an image from an allowed registry: name it.")
+    spec["image"], _ = jobs.image_check(given["image"], ["serve"])
+    length = spec.setdefault("max_model_len", None)
+    if length is not None:
+        _whole(spec, "max_model_len", *engine_kinds.MAX_MODEL_LEN)
+    dtype = spec.setdefault("dtype", "auto")
+    if dtype not in engine_kinds.dtypes(engine):
+        raise Invalid("dtype", f"Engine {engine} takes one of {', '.join(engine_kinds.dtypes(engine))}, got {dtype!r}.")
+
+
+def _engine_source(value, engine: str) -> dict:
+    """What a foreign engine serves: {"path": "<folder in its image, or a name the engine resolves>"}."""
+    if not isinstance(value, dict) or set(value) != {"path"}:
+        if isinstance(value, dict) and ("model" in value or "job" in value):
+            raise Invalid("source", f"Engine {engine} serves a model its image holds (or names): "
+                                    f'{{"path": "/models/<folder>"}}. Model versions and job checkpoints are the '
+                                    f"shipped server's (engine shipped) for now.")
+        raise Invalid("source", f'Engine {engine} serves {{"path": "<folder in its image, or a model name>"}}.')
+    path = value["path"]
+    if not isinstance(path, str) or not re.fullmatch(ENGINE_MODEL_PATTERN, path) or ".." in path.split("/"):
+        raise Invalid("source.path", "A folder in the image (/models/<name>) or a model's name (<org>/<name>): "
+                                     "letters, digits, '.', '_', '-' and '/', at most 200, no '..'.")
+    return {"path": path}
+
+
 def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     """The endpoint as asked for, checked field by field; Invalid names the first bad field.
 
@@ -246,10 +310,20 @@ def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
     tenant, environment = jobs.member_tenant_and_ready_environment(actor, spec["tenant"], spec["environment"])
     if not isinstance(spec["name"], str) or not re.fullmatch(NAME_PATTERN, spec["name"]):
         raise Invalid("name", f"Lowercase letters, digits and '-', at most {NAME_MAX}, starting and ending alphanumeric.")
-    spec["source"] = _source(spec["source"], tenant)
+    _engine_check(spec, data)
+    engine = engine_of(spec)
+    if engine == engine_kinds.SHIPPED:
+        if isinstance(spec["source"], dict) and "path" in spec["source"]:
+            raise Invalid("source.path", "A path is what a foreign engine serves from its image; the shipped server "
+                                         "serves a model version or a job's checkpoint.")
+        spec["source"] = _source(spec["source"], tenant)
+    else:
+        spec["source"] = _engine_source(spec["source"], engine)
     flavor, quota = jobs.flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
     for field, (low, high, _) in BOUNDS.items():
+        if field not in spec:
+            continue  # a shipped server's setting, which a foreign engine has none of
         if field == "gpus_per_replica" and sliced:
             high = 1
         if field == "default_deadline_ms":
@@ -396,15 +470,27 @@ def endpoint_scale(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data
 def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, data) -> InferenceEndpoint:
     """Serve another checkpoint: a new generation, replacing the replicas one at a time, none dropped."""
     require_role(user=actor, tenant=endpoint.tenant, at_least=Role.MEMBER)
+    engine = engine_of(endpoint.spec)
+    foreign = engine != engine_kinds.SHIPPED
     if not isinstance(data, dict) or "source" not in data:
         raise Invalid("source", 'Give what to roll out to: {"source": {"model": "<name>", "version": <n>}} or '
-                                '{"source": {"job": <id>, "step": <n>}}.')
-    unknown = sorted(set(data) - {"source"})
+                                '{"source": {"job": <id>, "step": <n>}}' + (
+                                    ' (a foreign engine: {"source": {"path": "..."}}, optionally with "image").'
+                                    if foreign else "."))
+    allowed = {"source", "image"} if foreign else {"source"}
+    unknown = sorted(set(data) - allowed)
     if unknown:
-        raise Invalid(unknown[0], "Unknown field; rollout takes source only.")
+        raise Invalid(unknown[0], "Unknown field; rollout takes " + (
+            "source and image." if foreign else "source only (image: a foreign engine's endpoint)."))
     if endpoint.stop_requested_at is not None:
         raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
-    source = _source(data["source"], endpoint.tenant)
+    image = endpoint.spec.get("image")
+    if foreign:
+        source = _engine_source(data["source"], engine)
+        if "image" in data:
+            image, _ = jobs.image_check(data["image"], ["serve"])
+    else:
+        source = _source(data["source"], endpoint.tenant)
     version = served_version(actor=actor, tenant=endpoint.tenant, source=source, model_name=endpoint.name)
     with transaction.atomic():
         endpoint = _locked(endpoint)
@@ -412,8 +498,11 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
             raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
         if version is not None:  # a delete of the version waits for this, or wins and this says so
             version = registry_selectors.version_lock(version)
-        audit_before = {"source": _served_what(endpoint), "generation": endpoint.generation}
+        audit_before = {"source": _served_what(endpoint), "generation": endpoint.generation,
+                        **({"image": endpoint.spec.get("image")} if foreign else {})}
         endpoint.spec["source"] = source
+        if foreign:
+            endpoint.spec["image"] = image
         for field, value in _checkpoint_fields(source, version).items():
             setattr(endpoint, field, value)
         endpoint.generation += 1
@@ -421,6 +510,8 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
                                      "generation"])
         if version is not None:
             what = f"model {version.name} version {version.version}"
+        elif foreign:
+            what = f"{source['path']} on {engine} ({image})"
         else:
             what = f"job {source['job']} step {source['step']}" if "job" in source else source["image"]
         ScaleEvent.objects.create(
@@ -430,7 +521,8 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         )
         record("endpoint.rolled_out", actor=actor, tenant=endpoint.tenant, obj=endpoint,
                object_repr=_endpoint_repr(endpoint), before=audit_before,
-               after={"source": _served_what(endpoint), "generation": endpoint.generation})
+               after={"source": _served_what(endpoint), "generation": endpoint.generation,
+                      **({"image": image} if foreign else {})})
         transaction.on_commit(kick_reconcile)
     return endpoint
 
@@ -484,6 +576,9 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int, *, borrowing: bool 
     # A model version's replicas serve its weights (from the node cache's copy, else the store); only an endpoint
     # whose checkpoint the portal could not copy (Kubernetes) reads it from the source job's volume.
     weights = {"sha256": version.weights_sha256, "bytes": version.weights_bytes} if version is not None else None
+    engine = engine_of(spec)
+    if engine != engine_kinds.SHIPPED:
+        return _engine_replica_job_spec(endpoint, slot, engine, borrowing=borrowing)
     return {
         "tenant": endpoint.tenant.slug, "environment": endpoint.environment_id,
         "name": f"{endpoint.name}-g{endpoint.generation}-r{slot}", "template": "serve", "replicas": 1,
@@ -499,6 +594,30 @@ def replica_job_spec(endpoint: InferenceEndpoint, slot: int, *, borrowing: bool 
             "queue_limit": spec["queue_limit"], "batch_token_budget": spec["batch_token_budget"],
             "max_batch_wait_ms": spec["max_batch_wait_ms"], "default_deadline_ms": spec["default_deadline_ms"],
             "max_deadline_ms": max_deadline_ms(), "image": source.get("image"),
+        },
+    }
+
+
+def _engine_replica_job_spec(endpoint: InferenceEndpoint, slot: int, engine: str, *, borrowing: bool) -> dict:
+    """A foreign engine's replica job: its image and the model in it, its named settings, CPU and memory for an
+    engine (per GPU); nothing of the shipped server's."""
+    spec = endpoint.spec
+    units = endpoint.gpus_per_replica
+    return {
+        "tenant": endpoint.tenant.slug, "environment": endpoint.environment_id,
+        "name": f"{endpoint.name}-g{endpoint.generation}-r{slot}", "template": "serve", "replicas": 1,
+        "flavor": endpoint.flavor.name, "gpus_per_replica": units,
+        "cpu_milli_per_replica": ENGINE_CPU_MILLI_PER_GPU * units,
+        "memory_mib_per_replica": ENGINE_MEMORY_MIB_PER_GPU * units,
+        "topology": {"level": "none", "mode": "preferred"}, "priority": 0,
+        "preemptible": borrowing or slot >= endpoint.min_replicas, "steps": 1, "checkpoint_every_steps": 0,
+        "max_runtime_s": jobs.MAX_RUNTIME_S, "max_retries": REPLICA_MAX_RETRIES, "env": {}, "hyperparameters": {},
+        "image": spec["image"], "command": None,
+        "serving": {
+            "endpoint_id": endpoint.id, "checkpoint": "", "source_job_id": None, "weights": None,
+            "default_deadline_ms": spec["default_deadline_ms"], "max_deadline_ms": max_deadline_ms(),
+            "image": spec["image"], "engine": engine, "model": spec["source"]["path"], "served_name": endpoint.name,
+            "max_model_len": spec.get("max_model_len"), "dtype": spec.get("dtype", "auto"),
         },
     }
 
