@@ -1,0 +1,507 @@
+"""The edge: the asynchronous front that serves endpoints (``/serve/<tenant>/<endpoint>/v1/...``).
+
+One Starlette app, run by uvicorn (``python -m runners.edge``). For each request it notes the arrival
+time (the deadline's clock starts there), checks the caller against the portal's own API tokens and
+session cookie (cached a few seconds), finds the endpoint and its ready replicas in a routing table
+read from the database in the background, admits the request or refuses it at once (429 with
+Retry-After: nothing waits unseen), and forwards it to a replica with ``X-Portal-Deadline-Ms``: what is
+left of the deadline. The answer streams back as it comes. A replica that refuses the connection,
+resets it, or times out before any byte of the answer is left for the next one within the deadline; so
+is one the edge's own probes find silent (runners/edge/probes.py). A client that goes away closes the
+replica's connection at once, so nothing is left computing for it. Every other path passes through to
+the portal's web process (gunicorn) when the edge stands in front of it (``--upstream``), WebSockets too.
+
+Nothing here holds a thread or a database connection while a replica works: the database is read by
+the table's one background thread (runners/edge/table.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import httpx
+from starlette.applications import Starlette
+from starlette.routing import Route as StarletteRoute
+from starlette.routing import WebSocketRoute
+
+from runners.edge import proxy
+from runners.edge.probes import Prober, ReplicaState
+from runners.edge.table import Caller, Route, Table
+
+log = logging.getLogger("runners.edge")
+
+try:  # replica choice by shared prompt prefix (runners/edge/prefix.py), else by load alone
+    from runners.edge.prefix import PrefixRouter, ReplicaLoad
+except ImportError:  # pragma: no cover - until the prefix router is in
+    PrefixRouter = None
+
+    @dataclass(frozen=True)
+    class ReplicaLoad:
+        key: str
+        outstanding_tokens: int
+
+DEADLINE_HEADER = "x-portal-deadline-ms"
+# The routes an endpoint answers through the edge: the native one and the OpenAI ones.
+ROUTES = ("v1/generate", "v1/completions", "v1/chat/completions")
+# Headers of a replica's answer passed to the caller.
+PASSED_HEADERS = ("content-type", "content-length", "retry-after", "x-time-to-first-token-ms", "cache-control",
+                  "x-request-id")
+# Headers of the caller's request passed to the replica (the caller's credentials never are).
+FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "user-agent")
+
+
+def _setting(name: str, default, kind=float):
+    """A setting: Django's (once the lead adds it to portal/settings.py), else the environment, else the default."""
+    from django.conf import settings
+
+    value = getattr(settings, name, None)
+    if value is None:
+        value = os.environ.get(name)
+    return kind(value) if value not in (None, "") else default
+
+
+@dataclass
+class EdgeConfig:
+    max_body_bytes: int = 64 * 1024
+    table_refresh_s: float = 0.5
+    auth_cache_s: float = 5.0
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 0.5
+    probe_failures: int = 2
+    deadline_margin_ms: float = 50.0
+    in_flight_per_replica: int = 0  # 0: twice the endpoint's queue_limit
+    connect_timeout_s: float = 1.0
+    max_deadline_ms: float = 120_000.0
+
+    @classmethod
+    def from_settings(cls) -> EdgeConfig:
+        from runners.inference.services import max_deadline_ms
+
+        return cls(
+            max_body_bytes=_setting("EDGE_MAX_BODY_BYTES", 64 * 1024, int),
+            table_refresh_s=_setting("EDGE_TABLE_REFRESH_S", 0.5),
+            auth_cache_s=_setting("EDGE_AUTH_CACHE_S", 5.0),
+            probe_interval_s=_setting("EDGE_PROBE_INTERVAL_S", 0.5),
+            probe_timeout_s=_setting("EDGE_PROBE_TIMEOUT_S", 0.5),
+            probe_failures=_setting("EDGE_PROBE_FAILURES", 2, int),
+            deadline_margin_ms=_setting("EDGE_DEADLINE_MARGIN_MS", 50.0),
+            in_flight_per_replica=_setting("EDGE_IN_FLIGHT_PER_REPLICA", 0, int),
+            connect_timeout_s=_setting("EDGE_CONNECT_TIMEOUT_S", 1.0),
+            max_deadline_ms=float(max_deadline_ms()),
+        )
+
+
+class Refusal(Exception):
+    def __init__(self, status: int, body: dict, headers: dict | None = None) -> None:
+        self.status, self.body, self.headers = status, body, headers or {}
+
+
+def _json(status: int, body: dict, headers: dict | None = None) -> tuple[int, list, bytes]:
+    raw = [(b"content-type", b"application/json")]
+    raw += [(name.lower().encode(), str(value).encode()) for name, value in (headers or {}).items()]
+    return status, raw, json.dumps(body).encode()
+
+
+async def _answer(send, status: int, body: dict, headers: dict | None = None) -> None:
+    status, raw, data = _json(status, body, headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _credentials(scope) -> tuple[str | None, str | None]:
+    """(API token, session key) of the request: ``Authorization: Token <t>`` or ``Bearer <t>`` (the
+    OpenAI client's), else the portal's session cookie."""
+    from http.cookies import SimpleCookie
+
+    from django.conf import settings
+
+    authorization = _header(scope, b"authorization")
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() in ("token", "bearer") and token.strip():
+            return token.strip(), None
+        raise Refusal(401, {"detail": "Invalid token header."}, {"WWW-Authenticate": "Token"})
+    cookie = _header(scope, b"cookie")
+    if cookie:
+        jar = SimpleCookie()
+        try:
+            jar.load(cookie)
+        except Exception:
+            jar = SimpleCookie()
+        if settings.SESSION_COOKIE_NAME in jar:
+            return None, jar[settings.SESSION_COOKIE_NAME].value
+    return None, None
+
+
+def _csrf_refusal(scope, body: bytes) -> tuple[int, bytes] | None:
+    """Django's own CSRF check for a request authenticated by its session cookie (as DRF checks one)."""
+    import io
+
+    from django.core.handlers.asgi import ASGIRequest
+    from django.middleware.csrf import CsrfViewMiddleware
+
+    request = ASGIRequest(dict(scope, path=scope["path"]), io.BytesIO(body))
+    refusal = CsrfViewMiddleware(lambda request: None).process_view(request, None, (), {})
+    if refusal is None:
+        return None
+    return 403, json.dumps({"detail": "CSRF Failed: the request lacks the page's CSRF token."}).encode()
+
+
+def _checked_body(body: bytes, route_kind: str) -> dict:
+    """The body read as the edge needs it (what it costs, its deadline, whether it streams); 400 naming the
+    field for what it cannot read. Everything else is the replica's to judge."""
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError:
+        raise Refusal(400, {"body": ["Not UTF-8 text."]}) from None
+    except ValueError as exc:
+        raise Refusal(400, {"body": [f"Not JSON: {exc}."]}) from None
+    if not isinstance(data, dict):
+        raise Refusal(400, {"body": ["Must be a JSON object."]})
+    if "deadline_ms" in data:
+        deadline = data["deadline_ms"]
+        finite = isinstance(deadline, (int, float)) and not isinstance(deadline, bool)
+        if finite:
+            try:
+                finite = math.isfinite(deadline)
+            except OverflowError:
+                finite = False
+        if not finite:
+            raise Refusal(400, {"deadline_ms": ["A finite number of milliseconds."]})
+        if deadline <= 0:
+            raise Refusal(400, {"deadline_ms": ["Must be positive: the deadline is that long after the request "
+                                                "arrives."]})
+    if "stream" in data and not isinstance(data["stream"], bool):
+        raise Refusal(400, {"stream": ["Must be true or false."]})
+    if route_kind == "v1/chat/completions" and "messages" in data and not isinstance(data["messages"], list):
+        raise Refusal(400, {"messages": ["Must be a list of messages."]})
+    return data
+
+
+def _cost(data: dict) -> tuple[int, str]:
+    """(tokens the request may cost: prompt bytes plus max_tokens, the prompt text the prefix router reads)."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list):
+        prompt = "".join(part for part in prompt if isinstance(part, str))
+    if not isinstance(prompt, str):
+        parts = []
+        for message in data.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+        prompt = "\n".join(parts)
+    tokens = data.get("max_tokens", data.get("max_completion_tokens"))
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 16
+    return max(1, min(len(prompt.encode("utf-8", "replace")) + tokens, 1 << 30)), prompt
+
+
+class Edge:
+    """The edge's state: the table, the probes, the HTTP client, the counts in flight."""
+
+    def __init__(self, *, config: EdgeConfig | None = None, upstream: str | None = None) -> None:
+        self.config = config
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.in_flight: dict[int, int] = {}
+        self.router = None
+        self.table: Table | None = None
+        self.prober: Prober | None = None
+        self.client: httpx.AsyncClient | None = None
+        self.passthrough: httpx.AsyncClient | None = None
+        self._sync_task: asyncio.Task | None = None
+
+    async def startup(self) -> None:
+        if self.config is None:
+            self.config = await asyncio.to_thread(EdgeConfig.from_settings)
+        c = self.config
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30))
+        self.passthrough = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), follow_redirects=False,
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.router = PrefixRouter() if PrefixRouter is not None else None
+        self.prober = Prober(self.client, interval_s=c.probe_interval_s, timeout_s=c.probe_timeout_s,
+                             failures=c.probe_failures)
+        if self.router is not None:
+            self.prober.on_gone = self.router.forget
+        self.table = Table(refresh_s=c.table_refresh_s, auth_cache_s=c.auth_cache_s)
+        await self.table.start()
+        self._sync_probes()
+        self._sync_task = asyncio.create_task(self._keep_probes())
+        log.info("the edge serves %d endpoints%s", len(self.table.routes),
+                 f"; everything else passes to {self.upstream}" if self.upstream else "")
+
+    async def shutdown(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+        if self.table is not None:
+            await self.table.stop()
+        if self.prober is not None:
+            await self.prober.stop()
+        for client in (self.client, self.passthrough):
+            if client is not None:
+                await client.aclose()
+
+    def _sync_probes(self) -> None:
+        self.prober.sync([target for route in self.table.routes.values() for target in route.targets])
+
+    async def _keep_probes(self) -> None:
+        while True:
+            await self.table.wait_change(self.config.table_refresh_s * 4)
+            self._sync_probes()
+
+    # --- the serving route ------------------------------------------------------------------------------
+
+    async def serve(self, scope, receive, send) -> None:
+        arrived = scope.get("edge.arrived") or asyncio.get_running_loop().time()
+        params = scope["path_params"]
+        try:
+            await self._serve(scope, receive, send, arrived, params["tenant"], params["name"], params["route"])
+        except Refusal as refusal:
+            await _answer(send, refusal.status, refusal.body, refusal.headers)
+        except proxy.ClientGone:
+            return
+
+    async def _identify(self, scope) -> Caller:
+        token, session_key = _credentials(scope)
+        if token is None and session_key is None:
+            raise Refusal(401, {"detail": "Authentication credentials were not provided."},
+                          {"WWW-Authenticate": "Token"})
+        caller = await self.table.caller(token=token, session_key=session_key)
+        if caller is None:
+            if token is not None:
+                raise Refusal(401, {"detail": "Invalid token."}, {"WWW-Authenticate": "Token"})
+            raise Refusal(401, {"detail": "Authentication credentials were not provided."},
+                          {"WWW-Authenticate": "Token"})
+        return caller
+
+    async def _serve(self, scope, receive, send, arrived: float, tenant: str, name: str, kind: str) -> None:
+        from tenants.models import Role, role_at_least
+
+        loop = asyncio.get_running_loop()
+        c = self.config
+        if scope["method"] != "POST":
+            raise Refusal(405, {"detail": f'Method "{scope["method"]}" not allowed.'}, {"Allow": "POST"})
+        caller = await self._identify(scope)
+        route = self.table.route(tenant, name)
+        role = caller.roles.get(route.tenant_id) if route is not None else None
+        if route is None or not (caller.is_staff or role is not None):
+            raise Refusal(404, {"detail": "No such endpoint."})
+        if not (caller.is_staff or role_at_least(role, Role.MEMBER)):
+            raise Refusal(403, {"detail": "Viewers read endpoints; generating takes a member of the tenant."})
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > c.max_body_bytes:
+            raise Refusal(413, {"body": [f"The body is over {c.max_body_bytes} bytes."]})
+        body = await proxy.read_body(receive, c.max_body_bytes)
+        if body is None:
+            raise Refusal(413, {"body": [f"The body is over {c.max_body_bytes} bytes."]})
+        if caller.via_session:
+            refusal = _csrf_refusal(scope, body)
+            if refusal is not None:
+                raise Refusal(403, json.loads(refusal[1]))
+        if route.stopping:
+            raise Refusal(503, {"detail": f"Endpoint {route.name} is stopping."}, {"Retry-After": 30})
+        data = _checked_body(body, kind)
+        if data.get("deadline_ms") is not None and data["deadline_ms"] > c.max_deadline_ms:
+            raise Refusal(400, {"deadline_ms": [f"At most {c.max_deadline_ms:g}."]})
+        deadline_ms = float(data.get("deadline_ms") or route.default_deadline_ms)
+        deadline_ms = min(deadline_ms, c.max_deadline_ms)
+        give_up_at = arrived + deadline_ms / 1000.0
+        cost, prompt = _cost(data)
+
+        limit = max(1, len(route.targets)) * (c.in_flight_per_replica or 2 * route.queue_limit)
+        if self.in_flight.get(route.id, 0) >= limit:
+            raise Refusal(429, {"detail": f"Endpoint {route.name} has {limit} requests in flight; try again."},
+                          {"Retry-After": 1})
+        self.table.note_request(route)
+        self.in_flight[route.id] = self.in_flight.get(route.id, 0) + 1
+        try:
+            await proxy.watching(receive, self._forward(scope, receive, send, route, kind, body, data, cost, prompt,
+                                                        give_up_at, loop))
+        finally:
+            left = self.in_flight.get(route.id, 1) - 1
+            if left > 0:
+                self.in_flight[route.id] = left
+            else:
+                self.in_flight.pop(route.id, None)
+
+    def _choices(self, route: Route, tried: set[str], prompt: str) -> list[ReplicaState]:
+        states = [self.prober.state(target) for target in route.targets]
+        states = [state for state in states if not state.out and state.target.key not in tried]
+        if len(states) <= 1 or self.router is None:
+            return sorted(states, key=lambda state: (state.outstanding, int(state.target.key)
+                                                     if state.target.key.isdigit() else 0))
+        by_key = {state.target.key: state for state in states}
+        order = self.router.order(prompt, [ReplicaLoad(state.target.key, state.outstanding) for state in states])
+        return [by_key[key] for key in order if key in by_key]
+
+    async def _forward(self, scope, receive, send, route: Route, kind: str, body: bytes, data: dict, cost: int,
+                       prompt: str, give_up_at: float, loop) -> None:
+        c = self.config
+        margin = c.deadline_margin_ms / 1000.0
+        tried: set[str] = set()
+        last_refusal: httpx.Response | None = None
+        waited = False
+        headers = [(name, value) for name, value in proxy.request_headers(scope)
+                   if name.lower() in FORWARDED_HEADERS]
+        while True:
+            choices = self._choices(route, tried, prompt)
+            if not choices:
+                if last_refusal is not None:
+                    await self._pass_refusal(send, last_refusal)
+                    return
+                if tried:
+                    raise Refusal(503, {"detail": "Every ready replica refused, reset or stopped answering; try "
+                                                  "again."}, {"Retry-After": 2})
+                # Cold start (or every replica out of rotation): wait for one within the deadline.
+                if loop.time() + 0.05 >= give_up_at:
+                    raise Refusal(503, {"detail": "No replica is ready yet (starting); try again." if route.starting
+                                        else "No replica is ready."}, {"Retry-After": 5})
+                self.table.note_request(route)
+                await self.table.wait_change(min(c.table_refresh_s, max(0.01, give_up_at - loop.time())))
+                route = self.table.route(route.tenant_slug, route.name) or route
+                waited = True
+                continue
+            state = choices[0]
+            left_ms = (give_up_at - loop.time()) * 1000.0
+            if left_ms < 1:
+                raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
+            content = body
+            if waited and route.engine == "portal":
+                # The shipped server counts a body's deadline from when the request reaches it.
+                content = json.dumps(dict(data, deadline_ms=round(left_ms, 1))).encode()
+            url = f"{state.target.address}/{kind}"
+            out_headers = headers + [(DEADLINE_HEADER, f"{left_ms:.1f}")]
+            state.outstanding += cost
+            opened = asyncio.ensure_future(proxy.open_upstream(self.client, "POST", url, out_headers, content))
+            hung = asyncio.ensure_future(state.hung.wait())
+            try:
+                done, _ = await asyncio.wait({opened, hung}, timeout=max(0.0, give_up_at + margin - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if opened not in done:
+                    opened.cancel()
+                    try:
+                        response = await opened
+                        await response.aclose()
+                    except BaseException:
+                        pass
+                    if hung in done:
+                        log.warning("replica %s stopped answering; its request goes to the next one",
+                                    state.target.key)
+                        tried.add(state.target.key)
+                        waited = True
+                        continue
+                    raise Refusal(504, {"detail": "The deadline passed before the answer."})
+                try:
+                    response = opened.result()
+                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                        httpx.WriteError, httpx.PoolTimeout) as exc:
+                    log.info("replica %s did not take the request (%s); trying the next", state.target.key,
+                             type(exc).__name__)
+                    tried.add(state.target.key)
+                    waited = True
+                    continue
+                if response.status_code in (429, 503) and len(choices) > 1:
+                    # Full or draining: the next replica may answer within the deadline.
+                    await response.aread()
+                    await response.aclose()
+                    last_refusal = response
+                    tried.add(state.target.key)
+                    waited = True
+                    continue
+                answer_headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
+                answer_headers.append((b"x-portal-replica", state.target.key.encode()))
+                ended = await proxy.stream_back(send, receive, response, headers=answer_headers,
+                                                give_up_at=give_up_at + margin)
+                if ended == "client-gone":
+                    raise proxy.ClientGone()
+                if response.status_code < 400 and self.router is not None:
+                    self.router.record(state.target.key, prompt)
+                return
+            finally:
+                hung.cancel()
+                state.outstanding = max(0, state.outstanding - cost)
+
+    async def _pass_refusal(self, send, response: httpx.Response) -> None:
+        headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": response.content})
+
+    # --- everything else: passed to the portal's web process ------------------------------------------------
+
+    async def pass_http(self, scope, receive, send) -> None:
+        if self.upstream is None:
+            await _answer(send, 404, {"detail": "Not found."})
+            return
+        await proxy.forward_http(scope, receive, send, self.passthrough, self.upstream)
+
+    async def pass_websocket(self, scope, receive, send) -> None:
+        if self.upstream is None:
+            await send({"type": "websocket.close", "code": 1000})
+            return
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = "ws" + self.upstream[len("http"):] + scope["path"] + (f"?{query}" if query else "")
+        headers = [(name, value) for name, value in proxy.request_headers(scope, drop=(
+            "host", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+            "sec-websocket-protocol"))]
+        await proxy.forward_websocket(scope, receive, send, url, extra_headers=headers)
+
+
+class _Asgi:
+    """A raw ASGI endpoint for Starlette's router (a class instance is called as an ASGI app)."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.handler(scope, receive, send)
+
+
+def build(*, upstream: str | None = None, config: EdgeConfig | None = None) -> Starlette:
+    """The edge's ASGI app. ``upstream``: the web process every other request passes to (none: 404)."""
+    import contextlib
+
+    edge = Edge(config=config, upstream=upstream)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await edge.startup()
+        try:
+            yield
+        finally:
+            await edge.shutdown()
+
+    routes = [
+        StarletteRoute("/serve/{tenant}/{name}/{route:path}", _Asgi(edge.serve), methods=None),
+        StarletteRoute("/{rest:path}", _Asgi(edge.pass_http), methods=None),
+        WebSocketRoute("/{rest:path}", _Asgi(edge.pass_websocket)),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.edge = edge
+
+    async def stamped(scope, receive, send):
+        """Notes each request's arrival (the deadline's clock) before anything else runs."""
+        if scope["type"] in ("http", "websocket"):
+            scope["edge.arrived"] = asyncio.get_running_loop().time()
+            if scope["type"] == "http" and scope["path"].startswith("/serve/"):
+                parts = scope["path"].split("/", 4)
+                if len(parts) == 5 and parts[4] not in ROUTES:
+                    await _answer(send, 404, {"detail": "No such route; an endpoint answers /v1/generate, "
+                                                        "/v1/completions and /v1/chat/completions."})
+                    return
+        await app(scope, receive, send)
+
+    stamped.edge = edge
+    stamped.app = app
+    return stamped

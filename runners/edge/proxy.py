@@ -1,0 +1,228 @@
+"""The edge's proxy core: HTTP and WebSocket pass-through to an upstream address, as raw ASGI.
+
+Nothing here knows endpoints or Django. The serving route (``runners.edge.app``) opens its upstream
+request with ``open_upstream`` (a replica it chose) and streams the answer back with ``stream_back``;
+the pass-through to the portal's web process uses ``forward_http``; an interactive workspace's
+terminal or notebook will use ``forward_http`` and ``forward_websocket`` with the address its own
+resolver picks. Each watches the client: a client that goes away closes the upstream connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable
+
+import httpx
+
+# Hop-by-hop headers (RFC 9110 7.6.1) are never passed on; neither is the upstream's own framing.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "proxy-connection",
+})
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+def request_headers(scope: dict, *, drop: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """The client's request headers less hop-by-hop ones (and ``drop``), plus X-Forwarded-For/-Proto."""
+    dropped = HOP_BY_HOP | {"content-length", "x-forwarded-for", "x-forwarded-proto"} | {name.lower() for name in drop}
+    headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]
+               if name.decode("latin-1").lower() not in dropped]
+    client = scope.get("client")
+    if client:
+        headers.append(("x-forwarded-for", client[0]))
+    headers.append(("x-forwarded-proto", scope.get("scheme", "http")))
+    return headers
+
+
+def answer_headers(response: httpx.Response, *, keep: Iterable[str] | None = None) -> list[tuple[bytes, bytes]]:
+    """The upstream answer's headers to pass to the client: all but hop-by-hop ones, or only ``keep``."""
+    wanted = {name.lower() for name in keep} if keep is not None else None
+    out = []
+    for name, value in response.headers.raw:
+        lowered = name.decode("latin-1").lower()
+        if lowered in HOP_BY_HOP or lowered == "content-length" and response.headers.get("content-encoding"):
+            continue
+        if wanted is not None and lowered not in wanted:
+            continue
+        out.append((lowered.encode("latin-1"), value))
+    return out
+
+
+async def read_body(receive: Callable[[], Awaitable[dict]], limit: int | None) -> bytes | None:
+    """The whole request body, or None once it passes ``limit`` bytes (chunked bodies included)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client has gone (call only once the request body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def watching(receive, work: Awaitable):
+    """Await ``work`` unless the client goes first (then ``work`` is cancelled and ClientGone raised)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    if task.done():
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone()
+
+
+async def open_upstream(client: httpx.AsyncClient, method: str, url: str, headers, content) -> httpx.Response:
+    """Send the request and return once the answer's status and headers are in (its body still to stream)."""
+    return await client.send(client.build_request(method, url, headers=headers, content=content), stream=True)
+
+
+async def stream_back(send, receive, response: httpx.Response, *, status: int | None = None,
+                      headers: list[tuple[bytes, bytes]], give_up_at: float | None = None) -> str:
+    """Pass the upstream answer to the client as it comes; closes the upstream connection however it ends.
+
+    Returns "done", "client-gone" (the client closed: the upstream connection is closed at once, so
+    the replica stops computing for it) or "deadline" (``give_up_at``, loop time, passed mid-answer:
+    the answer is cut where it stands)."""
+    loop = asyncio.get_running_loop()
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    chunks = response.aiter_raw()
+    try:
+        await send({"type": "http.response.start", "status": status or response.status_code, "headers": headers})
+        while True:
+            step = asyncio.ensure_future(anext(chunks))
+            timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
+            done, _ = await asyncio.wait({step, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if step not in done:
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+                if gone in done:
+                    return "client-gone"
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "deadline"
+            try:
+                chunk = step.result()
+            except StopAsyncIteration:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "done"
+            except httpx.HTTPError:
+                # The upstream broke mid-answer: the client gets the answer cut where it stands.
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "upstream-broke"
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:
+                return "client-gone"
+    finally:
+        gone.cancel()
+        await response.aclose()
+
+
+async def forward_http(scope, receive, send, client: httpx.AsyncClient, base_url: str, *,
+                       extra_headers: Iterable[tuple[str, str]] = ()) -> str:
+    """Pass one HTTP request through to ``base_url`` (same path and query), body and answer streamed."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    url = base_url.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (
+        f"?{query}" if query else "")
+
+    async def body():
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            if message.get("body"):
+                yield message["body"]
+            if not message.get("more_body", False):
+                return
+
+    headers = request_headers(scope) + list(extra_headers)
+    try:
+        response = await client.send(client.build_request(scope["method"], url, headers=headers, content=body()),
+                                     stream=True)
+    except ClientGone:
+        return "client-gone"
+    except httpx.HTTPError as exc:
+        message = f'{{"detail": "The portal\'s web process did not answer: {type(exc).__name__}."}}'.encode()
+        await send({"type": "http.response.start", "status": 502,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": message})
+        return "upstream-unreachable"
+    return await stream_back(send, receive, response, headers=answer_headers(response))
+
+
+async def forward_websocket(scope, receive, send, upstream_url: str, *,
+                            extra_headers: Iterable[tuple[str, str]] = ()) -> str:
+    """Pass a WebSocket through to ``upstream_url`` (ws://...): accepted once the upstream accepts, then
+    every message both ways until either side closes (the other side is closed with the same code)."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return "client-gone"
+    subprotocols = scope.get("subprotocols") or None
+    try:
+        upstream = await connect(upstream_url, additional_headers=list(extra_headers), subprotocols=subprotocols,
+                                 open_timeout=10, max_size=None)
+    except (OSError, InvalidHandshake, InvalidStatus, asyncio.TimeoutError):
+        await send({"type": "websocket.close", "code": 1011})
+        return "upstream-unreachable"
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+    async def client_to_upstream():
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                await upstream.close(code=message.get("code", 1000))
+                return "client-closed"
+            if message.get("bytes") is not None:
+                await upstream.send(message["bytes"])
+            elif message.get("text") is not None:
+                await upstream.send(message["text"])
+
+    async def upstream_to_client():
+        try:
+            async for data in upstream:
+                if isinstance(data, bytes):
+                    await send({"type": "websocket.send", "bytes": data})
+                else:
+                    await send({"type": "websocket.send", "text": data})
+        except ConnectionClosed:
+            pass
+        code = upstream.close_code or 1000
+        with contextlib.suppress(Exception):
+            await send({"type": "websocket.close", "code": code if code != 1005 else 1000})
+        return "upstream-closed"
+
+    tasks = [asyncio.ensure_future(client_to_upstream()), asyncio.ensure_future(upstream_to_client())]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await upstream.close()
+    return next(iter(done)).result() if done else "closed"
