@@ -103,6 +103,50 @@ def portal_flags() -> list[str]:
     return ServingSettings(endpoint_id=0, checkpoint="").flags()
 
 
+def group_cpu_seconds(group: int) -> float:
+    """User + system CPU seconds of every live process of a process group (threads included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+EDGE = None  # bench.serve_edge.EdgeSetup while the portal is measured through the edge
+
+
+class Under:
+    """What a run sends to: the server, and for the portal through the edge the edge in front of it."""
+
+    def __init__(self, kind: str, checkpoint: Path, core: int, knobs: dict | None = None) -> None:
+        self.server = Started(kind, checkpoint, core, knobs)
+        self.edge = None
+        self.url, self.token = self.server.url, None
+        if kind == "portal" and EDGE is not None:
+            try:
+                self.edge = EDGE.start(f"http://127.0.0.1:{self.server.port}", core)
+                self.edge.wait_route(EDGE.path, EDGE.token)
+            except BaseException:
+                self.stop()
+                raise
+            self.url, self.token = f"http://127.0.0.1:{self.edge.port}{EDGE.path}", EDGE.token
+
+    def cpu_seconds(self) -> float:
+        return self.server.cpu_seconds() + (group_cpu_seconds(self.edge.proc.pid) if self.edge else 0.0)
+
+    def stop(self) -> None:
+        if self.edge is not None:
+            self.edge.stop()
+        self.server.stop()
+
+
 class Started:
     """One server under test, its own process group, pinned to one core; stopped whole."""
 
@@ -142,19 +186,7 @@ class Started:
         self.url = f"http://127.0.0.1:{self.port}/v1/generate"
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds of every live process of the server's group (threads included)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == self.proc.pid:  # the process group
-                total += int(fields[11]) + int(fields[12])
-        return total / tick
+        return group_cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -281,14 +313,15 @@ class KeepAliveClient:
                 conn.transport.close()
         self.idle.clear()
 
-    async def post(self, url: str, body: dict, timeout_s: float) -> tuple[int | str, dict]:
+    async def post(self, url: str, body: dict, timeout_s: float, token: str | None = None) -> tuple[int | str, dict]:
         """(status or why there is none, the answer's headers, names in lower case) within `timeout_s`."""
         from urllib.parse import urlsplit
 
         parts = urlsplit(url)
         where = (parts.hostname, parts.port)
         data = json.dumps(body).encode()
-        data = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        auth = f"Authorization: Token {token}\r\n" if token else ""
+        data = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}"
                 f"Content-Length: {len(data)}\r\n\r\n").encode() + data
         idle = self.idle.setdefault(where, [])
         conn = None
@@ -329,11 +362,12 @@ class AiohttpClient:
     async def close(self) -> None:
         await self.session.close()
 
-    async def post(self, url: str, body: dict, timeout_s: float) -> tuple[int | str, dict]:
+    async def post(self, url: str, body: dict, timeout_s: float, token: str | None = None) -> tuple[int | str, dict]:
         data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Token {token}"} if token else {})}
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.session.post(url, data=data, headers={"Content-Type": "application/json"}) as response:
+                async with self.session.post(url, data=data, headers=headers) as response:
                     await response.read()
                     return response.status, {k.lower(): v for k, v in response.headers.items()}
         except TimeoutError:
@@ -357,7 +391,7 @@ def outcome(status, headers: dict, latency_s: float, deadline_ms: float) -> str:
     return "other"
 
 
-async def drive(client, url: str, requests: list[dict]) -> list[dict]:
+async def drive(client, url: str, requests: list[dict], token: str | None = None) -> list[dict]:
     """Send each request at its arrival time (open loop), every one with its deadline in the body."""
     loop = asyncio.get_running_loop()
     results: list[dict] = []
@@ -366,7 +400,7 @@ async def drive(client, url: str, requests: list[dict]) -> list[dict]:
     async def one(req, scheduled):
         sent = loop.time()
         body = {"prompt": req["prompt"], "max_tokens": req["max_tokens"], "deadline_ms": req["deadline_ms"]}
-        status, headers = await client.post(url, body, req["deadline_ms"] / 1000 + GRACE_S)
+        status, headers = await client.post(url, body, req["deadline_ms"] / 1000 + GRACE_S, token)
         latency = loop.time() - sent
         results.append({
             "status": status, "latency_ms": latency * 1000, "deadline_ms": req["deadline_ms"],
@@ -383,7 +417,7 @@ async def drive(client, url: str, requests: list[dict]) -> list[dict]:
     return results
 
 
-async def closed_loop(client, url: str, clients: int, seconds: float, seed: int) -> float:
+async def closed_loop(client, url: str, token: str | None, clients: int, seconds: float, seed: int) -> float:
     """Answered requests per second with `clients` each waiting on one answer at a time (1 s of warm-up left out)."""
     pool = make_requests(200, 60, seed)
     loop = asyncio.get_running_loop()
@@ -398,7 +432,7 @@ async def closed_loop(client, url: str, clients: int, seconds: float, seed: int)
             req = pool[k % len(pool)]
             k += clients
             body = {"prompt": req["prompt"], "max_tokens": req["max_tokens"], "deadline_ms": CLOSED_LOOP_DEADLINE_MS}
-            status, _ = await client.post(url, body, CLOSED_LOOP_DEADLINE_MS / 1000 + 5)
+            status, _ = await client.post(url, body, CLOSED_LOOP_DEADLINE_MS / 1000 + 5, token)
             if status == 200 and begin <= loop.time() <= end:
                 done += 1
             elif not isinstance(status, int) or status >= 500:
@@ -431,14 +465,14 @@ def summarize(results: list[dict], seconds: float) -> dict:
 # --- one run, the capacity, the search -------------------------------------------------------------
 
 
-def one_run(kind: str, checkpoint: Path, args, knobs: dict | None, requests: list[dict]) -> dict:
-    server = Started(kind, checkpoint, args.server_core, knobs)
+def one_run(kind: str, checkpoint: Path, args, knobs: dict | None, requests: list[dict], seconds: float) -> dict:
+    server = Under(kind, checkpoint, args.server_core, knobs)
     try:
         async def go():
             client = CLIENTS[args.client]()
             try:
                 cpu, mine, wall = server.cpu_seconds(), time.process_time(), time.monotonic()
-                results = await drive(client, server.url, requests)
+                results = await drive(client, server.url, requests, server.token)
                 wall = time.monotonic() - wall
                 return results, (server.cpu_seconds() - cpu) / wall, (time.process_time() - mine) / wall
             finally:
@@ -446,19 +480,19 @@ def one_run(kind: str, checkpoint: Path, args, knobs: dict | None, requests: lis
         results, cpu, mine = asyncio.run(go())
     finally:
         server.stop()
-    return {**summarize(results, args.seconds), "server_cpu": cpu, "client_cpu": mine}
+    return {**summarize(results, seconds), "server_cpu": cpu, "client_cpu": mine}
 
 
 def capacity(kind: str, checkpoint: Path, args, knobs: dict | None) -> tuple[float, dict]:
     """The best answered/s over closed loops of each of `--capacity-clients` clients; a fresh server each."""
     found = {}
     for clients in [int(c) for c in args.capacity_clients.split(",")]:
-        server = Started(kind, checkpoint, args.server_core, knobs)
+        server = Under(kind, checkpoint, args.server_core, knobs)
         try:
             async def go():
                 client = CLIENTS[args.client]()
                 try:
-                    return await closed_loop(client, server.url, clients, args.capacity_seconds, args.seed)
+                    return await closed_loop(client, server.url, server.token, clients, args.capacity_seconds, args.seed)
                 finally:
                     await client.close()
             found[clients] = asyncio.run(go())
@@ -474,13 +508,13 @@ def search(checkpoint: Path, args, start: dict) -> dict:
     cap, by_clients = capacity("litserve", checkpoint, args, knobs)
     rate = 2 * cap
     print(f"search: LitServe's capacity with {knobs}: {cap:.1f}/s {by_clients}; searching at {rate:.0f}/s", flush=True)
-    requests = make_requests(rate, args.seconds, args.seed + 7919)
+    requests = make_requests(rate, args.search_seconds, args.seed + 7919)
     tried: dict[str, float] = {}
 
     def score(candidate: dict) -> float:
         key = json.dumps(candidate, sort_keys=True)
         if key not in tried:
-            row = one_run("litserve", checkpoint, args, candidate, requests)
+            row = one_run("litserve", checkpoint, args, candidate, requests, args.search_seconds)
             tried[key] = row["goodput_per_s"]
             print(f"search: {candidate} goodput {row['goodput_per_s']:.1f}/s p50 {row['p50_ms']:.0f} ms "
                   f"in time {row['in_time']} late {row['late']} refused {row['refused_bare']} "
@@ -512,10 +546,49 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
 
 
-def report(rows: list[dict], caps: dict, knobs: dict) -> str:
+def checks(rows: list[dict], caps: dict) -> list[str]:
+    """The issue's marks, each said met or not, from the runs."""
+    out = []
+
+    def at(system, level, basis="portal"):
+        return sorted((r for r in rows if r["system"] == system and r["level"] == level and r["basis"] == basis),
+                      key=lambda r: r["repeat"])
+
+    portal2, lit2 = at("portal", 2.0), at("litserve", 2.0)
+    if portal2:
+        late = [r["answered_late_share"] for r in portal2]
+        out.append(f"- 2x: answered past their deadline, share of the answered, each repeat: "
+                   f"{', '.join(f'{100 * x:.2f} %' for x in late)} (the p99 is within the deadline when <= 1 %): "
+                   f"{'met in every repeat' if max(late) <= 0.01 else 'NOT met in every repeat'}.")
+        share = statistics.median(r["goodput_per_s"] for r in portal2) / caps["portal"]
+        out.append(f"- 2x: the portal's goodput, median, is {100 * share:.1f} % of its own capacity "
+                   f"(mark: >= 95 %): {'met' if share >= 0.95 else 'NOT met'}.")
+    if portal2 and lit2:
+        ratios = [p["goodput_per_s"] / max(lit["goodput_per_s"], 1e-9) for p, lit in zip(portal2, lit2)]
+        out.append(f"- 2x: goodput portal / LitServe (tuned), min / median / max of the paired repeats: {spread(ratios)} "
+                   f"(mark: median >= 1, never below): {'met' if min(ratios) >= 1 else 'NOT met'}.")
+    for level in (3.0, 5.0):
+        mine = at("portal", level)
+        if mine:
+            bad = sum(r["unanswered"] + r["other"] + r["refused_bare"] for r in mine)
+            total = sum(r["requests"] for r in mine)
+            out.append(f"- {level:g}x: of {total} requests, {bad} neither answered, refused with Retry-After nor expired "
+                       f"before the deadline + {GRACE_S * 1000:.0f} ms: {'met' if bad == 0 else 'NOT met'}.")
+    for level in (0.5, 1.0):
+        p, lit = at("portal", level), at("litserve", level)
+        if p and lit:
+            ratios = [a["p50_ms"] / b["p50_ms"] for a, b in zip(p, lit)]
+            out.append(f"- {level:g}x: p50 portal / LitServe, min / median / max: {spread(ratios)} "
+                       f"(mark: <= 1): {'met' if statistics.median(ratios) <= 1 else 'NOT met'} on the median.")
+    return out
+
+
+def report(rows: list[dict], caps: dict, knobs: dict, via: str) -> str:
     lines = [
-        f"Capacities (closed loop, answered/s): portal {caps['portal']:.1f}, LitServe {caps['litserve']:.1f}. "
-        f"LitServe's knobs: {json.dumps(knobs)}.",
+        f"Capacities (closed loop, answered/s): portal ({via}) {caps['portal']:.1f}, LitServe {caps['litserve']:.1f}. "
+        f"LitServe's knobs: {json.dumps(knobs)}. Load generator: lag p99 at most "
+        f"{max((r['lag_p99_ms'] for r in rows), default=float('nan')):.1f} ms, CPU at most "
+        f"{max((r['client_cpu'] for r in rows), default=float('nan')):.2f} of its core.",
         "",
         "| system | load | rate/s | goodput/s median (min-max) | p50 ms | p99 ms | answered late % | in time "
         "| late | refused (Retry-After) | refused (bare) | expired | unanswered | other | server CPU | repeats |",
@@ -559,6 +632,7 @@ def report(rows: list[dict], caps: dict, knobs: dict) -> str:
             p = [r["goodput_per_s"] / caps["portal"] for r in rows if r["level"] == level and r["system"] == "portal"]
             lit = [r["goodput_per_s"] / caps["litserve"] for r in own if r["level"] == level]
             lines.append(f"| {level:g}x | {spread(p)} | {spread(lit)} |")
+    lines += ["", "The marks:", "", *checks(rows, caps)]
     return "\n".join(lines)
 
 
@@ -600,9 +674,12 @@ def main() -> None:
     parser.add_argument("--capacity-clients", default="64,128", help="closed loops of these many clients; the best")
     parser.add_argument("--capacity-seconds", type=float, default=8)
     parser.add_argument("--search", action="store_true", help="tune LitServe's knobs first (at 2x its own capacity)")
+    parser.add_argument("--search-seconds", type=float, default=6, help="each search run's arrivals last this long")
     parser.add_argument("--litserve-config", default="{}", help="LitServe's knobs, JSON (over the starting ones)")
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--client-core", type=int, default=1)
+    parser.add_argument("--portal-via", choices=("auto", "edge", "direct"), default="auto",
+                        help="the portal through the edge (runners/edge) or at its replica; auto: the edge when on main")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--client", choices=sorted(CLIENTS), default="keepalive", help="the load generator's HTTP client")
     parser.add_argument("--out", type=Path, default=Path("/tmp/serve_load.jsonl"))
@@ -620,6 +697,21 @@ def main() -> None:
         print(f"installing {LITSERVE} for this bench (never a dependency of the portal)", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LITSERVE], check=True)
     checkpoint = write_checkpoint(Path(f"/tmp/serve-load-{os.getpid()}"))
+    global EDGE
+    if "portal" in systems and args.portal_via != "direct":
+        from bench import serve_edge
+
+        if args.portal_via == "edge" or serve_edge.available():
+            EDGE = serve_edge.EdgeSetup()
+    print(f"the portal measured {'through the edge' if EDGE else 'at its replica directly (no edge)'}", flush=True)
+    try:
+        run_all(args, systems, checkpoint)
+    finally:
+        if EDGE is not None:
+            EDGE.close()
+
+
+def run_all(args, systems: list[str], checkpoint: Path) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average {os.getloadavg()}; "
           f"servers on core {args.server_core}, load generator on core {args.client_core}; portal flags {portal_flags()}",
           flush=True)
@@ -632,9 +724,7 @@ def main() -> None:
         if caps[kind] is None:
             caps[kind], found = capacity(kind, checkpoint, args, knobs if kind == "litserve" else None)
             print(f"capacity of {kind}: {caps[kind]:.1f} answered/s (closed loop; by clients {found})", flush=True)
-    caps.setdefault("litserve", float("nan"))
-    if caps["litserve"] is None:
-        caps["litserve"] = float("nan")
+    caps = {kind: float("nan") if cap is None else cap for kind, cap in caps.items()}
 
     levels = [float(x) for x in args.levels.split(",") if x]
     own_levels = [float(x) for x in args.own_levels.split(",") if x] if "litserve" in systems else []
@@ -655,7 +745,7 @@ def main() -> None:
                 rate = (caps["portal"] if basis == "portal" else caps["litserve"]) * level
                 requests = make_requests(rate, args.seconds, seed if basis == "portal" else seed + 500)
                 row = {"system": kind, "basis": basis, "level": level, "rate": rate, "repeat": repeat,
-                       **one_run(kind, checkpoint, args, knobs if kind == "litserve" else None, requests)}
+                       **one_run(kind, checkpoint, args, knobs if kind == "litserve" else None, requests, args.seconds)}
                 rows.append(row)
                 with open(args.out, "a") as out:
                     out.write(json.dumps(row) + "\n")
@@ -664,7 +754,8 @@ def main() -> None:
                       + ", ".join(f"{k} {row[k]}" for k in OUTCOMES)
                       + f"; cpu server {row['server_cpu']:.2f} client {row['client_cpu']:.2f}; lag p99 {row['lag_p99_ms']:.1f} ms {row['errors'] or ''}", flush=True)
     print()
-    print(report(rows, caps, knobs))
+    print(report(rows, caps, knobs, "through the edge" if EDGE else "at its replica, no edge"))
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average {os.getloadavg()}", flush=True)
     if args.plot:
         plot(rows, args.plot)
 
