@@ -7,7 +7,10 @@ Both systems serve the same checkpoint of the trainer's model (`CharModel`, writ
 shipped corpus's alphabet) on one CPU thread, greedy decoding one byte a token:
 
 - `portal`: `runners/workloads/serve.py` exactly as an endpoint's replica runs it: the flags the
-  backends pass (`ServingSettings().flags()`, the deployed defaults), nothing bench-only;
+  backends pass (`ServingSettings().flags()`, the deployed defaults), nothing bench-only; measured
+  through the edge (`python -m runners.edge`, `bench/serve_edge.py`: a scratch database with one
+  endpoint whose one replica is that server; needs DATABASE_URL and CELERY_BROKER_URL) when the edge
+  is on main, else at the replica (`--portal-via edge|direct` to choose);
 - `litserve`: LitServe (`litserve==0.2.19`, installed by this bench into the running environment
   when missing, never a dependency of the portal) with its batched loop, `bench/serve_litserve.py`,
   given its documented admission knobs (`max_batch_size`, `batch_timeout`, `timeout`,
@@ -16,8 +19,8 @@ shipped corpus's alphabet) on one CPU thread, greedy decoding one byte a token:
 
 How it is fair:
 
-- cores: every server process (the portal's front and engine; LitServe's HTTP server and workers)
-  is pinned to `--server-core` (0), the load generator (this process) to `--client-core` (1);
+- cores: every server process (the edge, the replica's front and engine; LitServe's HTTP server and
+  workers) is pinned to `--server-core` (0), the load generator (this process) to `--client-core` (1);
 - capacity: each system's own, measured as answered requests per second of a closed loop
   (`--capacity-clients` clients, each sending its next request when answered; the best of them),
   with generous deadlines; the levels are multiples of the portal's capacity (both systems get the
@@ -26,7 +29,8 @@ How it is fair:
   request; LitServe has no per-request deadline, its `timeout` knob (one figure for the server,
   searched) is what it has. The client waits for an answer no longer than the deadline + 100 ms,
   then counts the request unanswered and closes that connection;
-- keep-alive: one aiohttp session, one connection pool, for everything;
+- keep-alive: one client with one pool of keep-alive connections per run (`KeepAliveClient`, or
+  aiohttp's with `--client aiohttp`); a request given up on closes its connection;
 - alternated: each repeat runs the systems in turn at each level, the order swapped from one
   (repeat, level) to the next (ABBA), `--repeats` paired repeats with a fresh seed each (the same
   requests for both within a repeat); a fresh server process for every run.
