@@ -10,7 +10,7 @@ from portal import health, metrics
 from portal.api import router
 from runners.bundles.api import router as bundles_router
 from runners.bundles.fetch_view import bundle_fetch
-from runners.inference.router import GenerateView
+from runners.inference.router import ChatCompletionsView, CompletionsView, GenerateView
 from runners.usage.api import (
     BudgetAlertView,
     BudgetView,
@@ -55,7 +55,12 @@ urlpatterns = [
     # Models: /api/v1/tenants/<slug>/models/... and the replicas' signed weights fetch (runners/registry/urls.py).
     path("", include("runners.registry.urls")),
     path("api/v1/", include(router.urls)),
+    # Endpoints are served by the edge (runners/edge/) in front of this process; these document the routes and
+    # answer a request that reached gunicorn directly with a pointer (runners/inference/router.py).
     path("serve/<slug:tenant>/<slug:name>/v1/generate", GenerateView.as_view(), name="endpoint-generate"),
+    path("serve/<slug:tenant>/<slug:name>/v1/completions", CompletionsView.as_view(), name="endpoint-completions"),
+    path("serve/<slug:tenant>/<slug:name>/v1/chat/completions", ChatCompletionsView.as_view(),
+         name="endpoint-chat-completions"),
     # A script job's pod fetches its bundle here, with a URL the portal signed for it (runners/bundles/fetch_view.py).
     path("bundles/fetch/<str:token>/", bundle_fetch, name="bundle-fetch"),
     # A Kubernetes job's pods upload its checkpoints here, with a URL signed for the attempt (runners/jobs/checkpoint_upload.py).

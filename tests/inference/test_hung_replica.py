@@ -1,9 +1,9 @@
 """A replica that hangs (its processes stopped with SIGSTOP: the port still takes connections, nothing
-answers): the router leaves it for another replica, and the reconcile stops counting it ready."""
+answers): the edge leaves it for another replica, and the reconcile stops counting it ready."""
 
-import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -11,6 +11,7 @@ from runners.clusters.registry import get_backend
 from runners.inference import reconcile
 from runners.inference.models import EndpointState, InferenceEndpoint
 from runners.workloads import supervise
+from tests.support.edge import EdgeProcess
 from tests.support.endpoints import drive, ready_count, trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
@@ -42,27 +43,35 @@ def _process_group(replica) -> int:
     return int(pid_file.read_text().split()[1])
 
 
-def _generate(client, endpoint, body):
-    answer = client.post(f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate", data=json.dumps(body),
-                         content_type="application/json")
-    return answer.status_code, answer.get("X-Portal-Replica"), answer.content
+@pytest.fixture
+def edge(tmp_path):
+    process = EdgeProcess(tmp_path / "edge.log", EDGE_TABLE_REFRESH_S=0.2).start()
+    yield process
+    process.stop()
 
 
-def test_a_hung_replica_is_left_by_the_router_and_stops_being_ready(two_ready, client_for, owner):
+def _generate(edge, token, endpoint, body):
+    answer = edge.post(f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate", body, token=token)
+    return answer.status_code, answer.headers.get("X-Portal-Replica"), answer.content
+
+
+def test_a_hung_replica_is_left_by_the_edge_and_stops_being_ready(two_ready, edge, owner):
     """Before the fix the router waited on the hung replica for the request's deadline plus 5 s and answered
     504, never trying the other; and the reconcile kept the hung replica ready (a /readyz timeout kept the
-    old answer), so every request that picked it waited so. Now the router, finding that the replica
-    answers neither the request nor /readyz, sends the request to the other replica with what is left of
-    its deadline; and after two passes without an answer the reconcile marks it not ready."""
+    old answer), so every request that picked it waited so. Now the edge, whose probes find the replica
+    silent, sends the request to the other replica with what is left of its deadline (and leaves it out of
+    rotation); and after two passes without an answer the reconcile marks it not ready."""
+    from tenants.services import token_create
+
     endpoint = two_ready
-    hung, healthy = endpoint.replicas.select_related("job").order_by("id")  # the router's tie-break: lowest id
+    hung, healthy = endpoint.replicas.select_related("job").order_by("id")
     group = _process_group(hung)
-    client = client_for(owner)
+    token = token_create(user=owner, name="hung")[1]
+    time.sleep(1)  # the edge's table has read both replicas
     os.killpg(group, signal.SIGSTOP)
     try:
-        # Nothing is outstanding in this process: the router picks the hung replica first.
-        status, served_by, content = _generate(client, endpoint, {"prompt": "hello", "max_tokens": 8,
-                                                                  "deadline_ms": 20000})
+        status, served_by, content = _generate(edge, token, endpoint, {"prompt": "hello", "max_tokens": 8,
+                                                                       "deadline_ms": 20000})
         assert (status, served_by) == (200, str(healthy.id)), content
 
         for _ in range(reconcile.MISSES_BEFORE_NOT_READY):
@@ -70,7 +79,7 @@ def test_a_hung_replica_is_left_by_the_router_and_stops_being_ready(two_ready, c
         hung.refresh_from_db()
         healthy.refresh_from_db()
         assert not hung.ready and healthy.ready
-        status, served_by, content = _generate(client, endpoint, {"prompt": "hello", "max_tokens": 8})
+        status, served_by, content = _generate(edge, token, endpoint, {"prompt": "hello", "max_tokens": 8})
         assert (status, served_by) == (200, str(healthy.id)), content
     finally:
         os.killpg(group, signal.SIGCONT)

@@ -1,8 +1,13 @@
-"""Run the whole portal in the foreground: web server (gunicorn, as in production), Celery worker and beat."""
+"""Run the whole portal in the foreground: the edge in front (runners/edge/, uvicorn) on the portal's port,
+the web server behind it (gunicorn, as in production) on a loopback port of its own, Celery worker and beat.
+
+The edge serves /serve/... (the endpoints) itself and passes every other request, WebSockets included,
+through to gunicorn: one address for the pages, the API and the endpoints, as behind the ingress."""
 
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +19,13 @@ from django.core.management.base import BaseCommand, CommandError
 # A process of the portal that exits is started again, unless it exited this often within the window.
 RESTARTS_PER_WINDOW = 3
 RESTART_WINDOW_S = 60.0
+
+
+def _loopback_port() -> int:
+    """A free port on the loopback interface, for gunicorn behind the edge."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _only_instance(addrport: str):
@@ -38,7 +50,7 @@ class Command(BaseCommand):
     help = "Migrate, load the demo, then run the web server, a worker and beat until Ctrl-C."
 
     def add_arguments(self, parser):
-        parser.add_argument("--addrport", default="127.0.0.1:8000", help="Where gunicorn listens: HOST:PORT.")
+        parser.add_argument("--addrport", default="127.0.0.1:8000", help="Where the portal listens (the edge, in front of gunicorn): HOST:PORT.")
         parser.add_argument("--no-demo", action="store_true", help="Skip loading the demo tenants and users.")
 
     def handle(self, *args, addrport, no_demo, **options):
@@ -47,9 +59,12 @@ class Command(BaseCommand):
         if not no_demo:
             call_command("demo")
         python = sys.executable
+        web = f"127.0.0.1:{_loopback_port()}"
         commands = {
             # The same server and settings as production (portal/gunicorn_conf.py); static files come from WhiteNoise.
-            "web": [python, "-m", "gunicorn", "-c", "python:portal.gunicorn_conf", "--bind", addrport, "portal.wsgi"],
+            "web": [python, "-m", "gunicorn", "-c", "python:portal.gunicorn_conf", "--bind", web, "portal.wsgi"],
+            # In front: the endpoints' /serve/... itself, everything else passed to gunicorn.
+            "edge": [python, "-m", "runners.edge", "--bind", addrport, "--upstream", f"http://{web}"],
             "worker": [python, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "2"],
             "beat": [python, "-m", "celery", "-A", "portal", "beat", "-l", "INFO"],
         }
