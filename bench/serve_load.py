@@ -82,8 +82,8 @@ CLOSED_LOOP_DEADLINE_MS = 20_000  # under the deployed --max-deadline-ms
 SEARCH = {
     "max_batch_size": [16, 32, 64, 128, 256],
     "batch_timeout": [0.001, 0.005, 0.02, 0.05],
-    "timeout": [0.5, 1.0, 2.0, 3.5, False],
-    "limit_concurrency": [None, 64, 128, 256, 512],
+    "timeout": [0.25, 0.5, 1.0, 2.0, 3.5, False],
+    "limit_concurrency": [None, 32, 64, 128, 256, 512],
     "workers_per_device": [1, 2],
     "num_api_servers": [None, 1, 2],
     "fast_queue": [False, True],
@@ -141,6 +141,20 @@ class Under:
                 self.stop()
                 raise
             self.url, self.token = f"http://127.0.0.1:{self.edge.port}{EDGE.path}", EDGE.token
+        self.warm()
+
+    def warm(self) -> None:
+        """A few requests one after the other before the run, the same for every system: first calls allocate."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.url)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Token {self.token}"} if self.token else {})}
+        for n in (4, 16, 4):
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+            conn.request("POST", parts.path, body=json.dumps({"prompt": "warm up", "max_tokens": n}), headers=headers)
+            conn.getresponse().read()
+            conn.close()
 
     def cpu_seconds(self) -> float:
         return self.server.cpu_seconds() + (group_cpu_seconds(self.edge.proc.pid) if self.edge else 0.0)
