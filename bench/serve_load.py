@@ -172,7 +172,7 @@ class Started:
         self.kind = kind
         self.port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        if kind == "portal":
+        if kind in ("portal", "portal-direct"):
             command = [sys.executable, "-m", "runners.workloads.serve", "--checkpoint", str(checkpoint),
                        "--port", str(self.port), *portal_flags()]
             ready = "/readyz"
@@ -603,7 +603,9 @@ def checks(rows: list[dict], caps: dict) -> list[str]:
 
 def report(rows: list[dict], caps: dict, knobs: dict, via: str) -> str:
     lines = [
-        f"Capacities (closed loop, answered/s): portal ({via}) {caps['portal']:.1f}, LitServe {caps['litserve']:.1f}. "
+        f"Capacities (closed loop, answered/s): portal ({via}) {caps['portal']:.1f}, LitServe {caps['litserve']:.1f}"
+        + (f", portal-direct {caps['portal-direct']:.1f}" if caps.get("portal-direct") == caps.get("portal-direct") else "")
+        + ". "
         f"LitServe's knobs: {json.dumps(knobs)}. Load generator: lag p99 at most "
         f"{max((r['lag_p99_ms'] for r in rows), default=float('nan')):.1f} ms, CPU at most "
         f"{max((r['client_cpu'] for r in rows), default=float('nan')):.2f} of its core.",
@@ -661,12 +663,14 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for (system, basis), style in {("portal", "portal"): "o-", ("litserve", "portal"): "s-", ("litserve", "own"): "s--"}.items():
+    styles = {("portal", "portal"): "o-", ("portal-direct", "portal"): "o:", ("litserve", "portal"): "s-",
+              ("litserve", "own"): "s--"}
+    for (system, basis), style in styles.items():
         mine = [r for r in rows if r["system"] == system and r["basis"] == basis]
         levels = sorted({r["level"] for r in mine})
         if not levels:
             continue
-        label = "portal" if system == "portal" else f"LitServe ({'x portal capacity' if basis == 'portal' else 'x own capacity'})"
+        label = system if system.startswith("portal") else f"LitServe ({'x portal' if basis == 'portal' else 'x own'} capacity)"
         for axis, key in ((left, "goodput_per_s"), (right, "p99_ms")):
             meds = [statistics.median(r[key] for r in mine if r["level"] == lv) for lv in levels]
             lows = [min(r[key] for r in mine if r["level"] == lv) for lv in levels]
@@ -686,7 +690,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--levels", default="0.5,1,2,3,5", help="multiples of the portal's capacity, both systems")
     parser.add_argument("--own-levels", default="0.5,1,2", help="multiples of LitServe's own capacity, LitServe")
-    parser.add_argument("--systems", default="portal,litserve")
+    parser.add_argument("--systems", default="portal,litserve",
+                        help="portal, litserve, and portal-direct: the portal's replica without the edge in front")
     parser.add_argument("--capacity", type=float, help="the portal's answered/s; measured when not given")
     parser.add_argument("--litserve-capacity", type=float, help="LitServe's answered/s; measured when not given")
     parser.add_argument("--capacity-clients", default="64,128", help="closed loops of these many clients; the best")
@@ -737,7 +742,7 @@ def run_all(args, systems: list[str], checkpoint: Path) -> None:
     knobs = {**LITSERVE_KNOBS, **json.loads(args.litserve_config)}
     if "litserve" in systems and args.search:
         knobs = search(checkpoint, args, knobs)
-    caps = {"portal": args.capacity, "litserve": args.litserve_capacity}
+    caps = {"portal": args.capacity, "litserve": args.litserve_capacity, "portal-direct": None}
     for kind in systems:
         if caps[kind] is None:
             caps[kind], found = capacity(kind, checkpoint, args, knobs if kind == "litserve" else None)
