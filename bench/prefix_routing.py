@@ -2,6 +2,7 @@
 
     python bench/prefix_routing.py [--replicas 4] [--seconds 20] [--repeats 5] [--level 1.0] [--capacity R]
                                    [--prefix-cache-mib 0.0625] [--load-slack 4096] [--block-chars 64]
+                                   [--zipf 0] [--policies least-tokens,prefix,prefix-unbounded]
                                    [--server-cores 0] [--client-core 1]
 
 Each replica is `runners.workloads.serve` as `bench/serve_load.py` starts its `portal` server: the flags a
@@ -18,14 +19,15 @@ only the order of the replicas differs:
   picks today;
 - `prefix`: `runners.edge.prefix.PrefixRouter` (the edge's): the replica that was sent the longest prefix
   of the prompt first, unless it has more than `--load-slack` tokens outstanding over the least loaded
-  one; each prompt is recorded against the replica it is sent to.
+  one; each prompt is recorded against the replica it is sent to;
+- `prefix-unbounded` (only when asked): the same with no load bound, to show what the bound is for.
 
 The request goes to the first replica of the order; that replica's answer (2xx, 429, 503, 504) is the
 request's outcome. One aiohttp session (keep-alive connections) carries every request.
 
-Workload: 60 % of the prompts begin with one of 8 system prompts (280-420 bytes, cut from the
-trainer's corpus; each as likely) and a newline, then 20-60 bytes of the user's own; the rest are unique,
-20-260 bytes. Outputs 8-32 tokens (70 %) or 128-256 (30 %); a request's deadline is 300 ms + 12 ms per
+Workload: 60 % of the prompts begin with one of 8 system prompts (280-420 bytes, cut from the trainer's
+corpus; each as likely, or the k-th in proportion to 1/k**zipf with `--zipf`) and a newline, then 20-60
+bytes of the user's own; the rest are unique, 20-260 bytes. Outputs 8-32 tokens (70 %) or 128-256 (30 %); a request's deadline is 300 ms + 12 ms per
 token asked, in its body, as in serve_load.py; the client waits until the deadline + 100 ms. Poisson
 arrivals for `--seconds` at `--level` times the replicas' capacity, measured first unless given: the
 answered requests per second of a closed loop of 64 clients per replica through the dispatcher with
@@ -36,7 +38,7 @@ all 8 system prompts whatever the routing; the default here, 64 KiB, holds about
 unique prompts' churn, as a GPU's KV cache holds a few long prefixes beside the running batch: where the
 routing decides what stays cached.
 
-The policies run in pairs on the same requests, alternating which goes first, each run on fresh replicas
+The policies run in turn on the same requests, the order reversed every other repeat, each run on fresh replicas
 (empty caches); each repeat draws new requests. Reported per policy over the repeats (min / median / max):
 prefix-cache hit rate (the replicas' `serve_prefix_cache_hits_total` over
 `serve_prefix_cache_lookups_total`, summed), goodput (answered within the deadline as the client saw it,
@@ -90,16 +92,19 @@ def system_prompts(count: int = SYSTEM_PROMPTS) -> list[str]:
     return out
 
 
-def make_requests(rate: float, seconds: float, seed: int, systems: list[str]) -> list[dict]:
-    """Arrival time, prompt, max_tokens, deadline and which system prompt (or none) of every request."""
+def make_requests(rate: float, seconds: float, seed: int, systems: list[str], zipf: float = 0.0) -> list[dict]:
+    """Arrival time, prompt, max_tokens, deadline and which system prompt (or none) of every request.
+
+    The k-th system prompt is chosen in proportion to 1 / k ** zipf: each as likely at 0."""
     rng = random.Random(seed)
+    weights = [1 / (k + 1) ** zipf for k in range(len(systems))]
     at, out = 0.0, []
     while True:
         at += rng.expovariate(rate)
         if at >= seconds:
             return out
         if rng.random() < SHARED_SHARE:
-            system = rng.randrange(len(systems))
+            system = rng.choices(range(len(systems)), weights)[0]
             prompt = systems[system] + "\n" + "".join(rng.choice(USER_ALPHABET) for _ in range(rng.randint(20, 60)))
         else:
             system = None
@@ -323,11 +328,15 @@ def summarize(results: list[dict], seconds: float) -> dict:
     }
 
 
+POLICIES = ("least-tokens", "prefix", "prefix-unbounded")
+
+
 def make_policy(name: str, args):
-    if name == "prefix":
-        return PrefixRouter(block_chars=args.block_chars, max_prefixes_per_replica=args.max_prefixes,
-                            load_slack=args.load_slack)
-    return LeastTokens()
+    """least-tokens; prefix (PrefixRouter with --load-slack); prefix-unbounded (no load bound: it never spills)."""
+    if name == "least-tokens":
+        return LeastTokens()
+    slack = {"prefix": args.load_slack, "prefix-unbounded": float("inf")}[name]
+    return PrefixRouter(block_chars=args.block_chars, max_prefixes_per_replica=args.max_prefixes, load_slack=slack)
 
 
 async def dispatched(urls: dict[str, str], policy, work) -> tuple[object, Dispatcher]:
@@ -373,7 +382,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--level", type=float, default=1.0, help="the arrival rate, times the replicas' capacity")
     parser.add_argument("--capacity", type=float, help="requests/s of the replicas together; measured when not given")
-    parser.add_argument("--policies", default="least-tokens,prefix")
+    parser.add_argument("--policies", default="least-tokens,prefix", help=f"some of {', '.join(POLICIES)}")
+    parser.add_argument("--zipf", type=float, default=0.0,
+                        help="system prompt k is chosen in proportion to 1/k**zipf (0: each as likely)")
     parser.add_argument("--prefix-cache-mib", type=float, default=0.0625)
     parser.add_argument("--prefix-block", type=int, default=16, help="the replicas' --prefix-block (bytes)")
     parser.add_argument("--block-chars", type=int, default=64, help="the router's block (a multiple of the replicas')")
@@ -385,6 +396,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/prefix_routing.jsonl"))
     args = parser.parse_args()
     args.server_cores = {int(core) for core in args.server_cores.split(",")}
+    policies = args.policies.split(",")
+    if not set(policies) <= set(POLICIES):
+        parser.error(f"--policies: some of {', '.join(POLICIES)}")
     os.sched_setaffinity(0, {args.client_core})
 
     checkpoint = write_checkpoint(Path(f"/tmp/prefix-routing-{os.getpid()}"))
@@ -402,14 +416,13 @@ def main() -> None:
         print(f"capacity of {args.replicas} replicas: {capacity:.1f} requests/s "
               f"(closed loop, {64 * args.replicas} clients, least-tokens)", flush=True)
     rate = capacity * args.level
-    policies = args.policies.split(",")
     rows: list[dict] = []
     for repeat in range(args.repeats):
-        requests = make_requests(rate, args.seconds, args.seed + 1000 * (repeat + 1), systems)
+        requests = make_requests(rate, args.seconds, args.seed + 1000 * (repeat + 1), systems, args.zipf)
         pair = policies if repeat % 2 == 0 else policies[::-1]
         for name in pair:
             row = {**run_once(name, requests, checkpoint, args), "repeat": repeat, "rate": rate,
-                   "prefix_cache_mib": args.prefix_cache_mib, "load_slack": args.load_slack}
+                   "prefix_cache_mib": args.prefix_cache_mib, "load_slack": args.load_slack, "zipf": args.zipf}
             rows.append(row)
             with open(args.out, "a") as out:
                 out.write(json.dumps(row) + "\n")
@@ -420,7 +433,8 @@ def main() -> None:
                   f"{row['replicas_per_system'] or 0:.1f}", flush=True)
 
     print(f"\n{args.replicas} replicas, {rate:.0f} requests/s ({args.level:g}x capacity), {args.seconds:g} s runs, "
-          f"{args.repeats} paired repeats, prefix cache {args.prefix_cache_mib:g} MiB per replica; min / median / max")
+          f"{args.repeats} paired repeats, prefix cache {args.prefix_cache_mib:g} MiB per replica, load slack "
+          f"{args.load_slack:g} tokens, system prompts' zipf {args.zipf:g}; min / median / max")
     print("| policy | prefix-cache hits | goodput/s | p50 ms | p99 ms | shed | expired | late | busiest replica "
           "| replicas per system prompt |")
     print("|---|---|---|---|---|---|---|---|---|---|")
