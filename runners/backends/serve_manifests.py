@@ -101,6 +101,13 @@ SHM_SIZE_MIB = 4096
 # leaves it STARTUP_PERIOD_S x STARTUP_FAILURES (30 minutes) before liveness counts.
 ENGINE_STARTUP_PERIOD_S = 10
 ENGINE_STARTUP_FAILURES = 180
+# A model version's folder (a .tar.gz) for a foreign engine: unpacked by an init container into this emptyDir,
+# read-only in the engine, which serves ENGINE_MODEL_PATH.
+ENGINE_MODEL_VOLUME = "model-files"
+ENGINE_MODEL_MOUNT = "/model-files"
+ENGINE_MODEL_PATH = f"{ENGINE_MODEL_MOUNT}/model"
+UNPACK_WEIGHTS_CONTAINER = "unpack-weights"
+UNPACK_WEIGHTS_COMMAND = ["python", "-m", "runners.workloads.unpack_weights"]
 
 
 def endpoint_name(endpoint_id: int) -> str:
@@ -129,7 +136,7 @@ def weights_source(launch: JobLaunch, cache_grant_key: bytes) -> str:
     agents, whose token the portal holds), "fetch" (the init container, through the signed URL), or "" (no
     version: a job's checkpoint or an image)."""
     serving = launch.serving
-    if serving is None or serving.weights is None or serving.image is not None:
+    if serving is None or serving.weights is None or (serving.image is not None and serving.engine == engines.SHIPPED):
         return ""
     return "cache" if cache_grant_key else "fetch"
 
@@ -197,13 +204,15 @@ def server_container(launch: JobLaunch, *, server_image: str, weights: str = "")
         *({"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()),
     ]
     mounts = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT}]
+    if serving.engine != engines.SHIPPED:
+        if weights:  # the model version's folder, unpacked by the init container
+            mounts.insert(0, {"name": ENGINE_MODEL_VOLUME, "mountPath": ENGINE_MODEL_MOUNT, "readOnly": True})
+        return engine_container(launch, fixed=fixed, mounts=mounts, model=ENGINE_MODEL_PATH if weights else "")
     if serving.source_job_id is not None:
         mounts.insert(0, {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True,
                           "subPath": f"job-{serving.source_job_id}"})
     if weights == "fetch":
         mounts.insert(0, {"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT, "readOnly": True})
-    if serving.engine != engines.SHIPPED:
-        return engine_container(launch, fixed=fixed, mounts=mounts)
     if serving.image is None:
         if weights:
             checkpoint = weights_path(launch, weights)
@@ -242,7 +251,7 @@ def server_container(launch: JobLaunch, *, server_image: str, weights: str = "")
     }
 
 
-def engine_container(launch: JobLaunch, *, fixed: list[dict], mounts: list[dict]) -> dict:
+def engine_container(launch: JobLaunch, *, fixed: list[dict], mounts: list[dict], model: str = "") -> dict:
     """A foreign engine's container (vLLM, TGI, SGLang): the endpoint's image, started with the command and flags
     its engine documents (runners.backends.engines) from the endpoint's named settings, on the replica's port.
 
@@ -251,13 +260,14 @@ def engine_container(launch: JobLaunch, *, fixed: list[dict], mounts: list[dict]
     taken it out of the edge's rotation and the Service's endpoints drop it; then SIGTERM: each engine's HTTP
     server stops taking connections and finishes the requests it has, within the grace period."""
     serving = launch.serving
+    model = model or serving.model
     if serving.image is None:
         raise PermanentBackendError(f"Engine {serving.engine} runs the endpoint's image, and the launch names none.")
-    if not serving.model:
+    if not model:
         raise PermanentBackendError(f"Engine {serving.engine} serves a model, and the launch names none.")
     try:
         command, args = engines.engine_command(
-            serving.engine, model=serving.model, port=SERVER_PORT, gpus=launch.gpus_per_replica,
+            serving.engine, model=model, port=SERVER_PORT, gpus=launch.gpus_per_replica,
             served_name=serving.served_name or launch.name,
             settings=engines.EngineSettings(max_model_len=serving.max_model_len, dtype=serving.dtype))
     except ValueError as exc:
@@ -279,6 +289,45 @@ def engine_container(launch: JobLaunch, *, fixed: list[dict], mounts: list[dict]
         "lifecycle": {"preStop": {"sleep": {"seconds": prestop_sleep_s(launch.grace_period_s)}}},
         "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
     }
+
+
+def unpack_weights_container(launch: JobLaunch, image: str, source: str, source_mount: dict) -> dict:
+    """The init container that unpacks a model version's folder (its .tar.gz, from the node cache's view or the
+    fetched copy, read-only) into the engine's model volume (runners.workloads.unpack_weights)."""
+    share = {
+        "cpu": f"{min(FETCH_CPU_MILLI, launch.cpu_milli_per_replica)}m",
+        "memory": f"{min(FETCH_MEMORY_MIB, launch.memory_mib_per_replica)}Mi",
+    }
+    return {
+        "name": UNPACK_WEIGHTS_CONTAINER,
+        "image": image,
+        "command": [*UNPACK_WEIGHTS_COMMAND, weights_path(launch, source), ENGINE_MODEL_PATH],
+        "env": [{"name": key, "value": value} for key, value in SCRATCH_VARIABLES.items()],
+        "resources": {"requests": dict(share), "limits": dict(share)},
+        "volumeMounts": [
+            {**source_mount, "readOnly": True},
+            {"name": ENGINE_MODEL_VOLUME, "mountPath": ENGINE_MODEL_MOUNT},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_MOUNT},
+        ],
+        "securityContext": dict(CONTAINER_SECURITY_CONTEXT),
+    }
+
+
+def _engine_weights(launch: JobLaunch, weights: str, server_image: str, cache_grant_key: bytes,
+                    volumes: list[dict]) -> list[dict]:
+    """A foreign engine's model version: the volumes its folder passes through (added to ``volumes``) and the init
+    containers that fetch (without the node cache) and unpack it."""
+    size = launch.serving.weights.bytes
+    # The unpacked folder: about the archive's size (weights barely compress), with the slack.
+    volumes.insert(0, {"name": ENGINE_MODEL_VOLUME, "emptyDir": {"sizeLimit": _weights_volume_limit(size)}})
+    if weights == "cache":
+        volume, mount, _variable = dataset_volume(launch, cache_grant_key)
+        volumes.insert(0, volume)
+        return [unpack_weights_container(launch, server_image, "cache", mount)]
+    volumes.insert(0, {"name": WEIGHTS_VOLUME, "emptyDir": {"sizeLimit": _weights_volume_limit(size)}})
+    return [fetch_weights_container(launch, server_image),
+            unpack_weights_container(launch, server_image, "fetch", {"name": WEIGHTS_VOLUME,
+                                                                     "mountPath": WEIGHTS_MOUNT})]
 
 
 def prestop_sleep_s(grace_period_s: int) -> int:
@@ -307,10 +356,12 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
         })
     weights = weights_source(launch, cache_grant_key)
     container = server_container(launch, server_image=server_image, weights=weights)
+    init_containers = []
     if launch.serving.engine != engines.SHIPPED:
         volumes.insert(0, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_SIZE_MIB}Mi"}})
-    init_containers = []
-    if weights == "cache":
+        if weights:
+            init_containers = _engine_weights(launch, weights, server_image, cache_grant_key, volumes)
+    elif weights == "cache":
         # The grant names the weights alone (a serving launch reads no dataset); the server reads the view's copy.
         volume, mount, _variable = dataset_volume(launch, cache_grant_key)
         volumes.insert(0, volume)

@@ -6,10 +6,14 @@ from runners.inference.models import EndpointSample, InferenceEndpoint, Replica,
 
 @admin.register(InferenceEndpoint)
 class InferenceEndpointAdmin(ReadOnlyAdmin):
-    list_display = ["name", "tenant", "state", "desired_replicas", "min_replicas", "max_replicas", "generation",
-                    "created_at"]
+    list_display = ["name", "tenant", "engine", "state", "desired_replicas", "min_replicas", "max_replicas",
+                    "generation", "created_at"]
     list_filter = ["state", "tenant"]
     search_fields = ["name", "tenant__slug"]
+
+    @admin.display(description="engine")
+    def engine(self, endpoint: InferenceEndpoint) -> str:
+        return endpoint.spec.get("engine") or "shipped"
 
 
 @admin.register(Replica)
@@ -25,4 +29,5 @@ class ScaleEventAdmin(ReadOnlyAdmin):
 
 @admin.register(EndpointSample)
 class EndpointSampleAdmin(ReadOnlyAdmin):
-    list_display = ["endpoint", "at", "ready_replicas", "queue_depth", "requests_per_s", "p50_ms", "p99_ms"]
+    list_display = ["endpoint", "at", "ready_replicas", "queue_depth", "requests_per_s", "p50_ms", "p99_ms",
+                    "kv_cache_use"]

@@ -285,14 +285,24 @@ def _engine_check(spec: dict, given: dict) -> None:
         raise Invalid("dtype", f"Engine {engine} takes one of {', '.join(engine_kinds.dtypes(engine))}, got {dtype!r}.")
 
 
-def _engine_source(value, engine: str) -> dict:
-    """What a foreign engine serves: {"path": "<folder in its image, or a name the engine resolves>"}."""
+def _engine_source(value, engine: str, tenant: Tenant) -> dict:
+    """What a foreign engine serves: {"path": "<folder in its image, or a name the engine resolves>"}, or
+    {"model": name[, "version": n]}, a version of one of the tenant's models whose weights are a folder (kept as a
+    .tar.gz: what save_pretrained writes), fetched and unpacked in the replica's pod."""
+    if isinstance(value, dict) and ("model" in value or "version" in value) and not set(value) - {"model", "version"}:
+        if "model" not in value:
+            raise Invalid("source.model", "The model whose version to serve.")
+        version = registry_selectors.tenant_version_get(
+            tenant=tenant, name=value["model"], version=value.get("version"), field="source.model",
+            version_field="source.version")
+        if version.weights_format != WeightsFormat.TAR_GZ:
+            raise Invalid("source", f"Model {version.name} version {version.version} is one checkpoint file (the "
+                                    f"shipped server's); engine {engine} serves a model's folder (a version promoted "
+                                    f"from a checkpoint that is a folder, e.g. what save_pretrained writes).")
+        return {"model": version.name, "version": version.version}
     if not isinstance(value, dict) or set(value) != {"path"}:
-        if isinstance(value, dict) and ("model" in value or "job" in value):
-            raise Invalid("source", f"Engine {engine} serves a model its image holds (or names): "
-                                    f'{{"path": "/models/<folder>"}}. Model versions and job checkpoints are the '
-                                    f"shipped server's (engine shipped) for now.")
-        raise Invalid("source", f'Engine {engine} serves {{"path": "<folder in its image, or a model name>"}}.')
+        raise Invalid("source", f'Engine {engine} serves {{"path": "<folder in its image, or a model name>"}} or '
+                                f'{{"model": "<name>", "version": <n>}} (a version whose weights are a folder).')
     path = value["path"]
     if not isinstance(path, str) or not re.fullmatch(ENGINE_MODEL_PATTERN, path) or ".." in path.split("/"):
         raise Invalid("source.path", "A folder in the image (/models/<name>) or a model's name (<org>/<name>): "
@@ -318,7 +328,7 @@ def endpoint_spec_check(*, actor: AbstractBaseUser, data) -> dict:
                                          "serves a model version or a job's checkpoint.")
         spec["source"] = _source(spec["source"], tenant)
     else:
-        spec["source"] = _engine_source(spec["source"], engine)
+        spec["source"] = _engine_source(spec["source"], engine, tenant)
     flavor, quota = jobs.flavor_and_quota(tenant, spec["flavor"])
     sliced = flavor.kind in (PartitionKind.MIG, PartitionKind.TIMESLICE)
     for field, (low, high, _) in BOUNDS.items():
@@ -486,7 +496,7 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         raise Conflict(f"Endpoint {endpoint.name} is {endpoint.state}.")
     image = endpoint.spec.get("image")
     if foreign:
-        source = _engine_source(data["source"], engine)
+        source = _engine_source(data["source"], engine, endpoint.tenant)
         if "image" in data:
             image, _ = jobs.image_check(data["image"], ["serve"])
     else:
@@ -511,9 +521,11 @@ def endpoint_rollout(*, actor: AbstractBaseUser, endpoint: InferenceEndpoint, da
         if version is not None:
             what = f"model {version.name} version {version.version}"
         elif foreign:
-            what = f"{source['path']} on {engine} ({image})"
+            what = source["path"]
         else:
             what = f"job {source['job']} step {source['step']}" if "job" in source else source["image"]
+        if foreign:
+            what = f"{what} on {engine} ({image})"
         ScaleEvent.objects.create(
             endpoint=endpoint, from_replicas=endpoint.desired_replicas, to_replicas=endpoint.desired_replicas,
             reason=f"Rollout to {what} (generation {endpoint.generation}) by {actor.get_username()}: "
@@ -603,6 +615,9 @@ def _engine_replica_job_spec(endpoint: InferenceEndpoint, slot: int, engine: str
     engine (per GPU); nothing of the shipped server's."""
     spec = endpoint.spec
     units = endpoint.gpus_per_replica
+    version = endpoint.model_version
+    # A model version's folder is fetched (or read from the node cache) and unpacked in the pod; a path is the image's.
+    weights = {"sha256": version.weights_sha256, "bytes": version.weights_bytes} if version is not None else None
     return {
         "tenant": endpoint.tenant.slug, "environment": endpoint.environment_id,
         "name": f"{endpoint.name}-g{endpoint.generation}-r{slot}", "template": "serve", "replicas": 1,
@@ -614,9 +629,10 @@ def _engine_replica_job_spec(endpoint: InferenceEndpoint, slot: int, engine: str
         "max_runtime_s": jobs.MAX_RUNTIME_S, "max_retries": REPLICA_MAX_RETRIES, "env": {}, "hyperparameters": {},
         "image": spec["image"], "command": None,
         "serving": {
-            "endpoint_id": endpoint.id, "checkpoint": "", "source_job_id": None, "weights": None,
+            "endpoint_id": endpoint.id, "checkpoint": "", "source_job_id": None, "weights": weights,
             "default_deadline_ms": spec["default_deadline_ms"], "max_deadline_ms": max_deadline_ms(),
-            "image": spec["image"], "engine": engine, "model": spec["source"]["path"], "served_name": endpoint.name,
+            "image": spec["image"], "engine": engine, "model": spec["source"].get("path", ""),
+            "served_name": endpoint.name,
             "max_model_len": spec.get("max_model_len"), "dtype": spec.get("dtype", "auto"),
         },
     }

@@ -8,6 +8,7 @@ from runners.inference.models import InferenceEndpoint
 from runners.inference.services import replica_job_spec
 from runners.jobs.attempts import _serving_settings
 from runners.jobs.models import Job
+from runners.registry.models import ModelVersion, WeightsFormat
 from tests.support.endpoints import trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
@@ -85,7 +86,7 @@ def test_the_launch_of_a_replica_carries_the_engine(world, client_for, owner):
     ({"max_model_len": "long"}, "max_model_len"),
     ({"source": {"path": "../../etc/passwd"}}, "source.path"),
     ({"source": {"path": "/models/llama; rm -rf /"}}, "source.path"),
-    ({"source": {"model": "chars"}}, "source"),  # a model version: the shipped server's, for now
+    ({"source": {"job": 3}}, "source"),  # a job's checkpoint: the shipped server's
     ({"source": {"path": "/models/x", "job": 3}}, "source"),
     ({"queue_limit": 64}, "queue_limit"),  # the shipped server's setting
     ({"engine": "shipped", "dtype": "float16", "image": ..., "max_model_len": ...}, "dtype"),
@@ -111,7 +112,7 @@ def test_a_rollout_moves_to_another_image_and_model_and_checks_both(world, clien
     url = f"/api/v1/endpoints/{body['id']}/rollout/"
     bad = client.post(url, {"source": {"path": "/models/x"}, "image": "evil.example/vllm:1"}, format="json")
     assert bad.status_code == 400 and "image" in bad.json()
-    bad = client.post(url, {"source": {"model": "chars"}}, format="json")
+    bad = client.post(url, {"source": {"job": 3}}, format="json")
     assert bad.status_code == 400 and "source" in bad.json()
     assert client_for(outsider).post(url, {"source": {"path": "/models/x"}}, format="json").status_code == 404
     answer = client.post(url, {"source": {"path": "/models/llama-3.1-8b"}, "image": "nvcr.io/nvidia/vllm-openai:v0.9"},
@@ -137,3 +138,30 @@ def test_a_shipped_endpoints_rollout_takes_no_image(world, client_for, owner, se
     answer = client.post(f"/api/v1/endpoints/{body['id']}/rollout/",
                          {"source": {"job": trained.id}, "image": VLLM_IMAGE}, format="json")
     assert answer.status_code == 400 and "image" in answer.json()
+
+
+def _version(tenant, name, fmt, version=1):
+    return ModelVersion.objects.create(tenant=tenant, name=name, version=version, weights_sha256="cd" * 32,
+                                       weights_bytes=5 << 30, weights_format=fmt, step=100, template="script")
+
+
+def test_an_engine_serves_a_model_versions_folder_and_refuses_a_single_checkpoint_file(world, client_for, owner,
+                                                                                       tenant, other_tenant):
+    folder = _version(tenant, "llama", WeightsFormat.TAR_GZ)
+    _version(tenant, "chars", WeightsFormat.FILE)
+    _version(other_tenant, "theirs", WeightsFormat.TAR_GZ)
+    client = client_for(owner)
+    status, body = post(client, data(world, source={"model": "chars"}))
+    assert status == 400 and "source" in body and "one checkpoint file" in body["source"][0], body
+    status, body = post(client, data(world, source={"model": "theirs"}))
+    assert status == 404 and "source.model" in body["detail"], body  # another tenant's model is none of its own
+    status, body = post(client, data(world, source={"version": 1}))
+    assert status == 400 and "source.model" in body, body
+    status, body = post(client, data(world, source={"model": "llama"}))
+    assert status == 201, body
+    assert body["model"] == {"name": "llama", "version": 1} and body["source"] == {"model": "llama", "version": 1}
+    endpoint = InferenceEndpoint.objects.get(id=body["id"])
+    serving = ServingSettings(**replica_job_spec(endpoint, 0)["serving"])
+    # The pod fetches (or reads from its node's cache) the version's archive and unpacks it; the engine serves that.
+    assert serving.weights.sha256 == folder.weights_sha256 and serving.weights.bytes == folder.weights_bytes
+    assert (serving.engine, serving.model) == ("vllm", "")
