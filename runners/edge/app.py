@@ -102,8 +102,8 @@ class Refusal(Exception):
 
 
 def _json(status: int, body: dict, headers: dict | None = None) -> tuple[int, list, bytes]:
-    raw = [(b"content-type", b"application/json")]
-    raw += [(name.lower().encode(), str(value).encode()) for name, value in (headers or {}).items()]
+    raw = [(b"Content-Type", b"application/json")]
+    raw += [(name.encode(), str(value).encode()) for name, value in (headers or {}).items()]
     return status, raw, json.dumps(body).encode()
 
 
@@ -313,9 +313,8 @@ class Edge:
         if route.stopping:
             raise Refusal(503, {"detail": f"Endpoint {route.name} is stopping."}, {"Retry-After": 30})
         data = _checked_body(body, kind)
-        if data.get("deadline_ms") is not None and data["deadline_ms"] > c.max_deadline_ms:
-            raise Refusal(400, {"deadline_ms": [f"At most {c.max_deadline_ms:g}."]})
         deadline_ms = float(data.get("deadline_ms") or route.default_deadline_ms)
+        # Never longer than any request may ask (a drain must be able to answer it); the replica refuses more.
         deadline_ms = min(deadline_ms, c.max_deadline_ms)
         give_up_at = arrived + deadline_ms / 1000.0
         cost, prompt = _cost(data)
@@ -378,7 +377,8 @@ class Edge:
             if left_ms < 1:
                 raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
             content = body
-            if waited and route.engine == "portal":
+            asked = data.get("deadline_ms")
+            if route.engine == "portal" and (waited or asked is not None and asked > c.max_deadline_ms):
                 # The shipped server counts a body's deadline from when the request reaches it.
                 content = json.dumps(dict(data, deadline_ms=round(left_ms, 1))).encode()
             url = f"{state.target.address}/{kind}"
@@ -421,7 +421,7 @@ class Edge:
                     waited = True
                     continue
                 answer_headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
-                answer_headers.append((b"x-portal-replica", state.target.key.encode()))
+                answer_headers.append((b"X-Portal-Replica", state.target.key.encode()))
                 ended = await proxy.stream_back(send, receive, response, headers=answer_headers,
                                                 give_up_at=give_up_at + margin)
                 if ended == "client-gone":

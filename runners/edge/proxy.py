@@ -48,7 +48,7 @@ def answer_headers(response: httpx.Response, *, keep: Iterable[str] | None = Non
             continue
         if wanted is not None and lowered not in wanted:
             continue
-        out.append((lowered.encode("latin-1"), value))
+        out.append((name, value))  # as the upstream spelled it: some clients read headers case-sensitively
     return out
 
 

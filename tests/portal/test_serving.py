@@ -36,9 +36,9 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()  # case-insensitive, as HTTP names are
     except urllib.error.HTTPError as error:
-        return error.code, dict(error.headers), error.read()
+        return error.code, error.headers, error.read()
 
 
 def _answering(url: str, process: subprocess.Popen, log_path):
