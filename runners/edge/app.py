@@ -442,7 +442,17 @@ class Edge:
 
     async def pass_http(self, scope, receive, send) -> None:
         if self.upstream is None:
-            await _answer(send, 404, {"detail": "Not found."})
+            # Alone (Kubernetes: the ingress sends only /serve/ here), the edge answers its own probes:
+            # alive while its loop runs, ready while its routing table is fresh.
+            if scope["path"] == "/healthz":
+                await _answer(send, 200, {"status": "ok"})
+            elif scope["path"] == "/readyz":
+                age = asyncio.get_running_loop().time() - self.table.refreshed_at
+                fresh = age < max(10.0, 10 * self.config.table_refresh_s)
+                await _answer(send, 200 if fresh else 503, {"status": "ok" if fresh else "unavailable",
+                                                            "table_age_s": round(age, 1)})
+            else:
+                await _answer(send, 404, {"detail": "Not found."})
             return
         await proxy.forward_http(scope, receive, send, self.passthrough, self.upstream)
 

@@ -164,7 +164,7 @@ class Table:
 
     async def refresh(self) -> None:
         self.routes = await self._db(_read_table)
-        self.refreshed_at = time.monotonic()
+        self.refreshed_at = asyncio.get_running_loop().time()
         self.loaded.set()
         async with self.changed:
             self.changed.notify_all()

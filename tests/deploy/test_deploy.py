@@ -312,7 +312,7 @@ def test_every_pod_template_meets_pod_security_restricted(rendered):
         for obj, pod_spec in _pod_templates(objects):
             templates += 1
             assert pss_violations(pod_spec) == [], f"{overlay}: {obj['kind']} {obj['metadata']['name']}"
-    assert templates == 2 * 4  # web, worker, beat, migrate in each overlay
+    assert templates == 2 * 5  # web, edge, worker, beat, migrate in each overlay
 
 
 def test_every_container_has_a_read_only_root_filesystem_and_the_image_user(rendered):
@@ -378,6 +378,7 @@ def test_one_beat_and_the_commands(rendered):
         commands = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["command"]
                     for o in objects if o["kind"] in ("Deployment", "Job")}
         assert commands["gpu-portal-web"][:3] == ["gunicorn", "--config", "python:portal.gunicorn_conf"]
+        assert commands["gpu-portal-edge"][:3] == ["python", "-m", "runners.edge"]
         assert commands["gpu-portal-worker"][:4] == ["celery", "-A", "portal", "worker"]
         assert commands["gpu-portal-beat"][:4] == ["celery", "-A", "portal", "beat"]
         assert commands["gpu-portal-migrate"] == ["python", "manage.py", "migrate", "--noinput"]
@@ -390,7 +391,7 @@ def test_only_pods_that_call_the_api_mount_a_token(rendered):
     mounts = {obj["metadata"]["name"]: pod_spec.get("automountServiceAccountToken", False)
               for obj, pod_spec in _pod_templates(objects)}
     assert mounts == {"gpu-portal-web": True, "gpu-portal-worker": True, "gpu-portal-beat": False,
-                      "gpu-portal-migrate": False}
+                      "gpu-portal-migrate": False, "gpu-portal-edge": False}
 
 
 def test_images_are_the_portal_s_and_pinned_in_production(rendered):
@@ -466,10 +467,11 @@ def test_ingress_is_denied_by_default_and_web_takes_the_ingress_controller(rende
     deny = policies["default-deny"]
     assert deny["podSelector"] == {} and "Ingress" in deny["policyTypes"] and not deny.get("ingress")
     ingress_rules = [(name, spec) for name, spec in policies.items() if spec.get("ingress")]
-    assert [name for name, _ in ingress_rules] == ["allow-ingress-controller-to-web"]
-    spec = ingress_rules[0][1]
-    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "web"
-    assert spec["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert sorted(name for name, _ in ingress_rules) == ["allow-ingress-controller-to-edge",
+                                                         "allow-ingress-controller-to-web"]
+    for (_, spec), component in zip(sorted(ingress_rules), ("edge", "web"), strict=True):
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+        assert spec["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]
     egress_ports = {port["port"] for spec in policies.values() for rule in spec.get("egress", [])
                     for port in rule.get("ports", [])}
     assert {53, 5432, 6379, 443, 6443} <= egress_ports
