@@ -48,6 +48,29 @@ def pytest_configure(config):
         )
 
 
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(request, django_db_modify_db_settings):
+    """After pytest-django names this process's test database: make it a copy of the migrated template
+    (tests/support/template_db.py), which pytest-django then keeps (django_db_keepdb below)."""
+    from django.db import connections
+
+    from tests.support.template_db import copy_test_database, drop_test_database
+    from tests.support.tiers import not_the_tests_doing
+
+    with not_the_tests_doing():
+        name = copy_test_database()
+    yield
+    if not request.config.getvalue("reuse_db"):
+        connections.close_all()
+        drop_test_database(name)
+
+
+@pytest.fixture(scope="session")
+def django_db_keepdb():
+    """pytest-django keeps the copy it finds (a no-op migrate checks it); the fixture above drops it at the end."""
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _isolated_workspaces(settings, tmp_path):
     """Each test gets its own local-backend workspace folder."""

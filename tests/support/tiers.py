@@ -15,6 +15,7 @@ import itertools
 import re
 import sys
 import threading
+from contextlib import contextmanager
 
 import pytest
 
@@ -138,6 +139,17 @@ def _is_network(args) -> bool:
 
 _watch = _Watch()
 sys.addaudithook(_watch)
+
+
+@contextmanager
+def not_the_tests_doing():
+    """Work of the session's fixtures that the first test's setup happens to run (building the test
+    database's template starts `manage.py migrate`) is not that test's doing."""
+    tier, _watch.tier = _watch.tier, None
+    try:
+        yield
+    finally:
+        _watch.tier = tier
 
 
 @pytest.hookimpl(tryfirst=True)
