@@ -1,4 +1,4 @@
-// "Try it": the prompt goes to the router as JSON, with the session's CSRF token; the answer's text, or its error, shows below.
+// "Try it": the prompt goes to the edge (runners/edge/, in front on the portal's address) as JSON, with the session's CSRF token; the answer's text, or its error, shows below.
 (function () {
   "use strict";
   var form = document.querySelector("[data-testid=try-it]");
