@@ -735,6 +735,10 @@ def main() -> None:
 
 
 def run_all(args, systems: list[str], checkpoint: Path) -> None:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--short", "runners/workloads/serve.py", "runners/edge"], cwd=REPO,
+                             capture_output=True, text=True).stdout.split()
+    print(f"commit {head}; changed in the work tree: {' '.join(changed[1::2]) or 'nothing'}", flush=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average {os.getloadavg()}; "
           f"servers on core {args.server_core}, load generator on core {args.client_core}; portal flags {portal_flags()}",
           flush=True)
