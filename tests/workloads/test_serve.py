@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from runners.workloads.progress import read_checkpoints
-from runners.workloads.serve import LISTENING_TAG, Engine, PrefixCache, Refused, Settings, check_request, load_model
+from runners.workloads.serve import (
+    LISTENING_TAG,
+    CharRunner,
+    Engine,
+    PrefixCache,
+    Refused,
+    Settings,
+    check_request,
+    load_model,
+)
 from runners.workloads.train import DEFAULT_CORPUS, CharModel, save_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -131,6 +140,24 @@ def test_a_request_whose_deadline_passed_in_the_queue_is_dropped_before_it_costs
     assert doomed.out == [] and doomed.compute_s == 0 and doomed.joined is None
     assert kept.status == 200
     assert e.metrics.outcomes.labels("expired")._value.get() == 1
+
+
+class DescheduledRunner(CharRunner):
+    """The CharModel, but the process is taken off the core for 20 ms at each decode step (a contended core)."""
+
+    def step(self, last):
+        time.sleep(0.02)  # wall time passes, the engine computes nothing
+        return super().step(last)
+
+
+def test_the_step_estimate_counts_only_time_the_engine_computed():
+    m = model()
+    e = Engine(DescheduledRunner(m, PRINTABLE, torch.device("cpu"), PrefixCache(0, 16)), None, Settings())
+    e.start()
+    seq = finish(e.submit(b"a prompt", 60, 60_000))
+    assert seq.status == 200 and seq.compute_s >= 60 * 0.02
+    # Wall time would have put the estimate near 20 ms a step, and refused what the engine could serve.
+    assert e.step_s < 0.005, e.step_s
 
 
 def test_a_full_queue_and_an_impossible_deadline_are_refused_at_once_with_retry_after():
