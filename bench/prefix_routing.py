@@ -19,7 +19,8 @@ only the order of the replicas differs:
   picks today;
 - `prefix`: `runners.edge.prefix.PrefixRouter` (the edge's): the replica that was sent the longest prefix
   of the prompt first, unless it has more than `--load-slack` tokens outstanding over the least loaded
-  one; each prompt is recorded against the replica it is sent to;
+  one; each prompt is recorded against the replica it is sent to as it is sent (`--record-at answer`:
+  once answered 2xx, as the edge does);
 - `prefix-unbounded` (only when asked): the same with no load bound, to show what the bound is for.
 
 The request goes to the first replica of the order; that replica's answer (2xx, 429, 503, 504) is the
@@ -219,12 +220,13 @@ class Dispatcher:
 
     One aiohttp session (a pool of keep-alive connections) for every request."""
 
-    def __init__(self, urls: dict[str, str], policy) -> None:
+    def __init__(self, urls: dict[str, str], policy, record_at: str = "send") -> None:
         import aiohttp
 
         self.aiohttp = aiohttp
         self.urls = urls
         self.policy = policy
+        self.record_at = record_at
         self.outstanding = dict.fromkeys(urls, 0)
         self.sent = dict.fromkeys(urls, 0)
         self.session = aiohttp.ClientSession(
@@ -238,7 +240,8 @@ class Dispatcher:
         prompt = body["prompt"]
         loads = [ReplicaLoad(key, tokens) for key, tokens in self.outstanding.items()]
         key = self.policy.order(prompt, loads)[0]
-        self.policy.record(key, prompt)
+        if self.record_at == "send":
+            self.policy.record(key, prompt)
         cost = len(prompt.encode()) + body["max_tokens"]
         self.outstanding[key] += cost
         self.sent[key] += 1
@@ -248,6 +251,8 @@ class Dispatcher:
                 async with self.session.post(self.urls[key], data=data,
                                              headers={"Content-Type": "application/json"}) as response:
                     await response.read()
+                    if self.record_at == "answer" and response.status < 400:
+                        self.policy.record(key, prompt)
                     return key, response.status
         except TimeoutError:
             return key, "unanswered"
@@ -339,9 +344,9 @@ def make_policy(name: str, args):
     return PrefixRouter(block_chars=args.block_chars, max_prefixes_per_replica=args.max_prefixes, load_slack=slack)
 
 
-async def dispatched(urls: dict[str, str], policy, work) -> tuple[object, Dispatcher]:
+async def dispatched(urls: dict[str, str], policy, work, record_at: str = "send") -> tuple[object, Dispatcher]:
     """(what `work(dispatcher)` returns, the dispatcher): its aiohttp session made and closed on this loop."""
-    dispatcher = Dispatcher(urls, policy)
+    dispatcher = Dispatcher(urls, policy, record_at)
     try:
         return await work(dispatcher), dispatcher
     finally:
@@ -352,7 +357,7 @@ def run_once(policy_name: str, requests: list[dict], checkpoint: Path, args) -> 
     replicas = Replicas(args.replicas, checkpoint, args)
     try:
         results, dispatcher = asyncio.run(
-            dispatched(replicas.urls(), make_policy(policy_name, args), lambda d: drive(d, requests)))
+            dispatched(replicas.urls(), make_policy(policy_name, args), lambda d: drive(d, requests), args.record_at))
         hits = replicas.prefix_hit_rate()
     finally:
         replicas.stop()
@@ -383,6 +388,8 @@ def main() -> None:
     parser.add_argument("--level", type=float, default=1.0, help="the arrival rate, times the replicas' capacity")
     parser.add_argument("--capacity", type=float, help="requests/s of the replicas together; measured when not given")
     parser.add_argument("--policies", default="least-tokens,prefix", help=f"some of {', '.join(POLICIES)}")
+    parser.add_argument("--record-at", choices=("send", "answer"), default="send",
+                        help="when a prompt is recorded against its replica: as it is sent, or once answered 2xx")
     parser.add_argument("--zipf", type=float, default=0.0,
                         help="system prompt k is chosen in proportion to 1/k**zipf (0: each as likely)")
     parser.add_argument("--prefix-cache-mib", type=float, default=0.0625)
@@ -422,7 +429,8 @@ def main() -> None:
         pair = policies if repeat % 2 == 0 else policies[::-1]
         for name in pair:
             row = {**run_once(name, requests, checkpoint, args), "repeat": repeat, "rate": rate,
-                   "prefix_cache_mib": args.prefix_cache_mib, "load_slack": args.load_slack, "zipf": args.zipf}
+                   "prefix_cache_mib": args.prefix_cache_mib, "load_slack": args.load_slack, "zipf": args.zipf,
+                   "record_at": args.record_at}
             rows.append(row)
             with open(args.out, "a") as out:
                 out.write(json.dumps(row) + "\n")
@@ -434,7 +442,8 @@ def main() -> None:
 
     print(f"\n{args.replicas} replicas, {rate:.0f} requests/s ({args.level:g}x capacity), {args.seconds:g} s runs, "
           f"{args.repeats} paired repeats, prefix cache {args.prefix_cache_mib:g} MiB per replica, load slack "
-          f"{args.load_slack:g} tokens, system prompts' zipf {args.zipf:g}; min / median / max")
+          f"{args.load_slack:g} tokens, system prompts' zipf {args.zipf:g}, recorded at {args.record_at}; "
+          "min / median / max")
     print("| policy | prefix-cache hits | goodput/s | p50 ms | p99 ms | shed | expired | late | busiest replica "
           "| replicas per system prompt |")
     print("|---|---|---|---|---|---|---|---|---|---|")
