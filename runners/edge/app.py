@@ -31,7 +31,7 @@ from starlette.routing import WebSocketRoute
 
 from runners.edge import proxy
 from runners.edge.probes import Prober, ReplicaState
-from runners.edge.table import Caller, Route, Table
+from runners.edge.table import SHIPPED, Caller, Route, Table
 
 log = logging.getLogger("runners.edge")
 
@@ -210,9 +210,11 @@ def _cost(data: dict) -> tuple[int, str]:
 class Edge:
     """The edge's state: the table, the probes, the HTTP client, the counts in flight."""
 
-    def __init__(self, *, config: EdgeConfig | None = None, upstream: str | None = None) -> None:
+    def __init__(self, *, config: EdgeConfig | None = None, upstream: str | None = None,
+                 table: Table | None = None) -> None:
         self.config = config
         self.upstream = upstream.rstrip("/") if upstream else None
+        self.given_table = table
         self.in_flight: dict[int, int] = {}
         self.router = None
         self.table: Table | None = None
@@ -235,7 +237,7 @@ class Edge:
                              failures=c.probe_failures)
         if self.router is not None:
             self.prober.on_gone = self.router.forget
-        self.table = Table(refresh_s=c.table_refresh_s, auth_cache_s=c.auth_cache_s)
+        self.table = self.given_table or Table(refresh_s=c.table_refresh_s, auth_cache_s=c.auth_cache_s)
         await self.table.start()
         self._sync_probes()
         self._sync_task = asyncio.create_task(self._keep_probes())
@@ -378,7 +380,7 @@ class Edge:
                 raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
             content = body
             asked = data.get("deadline_ms")
-            if route.engine == "portal" and (waited or asked is not None and asked > c.max_deadline_ms):
+            if route.engine == SHIPPED and (waited or asked is not None and asked > c.max_deadline_ms):
                 # The shipped server counts a body's deadline from when the request reaches it.
                 content = json.dumps(dict(data, deadline_ms=round(left_ms, 1))).encode()
             url = f"{state.target.address}/{kind}"
@@ -478,11 +480,12 @@ class _Asgi:
         await self.handler(scope, receive, send)
 
 
-def build(*, upstream: str | None = None, config: EdgeConfig | None = None) -> Starlette:
-    """The edge's ASGI app. ``upstream``: the web process every other request passes to (none: 404)."""
+def build(*, upstream: str | None = None, config: EdgeConfig | None = None, table: Table | None = None):
+    """The edge's ASGI app. ``upstream``: the web process every other request passes to (none: 404);
+    ``table``: where routes and callers come from (the database's, read in the background, unless given)."""
     import contextlib
 
-    edge = Edge(config=config, upstream=upstream)
+    edge = Edge(config=config, upstream=upstream, table=table)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

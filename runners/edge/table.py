@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 
+from runners.backends import engines
+
 log = logging.getLogger("runners.edge")
 
-# Engines whose health route is not the shipped server's /readyz.
-ENGINE_HEALTH = {"vllm": "/health", "tgi": "/health", "sglang": "/health"}
+SHIPPED = engines.SHIPPED
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Route:
     stopping: bool
     desired_replicas: int
     starting: bool
-    engine: str
+    engine: str  # runners.backends.engines: "shipped" (the portal's own server) or a foreign engine
     targets: list[Target] = field(default_factory=list)
 
 
@@ -69,7 +70,7 @@ def _read_table() -> dict[tuple[str, str], Route]:
     for row in InferenceEndpoint.objects.exclude(state=EndpointState.STOPPED).values(
             "id", "tenant_id", "tenant__slug", "name", "spec", "stop_requested_at", "desired_replicas", "state"):
         spec = row["spec"] or {}
-        engine = str(spec.get("engine") or "portal")
+        engine = str(spec.get("engine") or engines.SHIPPED)
         routes[row["id"]] = Route(
             id=row["id"], tenant_id=row["tenant_id"], tenant_slug=row["tenant__slug"], name=row["name"],
             default_deadline_ms=float(spec.get("default_deadline_ms") or 10_000),
@@ -80,7 +81,11 @@ def _read_table() -> dict[tuple[str, str], Route]:
                                       job__state=JobState.RUNNING).exclude(address="")
     for replica_id, endpoint_id, address in replicas.order_by("id").values_list("id", "endpoint_id", "address"):
         route = routes[endpoint_id]
-        route.targets.append(Target(str(replica_id), address.rstrip("/"), ENGINE_HEALTH.get(route.engine, "/readyz")))
+        try:
+            health = engines.health_path(route.engine)
+        except (KeyError, ValueError):
+            health = "/readyz"
+        route.targets.append(Target(str(replica_id), address.rstrip("/"), health))
     return {(route.tenant_slug, route.name): route for route in routes.values()}
 
 

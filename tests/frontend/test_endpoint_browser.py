@@ -2,7 +2,8 @@
 checkpoint from the job page, watches the endpoint become ready and generates text from the page's "try it" box.
 
 Everything is real: a Celery worker with beat runs the scheduler cycle, the jobs' and the endpoints' reconcile;
-the trainer and the server run as processes on the local backend; the router answers in the live server."""
+the trainer and the server run as processes on the local backend; the edge stands in front of the live server
+as `make run` runs it in front of gunicorn, and answers the "try it" box's requests."""
 
 import pytest
 
@@ -11,6 +12,7 @@ from runners.jobs import services as jobs
 from runners.jobs.models import Job
 from tenants.models import Membership
 from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
+from tests.support.edge import running_edge
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for
 
@@ -23,8 +25,15 @@ TRAIN_TIMEOUT_S = 180
 READY_TIMEOUT_MS = 120_000
 
 
+@pytest.fixture
+def front(live_server, tmp_path):
+    """The edge in front of the live server: the pages pass through it, endpoints are answered by it."""
+    with running_edge(tmp_path, upstream=live_server.url) as edge:
+        yield edge
+
+
 def test_a_member_serves_a_checkpoint_she_trained_and_generates_text_from_the_endpoint_page(
-    page, live_server, celery_worker_factory, tenant, owner, make_user, screenshot_dir
+    page, front, celery_worker_factory, tenant, owner, make_user, screenshot_dir
 ):
     alice = make_user("alice")
     Membership.objects.create(user=alice, tenant=tenant, role="member")
@@ -45,8 +54,8 @@ def test_a_member_serves_a_checkpoint_she_trained_and_generates_text_from_the_en
     newest = job.checkpoints.newest_first().first()
     assert newest is not None and newest.step == 60
 
-    log_in(page, live_server, "alice")
-    page.goto(f"{live_server.url}/jobs/{job.id}/")
+    log_in(page, front, "alice")
+    page.goto(f"{front.url}/jobs/{job.id}/")
     serve = page.get_by_role("link", name="Serve this checkpoint")
     expect(serve).to_be_visible()
     serve.click()
@@ -80,9 +89,9 @@ def test_a_member_serves_a_checkpoint_she_trained_and_generates_text_from_the_en
     expect(replica.get_by_test_id("replica-ready")).to_have_text("ready")
     expect(replica.locator("code")).not_to_be_empty()  # the node it runs on
     assert_not_reloaded(page)
-    expect(page.get_by_test_id("endpoint-url")).to_have_text(f"{live_server.url}/serve/acme/tiny-chat/v1/generate")
+    expect(page.get_by_test_id("endpoint-url")).to_have_text(f"{front.url}/serve/acme/tiny-chat/v1/generate")
 
-    # Try it: the prompt goes to the router with the session and its CSRF token; the text comes back.
+    # Try it: the prompt goes to the edge with the session and its CSRF token; the text comes back.
     try_it = page.get_by_test_id("try-it")
     try_it.get_by_label("Prompt").fill("The model says")
     try_it.get_by_label("Max tokens").fill("24")

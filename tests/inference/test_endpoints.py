@@ -10,6 +10,7 @@ from django.db import connection
 from runners.clusters.registry import get_backend
 from runners.inference.models import EndpointState, InferenceEndpoint, ScaleEvent
 from runners.jobs.models import Job
+from tests.support.edge import running_edge, through_edge
 from tests.support.endpoints import drive, ready_count, trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
@@ -37,9 +38,16 @@ def endpoint_data(world, **overrides) -> dict:
     return data
 
 
-def generate(client, endpoint, body, **extra):
-    answer = client.post(f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate", data=json.dumps(body),
-                         content_type="application/json", **extra)
+@pytest.fixture(autouse=True)
+def _edge(tmp_path):
+    """Requests for endpoints go through the edge (runners/edge/), a real process as in production."""
+    with running_edge(tmp_path) as edge:
+        yield edge
+
+
+def generate(client, endpoint, body):
+    answer = through_edge(client, f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate",
+                          json.dumps(body).encode())
     return answer.status_code, answer.json() if answer.content else None
 
 
@@ -65,8 +73,8 @@ def test_a_checkpoint_is_deployed_served_through_the_router_and_stopped_with_a_d
     assert status == 400 and "deadline_ms" in answer
     assert generate(client_for(outsider), endpoint, {"prompt": "hello", "max_tokens": 8})[0] == 404
     assert generate(client_for(viewer), endpoint, {"prompt": "hello", "max_tokens": 8})[0] == 403
-    answer = client.post("/serve/acme/chat/v1/generate", data=b'{"prompt": "hi", "max_tokens": 4, "deadline_ms": 1' + b"0" * 400 + b"}",
-                         content_type="application/json")
+    answer = through_edge(client, "/serve/acme/chat/v1/generate",
+                          b'{"prompt": "hi", "max_tokens": 4, "deadline_ms": 1' + b"0" * 400 + b"}")
     assert answer.status_code == 400 and "deadline_ms" in answer.json()  # the server names it; the router never 500s
 
     # The trainer prunes old checkpoints; a replica started later still finds the endpoint's pinned copy.
@@ -143,8 +151,8 @@ def test_scaled_to_zero_the_first_request_waits_for_a_cold_start_within_its_dead
     assert "Scale in: no request" in endpoint.scale_events.first().reason
 
     # Too short a deadline for a cold start: a 503 with Retry-After at once, never a hang.
-    answer = client.post("/serve/acme/chat/v1/generate", data=json.dumps({"prompt": "hi", "max_tokens": 4,
-                         "deadline_ms": 300}), content_type="application/json")
+    answer = through_edge(client, "/serve/acme/chat/v1/generate",
+                          json.dumps({"prompt": "hi", "max_tokens": 4, "deadline_ms": 300}).encode())
     assert answer.status_code == 503 and int(answer["Retry-After"]) > 0
 
     results = []

@@ -11,15 +11,23 @@ from runners.clusters.registry import get_backend
 from runners.inference.models import EndpointState, InferenceEndpoint
 from runners.jobs.models import Job
 from runners.registry.models import ModelVersion
+from tests.support.edge import running_edge, through_edge
 from tests.support.endpoints import drive, ready_count, trained_job
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.fixture(autouse=True)
+def _edge(tmp_path):
+    """Requests for endpoints go through the edge (runners/edge/), a real process as in production."""
+    with running_edge(tmp_path) as edge:
+        yield edge
+
+
 def generate(client, endpoint) -> int:
-    answer = client.post(f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate",
-                         data=json.dumps({"prompt": "hello", "max_tokens": 4}), content_type="application/json")
+    answer = through_edge(client, f"/serve/{endpoint.tenant.slug}/{endpoint.name}/v1/generate",
+                          json.dumps({"prompt": "hello", "max_tokens": 4}).encode())
     return answer.status_code
 
 
