@@ -525,10 +525,10 @@ class ChaosRun:
             return
         job_id, number, state = self.rng.choice(attempts)
         if state in ("preempted", "cancelling") or self.rng.random() < 0.3:
-            send_task(job_stop, job_id)
+            send_task(job_stop.name, job_id)
             self.counts["redeliver_stop"] += 1
         else:
-            send_task(job_launch, job_id, number)
+            send_task(job_launch.name, job_id, number)
             self.counts["redeliver_launch"] += 1
 
     def _cycle_here(self) -> None:
