@@ -1012,6 +1012,14 @@ class EngineClient:
         with self.lock:
             self.conn.send(message)
 
+    def cancel(self, rid: int) -> None:
+        """Tell the engine no one waits for request `rid` any more (nothing to tell a stopped engine)."""
+        if not self.dead:
+            try:
+                self.send(("cancel", rid))
+            except OSError:
+                pass
+
     def listen(self, loop: asyncio.AbstractEventLoop, on_idle, on_dead) -> None:
         """Read the engine's messages on a thread of their own and hand each to the event loop."""
 
@@ -1321,7 +1329,7 @@ class Front:
                 if reader.at_eof() or reader.exception() is not None or writer.is_closing():
                     del self.watched[rid]
                     self.metrics.gone.inc()
-                    self.engine.send(("cancel", rid))
+                    self.engine.cancel(rid)
                     future = self.engine.waiting.pop(rid, None)
                     if future is not None and not future.done():
                         future.set_result(GONE)
@@ -1340,9 +1348,10 @@ class Front:
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            engine.send(("cancel", rid))
             return None
         finally:
+            if not future.done() or future.result() is GONE:
+                engine.cancel(rid)  # no one will take the answer: it stops computing
             engine.waiting.pop(rid, None)
             self.watched.pop(rid, None)
 
@@ -1356,18 +1365,18 @@ class Front:
         engine.streams[rid] = queue
         self._watch(rid, reader, writer)
         engine.send(("submit", rid, request))
-        ident, created, started = serve_openai.new_id(completion.chat), int(time.time()), False
+        ident, created, started, finished = serve_openai.new_id(completion.chat), int(time.time()), False, False
         end = time.monotonic() + timeout
         try:
             while True:
                 try:
                     message = await asyncio.wait_for(queue.get(), max(0.0, end - time.monotonic()))
                 except TimeoutError:
-                    engine.send(("cancel", rid))
                     message = ("done", rid, 504, {"detail": "no answer by the deadline"}, {})
                 if message is GONE:
                     return None
                 kind, status = message[0], message[2] if message[0] == "done" else 200
+                finished = finished or (kind == "done" and message[1] == rid)
                 if not started:
                     if status != 200:
                         return self._refusal(False, status, message[3], message[4])
@@ -1392,6 +1401,10 @@ class Front:
                     return None
                 await writer.drain()
         finally:
+            if not finished:  # the caller went away: seen by the watcher, or a write to it failed
+                if self.watched.pop(rid, None) is not None and not engine.dead:
+                    self.metrics.gone.inc()
+                engine.cancel(rid)
             engine.streams.pop(rid, None)
             self.watched.pop(rid, None)
 
