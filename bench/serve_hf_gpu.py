@@ -1,13 +1,14 @@
 """The shipped server on a transformers model on a GPU: a check to run on a lent GPU machine (no network needed).
 
-    python bench/serve_hf_gpu.py [--requests 64] [--max-tokens 64] [--layers 4] [--width 256]
+    python bench/serve_hf_gpu.py [--requests 64] [--max-tokens 64] [--layers 4] [--width 256] [--device cuda]
 
 It builds a randomly initialised GPT-2 and a tokenizer trained on a few lines (nothing is downloaded),
 saves them with save_pretrained, starts `python -m runners.workloads.serve --device cuda` on the folder,
 sends every request at once (so they are batched, left-padded, in the engine), and checks each greedy
 answer against transformers' own `generate` for that prompt alone on the same GPU. It prints one JSON
 line: the device the server reports, how many answers matched, the wall time and tokens a second.
-Exit 0 when every answer matched, 1 otherwise, 2 without a GPU.
+Exit 0 when every answer matched, 1 otherwise, 2 without a GPU. `--device cpu` runs the same check on the
+CPU (a dry run of the script where there is no GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,15 +53,15 @@ def build(folder: Path, layers: int, width: int) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def reference(folder: Path, prompts: list[str], max_tokens: int) -> list[str]:
+def reference(folder: Path, prompts: list[str], max_tokens: int, device: str) -> list[str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).to("cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
     out = []
     with torch.inference_mode():
         for prompt in prompts:
-            ids = torch.tensor([tokenizer.encode(prompt)], device="cuda")
+            ids = torch.tensor([tokenizer.encode(prompt)], device=device)
             new = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
                                  pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
             if tokenizer.eos_token_id in new:
@@ -74,8 +76,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"error": "no GPU"}))
         return 2
     folder = Path(tempfile.mkdtemp(prefix="serve-hf-gpu-"))
@@ -84,7 +87,7 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SERVE_")}
     server = subprocess.Popen(
         [sys.executable, "-m", "runners.workloads.serve", "--checkpoint", str(folder), "--port", "0",
-         "--device", "cuda", "--max-tokens", str(args.max_tokens), "--queue-limit", str(args.requests)],
+         "--device", args.device, "--max-tokens", str(args.max_tokens), "--queue-limit", str(args.requests)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
     )
     try:
@@ -105,12 +108,13 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(60)
-    expected = reference(folder, prompts, args.max_tokens)
+    expected = reference(folder, prompts, args.max_tokens, args.device)
+    shutil.rmtree(folder, ignore_errors=True)
     matched = sum(a["choices"][0]["text"] == e for a, e in zip(answers, expected))
     tokens = sum(a["usage"]["completion_tokens"] for a in answers)
     print(json.dumps({"device": listening["device"], "requests": args.requests, "matched": matched,
                       "wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
-                      "gpu": torch.cuda.get_device_name()}))
+                      "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}))
     return 0 if matched == args.requests else 1
 
 
