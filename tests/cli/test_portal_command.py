@@ -77,7 +77,7 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def portal(tmp_path_factory):
     env = {"CELERY_BROKER_URL": settings.CELERY_BROKER_URL, "LOCAL_USE_NVML": "false"}
-    with fresh_database("cli") as database_url:
+    with fresh_database("cli", migrated=True) as database_url:
         with started_portal({**env, "DATABASE_URL": database_url}, tmp_path_factory.mktemp("var")) as url:
             yield url
 

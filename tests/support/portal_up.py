@@ -41,12 +41,19 @@ def _server_url(database: str) -> str:
 
 
 @contextlib.contextmanager
-def fresh_database(prefix: str = "portal_up") -> Iterator[str]:
-    """An empty database of its own on the test PostgreSQL, dropped afterwards: its DATABASE_URL."""
+def fresh_database(prefix: str = "portal_up", *, migrated: bool = False) -> Iterator[str]:
+    """A database of its own on the test PostgreSQL, dropped afterwards: its DATABASE_URL. Empty, as a newcomer's
+    is, or with ``migrated`` a copy of the suite's migrated template (tests/support/template_db.py), for tests
+    about what runs on the portal rather than its first start."""
+    from tests.support.template_db import copy_of_template
+
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     admin = _server_url("postgres")
-    with psycopg.connect(admin, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
+    if migrated:
+        copy_of_template(name)
+    else:
+        with psycopg.connect(admin, autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{name}"')
     try:
         yield _server_url(name)
     finally:

@@ -86,8 +86,14 @@ def _build_template(admin: psycopg.Connection, database: dict, template: str) ->
 
 def copy_test_database() -> str:
     """Make this process's test database a fresh copy of the migrated template; return its name."""
-    database = settings.DATABASES["default"]
     name = connection.creation._get_test_db_name()
+    copy_of_template(name)
+    return name
+
+
+def copy_of_template(name: str) -> None:
+    """Database ``name`` (dropped first if it exists) as a copy of the migrated template, built if missing."""
+    database = settings.DATABASES["default"]
     template = TEMPLATE_PREFIX + migrations_fingerprint()[:16]
     with _admin_connection(database) as admin:
         admin.execute("SELECT pg_advisory_lock(%s)", [LOCK_KEY])
@@ -99,7 +105,6 @@ def copy_test_database() -> str:
                                                                            sql.Identifier(template)))
         finally:
             admin.execute("SELECT pg_advisory_unlock(%s)", [LOCK_KEY])
-    return name
 
 
 def drop_test_database(name: str) -> None:
