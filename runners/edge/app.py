@@ -377,6 +377,9 @@ class Edge:
             state = choices[0]
             left_ms = (give_up_at - loop.time()) * 1000.0
             if left_ms < 1:
+                if not tried and not waited:  # too short to be met at all: refused at once, as a replica would
+                    raise Refusal(429, {"detail": "The deadline is too short to be met; give a longer deadline_ms."},
+                                  {"Retry-After": 1})
                 raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
             content = body
             asked = data.get("deadline_ms")
