@@ -337,6 +337,8 @@ ENDPOINT_RECONCILE_INTERVAL_S = env_float("ENDPOINT_RECONCILE_INTERVAL_S", 2.0, 
 ENDPOINT_TARGET_INFLIGHT = env_float("ENDPOINT_TARGET_INFLIGHT", 8.0, minimum=0.1)
 ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum=0.0)
 ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
+# A foreign engine (vLLM, TGI, SGLang) reports its KV-cache use: at this mean over its ready replicas, one more.
+ENDPOINT_KV_CACHE_HIGH = env_float("ENDPOINT_KV_CACHE_HIGH", 0.9, minimum=0.01)
 # The reconcile asks each replica's /readyz and /metrics with this timeout, this many replicas at once.
 ENDPOINT_PROBE_TIMEOUT_S = env_float("ENDPOINT_PROBE_TIMEOUT_S", 1.0, minimum=0.1)
 ENDPOINT_PROBE_CONCURRENCY = env_int("ENDPOINT_PROBE_CONCURRENCY", 16, minimum=1)
