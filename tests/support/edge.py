@@ -82,14 +82,17 @@ _running: list[EdgeProcess] = []
 
 @contextlib.contextmanager
 def running_edge(tmp_path: Path, **env):
-    """The edge for this test: ``through_edge`` sends to it. Its table is read every 0.1 s here."""
-    env.setdefault("EDGE_TABLE_REFRESH_S", "0.1")
+    """The edge for this test: ``through_edge`` sends to it. Its table is read every 0.2 s here."""
+    env.setdefault("EDGE_TABLE_REFRESH_S", "0.2")
     edge = EdgeProcess(tmp_path / "edge.log", **env).start()
+    # One client (a pool of kept-alive connections) for every thread of the test, as callers keep theirs.
+    edge.client = httpx.Client(timeout=90, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
     _running.append(edge)
     try:
         yield edge
     finally:
         _running.remove(edge)
+        edge.client.close()
         edge.stop()
 
 
@@ -119,4 +122,4 @@ def through_edge(client, path: str, data: bytes, content_type: str = "applicatio
     authorization = getattr(client, "_credentials", {}).get("HTTP_AUTHORIZATION")
     if authorization:
         headers["Authorization"] = authorization
-    return EdgeAnswer(httpx.post(edge.url + path, content=data, headers=headers, timeout=timeout))
+    return EdgeAnswer(edge.client.post(edge.url + path, content=data, headers=headers, timeout=timeout))
