@@ -10,10 +10,14 @@ and the jobs' own launch, stop and reconcile do the rest.
 
 from __future__ import annotations
 
+import io
+import json
 import re
+import tarfile
 import tempfile
 import zipfile
-from pathlib import Path
+import zlib
+from pathlib import Path, PurePosixPath
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -120,7 +124,7 @@ def _source(value, tenant: Tenant) -> dict:
         raise Invalid("source.job", f"Tenant {tenant.slug} has no training job {job_id}.")
     if job.spec.get("template") not in SERVABLE_TEMPLATES:
         raise Invalid("source.job", "Only checkpoints of the shipped trainer (template pytorch-ddp) and of script jobs "
-                                    "that save its model can be served.")
+                                    "that save its model or a transformers model's folder can be served.")
     checkpoints = Checkpoint.objects.filter(job=job).newest_first()
     if "step" in value:
         step = value["step"]
@@ -138,12 +142,23 @@ def _source(value, tenant: Tenant) -> dict:
 
 
 def _version_servable(version: ModelVersion) -> None:
-    """Invalid naming ``source`` unless the shipped server loads this version's weights."""
+    """Invalid naming ``source`` unless the shipped server loads this version's weights: a checkpoint file of the
+    shipped trainer's model, or a folder (kept as its .tar.gz) of a transformers model."""
     what = f"Model {version.name} version {version.version}"
-    if version.template not in SERVABLE_TEMPLATES or version.weights_format != WeightsFormat.FILE:
-        raise Invalid("source", f"{what} was promoted from a {version.template} job's "
-                                f"{'folder ' if version.weights_format != WeightsFormat.FILE else ''}checkpoint, "
-                                f"which the shipped server does not load. {SERVER_LOADS}")
+    if version.template not in SERVABLE_TEMPLATES:
+        raise Invalid("source", f"{what} was promoted from a {version.template} job's checkpoint, which the shipped "
+                                f"server does not load. {SERVER_LOADS}")
+    if version.weights_format == WeightsFormat.TAR_GZ:
+        try:
+            stream = registry.weights_store().open(version.weights_sha256)
+        except BlobMissing as exc:
+            raise Invalid("source", f"{what}'s weights cannot be read from the model store ({exc}).") from None
+        with stream:
+            _transformers_archive_check(what, stream)
+        return
+    if version.weights_format != WeightsFormat.FILE:
+        raise Invalid("source", f"{what}'s weights are kept as {version.weights_format}, which the shipped server "
+                                f"does not load. {SERVER_LOADS}")
     if version.template != "script":
         return
     if version.weights_bytes > SCRIPT_CHECKPOINT_CHECK_MAX_BYTES:
@@ -182,12 +197,82 @@ SERVABLE_TEMPLATES = ("pytorch-ddp", "script")
 SCRIPT_CHECKPOINT_CHECK_MAX_BYTES = 64 * 1024 * 1024
 SERVER_LOADS = ("The shipped server loads one checkpoint file of the shipped trainer's model: torch.save of a dict "
                 "with \"format\": runners.workloads.train.CHECKPOINT_FORMAT and \"model\": a CharModel's state_dict "
-                "(what runners.workloads.train.checkpoint_state returns, saved with ctx.checkpoint(step, state)).")
+                "(what runners.workloads.train.checkpoint_state returns, saved with ctx.checkpoint(step, state)); or "
+                "a transformers causal language model's folder, as save_pretrained writes it (its config.json, "
+                "weights and tokenizer; the folder saved with ctx.checkpoint(step, folder)).")
+# A transformers model's folder: its config.json (at the folder's root, or in the one folder its archive holds) is
+# read, at most this big; the weights and the tokenizer are the replica's to load when it starts.
+TRANSFORMERS_CONFIG = "config.json"
+TRANSFORMERS_CONFIG_MAX_BYTES = 1024 * 1024
+
+
+class _ChunksReader(io.RawIOBase):
+    """An iterator of byte chunks (a folder checkpoint's .tar.gz as the backend makes it) read as a stream."""
+
+    def __init__(self, chunks) -> None:
+        self._chunks = iter(chunks)
+        self._left = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._left:
+            try:
+                self._left = memoryview(next(self._chunks))
+            except StopIteration:
+                return 0
+        count = min(len(buffer), len(self._left))
+        buffer[:count] = self._left[:count]
+        self._left = self._left[count:]
+        return count
+
+
+def _transformers_archive_check(what: str, stream) -> None:
+    """Invalid naming ``source`` unless the .tar.gz read from ``stream`` is a transformers model's folder: a
+    config.json at its root or in a folder at its root (where the server's unpacking looks), a JSON object naming
+    its ``model_type``. Read as a stream, up to that file only (a folder's files come in name order, so it is near
+    the start); nothing is unpacked, and neither torch nor transformers is loaded here."""
+    where = "at its root or in its one top folder"
+    try:
+        with tarfile.open(fileobj=stream, mode="r|gz") as archive:
+            for member in archive:
+                parts = [part for part in PurePosixPath(member.name).parts if part not in (".", "/")]
+                if not parts or parts[-1] != TRANSFORMERS_CONFIG or len(parts) > 2:
+                    continue
+                if not member.isfile():
+                    raise Invalid("source", f"{what} is a folder whose {member.name} is not a file. {SERVER_LOADS}")
+                if member.size > TRANSFORMERS_CONFIG_MAX_BYTES:
+                    raise Invalid("source", f"{what} is a folder whose {member.name} is over "
+                                            f"{TRANSFORMERS_CONFIG_MAX_BYTES} bytes: not a model's config. "
+                                            f"{SERVER_LOADS}")
+                data = archive.extractfile(member).read(TRANSFORMERS_CONFIG_MAX_BYTES + 1)
+                _transformers_config_check(what, member.name, data)
+                return
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+        raise Invalid("source", f"{what} is not a readable .tar.gz of a folder ({type(exc).__name__}: "
+                                f"{str(exc)[:200]}). {SERVER_LOADS}") from None
+    raise Invalid("source", f"{what} is a folder with no {TRANSFORMERS_CONFIG} {where}, so not a transformers "
+                            f"model's. {SERVER_LOADS}")
+
+
+def _transformers_config_check(what: str, name: str, data: bytes) -> None:
+    """Invalid naming ``source`` unless ``data`` (the folder's config.json) is a JSON object naming a model_type,
+    as every config save_pretrained writes does (transformers picks the model's class by it)."""
+    try:
+        config = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Invalid("source", f"{what} is a folder whose {name} is not JSON ({str(exc)[:200]}). "
+                                f"{SERVER_LOADS}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str) or not config["model_type"]:
+        raise Invalid("source", f"{what} is a folder whose {name} names no model_type, so not a transformers "
+                                f"model's config. {SERVER_LOADS}")
 
 
 def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
     """Invalid naming ``source`` unless the shipped server's loader (runners.workloads.serve.load_model) loads this
-    script checkpoint, onto the CPU, weights only (no pickled code runs).
+    script checkpoint, onto the CPU, weights only (no pickled code runs); or, for a folder, unless it is a
+    transformers model's (`_transformers_archive_check`: its config.json, read without loading anything).
 
     The file is the tenant's (its script may still write it), so it is read once through the backend (a file in
     the job's folder, no link followed) into a copy of the portal's, and only a torch.save archive whose members
@@ -207,7 +292,9 @@ def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
         raise Invalid("source", f"{what} cannot be read now ({exc}); try again.") from None
     try:
         if opened.is_folder:
-            raise Invalid("source", f"{what} is a folder. {SERVER_LOADS}")
+            # Read as the .tar.gz the backend makes of it (what a promotion stores), up to its config.json.
+            _transformers_archive_check(what, io.BufferedReader(_ChunksReader(opened.chunks), 1024 * 1024))
+            return
         data = opened.stream.read(SCRIPT_CHECKPOINT_CHECK_MAX_BYTES + 1)
     finally:
         opened.close()
