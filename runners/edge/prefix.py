@@ -104,15 +104,15 @@ class PrefixRouter:
         if not loads:
             return []
         matched: dict[str, int] = {}  # key -> how many leading blocks of the prompt it holds
+        hashes = self._prefix_hashes(prompt) if self._held else []  # outside the lock: it reads only the prompt
         with self._lock:
-            if self._held:
-                for depth, prefix in enumerate(self._prefix_hashes(prompt), start=1):
-                    holders = self._holders.get(prefix)
-                    if not holders:
-                        break  # a replica holding a longer prefix holds this one too (see record)
-                    for key in holders:
-                        if key in loads:
-                            matched[key] = depth
+            for depth, prefix in enumerate(hashes, start=1):
+                holders = self._holders.get(prefix)
+                if not holders:
+                    break  # a replica holding a longer prefix holds this one too (see record)
+                for key in holders:
+                    if key in loads:
+                        matched[key] = depth
         bound = min(loads.values()) + self.load_slack
         preferred = sorted((key for key, depth in matched.items() if loads[key] <= bound),
                            key=lambda key: (-matched[key], loads[key], key))
