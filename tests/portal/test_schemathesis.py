@@ -51,11 +51,15 @@ SEED = int(os.environ.get("SCHEMATHESIS_SEED", "20260101"))
 MAX_EXAMPLES = int(os.environ.get("SCHEMATHESIS_MAX_EXAMPLES", "25"))
 TOKEN_REVOKE = "DELETE /api/v1/auth/token/"
 
+# The coverage phase (every field's boundaries, missing, null and wrong-typed values, deterministic) runs in
+# `make test`; the fast tier's loop (`make test-fast`) leaves it out and only fuzzes.
+COVERAGE = os.environ.get("SCHEMATHESIS_COVERAGE", "1") != "0"
 CONFIG = schemathesis.Config.from_dict(
     {
         "seed": SEED,
         # Valid and invalid input both: invalid input must be refused with a documented 4xx.
         "generation": {"mode": "all"},
+        "phases": {"coverage": {"enabled": COVERAGE}},
     }
 )
 schema = schemathesis.openapi.from_wsgi("/api/schema/", application, config=CONFIG)
