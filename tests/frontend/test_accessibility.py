@@ -5,10 +5,12 @@ portal's own pages (not the Django admin's, not the API's). A serious or critica
 page fails the test with the page, the rule and the element; at 390 px no page may be wider than
 the screen; anything the Content-Security-Policy refuses is a problem, and a link that answers 4xx or
 5xx is one too (its friendly error page would pass axe),
-and each role must have reached the pages it is known to have (REQUIRED). Every page is photographed
-at both widths into `screenshot_dir`.
+and each role must have reached the pages it is known to have (REQUIRED). With FRONTEND_SCREENSHOT_DIR
+set, every page is photographed at both widths into it (full-page PNGs: most of the browser's work when
+nobody looks at them, so not otherwise).
 """
 
+import os
 import re
 from collections import defaultdict, deque
 from pathlib import Path
@@ -32,6 +34,7 @@ ROLES = {"anonymous": None, "member": "bob", "owner": "alice", "staff": "admin"}
 SKIPPED = ("/admin/", "/api/", "/static/", "/logout/", "/serve/")
 SAME_PATTERN_MAX = 2  # two jobs, two endpoints...: the same template with other data adds little
 MAX_PAGES = 60
+SCREENSHOTS = bool(os.environ.get("FRONTEND_SCREENSHOT_DIR"))
 IMPACTS = ("serious", "critical")
 # The pages each role must have reached (and found whole: HTML, 200), as path patterns.
 _MEMBER_PAGES = (r"/tenants/[-a-z0-9]+/", r"/environments/\d+/", r"/jobs/\d+/", r"/tenants/[-a-z0-9]+/jobs/",
@@ -118,7 +121,8 @@ def test_every_page_passes_axe_and_fits_a_phone(browser, live_server, screenshot
             f"{width}px {page.url}: {message.text}") if "Content Security Policy" in message.text else None)
 
         def visit(path, page=page, width=width, width_name=width_name):
-            page.screenshot(path=str(screenshot_dir / _file_name(role, width_name, path)), full_page=True)
+            if SCREENSHOTS:
+                page.screenshot(path=str(screenshot_dir / _file_name(role, width_name, path)), full_page=True)
             for violation in axe.run(page).response["violations"]:
                 if violation["impact"] in IMPACTS:
                     targets = [" ".join(map(str, node["target"])) for node in violation["nodes"]]
