@@ -557,11 +557,11 @@ def search(checkpoint: Path, args, start: dict) -> dict:
 # --- the report ----------------------------------------------------------------------------------
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 2) -> str:
     values = [v for v in values if v == v]
     if not values:
         return "-"
-    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+    return f"{min(values):.{digits}f} / {statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
 
 
 def checks(rows: list[dict], caps: dict) -> list[str]:
@@ -646,12 +646,18 @@ def report(rows: list[dict], caps: dict, knobs: dict, via: str) -> str:
         lines.append(f"| {level:g}x | {spread(ratio('goodput_per_s'))} | {spread(ratio('p50_ms'))} | {spread(ratio('p99_ms'))} |")
     own = [r for r in rows if r["basis"] == "own"]
     if own:
-        lines += ["", "Each at its own capacity: goodput / own capacity (min / median / max over the repeats):", "",
-                  "| load | portal | LitServe |", "|---|---|---|"]
+        names = [k for k in ("portal", "portal-direct", "litserve") if any(r["system"] == k for r in rows)]
+        lines += ["", "Each at multiples of its own capacity: goodput / own capacity, and p50 ms "
+                  "(min / median / max over the repeats; the portal's own capacity is its levels' basis):", "",
+                  "| load | " + " | ".join(f"{n} goodput / capacity | {n} p50 ms" for n in names) + " |",
+                  "|---|" + "---|---|" * len(names)]
         for level in sorted({r["level"] for r in own}):
-            p = [r["goodput_per_s"] / caps["portal"] for r in rows if r["level"] == level and r["system"] == "portal"]
-            lit = [r["goodput_per_s"] / caps["litserve"] for r in own if r["level"] == level]
-            lines.append(f"| {level:g}x | {spread(p)} | {spread(lit)} |")
+            cells = []
+            for name in names:
+                mine = [r for r in rows if r["level"] == level and r["system"] == name
+                        and r["basis"] == ("portal" if name == "portal" else "own")]
+                cells += [spread([r["goodput_per_s"] / caps[name] for r in mine]), spread([r["p50_ms"] for r in mine], 0)]
+            lines.append(f"| {level:g}x | " + " | ".join(cells) + " |")
     lines += ["", "The marks:", "", *checks(rows, caps)]
     return "\n".join(lines)
 
@@ -663,14 +669,15 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    styles = {("portal", "portal"): "o-", ("portal-direct", "portal"): "o:", ("litserve", "portal"): "s-",
+    styles = {("portal", "portal"): "o-", ("portal-direct", "own"): "o:", ("litserve", "portal"): "s-",
               ("litserve", "own"): "s--"}
     for (system, basis), style in styles.items():
         mine = [r for r in rows if r["system"] == system and r["basis"] == basis]
         levels = sorted({r["level"] for r in mine})
         if not levels:
             continue
-        label = system if system.startswith("portal") else f"LitServe ({'x portal' if basis == 'portal' else 'x own'} capacity)"
+        label = {"portal": "portal, through the edge", "portal-direct": "portal's replica alone (x own capacity)"}.get(
+            system, f"LitServe ({'x portal' if basis == 'portal' else 'x own'} capacity)")
         for axis, key in ((left, "goodput_per_s"), (right, "p99_ms")):
             meds = [statistics.median(r[key] for r in mine if r["level"] == lv) for lv in levels]
             lows = [min(r[key] for r in mine if r["level"] == lv) for lv in levels]
@@ -689,9 +696,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10, help="each run's arrivals last this long")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--levels", default="0.5,1,2,3,5", help="multiples of the portal's capacity, both systems")
-    parser.add_argument("--own-levels", default="0.5,1,2", help="multiples of LitServe's own capacity, LitServe")
+    parser.add_argument("--own-levels", default="0.5,1,2",
+                        help="multiples of each one's own capacity, for LitServe and portal-direct")
     parser.add_argument("--systems", default="portal,litserve",
-                        help="portal, litserve, and portal-direct: the portal's replica without the edge in front")
+                        help="portal, litserve, and portal-direct: the portal's replica without the edge in front "
+                             "(at --own-levels only)")
     parser.add_argument("--capacity", type=float, help="the portal's answered/s; measured when not given")
     parser.add_argument("--litserve-capacity", type=float, help="LitServe's answered/s; measured when not given")
     parser.add_argument("--capacity-clients", default="64,128", help="closed loops of these many clients; the best")
@@ -754,7 +763,7 @@ def run_all(args, systems: list[str], checkpoint: Path) -> None:
     caps = {kind: float("nan") if cap is None else cap for kind, cap in caps.items()}
 
     levels = [float(x) for x in args.levels.split(",") if x]
-    own_levels = [float(x) for x in args.own_levels.split(",") if x] if "litserve" in systems else []
+    own_levels = [float(x) for x in args.own_levels.split(",") if x]
     rows = []
     turn = 0
     for repeat in range(args.repeats):
@@ -762,14 +771,14 @@ def run_all(args, systems: list[str], checkpoint: Path) -> None:
             seed = args.seed + 1000 * repeat + int(level * 100)
             runs = []
             if level in levels:
-                runs += [(kind, "portal") for kind in systems]
+                runs += [(kind, "portal") for kind in systems if kind != "portal-direct"]
             if level in own_levels:
-                runs.append(("litserve", "own"))
+                runs += [(kind, "own") for kind in systems if kind in ("litserve", "portal-direct")]
             if turn % 2:
                 runs.reverse()
             turn += 1
             for kind, basis in runs:
-                rate = (caps["portal"] if basis == "portal" else caps["litserve"]) * level
+                rate = (caps["portal"] if basis == "portal" else caps[kind]) * level
                 requests = make_requests(rate, args.seconds, seed if basis == "portal" else seed + 500)
                 row = {"system": kind, "basis": basis, "level": level, "rate": rate, "repeat": repeat,
                        **one_run(kind, checkpoint, args, knobs if kind == "litserve" else None, requests, args.seconds)}
