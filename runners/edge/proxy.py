@@ -26,9 +26,13 @@ class ClientGone(Exception):
     """The client closed its connection."""
 
 
-def request_headers(scope: dict, *, drop: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """The client's request headers less hop-by-hop ones (and ``drop``), plus X-Forwarded-For/-Proto."""
-    dropped = HOP_BY_HOP | {"content-length", "x-forwarded-for", "x-forwarded-proto"} | {name.lower() for name in drop}
+def request_headers(scope: dict, *, drop: Iterable[str] = (), keep_length: bool = False) -> list[tuple[str, str]]:
+    """The client's request headers less hop-by-hop ones (and ``drop``), plus X-Forwarded-For/-Proto.
+    ``keep_length``: the body passes as it came, so its Content-Length does too (a WSGI server may not
+    take a chunked body)."""
+    dropped = HOP_BY_HOP | {"x-forwarded-for", "x-forwarded-proto"} | {name.lower() for name in drop}
+    if not keep_length:
+        dropped |= {"content-length"}
     headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]
                if name.decode("latin-1").lower() not in dropped]
     client = scope.get("client")
@@ -158,7 +162,7 @@ async def forward_http(scope, receive, send, client: httpx.AsyncClient, base_url
             if not message.get("more_body", False):
                 return
 
-    headers = request_headers(scope) + list(extra_headers)
+    headers = request_headers(scope, keep_length=True) + list(extra_headers)
     try:
         response = await client.send(client.build_request(scope["method"], url, headers=headers, content=body()),
                                      stream=True)
