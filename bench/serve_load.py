@@ -157,7 +157,10 @@ class Under:
             conn.close()
 
     def cpu_seconds(self) -> float:
-        return self.server.cpu_seconds() + (group_cpu_seconds(self.edge.proc.pid) if self.edge else 0.0)
+        return self.server.cpu_seconds() + self.edge_cpu_seconds()
+
+    def edge_cpu_seconds(self) -> float:
+        return group_cpu_seconds(self.edge.proc.pid) if self.edge else 0.0
 
     def stop(self) -> None:
         if self.edge is not None:
@@ -489,16 +492,17 @@ def one_run(kind: str, checkpoint: Path, args, knobs: dict | None, requests: lis
         async def go():
             client = CLIENTS[args.client]()
             try:
-                cpu, mine, wall = server.cpu_seconds(), time.process_time(), time.monotonic()
+                cpu, edge, mine, wall = server.cpu_seconds(), server.edge_cpu_seconds(), time.process_time(), time.monotonic()
                 results = await drive(client, server.url, requests, server.token)
                 wall = time.monotonic() - wall
-                return results, (server.cpu_seconds() - cpu) / wall, (time.process_time() - mine) / wall
+                return (results, (server.cpu_seconds() - cpu) / wall, (server.edge_cpu_seconds() - edge) / wall,
+                        (time.process_time() - mine) / wall)
             finally:
                 await client.close()
-        results, cpu, mine = asyncio.run(go())
+        results, cpu, edge, mine = asyncio.run(go())
     finally:
         server.stop()
-    return {**summarize(results, seconds), "server_cpu": cpu, "client_cpu": mine}
+    return {**summarize(results, seconds), "server_cpu": cpu, "edge_cpu": edge, "client_cpu": mine}
 
 
 def capacity(kind: str, checkpoint: Path, args, knobs: dict | None) -> tuple[float, dict]:
@@ -788,7 +792,7 @@ def run_all(args, systems: list[str], checkpoint: Path) -> None:
                 print(f"repeat {repeat} {kind} {level:g}x {basis} ({rate:.0f}/s): goodput {row['goodput_per_s']:.1f}/s "
                       f"p50 {row['p50_ms']:.0f} p99 {row['p99_ms']:.0f} ms; "
                       + ", ".join(f"{k} {row[k]}" for k in OUTCOMES)
-                      + f"; cpu server {row['server_cpu']:.2f} client {row['client_cpu']:.2f}; lag p99 {row['lag_p99_ms']:.1f} ms {row['errors'] or ''}", flush=True)
+                      + f"; cpu server {row['server_cpu']:.2f} (edge {row['edge_cpu']:.2f}) client {row['client_cpu']:.2f}; lag p99 {row['lag_p99_ms']:.1f} ms {row['errors'] or ''}", flush=True)
     print()
     print(report(rows, caps, knobs, "through the edge" if EDGE else "at its replica, no edge"))
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average {os.getloadavg()}", flush=True)
