@@ -615,7 +615,7 @@ def report(rows: list[dict], caps: dict, knobs: dict, via: str) -> str:
         f"{max((r['client_cpu'] for r in rows), default=float('nan')):.2f} of its core.",
         "",
         "| system | load | rate/s | goodput/s median (min-max) | p50 ms | p99 ms | answered late % | in time "
-        "| late | refused (Retry-After) | refused (bare) | expired | unanswered | other | server CPU | repeats |",
+        "| late | refused (Retry-After) | refused (bare) | expired | unanswered | other | server CPU (edge) | repeats |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple, list[dict]] = {}
@@ -630,7 +630,7 @@ def report(rows: list[dict], caps: dict, knobs: dict, via: str) -> str:
             f"| {system} | {label} | {mine[0]['rate']:.0f} | {statistics.median(good):.1f} ({min(good):.1f}-{max(good):.1f}) "
             f"| {med('p50_ms'):.0f} | {med('p99_ms'):.0f} | {100 * med('answered_late_share'):.2f} "
             + " ".join(f"| {med(k):.0f}" for k in OUTCOMES)
-            + f" | {med('server_cpu'):.2f} | {len(mine)} |"
+            + f" | {med('server_cpu'):.2f}" + (f" ({med('edge_cpu'):.2f})" if med("edge_cpu") else "") + f" | {len(mine)} |"
         )
     lines += ["", "Paired ratios, portal / LitServe, each repeat at the same offered load (min / median / max):", "",
               "| load | goodput ratio | p50 ratio (lower: portal faster) | p99 ratio |", "|---|---|---|---|"]
