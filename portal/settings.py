@@ -339,6 +339,16 @@ ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum
 ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
 # A foreign engine (vLLM, TGI, SGLang) reports its KV-cache use: at this mean over its ready replicas, one more.
 ENDPOINT_KV_CACHE_HIGH = env_float("ENDPOINT_KV_CACHE_HIGH", 0.9, minimum=0.01)
+# The edge (runners/edge/, docs/edge.md): the asynchronous front of the endpoints.
+EDGE_MAX_BODY_BYTES = env_int("EDGE_MAX_BODY_BYTES", 64 * 1024, minimum=1024)
+EDGE_TABLE_REFRESH_S = env_float("EDGE_TABLE_REFRESH_S", 0.5, minimum=0.05)
+EDGE_AUTH_CACHE_S = env_float("EDGE_AUTH_CACHE_S", 5.0, minimum=0.0)
+EDGE_PROBE_INTERVAL_S = env_float("EDGE_PROBE_INTERVAL_S", 0.5, minimum=0.05)
+EDGE_PROBE_TIMEOUT_S = env_float("EDGE_PROBE_TIMEOUT_S", 0.5, minimum=0.05)
+EDGE_PROBE_FAILURES = env_int("EDGE_PROBE_FAILURES", 2, minimum=1)
+EDGE_DEADLINE_MARGIN_MS = env_float("EDGE_DEADLINE_MARGIN_MS", 50.0, minimum=0.0)
+EDGE_IN_FLIGHT_PER_REPLICA = env_int("EDGE_IN_FLIGHT_PER_REPLICA", 0, minimum=0)
+EDGE_CONNECT_TIMEOUT_S = env_float("EDGE_CONNECT_TIMEOUT_S", 1.0, minimum=0.05)
 # The reconcile asks each replica's /readyz and /metrics with this timeout, this many replicas at once.
 ENDPOINT_PROBE_TIMEOUT_S = env_float("ENDPOINT_PROBE_TIMEOUT_S", 1.0, minimum=0.1)
 ENDPOINT_PROBE_CONCURRENCY = env_int("ENDPOINT_PROBE_CONCURRENCY", 16, minimum=1)
