@@ -27,6 +27,8 @@ _RESPONSES = {
     429: OpenApiResponse(description="Over the endpoint's limit in flight, or the deadline cannot be met: Retry-After."),
     503: OpenApiResponse(description="No replica ready (cold start past the deadline) or draining: Retry-After."),
     504: OpenApiResponse(description="The deadline passed before the answer."),
+    421: OpenApiResponse(description="The request reached the portal's web process, not the edge in front of it "
+                                     "(a deployment that routes /serve/ to gunicorn): it says where to send it."),
 }
 
 
