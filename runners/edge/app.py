@@ -389,6 +389,10 @@ class Edge:
             url = f"{state.target.address}/{kind}"
             out_headers = headers + [(DEADLINE_HEADER, f"{left_ms:.1f}")]
             state.outstanding += cost
+            if self.router is not None:
+                # Noted as it is sent, as SGLang's router does: the next request with this prefix follows it at
+                # once, not only after this one's answer (bench/prefix_routing.py: 58 % hits against 46 %).
+                self.router.record(state.target.key, prompt)
             opened = asyncio.ensure_future(proxy.open_upstream(self.client, "POST", url, out_headers, content))
             hung = asyncio.ensure_future(state.hung.wait())
             try:
@@ -431,8 +435,6 @@ class Edge:
                                                 give_up_at=give_up_at + margin)
                 if ended == "client-gone":
                     raise proxy.ClientGone()
-                if response.status_code < 400 and self.router is not None:
-                    self.router.record(state.target.key, prompt)
                 return
             finally:
                 hung.cancel()
