@@ -8,18 +8,18 @@ import json
 import tarfile
 
 import pytest
-from django.utils import timezone
-from gpuportal import write_checkpoint
 
 from runners.bundles.models import Bundle
-from runners.clusters.registry import get_backend
 from runners.inference.models import InferenceEndpoint
 from runners.inference.services import SERVER_LOADS, replica_job_spec
-from runners.jobs import services as jobs
-from runners.jobs.models import Checkpoint
 from runners.registry import services as registry
 from runners.registry.models import ModelVersion, WeightsFormat
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
+from tests.support.jobs import (
+    demo_cluster_with_flavors,
+    give_quota,
+    ready_environment,
+    script_job_with_checkpoint,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -53,16 +53,7 @@ def hf_files(config=CONFIG) -> dict:
 
 
 def script_job(owner, environment, what, *, step=10):
-    """A script job of the tenant with one checkpoint, `what` as its SDK's ctx.checkpoint(step, what) saves it."""
-    job = jobs.job_submit(actor=owner, data=job_data(environment, name=f"script-{step}", template="script",
-                                                     bundle=SHA, command=["python", "train.py"], hyperparameters={},
-                                                     replicas=1, topology={"level": "none"}))
-    job_dir = get_backend().jobs.job_dir(job.id)
-    path = write_checkpoint(job_dir, step, what, attempt=1)
-    Checkpoint.objects.create(job=job, step=step, uri=str(path.relative_to(job_dir)), bytes=0,
-                              created_at=timezone.now())
-    jobs.job_cancel(actor=owner, job=job)
-    return job
+    return script_job_with_checkpoint(owner, environment, what, bundle=SHA, step=step)
 
 
 def post(client, environment, source, name="chat"):

@@ -172,3 +172,24 @@ def preempted_after_step(job, step: int = 3):
     assert wait_until(stepped, timeout_s=120), get_backend().job_logs(job.id, 1, 0, tail=50)
     preempt(job)
     return reconcile_until(job, {"queued"}, timeout_s=60, pause_s=0.2)
+
+
+def script_job_with_checkpoint(owner, environment, what, *, bundle: str, step: int = 10):
+    """A cancelled script job of the tenant (of the bundle with that sha256) with one checkpoint: `what`, as its
+    SDK's ctx.checkpoint(step, what) saves it (a state, or a folder)."""
+    from django.utils import timezone
+    from gpuportal import write_checkpoint
+
+    from runners.clusters.registry import get_backend
+    from runners.jobs import services as jobs
+    from runners.jobs.models import Checkpoint
+
+    job = jobs.job_submit(actor=owner, data=job_data(environment, name=f"script-{step}", template="script",
+                                                     bundle=bundle, command=["python", "train.py"],
+                                                     hyperparameters={}, replicas=1, topology={"level": "none"}))
+    job_dir = get_backend().jobs.job_dir(job.id)
+    path = write_checkpoint(job_dir, step, what, attempt=1)
+    Checkpoint.objects.create(job=job, step=step, uri=str(path.relative_to(job_dir)), bytes=0,
+                              created_at=timezone.now())
+    jobs.job_cancel(actor=owner, job=job)
+    return job
