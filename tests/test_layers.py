@@ -86,7 +86,9 @@ LAYERS = [
     "common", "tenants", "audit", "quotas", "runners.bundles", "runners.datasets",
     "runners.clusters", "runners.environments", "runners.jobs", "runners.registry", "runners.inference",
     "runners.nodecache", "runners.scheduling",
-    "runners.usage", "runners.notifications", "frontend", "portal",
+    "runners.usage", "runners.notifications",
+    # The edge: not a Django app (no models), a process of its own that reads the apps below it.
+    "runners.edge", "frontend", "portal",
 ]
 # runners itself holds only the migration history from before the split (and its pure libraries).
 PROJECT_PACKAGES = ["common", "portal", "tenants", "audit", "quotas", "runners", "frontend"]
