@@ -89,7 +89,13 @@ def test_a_training_attempt_that_computes_reads_busy_on_each_gpu_it_was_placed_o
 def test_a_rank_that_stops_writing_gives_no_reading_not_a_stale_one(backend):
     launch = make_launch(job_id=8)
     backend.launch_job(launch)
-    wait_until(lambda: readings_of(backend, launch), what=f"a reading\n{log_of(backend, launch)}")
+
+    def busy_on_file() -> bool:
+        # The first file can come before the first step (start-up reads as idle), on a loaded machine most of all.
+        files = list(backend.jobs.attempt_dir(8, 1).glob("rank-0.activity.json"))
+        return bool(files) and json.loads(files[0].read_text()).get("busy_fraction", 0) > 0
+
+    wait_until(lambda: readings_of(backend, launch) and busy_on_file(), what=f"a busy reading\n{log_of(backend, launch)}")
 
     os.killpg(group_of(backend, launch), signal.SIGSTOP)  # hung: alive, writing nothing
     try:
