@@ -322,42 +322,48 @@ def free_port() -> int:
 
 
 class PortalServer:
-    """The portal (`serve_portal`: Django's own WSGI server on a pool of threads) as a subprocess on a loopback
-    port, DEBUG off, on the bench's database."""
+    """The portal as `make run` serves it, on loopback, DEBUG off, on the bench's database: the edge
+    (`python -m runners.edge`) on `port`, serving the endpoints, in front of the web process (`serve_portal`:
+    Django's own WSGI server on a pool of threads) on a port of its own."""
 
     def __init__(self, log_path: Path):
         from tests.support.worker import worker_environment
 
         self.port = free_port()
+        web_port = free_port()
         self.log = open(log_path, "ab")
         env = worker_environment(DEBUG="false", SECRET_KEY=secrets.token_urlsafe(50), ALLOWED_HOSTS="127.0.0.1,localhost",
                                  SECURE_SSL_REDIRECT="false")
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--as-portal", str(self.port), str(ARGS.portal_threads)],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self.processes = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                           start_new_session=True) for argv in (
+            [sys.executable, __file__, "--as-portal", str(web_port), str(ARGS.portal_threads)],
+            [sys.executable, "-m", "runners.edge", "--bind", f"127.0.0.1:{self.port}",
+             "--upstream", f"http://127.0.0.1:{web_port}"],
+        )]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"The portal's server exited early; see {log_path}")
+            if any(process.poll() is not None for process in self.processes):
+                raise RuntimeError(f"The portal's web process or its edge exited early; see {log_path}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
                     sock.sendall(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-                    if sock.recv(64).startswith(b"HTTP/"):
+                    if sock.recv(64).split(b" ")[1:2] == [b"200"]:  # the edge answers 502 until the web process does
                         return
             except OSError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"The portal's server did not answer in 60 s; see {log_path}")
+        raise RuntimeError(f"The portal did not answer in 60 s; see {log_path}")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
             try:
-                self.process.wait(10)
+                process.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         self.log.close()
 
 
