@@ -3,6 +3,7 @@
 import json
 import threading
 import time
+import uuid
 from collections import Counter
 from datetime import timedelta
 
@@ -89,8 +90,22 @@ def _queued_syncs(environment_ids: set[int]) -> Counter:
     return counts
 
 
+@pytest.fixture
+def own_queue(settings):
+    """A queue of this test's own: what it sends waits there for it to count, whatever consumer another test
+    of this pytest process may have left on the run's queue (Celery reads the default queue's name per send)."""
+    from portal.celery import app
+
+    queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-{uuid.uuid4().hex[:8]}"
+    before = app.conf.task_default_queue
+    settings.CELERY_TASK_DEFAULT_QUEUE = app.conf.task_default_queue = queue
+    yield queue
+    app.conf.task_default_queue = before
+    redis.Redis.from_url(django_settings.CELERY_BROKER_URL).delete(queue)
+
+
 def test_two_hundred_quota_changes_leave_at_most_one_pending_sync_per_environment(
-    ready_environments, client_for, staff, tenant, inventory, flavor_factory, settings
+    ready_environments, client_for, staff, tenant, inventory, flavor_factory, settings, own_queue
 ):
     ready = ready_environments("a", "b", "c")
     ids = {environment.id for environment in ready}
