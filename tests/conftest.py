@@ -270,6 +270,23 @@ def _fresh_queue():
 
 
 @pytest.fixture
+def own_queue(settings):
+    """A queue of the test's own, for tests that count what was sent: it waits there to be read, whatever
+    consumer another test of this pytest process may have left on the run's queue. Celery reads the default
+    queue's name at each send, so everything sent during the test goes there."""
+    import redis
+
+    from portal.celery import app
+
+    queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-{uuid.uuid4().hex[:8]}"
+    before = app.conf.task_default_queue
+    settings.CELERY_TASK_DEFAULT_QUEUE = app.conf.task_default_queue = queue
+    yield queue
+    app.conf.task_default_queue = before
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(queue)
+
+
+@pytest.fixture
 def celery_worker_factory(transactional_db, tmp_path):
     """Start real worker processes, on an empty queue; every one is stopped when the test ends."""
     purge_queue()

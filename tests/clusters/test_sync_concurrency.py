@@ -3,7 +3,6 @@
 import json
 import threading
 import time
-import uuid
 from collections import Counter
 from datetime import timedelta
 
@@ -88,20 +87,6 @@ def _queued_syncs(environment_ids: set[int]) -> Counter:
             if environment_id in environment_ids:
                 counts[environment_id] += 1
     return counts
-
-
-@pytest.fixture
-def own_queue(settings):
-    """A queue of this test's own: what it sends waits there for it to count, whatever consumer another test
-    of this pytest process may have left on the run's queue (Celery reads the default queue's name per send)."""
-    from portal.celery import app
-
-    queue = f"{settings.CELERY_TASK_DEFAULT_QUEUE}-{uuid.uuid4().hex[:8]}"
-    before = app.conf.task_default_queue
-    settings.CELERY_TASK_DEFAULT_QUEUE = app.conf.task_default_queue = queue
-    yield queue
-    app.conf.task_default_queue = before
-    redis.Redis.from_url(django_settings.CELERY_BROKER_URL).delete(queue)
 
 
 def test_two_hundred_quota_changes_leave_at_most_one_pending_sync_per_environment(

@@ -18,7 +18,6 @@ from django.conf import settings
 from django.core.cache import cache
 
 from common import dispatch
-from tests.support.worker import purge_queue
 
 pytestmark = pytest.mark.integration
 
@@ -38,11 +37,10 @@ def _queued() -> list[dict]:
 
 
 @pytest.fixture
-def empty_queue():
-    purge_queue()
+def empty_queue(own_queue):
+    """An empty queue of the test's own (tests/conftest.py), and the kick's memory of earlier asks forgotten."""
     cache.delete_many([f"portal:dispatch:once:{NAME}", f"portal:dispatch:once:{NAME}:trailing"])
     yield
-    purge_queue()
 
 
 def _eta_s(message: dict) -> float:
