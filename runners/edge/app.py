@@ -21,7 +21,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import httpx
@@ -55,16 +54,6 @@ PASSED_HEADERS = ("content-type", "content-length", "retry-after", "x-time-to-fi
 FORWARDED_HEADERS = ("content-type", "accept", "x-request-id", "user-agent")
 
 
-def _setting(name: str, default, kind=float):
-    """A setting: Django's (once the lead adds it to portal/settings.py), else the environment, else the default."""
-    from django.conf import settings
-
-    value = getattr(settings, name, None)
-    if value is None:
-        value = os.environ.get(name)
-    return kind(value) if value not in (None, "") else default
-
-
 @dataclass
 class EdgeConfig:
     max_body_bytes: int = 64 * 1024
@@ -80,18 +69,20 @@ class EdgeConfig:
 
     @classmethod
     def from_settings(cls) -> EdgeConfig:
+        from django.conf import settings
+
         from runners.inference.services import max_deadline_ms
 
         return cls(
-            max_body_bytes=_setting("EDGE_MAX_BODY_BYTES", 64 * 1024, int),
-            table_refresh_s=_setting("EDGE_TABLE_REFRESH_S", 0.5),
-            auth_cache_s=_setting("EDGE_AUTH_CACHE_S", 5.0),
-            probe_interval_s=_setting("EDGE_PROBE_INTERVAL_S", 0.5),
-            probe_timeout_s=_setting("EDGE_PROBE_TIMEOUT_S", 0.5),
-            probe_failures=_setting("EDGE_PROBE_FAILURES", 2, int),
-            deadline_margin_ms=_setting("EDGE_DEADLINE_MARGIN_MS", 50.0),
-            in_flight_per_replica=_setting("EDGE_IN_FLIGHT_PER_REPLICA", 0, int),
-            connect_timeout_s=_setting("EDGE_CONNECT_TIMEOUT_S", 1.0),
+            max_body_bytes=settings.EDGE_MAX_BODY_BYTES,
+            table_refresh_s=settings.EDGE_TABLE_REFRESH_S,
+            auth_cache_s=settings.EDGE_AUTH_CACHE_S,
+            probe_interval_s=settings.EDGE_PROBE_INTERVAL_S,
+            probe_timeout_s=settings.EDGE_PROBE_TIMEOUT_S,
+            probe_failures=settings.EDGE_PROBE_FAILURES,
+            deadline_margin_ms=settings.EDGE_DEADLINE_MARGIN_MS,
+            in_flight_per_replica=settings.EDGE_IN_FLIGHT_PER_REPLICA,
+            connect_timeout_s=settings.EDGE_CONNECT_TIMEOUT_S,
             max_deadline_ms=float(max_deadline_ms()),
         )
 
