@@ -9,6 +9,7 @@ cache is the broker's Redis (a Redis of the test's own), one store for every wor
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 import requests
 
 from tests.faults import support
@@ -20,16 +21,27 @@ WORKERS = 3
 BURSTS = 5
 
 
-@pytest.fixture
-def web(tmp_path):
-    broker = support.PrivateRedis(tmp_path / "redis.log").start()
-    server = support.Gunicorn(tmp_path / "web.log", workers=WORKERS, CELERY_BROKER_URL=broker.url,
+@pytest.fixture(scope="module")
+def served(django_db_setup, django_db_blocker, tmp_path_factory):
+    """One Redis and one gunicorn for the module: booting them is most of what these tests cost."""
+    logs = tmp_path_factory.mktemp("throttle")
+    broker = support.PrivateRedis(logs / "redis.log").start()
+    server = support.Gunicorn(logs / "web.log", workers=WORKERS, CELERY_BROKER_URL=broker.url,
                               API_LOGIN_RATE=f"{LIMIT}/min", NUM_PROXIES=1)
     server.env.pop("CACHE_URL", None)  # the default, as `make run` serves
     server.start()
-    yield server
-    server.stop()
+    yield server, broker
+    with django_db_blocker.unblock():  # the stop waits for the server's database connections to end
+        server.stop()
     broker.kill()
+
+
+@pytest.fixture
+def web(served):
+    """The module's gunicorn, its Redis emptied: each test's attempts are counted from zero."""
+    server, broker = served
+    redis.Redis.from_url(broker.url).flushall()
+    return server
 
 
 def test_wrong_passwords_spread_over_workers_are_throttled(web, owner):

@@ -69,7 +69,7 @@ def _stop(process: subprocess.Popen, sig=signal.SIGTERM) -> int:
 def test_gunicorn_serves_pages_static_files_and_json_access_lines(tmp_path):
     port = _free_port()
     log_path = tmp_path / "gunicorn.log"
-    env = worker_environment(LOG_FORMAT="json", GUNICORN_WORKERS="2", GUNICORN_BIND=f"127.0.0.1:{port}")
+    env = worker_environment(LOG_FORMAT="json", GUNICORN_WORKERS="1", GUNICORN_BIND=f"127.0.0.1:{port}")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "gunicorn", "-c", "python:portal.gunicorn_conf", "portal.wsgi"],
@@ -105,7 +105,9 @@ def test_make_run_serves_with_gunicorn_on_the_embedded_defaults(tmp_path):
     var_dir = tempfile.mkdtemp(prefix="portal-serving-var-")
     env = {key: value for key, value in os.environ.items()
            if key not in ("DATABASE_URL", "CELERY_BROKER_URL", "CACHE_URL", "CELERY_QUEUE", "DEBUG", "LOG_FORMAT")}
-    env.update(PORTAL_VAR_DIR=var_dir, PYTHONUNBUFFERED="1", LOCAL_USE_NVML="false")
+    # One gunicorn worker: the requests here come one at a time, and the default (two a core plus one) would
+    # boot workers that nothing uses; the worker count is not what this test is about.
+    env.update(PORTAL_VAR_DIR=var_dir, PYTHONUNBUFFERED="1", LOCAL_USE_NVML="false", GUNICORN_WORKERS="1")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "manage.py", "up", "--no-demo", "--addrport", f"127.0.0.1:{port}"],
