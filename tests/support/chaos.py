@@ -289,6 +289,13 @@ class ChaosSettings:
     stuck_after_s: float = 30
     slack_s: float = 5
     node_down_s: tuple[float, float] = (2.0, 8.0)
+    # The operations' weights and the rarer ones' intervals (OPERATIONS and EVERY_S unless given): a short
+    # run (tests/jobs/test_job_chaos.py) brings the rarer ones sooner, so that it still runs every kind.
+    operations: dict[str, float] = field(default_factory=lambda: dict(OPERATIONS))
+    every_s: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(EVERY_S))
+    # When > 0, every owed_every-th operation is one of the kinds in ``operations`` the run has not yet done
+    # (one that found nothing to do stays owed), so that a short run does each kind at least once.
+    owed_every: int = 0
 
     def worker_env(self, role: str, factory: str = FACTORY_QUICK) -> dict[str, str]:
         """What a worker process needs (on top of tests.support.worker.worker_environment)."""
@@ -581,25 +588,46 @@ class ChaosRun:
 
     # --- Running ---------------------------------------------------------------------
 
-    def run(self, seconds: float) -> None:
-        """Random operations for this long, the checker running beside them."""
+    def run(self, seconds: float, *, until=None, max_seconds: float | None = None) -> None:
+        """Random operations for this long, the checker running beside them; with ``until`` (a callable, asked
+        at most once a second), on past ``seconds`` until it answers true, for ``max_seconds`` at most."""
         stop = threading.Event()
         checker = threading.Thread(target=self._checker, args=(stop,), name="invariants", daemon=True)
         checker.start()
-        names, weights = zip(*OPERATIONS.items())
+        names, weights = zip(*self.config.operations.items())
+        every_s = self.config.every_s
         started = time.monotonic()
         deadline = started + seconds
-        due = {name: started + self.rng.uniform(*every) for name, every in EVERY_S.items()}
+        due = {name: started + self.rng.uniform(*every) for name, every in every_s.items()}
         last_report = started
+        picked = 0
+        hard_deadline = started + max(seconds, max_seconds or 0)
+        asked_at, met = 0.0, until is None
+
+        def going() -> bool:
+            nonlocal asked_at, met
+            now = time.monotonic()
+            if now < deadline:
+                return True
+            if met or now >= hard_deadline:
+                return False
+            if now - asked_at >= 1:
+                asked_at, met = now, bool(until())
+            return not met
+
         try:
-            while time.monotonic() < deadline:
+            while going():
                 self._nodes_back()
                 self.cluster.tick()
                 operation = self.rng.choices(names, weights)[0]
+                picked += 1
+                owed = [name for name in names if not self.done(name)]
+                if self.config.owed_every and owed and picked % self.config.owed_every == 0:
+                    operation = self.rng.choice(owed)
                 for name, at in due.items():
                     if time.monotonic() >= at:
                         operation = name
-                        due[name] = time.monotonic() + self.rng.uniform(*EVERY_S[name])
+                        due[name] = time.monotonic() + self.rng.uniform(*every_s[name])
                         break
                 getattr(self, f"_{operation}")()
                 time.sleep(self.rng.uniform(0, 2 * self.config.mean_gap_s))
@@ -609,6 +637,12 @@ class ChaosRun:
         finally:
             stop.set()
             checker.join()
+
+    def done(self, operation: str) -> int:
+        """How many times the run did this kind of operation (either redelivery counts for "redeliver")."""
+        if operation == "redeliver":
+            return self.counts["redeliver_launch"] + self.counts["redeliver_stop"]
+        return self.counts[operation]
 
     def drain(self, timeout_s: float = 120) -> dict[str, int]:
         """Nodes back, everything left cancelled; wait until every job is final, then check once more."""
