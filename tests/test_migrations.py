@@ -1,4 +1,12 @@
-"""Moving environments and partitions to runners keeps every row: migrate a database holding data."""
+"""Moving environments and partitions to runners keeps every row: migrate a database holding data.
+
+Two moves, checked in one test so that the database goes back through the heads once: from today's heads back
+to the last release's (before the split of runners into its apps), forward and back again (the split's checks);
+then, emptied of those rows, on back to the heads before the first move (of environments and partitions to
+runners) and forward to today's (that move's checks). Each pass of the migration executor renders every model
+state it goes through, a few seconds of CPU each: two tests of their own took six passes, this one five, and
+its passes back from the split's heads unapply only the first move's migrations, not every later one again.
+"""
 
 import pytest
 from django.db import connection
@@ -20,9 +28,8 @@ def _migrate(targets):
     return executor.loader.project_state([target for target in targets if target[1] is not None]).apps
 
 
-@pytest.mark.django_db(transaction=True)
-def test_rows_survive_the_move_to_runners_and_flavors_get_their_capacity():
-    old = _migrate(BEFORE)
+def _fill_before_the_move(old) -> dict:
+    """A database at the heads before the move to runners: an environment, partitions, nodes, flavors, a quota."""
     user = old.get_model("auth", "User").objects.create(username="olivia")
     tenant = old.get_model("tenants", "Tenant").objects.create(slug="acme", name="Acme")
     environment = old.get_model("tenants", "Environment").objects.create(
@@ -56,32 +63,34 @@ def test_rows_survive_the_move_to_runners_and_flavors_get_their_capacity():
     old_content_type = old.get_model("contenttypes", "ContentType").objects.get_or_create(
         app_label="tenants", model="environment"
     )[0]
+    return {"environment": environment.id, "pool": pool.id, "profile": profile.id, "change": change.id,
+            "slice_flavor": slice_flavor.id, "whole": whole.id, "content_type": old_content_type.id}
 
-    executor = MigrationExecutor(connection)
-    _migrate(executor.loader.graph.leaf_nodes())
 
+def _check_after_the_move(ids: dict) -> None:
+    """Today's models see the rows _fill_before_the_move wrote, and flavors got their capacity."""
     from django.contrib.contenttypes.models import ContentType
 
     from quotas.models import Quota, ResourceFlavor
     from runners.clusters.models import NodePool, PartitionChange, PartitionProfile
     from runners.environments.models import Environment
 
-    moved = Environment.objects.get(id=environment.id)
+    moved = Environment.objects.get(id=ids["environment"])
     assert (moved.tenant.slug, moved.namespace, moved.created_by.username) == ("acme", "acme--train", "olivia")
     assert (moved.sync_generation, moved.synced_generation, moved.state) == (3, 2, "ready")
-    assert NodePool.objects.get(id=pool.id).partition_profile == PartitionProfile.objects.get(id=profile.id)
-    assert PartitionProfile.objects.get(id=profile.id).layout == ["3g.40gb", "2g.20gb", "2g.20gb"]
-    assert PartitionChange.objects.get(id=change.id).steps == [{"step": "succeeded"}]
+    assert NodePool.objects.get(id=ids["pool"]).partition_profile == PartitionProfile.objects.get(id=ids["profile"])
+    assert PartitionProfile.objects.get(id=ids["profile"]).layout == ["3g.40gb", "2g.20gb", "2g.20gb"]
+    assert PartitionChange.objects.get(id=ids["change"]).steps == [{"step": "succeeded"}]
     assert Quota.objects.get(tenant__slug="acme").flavor.name == "h100-2g"
     # Capacity counts schedulable GPUs only: 2 GPUs x 2 slices on node 1; node 2 is cordoned.
-    assert ResourceFlavor.objects.get(id=slice_flavor.id).capacity == 4
-    assert ResourceFlavor.objects.get(id=whole.id).capacity == 0
+    assert ResourceFlavor.objects.get(id=ids["slice_flavor"]).capacity == 4
+    assert ResourceFlavor.objects.get(id=ids["whole"]).capacity == 0
     # Its content type came along, to runners then (this move) and on to environments (the next).
-    assert ContentType.objects.get(id=old_content_type.id).app_label == "environments"
+    assert ContentType.objects.get(id=ids["content_type"]).app_label == "environments"
     # New rows keep coming after the old ones (the id sequences came along with the tables).
     assert Environment.objects.create(
         tenant=moved.tenant, name="eval", namespace="acme--eval", backend="local"
-    ).id > environment.id
+    ).id > ids["environment"]
 
 
 # The heads before the models of runners moved to the apps inside it (clusters, environments, jobs,
@@ -150,11 +159,25 @@ def _fill_before_the_split(old) -> dict:
             "checkpoint": checkpoint.id, "content_types": content_types}
 
 
+def _empty_the_tables() -> None:
+    """Every row gone but the migrations applied, the content types and the permissions: the database as a test
+    of its own would find it (flushed, the content types and permissions there), at the heads it is at now."""
+    keep = {"django_migrations", "django_content_type", "auth_permission"}
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT tablename FROM pg_tables WHERE schemaname = current_schema()")
+        tables = sorted(name for (name,) in cursor.fetchall() if name not in keep)
+        cursor.execute("TRUNCATE " + ", ".join(connection.ops.quote_name(name) for name in tables))
+
+
 @pytest.mark.django_db(transaction=True)
-def test_every_row_survives_the_split_of_runners_into_its_apps_and_the_way_back():
+def test_every_row_survives_the_split_of_runners_into_its_apps_and_the_way_back_and_the_move_to_runners():
     """From the last release's heads to today's: the same rows under the new models, the links between
     them intact, the content types relabelled (so permissions follow), new ids after the old ones;
-    and back again, where the old models see the same rows."""
+    and back again, where the old models see the same rows.
+
+    Then the move before (environments and partitions to runners): emptied, the database goes on back to the heads
+    before it, gets rows there, and forward to today's heads, where the rows survive and flavors get their
+    capacity."""
     ids = _fill_before_the_split(_migrate(BEFORE_THE_SPLIT))
 
     executor = MigrationExecutor(connection)
@@ -196,4 +219,8 @@ def test_every_row_survives_the_split_of_runners_into_its_apps_and_the_way_back(
     assert back.get_model("runners", "Job").objects.get(id=ids["job"]).attempts.count() == 2
     assert back.get_model("runners", "Environment").objects.get(id=ids["environment"]).namespace == "acme--train"
     assert ContentType.objects.get(id=ids["content_types"]["job"]).app_label == "runners"
+
+    _empty_the_tables()
+    moved = _fill_before_the_move(_migrate(BEFORE))
     _migrate(MigrationExecutor(connection).loader.graph.leaf_nodes())
+    _check_after_the_move(moved)
