@@ -2,7 +2,7 @@
 
 A folder saved with `save_pretrained` (its `config.json`, weights and tokenizer files), or the .tar.gz of
 such a folder as a model version of format tar.gz keeps it, is served by `HFRunner`; the engine in
-`runners.workloads.serve` drives it exactly as it drives the shipped trainer's CharModel: the same bounded
+`runners.workloads.serve_engine` drives it exactly as it drives the shipped trainer's CharModel: the same bounded
 queue, deadline order, token budget, continuous batching and prefix cache. Tokens are the tokenizer's.
 
 What is batched. Every decode step runs all the running sequences in one call of the model: their KV caches
@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from runners.workloads.serve_openai import plain_chat
 
 MAX_UNPACKED_BYTES = 64 * 1024**3
 
@@ -57,12 +59,6 @@ def unpack_model(archive: Path) -> tuple[Path, Path]:
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-
-
-def plain_chat(messages: list[dict]) -> str:
-    """The chat prompt of a model without a chat template: one `role: content` line a message, then `assistant:`."""
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join(lines) + "\nassistant:"
 
 
 def _cache_kwarg(model) -> str:

@@ -163,6 +163,12 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "inval
                504: "timeout"}
 
 
+def plain_chat(messages: list[dict]) -> str:
+    """The chat prompt of a model without a chat template: one `role: content` line a message, then `assistant:`."""
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant:"
+
+
 def error(status: int, message: str, param: str | None = None) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,

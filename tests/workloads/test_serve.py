@@ -312,8 +312,28 @@ def test_a_trained_checkpoint_is_served_and_answers_in_its_corpus_alphabet(tmp_p
         assert set(answer) == {"text", "tokens", "queue_ms", "compute_ms"}
         assert answer["tokens"] == 40 and set(answer["text"].encode()) <= set(alphabet)
         assert answer["compute_ms"] > 0 and answer["queue_ms"] >= 0
+        # Torch is the engine's alone: the front's process maps none of its libraries, its engine's process
+        # does (its other child is multiprocessing's resource tracker).
+        assert not maps_torch(server.proc.pid)
+        assert [maps_torch(pid) for pid in children(server.proc.pid)].count(True) == 1
     finally:
         server.stop()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def maps_torch(pid: int) -> bool:
+    return any("/torch/" in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
 
 
 def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(served):

@@ -1,0 +1,21 @@
+"""The inference server's settings: what the front (runners.workloads.serve) parses from its flags and hands
+to its engine's process (runners.workloads.serve_engine). Apart from both, so that neither imports the other's
+module for them: the engine's imports torch, the front's must not.
+"""
+
+from __future__ import annotations  # the fields' types stay names: the flags' parser reads them
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    queue_limit: int = 64
+    batch_token_budget: int = 16384
+    max_batch_wait_ms: float = 5.0
+    default_deadline_ms: float = 10_000.0
+    max_deadline_ms: float = 120_000.0
+    max_prompt_bytes: int = 2048
+    max_tokens: int = 256
+    prefix_cache_mib: float = 32.0
+    prefix_block: int = 16
