@@ -96,14 +96,17 @@ def started_portal(env_overrides: dict[str, str], var_dir: Path, *, timeout_s: f
     """`manage.py up` on a free loopback port, PORTAL_VAR_DIR at ``var_dir``: its base URL once /readyz answers 200.
 
     ``env_overrides`` goes over this process's environment (DATABASE_URL and CELERY_BROKER_URL at least).
-    Each start gets a Celery queue of its own unless CELERY_QUEUE is given.
+    Each start gets a Celery queue of its own unless CELERY_QUEUE is given, and two gunicorn workers
+    (GUNICORN_WORKERS; each serves four requests at once) unless GUNICORN_WORKERS is given: the default, two a
+    core plus one, would boot workers that no test here counts or keeps busy.
     """
     var_dir = Path(var_dir)
     var_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
-    env.update(PORTAL_VAR_DIR=str(var_dir), CELERY_QUEUE=f"portal-up-{uuid.uuid4().hex[:8]}", PYTHONUNBUFFERED="1")
+    env.update(PORTAL_VAR_DIR=str(var_dir), CELERY_QUEUE=f"portal-up-{uuid.uuid4().hex[:8]}", PYTHONUNBUFFERED="1",
+               GUNICORN_WORKERS="2")
     env.update({key: str(value) for key, value in env_overrides.items()})
     log_path = var_dir / "portal-up.log"
     with open(log_path, "ab") as log:
