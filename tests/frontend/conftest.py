@@ -70,9 +70,19 @@ def screenshot_dir(tmp_path) -> Path:
     return directory
 
 
+def snap(page, path: Path) -> None:
+    """A full-page screenshot for a person to look at: taken only with FRONTEND_SCREENSHOT_DIR set.
+
+    Encoding a whole page as PNG is a good part of a browser test's CPU, and nobody looks at the ones
+    left in tmp_path; a failing test's page is photographed all the same (the page fixture).
+    """
+    if os.environ.get("FRONTEND_SCREENSHOT_DIR"):
+        page.screenshot(path=str(path), full_page=True)
+
+
 def log_in(page, live_server, username, screenshot_dir=None):
     page.goto(f"{live_server.url}/login/")
-    if screenshot_dir:
+    if screenshot_dir and os.environ.get("FRONTEND_SCREENSHOT_DIR"):
         page.screenshot(path=str(screenshot_dir / "login.png"))
     page.get_by_label("Username").fill(username)
     page.get_by_label("Password").fill(PASSWORD)

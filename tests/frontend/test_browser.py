@@ -5,7 +5,7 @@ import re
 import pytest
 
 from runners.environments.models import Environment, EnvironmentState
-from tests.frontend.conftest import LIVE_TIMEOUT_MS
+from tests.frontend.conftest import LIVE_TIMEOUT_MS, snap
 from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
 from tests.frontend.conftest import log_in as _log_in
 from tests.frontend.conftest import mark_loaded as _mark_loaded
@@ -32,7 +32,7 @@ def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_i
     form.get_by_label("Name").fill("Train_1")
     form.get_by_role("button", name="Create environment").click()
     expect(page.get_by_test_id("new-environment").locator("#id_name-errors")).to_contain_text("DNS-1123 label")
-    page.screenshot(path=str(screenshot_dir / "tenant-form-error.png"), full_page=True)
+    snap(page, screenshot_dir / "tenant-form-error.png")
 
     form = page.get_by_test_id("new-environment")
     form.get_by_label("Name").fill("train")
@@ -44,15 +44,15 @@ def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_i
     assert state.inner_text() in ("requested", "provisioning"), "the page was rendered before the worker finished"
     expect(state).to_have_text("ready", timeout=LIVE_TIMEOUT_MS)
     _assert_not_reloaded(page)
-    page.screenshot(path=str(screenshot_dir / "environment.png"), full_page=True)
+    snap(page, screenshot_dir / "environment.png")
 
     environment = Environment.objects.get(tenant=tenant, name="train")
     page.locator(".crumbs").get_by_role("link", name="Acme ML").click()
     expect(page.locator(f"#environment-row-{environment.id}").get_by_test_id("state")).to_have_text("ready")
-    page.screenshot(path=str(screenshot_dir / "tenant.png"), full_page=True)
+    snap(page, screenshot_dir / "tenant.png")
     page.get_by_role("navigation").get_by_role("link", name="Dashboard").click()
     expect(page.locator(f"#environment-row-{environment.id}")).to_be_visible()
-    page.screenshot(path=str(screenshot_dir / "dashboard.png"), full_page=True)
+    snap(page, screenshot_dir / "dashboard.png")
 
     page.locator(f"#environment-row-{environment.id}").get_by_role("link", name="train").click()
     page.get_by_role("link", name="Delete…").click()
@@ -66,7 +66,7 @@ def test_an_owner_creates_an_environment_sees_it_become_ready_live_and_deletes_i
     expect(page.get_by_role("status")).to_contain_text("Deleting train")
     row = page.locator(f"#environment-row-{environment.id}")
     expect(row.get_by_test_id("state")).to_have_text("deleting")
-    page.screenshot(path=str(screenshot_dir / "tenant-deleting.png"), full_page=True)
+    snap(page, screenshot_dir / "tenant-deleting.png")
     _mark_loaded(page)
     celery_worker_factory()
     expect(row).to_have_count(0, timeout=LIVE_TIMEOUT_MS)

@@ -4,7 +4,7 @@ import pytest
 
 from runners.jobs import services as jobs
 from runners.scheduling import services as scheduling
-from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
+from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded, snap
 from tests.support.jobs import give_quota, job_data, play_launch
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -45,7 +45,7 @@ def test_staff_watch_a_job_admitted_then_preempted_on_the_cockpit_and_the_queue(
     expect(h100_pool.locator('[data-testid=cockpit-gpu][data-busy="true"]')).to_have_count(16)
     expect(h100_pool.locator(f'a[data-job="{borrower.id}"]').first).to_have_text("acme/borrower")
     assert_not_reloaded(page)
-    page.screenshot(path=str(screenshot_dir / "cockpit-admitted.png"), full_page=True)
+    snap(page, screenshot_dir / "cockpit-admitted.png")
 
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Queue").click()
     borrower_row = page.locator(f'[data-testid=queue] tr[data-job="{borrower.id}"]')
@@ -63,7 +63,7 @@ def test_staff_watch_a_job_admitted_then_preempted_on_the_cockpit_and_the_queue(
     expect(owed_row.get_by_test_id("place")).to_have_text("1")
     expect(owed_row.get_by_test_id("job-state")).to_have_text("queued")
     assert_not_reloaded(page)
-    page.screenshot(path=str(screenshot_dir / "queue-preempted.png"), full_page=True)
+    snap(page, screenshot_dir / "queue-preempted.png")
 
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Cockpit").click()
     globex_row = page.locator(f'[data-testid=cockpit-tenants] tr[data-tenant="globex"][data-flavor="{h100.name}"]')
@@ -73,4 +73,4 @@ def test_staff_watch_a_job_admitted_then_preempted_on_the_cockpit_and_the_queue(
     # The preempted borrower still holds its GPUs until it has checkpointed and stopped.
     expect(h100_pool.locator(f'a[data-job="{borrower.id}"]').first).to_have_text("acme/borrower · preempted")
     expect(flavor_row.get_by_test_id("allocated")).to_have_text("16")
-    page.screenshot(path=str(screenshot_dir / "cockpit-preempted.png"), full_page=True)
+    snap(page, screenshot_dir / "cockpit-preempted.png")

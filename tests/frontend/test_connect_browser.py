@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from tests.frontend.conftest import log_in
+from tests.frontend.conftest import log_in, snap
 from tests.support.jobs import ready_environment
 from tests.support.k8s import kubectl, portal_on_standin, portal_pod
 
@@ -34,7 +34,7 @@ def test_a_member_downloads_a_kubeconfig_and_kubectl_lists_the_namespace(
     expect(connect.get_by_test_id("kubectl-snippet")).to_contain_text(
         f"kubectl --kubeconfig kubeconfig-{environment.namespace}.yaml get pods")
     expect(connect.get_by_test_id("api-snippet")).to_contain_text(f'"environment":{environment.id}')
-    page.screenshot(path=str(screenshot_dir / "environment-connect.png"), full_page=True)
+    snap(page, screenshot_dir / "environment-connect.png")
 
     with page.expect_download() as download_info:
         connect.get_by_role("link", name="Download kubeconfig").click()

@@ -11,7 +11,7 @@ from runners.inference.models import InferenceEndpoint
 from runners.jobs import services as jobs
 from runners.jobs.models import Job
 from tenants.models import Membership
-from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
+from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded, snap
 from tests.support.edge import running_edge
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 from tests.support.worker import wait_for
@@ -69,7 +69,7 @@ def test_a_member_serves_a_checkpoint_she_trained_and_generates_text_from_the_en
     form.get_by_label("Name", exact=True).fill("tiny-chat")
     form.get_by_label("Min replicas").fill("1")
     form.get_by_label("Max replicas").fill("1")
-    page.screenshot(path=str(screenshot_dir / "endpoint-deploy.png"), full_page=True)
+    snap(page, screenshot_dir / "endpoint-deploy.png")
     form.get_by_role("button", name="Deploy endpoint").click()
 
     expect(page.get_by_role("heading", name="tiny-chat")).to_be_visible()
@@ -103,7 +103,7 @@ def test_a_member_serves_a_checkpoint_she_trained_and_generates_text_from_the_en
     assert len(output.text_content()) == 24, repr(output.text_content())
     expect(page.get_by_test_id("try-error")).to_be_hidden()
     assert_not_reloaded(page)
-    page.screenshot(path=str(screenshot_dir / "endpoint-ready.png"), full_page=True)
+    snap(page, screenshot_dir / "endpoint-ready.png")
 
     # The server's refusal comes back naming the field.
     try_it.get_by_label("Prompt").fill("")

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from tests.conftest import PASSWORD
-from tests.frontend.conftest import LIVE_TIMEOUT_MS, assert_not_reloaded, log_in, mark_loaded
+from tests.frontend.conftest import LIVE_TIMEOUT_MS, assert_not_reloaded, log_in, mark_loaded, snap
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -39,7 +39,7 @@ def test_a_refused_job_form_on_a_phone_sums_up_every_error_and_leads_to_each_fie
     errors = page.get_by_test_id("error-summary")
     expect(errors).to_be_focused()
     expect(errors.get_by_role("heading")).to_have_text("There are 2 problems")
-    page.screenshot(path=str(screenshot_dir / "job-form-errors-390.png"), full_page=True)
+    snap(page, screenshot_dir / "job-form-errors-390.png")
     assert _serious(page) == []
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
 

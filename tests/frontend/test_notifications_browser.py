@@ -9,7 +9,7 @@ import pytest
 
 from runners.jobs import services as jobs
 from runners.notifications.models import Preference
-from tests.frontend.conftest import log_in
+from tests.frontend.conftest import log_in, snap
 from tests.notifications.hooks import HookReceiver, signed_by
 from tests.support.backends import use_backend
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
@@ -55,11 +55,11 @@ def test_an_owner_adds_a_webhook_and_a_finished_job_is_delivered_signed_and_logg
         form = page.get_by_test_id("new-webhook-form")
         form.get_by_label("URL").fill(hook.url)
         form.get_by_label("Job finished").check()
-        page.screenshot(path=str(screenshot_dir / "notifications-new-webhook.png"), full_page=True)
+        snap(page, screenshot_dir / "notifications-new-webhook.png")
         form.get_by_role("button", name="Add webhook").click()
         secret = page.get_by_test_id("webhook-secret").inner_text().strip()
         assert len(secret) == 64
-        page.screenshot(path=str(screenshot_dir / "notifications-secret.png"), full_page=True)
+        snap(page, screenshot_dir / "notifications-secret.png")
 
         job = jobs.job_submit(actor=owner, data=job_data(environment, name="short-run", replicas=1, steps=20,
                                                         topology={"level": "none"}))
@@ -83,7 +83,7 @@ def test_an_owner_adds_a_webhook_and_a_finished_job_is_delivered_signed_and_logg
     expect(row.get_by_test_id("delivery-attempts")).to_have_text("1")
     expect(row).to_contain_text("Job finished")
     expect(row).to_contain_text("204")
-    page.screenshot(path=str(screenshot_dir / "notifications-log.png"), full_page=True)
+    snap(page, screenshot_dir / "notifications-log.png")
 
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_test_id("webhook").get_by_role("button", name=f"Delete the webhook to {hook.url}").click()

@@ -10,6 +10,7 @@ from runners.clusters.models import Gpu, NodePool, PartitionChange, PartitionPro
 from tests.frontend.conftest import assert_not_reloaded as _assert_not_reloaded
 from tests.frontend.conftest import log_in as _log_in
 from tests.frontend.conftest import mark_loaded as _mark_loaded
+from tests.frontend.conftest import snap
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
@@ -68,7 +69,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     expect(page.get_by_role("heading", name="Quotas", exact=True)).to_be_visible()
     _set_quota(page, "acme", "h100-80gb", guaranteed=20, max=24)
     expect(page.locator("#id_guaranteed-errors")).to_contain_text("the cluster holds 16")
-    page.screenshot(path=str(screenshot_dir / "quotas-error.png"), full_page=True)
+    snap(page, screenshot_dir / "quotas-error.png")
     assert not Quota.objects.filter(tenant=tenant).exists()
 
     form = page.get_by_test_id("set-quota")
@@ -77,7 +78,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     form.get_by_role("button", name="Set quota").click()
     expect(page.get_by_role("status")).to_contain_text("h100-80gb is now 4 guaranteed, 8 max")
     expect(page.get_by_test_id("quota-acme-h100-80gb")).to_have_text("4 / 8")
-    page.screenshot(path=str(screenshot_dir / "quotas.png"), full_page=True)
+    snap(page, screenshot_dir / "quotas.png")
 
     # 2. A MIG profile for the H100s: the preview says why two 4g do not fit, then draws 4g + 3g.
     page.get_by_role("navigation").get_by_role("link", name="Partitions").click()
@@ -96,7 +97,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     assert preview.get_by_test_id("gpu-instance").evaluate_all(
         "blocks => blocks.map(b => [b.dataset.profile, b.dataset.start, b.dataset.span])"
     ) == [["4g.40gb", "0", "4"], ["3g.40gb", "4", "4"]]
-    page.screenshot(path=str(screenshot_dir / "partitions-preview.png"), full_page=True)
+    snap(page, screenshot_dir / "partitions-preview.png")
     form.get_by_role("button", name="Save profile").click()
     expect(page).to_have_url(f"{live_server.url}/partitions/#profile-h100-4g-3g")
     saved = page.locator("#profile-h100-4g-3g")
@@ -104,13 +105,13 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     saved.get_by_text("GPU Operator config this applies").click()
     expect(saved).to_contain_text("nvidia.com/mig.config=h100-4g-3g")
     saved.screenshot(path=str(screenshot_dir / "partitions-operator-config.png"))
-    page.screenshot(path=str(screenshot_dir / "partitions.png"), full_page=True)
+    snap(page, screenshot_dir / "partitions.png")
 
     # 3. Apply it to the H100 pool and watch the change finish without a reload.
     page.get_by_role("navigation").get_by_role("link", name="Node pools").click()
-    page.screenshot(path=str(screenshot_dir / "node-pools.png"), full_page=True)
+    snap(page, screenshot_dir / "node-pools.png")
     page.get_by_role("link", name="h100-pool").click()
-    page.screenshot(path=str(screenshot_dir / "node-pool-before.png"), full_page=True)
+    snap(page, screenshot_dir / "node-pool-before.png")
     form = page.get_by_test_id("apply-profile")
     form.get_by_label("Profile").select_option("h100-4g-3g")
     # Choosing the profile previews, beside the form, what it does to each flavor's capacity.
@@ -147,7 +148,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     expect(live.locator('[data-step="uncordoning"]')).to_have_count(2)
     expect(live.locator('[data-kind="mig"]')).to_have_count(16)
     expect(live.get_by_test_id("node-schedulable").first).to_have_text("schedulable")
-    page.screenshot(path=str(screenshot_dir / "node-pool.png"), full_page=True)
+    snap(page, screenshot_dir / "node-pool.png")
     change = PartitionChange.objects.get()
     assert change.state == "succeeded" and NodePool.objects.get(name="h100-pool").partition_profile.name == "h100-4g-3g"
     assert Gpu.objects.get(node__name="h100-node-2", index=7).mig_layout == [["4g.40gb", 0], ["3g.40gb", 4]]
@@ -155,7 +156,7 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     # The pool has no whole H100s left, and acme's guarantee was lowered to fit: 0 of 0.
     page.get_by_role("navigation").get_by_role("link", name="Quotas").click()
     expect(page.get_by_test_id("quota-table").locator('tfoot td[data-flavor="h100-80gb"]')).to_contain_text("0 of 0")
-    page.screenshot(path=str(screenshot_dir / "quotas-after-repartition.png"), full_page=True)
+    snap(page, screenshot_dir / "quotas-after-repartition.png")
     # The new slices have flavors (discovered after the change) and can be given as quota.
     _set_quota(page, "acme", "h100-80gb-mig-4g.40gb", guaranteed=6, max=10)
     expect(page.get_by_role("status")).to_contain_text("h100-80gb-mig-4g.40gb is now 6 guaranteed, 10 max")
@@ -177,4 +178,4 @@ def test_an_admin_sets_a_quota_and_applies_a_mig_profile_and_the_tenant_sees_the
     expect(sliced.get_by_test_id("guaranteed")).to_have_text("6")
     expect(sliced.get_by_test_id("capacity")).to_have_text("16")
     expect(page.get_by_test_id("tenant-quotas")).not_to_contain_text("t4-shared")
-    page.screenshot(path=str(screenshot_dir / "tenant-quota.png"), full_page=True)
+    snap(page, screenshot_dir / "tenant-quota.png")

@@ -6,7 +6,7 @@ import pytest
 from runners.jobs import attempts
 from runners.jobs import services as jobs
 from runners.scheduling import services as scheduling
-from tests.frontend.conftest import log_in
+from tests.frontend.conftest import log_in, snap
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, play_launch, ready_environment
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -48,7 +48,7 @@ def test_a_preempted_jobs_page_shows_its_reasons_as_sentences_and_its_start_in_l
     expect(why).to_contain_text("Preempted for job train-resnet of tenant globex")
     assert why.locator("a").count() == 0
     assert page.locator(f'a[href$="/jobs/{owed.id}/"]').count() == 0
-    page.screenshot(path=str(screenshot_dir / "job-reasons.png"), full_page=True)
+    snap(page, screenshot_dir / "job-reasons.png")
     # Room for the sentence: at least 15rem wide, so a line holds several words.
     box = why.bounding_box()
     assert box["width"] >= 15 * 16 * 0.95, box
@@ -62,4 +62,4 @@ def test_a_preempted_jobs_page_shows_its_reasons_as_sentences_and_its_start_in_l
     assert box["width"] >= 15 * 16 * 0.95, box
     # The table scrolls inside its card; the page itself does not get wider than the phone.
     assert page.evaluate("document.documentElement.scrollWidth") <= 400
-    page.screenshot(path=str(screenshot_dir / "job-reasons-phone.png"), full_page=True)
+    snap(page, screenshot_dir / "job-reasons-phone.png")

@@ -6,7 +6,7 @@ import urllib.request
 
 import pytest
 
-from tests.frontend.conftest import log_in
+from tests.frontend.conftest import log_in, snap
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 expect = playwright_sync.expect
@@ -39,7 +39,7 @@ def test_a_member_creates_uses_and_revokes_a_token(page, live_server, teammate, 
 
     secret = page.get_by_test_id("token-secret").inner_text().strip()
     assert len(secret) >= 40
-    page.screenshot(path=str(screenshot_dir / "tokens-created.png"), full_page=True)
+    snap(page, screenshot_dir / "tokens-created.png")
     row = page.get_by_test_id("tokens").get_by_role("row", name="laptop")
     expect(row.get_by_test_id("last-used")).to_have_text("never")
 

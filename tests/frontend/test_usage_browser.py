@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.frontend.conftest import log_in
+from tests.frontend.conftest import log_in, snap
 from tests.frontend.test_usage_pages import RANGE, idle_job, scenario  # noqa: F401 (fixtures)
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -41,7 +41,7 @@ def test_the_usage_page_draws_utilization_and_daily_cost_charts(page, live_serve
         assert box and box["height"] > 1  # a bar, drawn
     expect(page.get_by_test_id("top-items")).to_contain_text("pretrain")
     expect(page.get_by_test_id("download-csv")).to_be_visible()
-    page.screenshot(path=str(screenshot_dir / "usage-page.png"), full_page=True)
+    snap(page, screenshot_dir / "usage-page.png")
 
 
 def test_the_job_page_draws_each_replicas_gpu_utilization(page, live_server, scenario, tenant,  # noqa: F811
@@ -54,7 +54,7 @@ def test_the_job_page_draws_each_replicas_gpu_utilization(page, live_server, sce
     assert utilization.locator("polyline").count() == 2  # one line per replica
     assert _drawn(page.get_by_test_id("gpu-memory-chart")) > 0
     expect(page.get_by_test_id("job-cost").get_by_test_id("cost")).to_have_text("USD 24.00")
-    page.screenshot(path=str(screenshot_dir / "job-usage.png"), full_page=True)
+    snap(page, screenshot_dir / "job-usage.png")
 
 
 def test_the_idle_stop_button_asks_then_cancels_and_comes_back(page, live_server, idle_job,  # noqa: F811
@@ -63,7 +63,7 @@ def test_the_idle_stop_button_asks_then_cancels_and_comes_back(page, live_server
     page.goto(f"{live_server.url}/tenants/acme/usage/")
     row = page.get_by_test_id("idle-allocations").locator(f'tr[data-job="{idle_job.id}"]')
     expect(row).to_contain_text("forgotten")
-    page.screenshot(path=str(screenshot_dir / "usage-idle.png"), full_page=True)
+    snap(page, screenshot_dir / "usage-idle.png")
     page.once("dialog", lambda dialog: dialog.accept())
     row.get_by_role("button", name="Stop forgotten").click()
     expect(page.get_by_role("status")).to_contain_text("Cancelling forgotten.")
