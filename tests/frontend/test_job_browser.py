@@ -3,7 +3,7 @@
 import pytest
 
 from runners.jobs.models import Job
-from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
+from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded, snap
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -38,7 +38,10 @@ def test_the_submit_form_starts_a_job_whose_page_shows_it_running_with_a_growing
     form.get_by_label("Topology is").select_option("required")
     form.get_by_label("Steps", exact=True).fill("400")
     form.get_by_label("Checkpoint every (steps)").fill("25")
-    page.screenshot(path=str(screenshot_dir / "job-submit.png"), full_page=True)
+    # One CPU a replica (one torch thread each): the trainers run, busy, until the test cancels them.
+    form.get_by_text("Resources and limits").click()
+    form.get_by_label("CPU per replica (millicores)").fill("1000")
+    snap(page, screenshot_dir / "job-submit.png")
     form.get_by_role("button", name="Submit job").click()
 
     live = page.get_by_test_id("job-live")
@@ -55,15 +58,16 @@ def test_the_submit_form_starts_a_job_whose_page_shows_it_running_with_a_growing
     )
     assert_not_reloaded(page)
     job = Job.objects.get(name="llm-pretrain")
+    assert job.spec["cpu_milli_per_replica"] == 1000
     nodes = {replica["node"] for replica in job.attempts.get().placement}
     assert len(nodes) == 1
     placed = live.locator(f'[data-node="{nodes.pop()}"] .gpu-slot.taken')
     expect(placed).to_have_count(4)
     expect(live.get_by_test_id("checkpoints")).to_be_visible(timeout=RUN_TIMEOUT_MS)
     expect(live.get_by_test_id("job-log")).to_contain_text("step")
-    page.screenshot(path=str(screenshot_dir / "job-running.png"), full_page=True)
+    snap(page, screenshot_dir / "job-running.png")
 
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_test_id("cancel-job").get_by_role("button", name="Cancel job").click()
     expect(page.get_by_test_id("job-live").get_by_test_id("job-state")).to_have_text("cancelled", timeout=RUN_TIMEOUT_MS)
-    page.screenshot(path=str(screenshot_dir / "job-cancelled.png"), full_page=True)
+    snap(page, screenshot_dir / "job-cancelled.png")

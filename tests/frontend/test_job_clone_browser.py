@@ -7,7 +7,7 @@ import pytest
 
 from runners.jobs import services as jobs
 from runners.jobs.models import Job
-from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded
+from tests.frontend.conftest import assert_not_reloaded, log_in, mark_loaded, snap
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -31,9 +31,11 @@ def test_a_cancelled_job_is_cloned_from_its_page_and_its_log_ends_with_the_newes
     give_quota(tenant, flavors["h100-80gb"], guaranteed=8, max=16)
     environment = ready_environment(actor=owner, tenant=tenant)
     celery_worker_factory(beat=True, SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1)
+    # One CPU (one torch thread): the trainer runs, busy, until the test cancels it, so a second thread
+    # would only burn a second core while the page is read.
     job = jobs.job_submit(actor=owner, data=job_data(
         environment, name="sweep", replicas=1, steps=5000, checkpoint_every_steps=100, max_runtime_s=900,
-        topology={"level": "none"}))
+        topology={"level": "none"}, cpu_milli_per_replica=1000))
 
     log_in(page, live_server, "olivia")
     page.goto(f"{live_server.url}/jobs/{job.id}/")
@@ -51,7 +53,7 @@ def test_a_cancelled_job_is_cloned_from_its_page_and_its_log_ends_with_the_newes
     assert steps == sorted(steps) and "PORTAL_METRIC" not in log.text_content()
     assert_not_reloaded(page)
     expect(log).to_have_attribute("tabindex", "0")
-    page.screenshot(path=str(screenshot_dir / "job-log-following.png"), full_page=True)
+    snap(page, screenshot_dir / "job-log-following.png")
 
     page.once("dialog", lambda dialog: dialog.accept())
     page.get_by_test_id("cancel-job").get_by_role("button", name="Cancel job").click()
@@ -72,11 +74,12 @@ def test_a_cancelled_job_is_cloned_from_its_page_and_its_log_ends_with_the_newes
     expect(form.get_by_label("Name", exact=True)).to_have_value("sweep-2")
     expect(form.get_by_label("Steps", exact=True)).to_have_value("5000")
     expect(form.get_by_label("Keep replicas together")).to_have_value("none")
-    page.screenshot(path=str(screenshot_dir / "job-clone.png"), full_page=True)
+    snap(page, screenshot_dir / "job-clone.png")
     form.get_by_role("button", name="Submit job").click()
 
     expect(page.get_by_role("heading", name="sweep-2")).to_be_visible()
     clone = Job.objects.get(name="sweep-2")
     assert page.url.endswith(f"/jobs/{clone.id}/")
     assert (clone.replicas, clone.spec["steps"], clone.spec["checkpoint_every_steps"]) == (1, 5000, 100)
+    assert clone.spec["cpu_milli_per_replica"] == 1000
     assert clone.environment_id == environment.id and Job.objects.get(id=job.id).state == "cancelled"
