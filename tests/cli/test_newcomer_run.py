@@ -30,9 +30,10 @@ from tests.support.portal_up import fresh_database, started_portal
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "sdk" / "examples" / "ddp" / "train.py"
-# About 15 s of steps on an idle laptop core: long enough that the preemption lands in the first attempt (it
-# comes a few seconds after the first metrics line), short enough for every `make test`.
-STEPS = 4000
+# Long enough that the preemption lands in the first attempt (it comes a few seconds after the first metrics
+# line), short enough for every `make test`: on a 2-core machine loaded twentyfold (load average 21), the stop
+# came at step 1047 of 2000. Every step is CPU that both ranks spend, in both attempts taken together.
+STEPS = 2500
 
 
 def _wait(what: str, check, *, timeout_s: float, pause_s: float = 0.2):
@@ -100,10 +101,11 @@ def test_portal_run_of_the_ddp_example_is_preempted_resumes_at_the_exact_step_an
                            timeout_s=120).group(1))
         # Training: the portal has its first metrics line (so the SDK handles the stop signal by now).
         _wait("the first metrics line", lambda: alice.get(f"/api/v1/jobs/{job_id}/metrics/?points=1").json()["series"],
-              timeout_s=120)
+              timeout_s=120, pause_s=0.5)
         guarantee = carol.post("/api/v1/jobs/", json={
             "tenant": "vision", "environment": vision_env, "name": "vision-guarantee", "flavor": "h100-80gb",
-            "replicas": 1, "gpus_per_replica": 4, "steps": 4, "hyperparameters": {"batch_size": 8, "seq_len": 32},
+            "replicas": 1, "gpus_per_replica": 4, "steps": 4, "hyperparameters": {"batch_size": 8, "seq_len": 8},
+            "cpu_milli_per_replica": 1000,  # one thread: a few steps of the smallest batch
         })
         assert guarantee.status_code == 201, guarantee.text
         code = run.wait(timeout=400)
