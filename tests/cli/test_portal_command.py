@@ -30,17 +30,19 @@ pytestmark = pytest.mark.e2e
 PORTAL = Path(sys.executable).with_name("portal")
 PASSWORD = "portal-demo"
 ENVIRONMENT = "train"
-# The shipped trainer, small: two checkpoints (steps 20 and 40).
+# The shipped trainer, small: two checkpoints (steps 20 and 40), short sequences, one thread.
 JOB_FILE = f"""
 environment: {ENVIRONMENT}
 name: cli-tiny
 flavor: h100-80gb
 template: pytorch-ddp
 replicas: 1
+cpu_milli_per_replica: 1000
 steps: 40
 checkpoint_every_steps: 20
 hyperparameters:
   batch_size: 8
+  seq_len: 8
 """
 
 
@@ -208,10 +210,11 @@ import torch
 from model import CHECKPOINT_FORMAT, VOCAB, CharModel
 
 ctx = gpuportal.init()
+torch.set_num_threads(1)  # a 48-byte sequence: a second thread would only wait (spinning) for the first
 torch.manual_seed(0)
 model = CharModel()
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-text = b"the cat sat on the mat. " * 8
+text = b"the cat sat on the mat. " * 2
 data = torch.tensor(list(text))
 for step in range(1, 31):
     logits = model(data[:-1].view(1, -1))
@@ -256,6 +259,10 @@ def test_a_script_jobs_checkpoint_downloads_and_serves_until_ready(cli, script_t
     assert answer.status_code == 200, answer.text
     again = cli("serve", str(job_id), "--name", "cli-chat")
     assert again.returncode == 2 and "cli-chat" in one_line_error(again)
+    # Stopped: its replica would otherwise serve (and be probed) for the rest of the module.
+    stopped = httpx.post(f"{portal}/api/v1/endpoints/{endpoint['id']}/stop/", headers={"Authorization": f"Token {token}"},
+                         timeout=60)
+    assert stopped.status_code in (200, 202), stopped.text
 
 
 def test_a_repeated_submit_with_one_key_is_one_job_and_cancel_ends_it(cli, trained):
