@@ -122,9 +122,10 @@ def test_a_borrowing_job_is_preempted_for_a_guarantee_checkpoints_resumes_and_su
     ), format="json").json()["id"]
     wait_for(_state_is(holder, "running"), timeout_s=60, message="the holder to run")
 
-    # alice's 2-replica job, topology node required: borrows the other node's 8 GPUs.
+    # alice's 2-replica job, topology node required: borrows the other node's 8 GPUs. A checkpoint every 100 steps
+    # (each one is copied into the checkpoint store by a task of the worker), and one more when it is preempted.
     job_id = acme.post("/api/v1/jobs/", job_data(
-        cluster["acme"], name="llm-pretrain", replicas=2, gpus_per_replica=4, steps=800, checkpoint_every_steps=20,
+        cluster["acme"], name="llm-pretrain", replicas=2, gpus_per_replica=4, steps=800, checkpoint_every_steps=100,
         topology={"level": "node", "mode": "required"}, **TRAINER,
     ), format="json").json()["id"]
     wait_for(_state_is(job_id, "running"), timeout_s=60, message="the 2-replica job to run")
@@ -182,7 +183,7 @@ def test_a_node_lost_mid_run_requeues_the_job_which_resumes_elsewhere(
     _start_worker(celery_worker_factory, settings)
     acme = client_for(owner)
     # The trainer's default batches (not TRAINER's small ones): its 200 steps must outlast the wait for a checkpoint
-    # and the node going down. One thread per rank all the same.
+    # and the node going down. One thread per rank all the same (what the backend gives two ranks on two cores).
     job_id = acme.post("/api/v1/jobs/", job_data(
         cluster["acme"], name="survivor", replicas=2, gpus_per_replica=2, steps=200, checkpoint_every_steps=20,
         topology={"level": "node", "mode": "required"}, cpu_milli_per_replica=1000,
