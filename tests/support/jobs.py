@@ -35,10 +35,13 @@ def give_quota(tenant, flavor, *, guaranteed, max, max_priority=100, weight=1):
 
 
 def job_data(environment, /, **overrides) -> dict:
+    """A valid pytorch-ddp submission. Each replica declares one CPU, so the local backend runs the shipped
+    trainer on one thread (OMP_NUM_THREADS follows the declared CPU): on these machines its small model is
+    no slower on one thread and costs about a third less CPU per step than on two."""
     data = {
         "tenant": environment.tenant.slug, "environment": environment.id, "name": "llm-pretrain",
         "template": "pytorch-ddp", "replicas": 2, "flavor": "h100-80gb", "gpus_per_replica": 1,
-        "cpu_milli_per_replica": 2000, "memory_mib_per_replica": 4096,
+        "cpu_milli_per_replica": 1000, "memory_mib_per_replica": 4096,
         "topology": {"level": "node", "mode": "required"}, "priority": 10, "preemptible": True,
         "steps": 40, "checkpoint_every_steps": 10, "max_runtime_s": 600, "max_retries": 1,
         "env": {"DATASET_SPLIT": "train"}, "image": None, "command": None,
