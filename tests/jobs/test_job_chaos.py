@@ -3,18 +3,22 @@ redelivered messages and a killed worker, every backend call delayed a random wh
 invariants (tests/support/invariants.py) checked every half second and once more after everything
 drained.
 
-The suite runs a short form: one fixed seed for 30 seconds (on the Kubernetes stand-in 20), the
-rarer operations (environment deletes, lost nodes, the worker kill) each brought sooner where its
-first could come past two thirds of the run (``_settings``; 30 s: the worker kill every 10-20 s
-instead of 20-40), and every 8th operation one of a kind not yet done, if any. It asserts that every kind of operation ran at least once (submit, cancel,
+The suite runs a short form on the local backend: one fixed seed for 30 seconds (it was 60), each
+rarer operation (environment delete, lost node, worker kill) brought sooner the first time where it
+could come past two thirds of the run (``_settings``; in 30 s the first worker kill after 10-20 s
+instead of 20-40, the next ones 20-40 s apart as before), and every 8th operation one of a kind not
+yet done, if any. It asserts that every kind of operation ran at least once (submit, cancel,
 redelivery, the driver's own cycle and reconcile pass, environment delete, lost node, a worker
 SIGKILLed and replaced), that the invariants were checked at least once a second and never broken,
-and (on the local backend) that borrowed GPUs were reclaimed for a guarantee (on the stand-in: that
-three attempts succeeded). Where the machine is slow and one of these has not happened by the end,
-the run goes on until it has, a minute at most (40 s on the stand-in), the old length. The long form, as long
-as asked: ``CHAOS_SECONDS=300 CHAOS_KUBERNETES_SECONDS=300 [CHAOS_SEED=S]`` on this file
-(``bench/long_tests.sh chaos 300``), which from a minute (40 s on the stand-in) on also asserts the
-minute-long run's marks, over 50 submits and over 5 cancels; or ``bench/jobs_chaos.py --seconds N
+and that borrowed GPUs were reclaimed for a guarantee. Where the machine is slow and one of these has
+not happened by the end, the run goes on until it has, a minute at most (the old length). The
+Kubernetes stand-in's run keeps its 40 s (shorter runs, tried at 15 and 20 s, seldom saw three
+attempts succeed on a loaded machine and had to go on longer), with the same first-time rule, the
+same every-kind assertion and three successes, going on up to a minute for them.
+
+The long form, as long as asked: ``CHAOS_SECONDS=300 CHAOS_KUBERNETES_SECONDS=300 [CHAOS_SEED=S]``
+on this file (``bench/long_tests.sh chaos 300``), which from a minute (40 s on the stand-in) on also
+asserts the old marks, over 50 submits and over 5 cancels; or ``bench/jobs_chaos.py --seconds N
 --seed S``, the same driver (tests/support/chaos.py) with the minute-long intervals.
 """
 
@@ -28,17 +32,19 @@ pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transac
 
 SEED = int(os.environ.get("CHAOS_SEED", "20261"))
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "30"))
-KUBERNETES_SECONDS = float(os.environ.get("CHAOS_KUBERNETES_SECONDS", "20"))
+KUBERNETES_SECONDS = float(os.environ.get("CHAOS_KUBERNETES_SECONDS", "40"))
 
 
 def _settings(seconds: float) -> ChaosSettings:
     """The seeded settings; a rarer operation whose interval (EVERY_S) could put its first time past two thirds of a
-    run this short comes sooner, its interval scaled to end there, so that a short run still does it."""
-    every_s = {}
+    run this short comes first sooner, that interval scaled to end there (the next ones keep EVERY_S's), so that a
+    short run still does it."""
+    first_s = {}
     for name, (low, high) in EVERY_S.items():
-        scale = min(1.0, seconds * 2 / 3 / high)
-        every_s[name] = (low * scale, high * scale)
-    return ChaosSettings(seed=SEED, every_s=every_s, owed_every=8)
+        scale = seconds * 2 / 3 / high
+        if scale < 1:
+            first_s[name] = (low * scale, high * scale)
+    return ChaosSettings(seed=SEED, first_s=first_s, owed_every=8)
 
 
 def _every_kind_done(run: ChaosRun) -> bool:
@@ -111,7 +117,7 @@ def test_the_kubernetes_backend_under_chaos_keeps_every_invariant(settings, tmp_
     try:
         workers.start()
         run.run(KUBERNETES_SECONDS, until=lambda: _every_kind_done(run) and _succeeded(3),
-                max_seconds=max(KUBERNETES_SECONDS, 40))
+                max_seconds=max(KUBERNETES_SECONDS, 60))
         summary = run.drain(timeout_s=120)
         logs = workers.logs()  # before the stop, whose SIGTERMs leave tracebacks of their own
     finally:

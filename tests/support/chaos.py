@@ -293,6 +293,8 @@ class ChaosSettings:
     # run (tests/jobs/test_job_chaos.py) brings the rarer ones sooner, so that it still runs every kind.
     operations: dict[str, float] = field(default_factory=lambda: dict(OPERATIONS))
     every_s: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(EVERY_S))
+    # When the first of a rarer operation comes (seconds from the start), where not its every_s interval.
+    first_s: dict[str, tuple[float, float]] = field(default_factory=dict)
     # When > 0, every owed_every-th operation is one of the kinds in ``operations`` the run has not yet done
     # (one that found nothing to do stays owed), so that a short run does each kind at least once.
     owed_every: int = 0
@@ -310,11 +312,16 @@ class ChaosSettings:
 
 
 class Workers:
-    """The run's Celery worker processes (tests.support.worker.WorkerProcess), the first with beat."""
+    """The run's Celery worker processes (tests.support.worker.WorkerProcess), the first with beat.
+
+    They log in JSON (LOG_FORMAT, the production default): a stop SIGTERMs a pool process in the middle of a
+    task, and the worker logs the WorkerLostError's traceback, which the plain console renderer draws with rich,
+    every frame's locals included, at about a CPU-second each (the JSON renderer's plain traceback: under a
+    millisecond). A traceback is still a traceback in JSON, so the tests' "no Traceback" checks read the same."""
 
     def __init__(self, config: ChaosSettings, log_dir, *, count: int = 2, factory: str = FACTORY_QUICK, **env):
         self.config, self.log_dir, self.factory = config, log_dir, factory
-        self.count, self.started, self.live, self.env = count, 0, [], env
+        self.count, self.started, self.live, self.env = count, 0, [], {"LOG_FORMAT": "json", **env}
 
     def _start(self, *, beat: bool):
         from tests.support.worker import WorkerProcess
@@ -598,7 +605,7 @@ class ChaosRun:
         every_s = self.config.every_s
         started = time.monotonic()
         deadline = started + seconds
-        due = {name: started + self.rng.uniform(*every) for name, every in every_s.items()}
+        due = {name: started + self.rng.uniform(*self.config.first_s.get(name, every)) for name, every in every_s.items()}
         last_report = started
         picked = 0
         hard_deadline = started + max(seconds, max_seconds or 0)
