@@ -63,7 +63,9 @@ def formatter(renderer: str = "plain") -> logging.Formatter:
     else:
         processors = [
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.dev.ConsoleRenderer(colors=False),
+            # Tracebacks as Python prints them: structlog's default draws each with rich and every frame's
+            # locals, about a CPU-second a traceback, which a worker losing its broker logs by the dozen.
+            structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback),
         ]
     return structlog.stdlib.ProcessorFormatter(foreign_pre_chain=_shared_processors(), processors=processors)
 

@@ -107,10 +107,11 @@ def test_a_replica_runs_on_flags_from_the_spec_in_its_own_folders_and_forget_kil
     for name, folder in SCRATCH_VARIABLES.items():
         assert env[name] == str(attempt_dir / SCRATCH_DIR / folder)
         assert Path(env[name]).is_dir()
-    launcher = {"OMP_NUM_THREADS", "PORTAL_ATTEMPT", "PORTAL_JOB", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    launcher = {"OMP_NUM_THREADS", "OMP_WAIT_POLICY", "PORTAL_ATTEMPT", "PORTAL_JOB", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                 "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONUNBUFFERED"}
     assert set(env) <= set(HOST_VARIABLES) | set(SCRATCH_VARIABLES) | launcher | {"DATASET_SPLIT"}
     assert env["OMP_NUM_THREADS"] == "1", "no more threads than the replica's declared CPU"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE", "idle threads sleep: the host's cores are shared"
 
     # The running process itself: that environment exactly, and the memory limit set before exec.
     wait_until(lambda: progress.read_metrics(backend.jobs.job_dir(5)), what="the first step")
