@@ -14,7 +14,7 @@ from tests.support.portal_up import kill_job_processes
 from tests.support.worker import WorkerProcess, purge_queue
 
 # Each test kept to its file's tier (tests/support/tiers.py); files handed out longest first (tests/durations.json).
-pytest_plugins = ["tests.support.tiers", "tests.support.durations"]
+pytest_plugins = ["tests.support.tiers", "tests.support.durations", "tests.support.cpu_report"]
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "correct-horse-battery"
