@@ -5,7 +5,7 @@ operation is fuzzed twice: as a signed-in member of a tenant that has an environ
 a quota and the demo inventory, and as staff, each with a real knox token, on
 PostgreSQL. Each example goes through the whole Django stack and is judged by the
 checks below; any server error or schema violation fails the test of that
-operation (``test_api_conforms_to_its_schema_as_member[METHOD /path]``, ``..._as_staff[...]``).
+operation (``test_api_conforms_to_its_schema_as_member[METHOD /path][member]``, ``..._as_staff[...][staff]``).
 
 It is bounded to stay quick and reproducible: a fixed seed, Hypothesis derandomized
 and without its example database, ``MAX_EXAMPLES`` fuzzed examples per operation
@@ -246,19 +246,22 @@ def _token(user) -> str:
     return AuthToken.objects.create(user)[1]
 
 
-def _persona(world, name: str):
-    user = world[name]
-    return name, user, _token(user)
+def _persona(request, world):
+    user = world[request.param]
+    return request.param, user, _token(user)
 
 
-@pytest.fixture
-def member(world, in_process_wsgi):
-    return _persona(world, "member")
+# Each a fixture with one parameter: its name ends every test's id (``[METHOD /path][member]``), which keeps the
+# ids unique, as pytest-xdist needs (schemathesis names an operation's test by its label only when the test is
+# parametrized).
+@pytest.fixture(params=["member"])
+def member(request, world, in_process_wsgi):
+    return _persona(request, world)
 
 
-@pytest.fixture
-def staff_persona(world, in_process_wsgi):
-    return _persona(world, "staff")
+@pytest.fixture(params=["staff"])
+def staff_persona(request, world, in_process_wsgi):
+    return _persona(request, world)
 
 
 def _fuzz_settings(max_examples: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -65,8 +65,20 @@ def pytest_xdist_make_scheduler(config, log):
     return LoadFileInParts(config, log)
 
 
+def repeated_ids(items) -> list[str]:
+    """Node ids collected more than once: pytest-xdist schedules by id and would run one of each."""
+    seen = Counter(item.nodeid for item in items)
+    return sorted(nodeid for nodeid, count in seen.items() if count > 1)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
+    repeated = repeated_ids(items)
+    if repeated:
+        # A generated test whose id leaves out what tells its items apart (schemathesis names an operation's
+        # test by its label only when the test is parametrized) ran once under xdist, silently.
+        raise pytest.UsageError(f"{len(repeated)} test ids are collected more than once, which pytest-xdist would "
+                                f"run once each: {', '.join(repeated[:5])}")
     items[:] = longest_first(items, read_durations())
 
 
