@@ -44,7 +44,7 @@ def load(checkpoint: str):
     """(model, mask of the bytes it may emit), on one CPU thread as the portal's engine runs it."""
     import torch
 
-    from runners.workloads.serve import load_model
+    from runners.workloads.serve_engine import load_model
     from runners.workloads.train import VOCAB
 
     torch.set_num_threads(1)

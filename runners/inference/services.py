@@ -270,7 +270,7 @@ def _transformers_config_check(what: str, name: str, data: bytes) -> None:
 
 
 def _script_checkpoint_loads(job: Job, checkpoint: Checkpoint) -> None:
-    """Invalid naming ``source`` unless the shipped server's loader (runners.workloads.serve.load_model) loads this
+    """Invalid naming ``source`` unless the shipped server's loader (runners.workloads.serve_engine.load_model) loads this
     script checkpoint, onto the CPU, weights only (no pickled code runs); or, for a folder, unless it is a
     transformers model's (`_transformers_archive_check`: its config.json, read without loading anything).
 
@@ -323,7 +323,7 @@ def _script_bytes_load(what: str, data: bytes, *, shown_as: str) -> None:
             raise Invalid("source", too_big)
         import torch
 
-        from runners.workloads.serve import load_model
+        from runners.workloads.serve_engine import load_model
 
         try:
             load_model(Path(copy.name), torch.device("cpu"))

@@ -137,21 +137,6 @@ LISTENING_TAG = "PORTAL_SERVE_LISTENING"
 MAX_BODY_BYTES = 64 * 1024
 REQUEST_FIELDS = {"prompt", "max_tokens", "deadline_ms"}
 
-# The engine's names, importable from here as before; the engine's module (and torch) loads on first use.
-ENGINE_NAMES = frozenset({
-    "CANCELLED", "CharRunner", "Engine", "Metrics", "PrefixCache", "Refused", "Sequence", "checkpoint_path",
-    "engine_main", "load_model", "load_runner",
-})
-
-
-def __getattr__(name: str):
-    if name in ENGINE_NAMES:
-        from runners.workloads import serve_engine
-
-        return getattr(serve_engine, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --- settings ------------------------------------------------------------------------------------
 
 

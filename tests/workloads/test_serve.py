@@ -17,16 +17,8 @@ import pytest
 import torch
 
 from runners.workloads.progress import read_checkpoints
-from runners.workloads.serve import (
-    LISTENING_TAG,
-    CharRunner,
-    Engine,
-    PrefixCache,
-    Refused,
-    Settings,
-    check_request,
-    load_model,
-)
+from runners.workloads.serve import LISTENING_TAG, Settings, check_request
+from runners.workloads.serve_engine import CharRunner, Engine, PrefixCache, Refused, load_model
 from runners.workloads.train import DEFAULT_CORPUS, CharModel, save_checkpoint
 
 pytestmark = pytest.mark.e2e

@@ -11,8 +11,9 @@ import openai
 import pytest
 import torch
 
-from runners.workloads.serve import Engine, PrefixCache, Settings
+from runners.workloads.serve_engine import Engine, PrefixCache
 from runners.workloads.serve_hf import HFRunner, plain_chat
+from runners.workloads.serve_settings import Settings
 from tests.workloads.test_serve import REPO, ServerProcess
 
 pytestmark = pytest.mark.e2e
