@@ -70,20 +70,20 @@ def screenshot_dir(tmp_path) -> Path:
     return directory
 
 
-def snap(page, path: Path) -> None:
+def snap(page, path: Path, *, full_page: bool = True) -> None:
     """A full-page screenshot for a person to look at: taken only with FRONTEND_SCREENSHOT_DIR set.
 
     Encoding a whole page as PNG is a good part of a browser test's CPU, and nobody looks at the ones
     left in tmp_path; a failing test's page is photographed all the same (the page fixture).
     """
     if os.environ.get("FRONTEND_SCREENSHOT_DIR"):
-        page.screenshot(path=str(path), full_page=True)
+        page.screenshot(path=str(path), full_page=full_page)
 
 
 def log_in(page, live_server, username, screenshot_dir=None):
     page.goto(f"{live_server.url}/login/")
-    if screenshot_dir and os.environ.get("FRONTEND_SCREENSHOT_DIR"):
-        page.screenshot(path=str(screenshot_dir / "login.png"))
+    if screenshot_dir:
+        snap(page, screenshot_dir / "login.png", full_page=False)
     page.get_by_label("Username").fill(username)
     page.get_by_label("Password").fill(PASSWORD)
     page.get_by_role("button", name="Log in").click()

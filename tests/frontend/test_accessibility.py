@@ -16,7 +16,6 @@ set, every page is photographed at both widths into it (full-page PNGs: most of 
 nobody looks at them, so not otherwise).
 """
 
-import os
 import re
 from collections import defaultdict, deque
 from pathlib import Path
@@ -42,7 +41,6 @@ ROLES = {"anonymous": None, "member": "bob", "owner": "alice", "staff": "admin"}
 SKIPPED = ("/admin/", "/api/", "/static/", "/logout/", "/serve/")
 SAME_PATTERN_MAX = 2  # two jobs, two endpoints...: the same template with other data adds little
 MAX_PAGES = 60
-SCREENSHOTS = bool(os.environ.get("FRONTEND_SCREENSHOT_DIR"))
 IMPACTS = ("serious", "critical")
 # The pages each role must have reached (and found whole: HTML, 200), as path patterns.
 _MEMBER_PAGES = (r"/tenants/[-a-z0-9]+/", r"/environments/\d+/", r"/jobs/\d+/", r"/tenants/[-a-z0-9]+/jobs/",
@@ -136,8 +134,7 @@ def test_every_page_passes_axe_and_fits_a_phone(browser, live_server, screenshot
         checked = set()  # (pattern, role in the page's tenant) axe has run on at this width
 
         def visit(path, page=page, width=width, width_name=width_name, checked=checked):
-            if SCREENSHOTS:
-                page.screenshot(path=str(screenshot_dir / _file_name(role, width_name, path)), full_page=True)
+            snap(page, screenshot_dir / _file_name(role, width_name, path))
             if width < 400:
                 page_width = page.evaluate("document.documentElement.scrollWidth")
                 if page_width > width:
