@@ -16,11 +16,7 @@ After each restart, each worker must run a task sent to its own queue.
 The suite runs the short form, two restarts (the crash came on the first restart whose order was
 right, and this order is forced on each; a second shows a worker back from one restart survives the
 next). The long form restarts as often as asked: ``BROKER_RESTARTS=5`` (or more) on this file, or
-``bench/broker_restarts.sh [N]``.
-
-The workers log in JSON (``LOG_FORMAT=json``, the production default): each lost connection logs a
-traceback, and the plain console renderer draws it with rich, with every frame's locals, at about a
-CPU-second a traceback (a plain traceback, as the JSON renderer writes, takes under a millisecond).
+``bench/long_tests.sh broker [N]``.
 """
 
 import itertools
@@ -87,7 +83,7 @@ def test_broker_restarts_leave_every_worker_consuming(tmp_path, tenant, owner):
     broker = support.PrivateRedis(tmp_path / "redis.log").start()
     queues = [f"{settings.CELERY_TASK_DEFAULT_QUEUE}-probe-{index}" for index in range(WORKERS)]
     env = dict(CELERY_BROKER_URL=broker.url, CLUSTER_BACKEND_FACTORY=support.FACTORY,
-               LOCAL_PROVISION_DELAY_S=PROVISION_S, LOG_FORMAT="json")
+               LOCAL_PROVISION_DELAY_S=PROVISION_S)
     workers = [
         support.Process(
             [sys.executable, "-m", "celery", "-A", "portal", "worker", "-l", "INFO", "--concurrency", "2",

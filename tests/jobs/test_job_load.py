@@ -69,10 +69,8 @@ def test_concurrent_submissions_never_pass_max_or_capacity_and_every_job_ends(
         give_quota(tenant, h100, guaranteed=guaranteed, max=cap)
         tenants[slug] = (user, [ready_environment(actor=user, tenant=tenant),
                                 ready_environment(actor=user, tenant=tenant, name="scratch")])
-    # Two workers run the cycle (and everything else); the first also runs beat, as `manage.py up` runs one. They
-    # log in JSON (the production default): the plain renderer draws a traceback (a pool process SIGTERMed
-    # mid-task at the stop) with rich and every frame's locals, about a CPU-second each.
-    periods = dict(SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1, LOG_FORMAT="json")
+    # Two workers run the cycle (and everything else); the first also runs beat, as `manage.py up` runs one.
+    periods = dict(SCHEDULER_CYCLE_INTERVAL_S=1, JOB_RECONCILE_INTERVAL_S=1)
     celery_worker_factory(beat=True, **periods)
     celery_worker_factory(**periods)
 

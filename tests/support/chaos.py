@@ -312,16 +312,11 @@ class ChaosSettings:
 
 
 class Workers:
-    """The run's Celery worker processes (tests.support.worker.WorkerProcess), the first with beat.
-
-    They log in JSON (LOG_FORMAT, the production default): a stop SIGTERMs a pool process in the middle of a
-    task, and the worker logs the WorkerLostError's traceback, which the plain console renderer draws with rich,
-    every frame's locals included, at about a CPU-second each (the JSON renderer's plain traceback: under a
-    millisecond). A traceback is still a traceback in JSON, so the tests' "no Traceback" checks read the same."""
+    """The run's Celery worker processes (tests.support.worker.WorkerProcess), the first with beat."""
 
     def __init__(self, config: ChaosSettings, log_dir, *, count: int = 2, factory: str = FACTORY_QUICK, **env):
         self.config, self.log_dir, self.factory = config, log_dir, factory
-        self.count, self.started, self.live, self.env = count, 0, [], {"LOG_FORMAT": "json", **env}
+        self.count, self.started, self.live, self.env = count, 0, [], env
 
     def _start(self, *, beat: bool):
         from tests.support.worker import WorkerProcess
