@@ -38,6 +38,12 @@ MAX_TIMESLICE_REPLICAS = 64
 logger = logging.getLogger(__name__)
 
 
+# What a sync writes over on a node or GPU row it finds already there (the rest is the portal's own).
+_NODE_SYNCED_FIELDS = ["pool", "cpu_milli", "memory_mib", "rack", "block", "nvlink_domain", "labels",
+                       "gpu_resources", "schedulable", "source", "seen_at"]
+_GPU_SYNCED_FIELDS = ["model", "memory_mib", "uuid", "partition_kind", "mig_layout", "timeslice_replicas"]
+
+
 def inventory_sync(*, nodes: list[NodeInfo] | None = None) -> dict[str, int]:
     """Make Node, Gpu and NodePool rows match what the backend reports.
 
@@ -64,42 +70,33 @@ def _inventory_write(nodes: list[NodeInfo], *, source: str) -> dict[str, int]:
                 pool.gpu_model = gpu_model
                 pool.save(update_fields=["gpu_model", "updated_at"])
             pools[info.pool] = pool
-    seen = []
-    for info in nodes:
-        node, _ = Node.objects.update_or_create(
-            name=info.name,
-            defaults={
-                "pool": pools.get(info.pool),
-                "cpu_milli": info.cpu_milli,
-                "memory_mib": info.memory_mib,
-                "rack": info.rack,
-                "block": info.block,
-                "nvlink_domain": info.nvlink_domain,
-                "labels": info.labels,
-                "gpu_resources": info.gpu_resources,
-                "schedulable": info.schedulable,
-                "source": source,
-                "seen_at": now,
-            },
-        )
-        seen.append(node.id)
-        indexes = []
-        for gpu in info.gpus:
-            indexes.append(gpu.index)
-            Gpu.objects.update_or_create(
-                node=node,
-                index=gpu.index,
-                defaults={
-                    "model": gpu.model,
-                    "memory_mib": gpu.memory_mib,
-                    "uuid": gpu.uuid,
-                    "partition_kind": gpu.partition_kind,
-                    "mig_layout": [list(pair) for pair in gpu.mig_layout],
-                    "timeslice_replicas": gpu.timeslice_replicas,
-                },
-            )
-        Gpu.objects.filter(node=node).exclude(index__in=indexes).delete()
-    removed, _ = Node.objects.exclude(id__in=seen).delete()
+    # Two statements for the whole cluster, however large (INSERT ... ON CONFLICT DO UPDATE, ids returned):
+    # one for the nodes by name, one for their GPUs by (node, index). A node named twice in the list is
+    # written as its last entry says, as one upsert a node would have been.
+    by_name = {info.name: info for info in nodes}
+    node_rows = Node.objects.bulk_create(
+        [
+            Node(name=info.name, pool=pools.get(info.pool), cpu_milli=info.cpu_milli, memory_mib=info.memory_mib,
+                 rack=info.rack, block=info.block, nvlink_domain=info.nvlink_domain, labels=info.labels,
+                 gpu_resources=info.gpu_resources, schedulable=info.schedulable, source=source, seen_at=now)
+            for info in by_name.values()
+        ],
+        update_conflicts=True, unique_fields=["name"], update_fields=_NODE_SYNCED_FIELDS,
+    )
+    seen = [node.id for node in node_rows]
+    gpu_rows = [
+        Gpu(node_id=node.id, index=gpu.index, model=gpu.model, memory_mib=gpu.memory_mib, uuid=gpu.uuid,
+            partition_kind=gpu.partition_kind, mig_layout=[list(pair) for pair in gpu.mig_layout],
+            timeslice_replicas=gpu.timeslice_replicas)
+        for node in node_rows
+        for gpu in {gpu.index: gpu for gpu in by_name[node.name].gpus}.values()
+    ]
+    kept = Gpu.objects.bulk_create(
+        gpu_rows, update_conflicts=True, unique_fields=["node", "index"], update_fields=_GPU_SYNCED_FIELDS,
+    ) if gpu_rows else []
+    Gpu.objects.filter(node_id__in=seen).exclude(id__in=[gpu.id for gpu in kept]).delete()
+    _, deleted = Node.objects.exclude(id__in=seen).delete()
+    removed = deleted.get(Node._meta.label, 0)  # nodes, not their GPUs too
     flavor_capacity_refresh()
     return {"nodes": len(seen), "pools": len(pools), "removed": removed}
 
