@@ -14,6 +14,10 @@ import yaml
 from runners.backends.base import GpuInfo, NodeInfo, resources_of
 from runners.nvidia import mig
 
+# libyaml's safe loader where PyYAML was built with it (its wheels are): the same documents, about five times
+# faster than the pure-Python one, and the file is read on every inventory sync.
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 
 class ClusterFileError(ValueError):
     """The cluster file is malformed; the message says where and how to fix it."""
@@ -30,7 +34,7 @@ def load_cluster_file(path: str | Path) -> list[NodeInfo]:
     if path.suffix == ".csv":
         return load_openb_nodes(path)
     try:
-        document = yaml.safe_load(path.read_text())
+        document = yaml.load(path.read_text(), Loader=_SAFE_LOADER)
     except yaml.YAMLError as exc:
         raise ClusterFileError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(document, dict) or not isinstance(document.get("racks"), list):

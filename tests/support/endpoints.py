@@ -2,7 +2,6 @@
 
 import time
 
-import torch
 from django.utils import timezone
 
 from runners.clusters.registry import get_backend
@@ -12,13 +11,18 @@ from runners.jobs import attempts, reconcile
 from runners.jobs import services as jobs
 from runners.jobs.models import Checkpoint, Job, JobAttempt
 from runners.scheduling import services as scheduling
-from runners.workloads.train import CharModel, save_checkpoint
 from tests.support.jobs import job_data
 
 
 def trained_job(*, actor, environment, name="trained", seed=0, step=10) -> Job:
     """A training job of the tenant with one checkpoint recorded: the shipped model's, written by the
     trainer's own save (weights from a seed, so two seeds serve different text); the job itself is over."""
+    # Imported here, not at the top: the edge tests' conftest imports this module, and torch would cost every
+    # pytest process that collects them a CPU-second and a half whether it runs them or not.
+    import torch
+
+    from runners.workloads.train import CharModel, save_checkpoint
+
     job = jobs.job_submit(actor=actor, data=job_data(
         environment, name=name, replicas=1, topology={"level": "none"}, steps=step, checkpoint_every_steps=step))
     torch.manual_seed(seed)

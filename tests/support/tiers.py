@@ -81,7 +81,7 @@ def pytest_ignore_collect(collection_path, config):
     if not expression or not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
         return None
     try:
-        tiers, _ = declared_tiers(collection_path.read_text())
+        tiers = module_tiers(collection_path.read_text())
     except (OSError, SyntaxError, ValueError):
         return None
     if len(tiers) != 1 or _could_select(expression, tiers[0]):
@@ -195,11 +195,13 @@ def _mark_name(node) -> str | None:
     return None
 
 
-def declared_tiers(source: str) -> tuple[list[str], list[str]]:
-    """The tiers a file's module-level pytestmark names, and the tier marks it puts anywhere else."""
-    tree = ast.parse(source)
-    module_level, elsewhere = [], []
-    module_marks = set()
+def module_tiers(source: str) -> list[str]:
+    """The tiers a file's module-level pytestmark names (what -m needs to know before importing the file)."""
+    return _module_level(ast.parse(source))[0]
+
+
+def _module_level(tree: ast.Module) -> tuple[list[str], set[int]]:
+    module_level, module_marks = [], set()
     for statement in tree.body:
         targets = statement.targets if isinstance(statement, ast.Assign) else (
             [statement.target] if isinstance(statement, ast.AnnAssign) else [])
@@ -209,6 +211,14 @@ def declared_tiers(source: str) -> tuple[list[str], list[str]]:
                 module_marks.add(id(value))
                 if _mark_name(value) in TIERS:
                     module_level.append(_mark_name(value))
+    return module_level, module_marks
+
+
+def declared_tiers(source: str) -> tuple[list[str], list[str]]:
+    """The tiers a file's module-level pytestmark names, and the tier marks it puts anywhere else."""
+    tree = ast.parse(source)
+    module_level, module_marks = _module_level(tree)
+    elsewhere = []
     called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     for node in ast.walk(tree):
         if (isinstance(node, (ast.Attribute, ast.Call)) and id(node) not in module_marks | called
