@@ -22,7 +22,7 @@ FAST_TEST_WORKERS ?= 2
 # The loop fuzzes every API operation with fewer examples than `make test`'s 25, and without schemathesis'
 # coverage phase (every field's boundary, missing and wrong-typed cases: four fifths of that file's time),
 # which `make test` and CI run.
-FAST_SCHEMATHESIS_EXAMPLES ?= 10
+FAST_SCHEMATHESIS_EXAMPLES ?= 5
 
 .PHONY: run test test-fast test-durations install check-deploy deploy-render clean
 
