@@ -172,8 +172,11 @@ def test_sigterm_to_the_group_checkpoints_then_a_restart_resumes(tmp_path):
     assert reached >= 5 and steps_of(job) == list(range(1, reached + 1))
     assert progress.latest_checkpoint_step(job) == reached
     assert [c["step"] for c in progress.read_checkpoints(job)] == [reached]
-    for replica in replicas:
-        assert "SIGTERM received" in replica.log()
+    # Both got the signal; a rank whose handler ran only after that step's vote (it was inside the all_reduce)
+    # stops at the same step for "another rank asked to stop". At least one rank stopped for the signal itself.
+    logs = [replica.log() for replica in replicas]
+    assert any("SIGTERM received" in text for text in logs), logs
+    assert all("SIGTERM received" in text or "another rank asked to stop" in text for text in logs), logs
 
     again = run_job(job, ["--steps", reached + 5, "--checkpoint-every", 100000], world=2, attempt=1)
 
