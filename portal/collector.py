@@ -6,8 +6,8 @@ Celery, every app's modules, their URL patterns and serializers. CPython's defau
 threshold, 700 container allocations, starts a collection many thousand times during that start-up and
 then again through every request, and the older generations' collections walk the whole graph each time
 without finding garbage in it. Raised thresholds keep the collector working, at a fraction of the cost:
-measured on this project, a worker's start-up (Django, Celery, the URL patterns) went from 1.45 to 1.25
-CPU-seconds and the test runner's own CPU time fell by about a fifth. Reference counting still frees
+measured on this project, a worker's start-up (Django, Celery, the URL patterns) went from about 1.55 to
+1.4 CPU-seconds and the test runner's own CPU time fell by about a fifth. Reference counting still frees
 everything that is not in a cycle at once; a cycle waits for up to this many allocations longer.
 """
 
