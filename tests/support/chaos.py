@@ -623,9 +623,10 @@ class ChaosRun:
                 self.cluster.tick()
                 operation = self.rng.choices(names, weights)[0]
                 picked += 1
-                owed = [name for name in names if not self.done(name)]
-                if self.config.owed_every and owed and picked % self.config.owed_every == 0:
-                    operation = self.rng.choice(owed)
+                if self.config.owed_every and picked % self.config.owed_every == 0:
+                    owed = [name for name in names if not self.done(name)]
+                    if owed:
+                        operation = self.rng.choice(owed)
                 for name, at in due.items():
                     if time.monotonic() >= at:
                         operation = name
