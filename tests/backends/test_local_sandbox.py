@@ -111,7 +111,7 @@ with open(os.path.join(os.environ["TRAIN_JOB_DIR"], "escapes.json"), "w") as str
 '''
 
 DDP = r'''
-import json, os
+import gc, json, os
 import torch
 import torch.distributed as dist
 
@@ -142,6 +142,10 @@ with open(os.path.join(os.environ["TRAIN_JOB_DIR"], f"rank-{rank}.json"), "w") a
     json.dump({"sum": total.item(), "world": world, "weights_agree": same, "losses": losses,
                "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"]}, stream)
 dist.barrier()
+# The trainer's teardown: DDP's reducer holds the group; freed here, not by gloo's threads during interpreter
+# shutdown, which now and then aborts a rank that finished cleanly (rc 134).
+del model, optimizer, loss
+gc.collect()
 dist.destroy_process_group()
 '''
 

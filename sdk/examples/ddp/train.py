@@ -3,6 +3,8 @@
 Run by the portal as {"template": "script", "command": ["python", "train.py"], "hyperparameters": {"steps": 500}}.
 """
 
+import gc
+
 import gpuportal
 import torch
 import torch.distributed as dist
@@ -39,4 +41,6 @@ for step in range(start + 1, hp["steps"] + 1):
     if stopping:
         break
 dist.barrier()  # every rank here (rank 0 has written the last checkpoint) before the group is torn down
+del model, optimizer, loss  # DDP holds the group: free it now, not in gloo's threads at interpreter exit
+gc.collect()
 dist.destroy_process_group()
