@@ -110,7 +110,8 @@ def test_a_launch_lost_with_its_worker_and_its_message_is_launched_again_once_it
         wait_for(lambda: Job.objects.get(id=job.id).state == "launching" and backend._read(job.id, 1) is not None,
                  timeout_s=60, message="the launch to have started the replicas (it then sleeps)")
         record = backend._read(job.id, 1)
-        assert private_redis.client().hlen("unacked") >= 1, "the launch message is held unacknowledged"
+        unacked = f"{settings.CELERY_TASK_DEFAULT_QUEUE}.unacked"  # the worker's key (portal/settings.py)
+        assert private_redis.client().hlen(unacked) >= 1, "the launch message is held unacknowledged"
 
         workers[0].kill()
         killed_at = time.monotonic()
