@@ -33,6 +33,21 @@ def _finish_a_job(environment, owner, outcome="succeeded", name="train-1"):
     return job
 
 
+def _broker_state() -> str:
+    """What Redis holds for this run's queue: the waiting messages and the unacknowledged ones (with their age)."""
+    import time
+
+    import redis
+    from django.conf import settings
+
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    queue = settings.CELERY_TASK_DEFAULT_QUEUE
+    index = client.zrange(f"{queue}.unacked_index", 0, -1, withscores=True)
+    return (f"queue {queue}: {client.llen(queue)} waiting; unacknowledged: "
+            f"{[(tag.decode(), round(time.time() - score, 1)) for tag, score in index]}; "
+            f"restore lock: {client.get(f'{queue}.unacked_mutex')}")
+
+
 @pytest.fixture
 def cluster(settings, acme_env, flavors, tenant):
     use_backend(settings, "quick_jobs")
@@ -92,9 +107,13 @@ def test_a_delivery_whose_worker_dies_mid_try_is_delivered_by_another(cluster, c
         # Past the dead try's claim (timeout + margin), as a restart some time later would find it.
         Delivery.objects.filter(id=delivery.id).update(next_try_at=delivery.created_at)
         hook.release.set()
-        celery_worker_factory(**fast)
-        wait_for(lambda: Delivery.objects.filter(id=delivery.id, state="delivered").exists(), timeout_s=60,
-                 message="another worker to deliver it")
+        second = celery_worker_factory(**fast)
+        try:
+            wait_for(lambda: Delivery.objects.filter(id=delivery.id, state="delivered").exists(), timeout_s=60,
+                     message="another worker to deliver it")
+        except AssertionError as timed_out:
+            raise AssertionError(f"{timed_out}\n{_broker_state()}\nfirst worker:\n{first.output()[-3000:]}\n"
+                                 f"second worker:\n{second.output()[-3000:]}") from None
     delivery.refresh_from_db()
     assert delivery.attempts == 1 and delivery.status_code == 204
     assert signed_by(webhook.secret, hook.delivered()[-1])
