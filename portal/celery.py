@@ -14,6 +14,11 @@ from common.metrics import task_failed
 from portal import logs  # noqa: F401  (connects the signals that carry a request's id into its tasks)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+# Django's system checks have run on these settings before any worker or beat starts: `manage.py migrate` runs
+# them, in the migrate Job, in each worker pod's wait for it (`migrate --check`) and in `manage.py up`. Celery
+# would run them all again in every worker and beat process, a quarter of a worker's start (about 0.3 CPU-s:
+# every URL pattern and view imported to check them). CELERY_SKIP_CHECKS set empty runs them there too.
+os.environ.setdefault("CELERY_SKIP_CHECKS", "1")
 
 app = Celery("portal")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -20,7 +20,7 @@ READS = re.compile(r"\benv_[a-z]+\(\s*\"([A-Z][A-Z0-9_]+)\"")
 # Files whose variables the configuration page may also name (the inference server's, embedded servers', make's, the
 # garbage collector's).
 OTHER_READERS = ["runners/workloads/serve.py", "portal/embedded.py", "Makefile", "runners/edge/__main__.py",
-                 "portal/collector.py"]
+                 "portal/collector.py", "portal/celery.py"]
 
 
 def test_the_docs_build_strictly_into_a_folder_of_their_own(tmp_path):
