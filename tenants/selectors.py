@@ -2,7 +2,6 @@
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import QuerySet
-from django.utils import timezone
 
 from common.errors import NotFound
 from tenants.models import Membership, Tenant, TokenInfo, role_at_least
@@ -50,9 +49,8 @@ def user_has_role(*, user: AbstractBaseUser, tenant: Tenant, at_least: str) -> b
 
 
 def token_list(*, user: AbstractBaseUser, owner: str | None = None) -> QuerySet[TokenInfo]:
-    """The user's own API tokens that have not expired, newest first; staff may ask for another user's (`owner`).
-    An expired token is refused when sent (tenants/auth.py) and deleted then."""
-    tokens = TokenInfo.objects.select_related("token", "token__user").exclude(token__expiry__lt=timezone.now())
+    """The user's own API tokens, newest first; staff may ask for another user's (`owner`)."""
+    tokens = TokenInfo.objects.select_related("token", "token__user")
     if owner is not None and user.is_staff:
         return tokens.filter(token__user__username=owner)
     return tokens.filter(token__user=user)
