@@ -287,6 +287,16 @@ SPECTACULAR_SETTINGS = {
 # Celery.
 # One queue name per deployment (tests use a fresh one per run, so runs never see each other's messages).
 CELERY_TASK_DEFAULT_QUEUE = env_str("CELERY_QUEUE", "portal")
+
+
+def unacked_keys(queue: str) -> dict[str, str]:
+    """The Redis keys a queue's workers keep their unacknowledged messages, their index and the restore lock under
+    (kombu's transport options). Kombu's own names are the same for every queue of a database; named after the
+    queue, two deployments (or two test processes) sharing a database neither restore each other's messages on
+    their own visibility timeout nor wait on a lock that a killed worker of the other left behind."""
+    return {f"unacked{part}_key": f"{queue}.unacked{part}" for part in ("", "_index", "_mutex")}
+
+
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     # How long an unacknowledged message waits before Redis hands it to another
     # worker; this is how a task whose worker died is redelivered.
@@ -294,11 +304,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
     # How often each worker looks for such messages (one cheap Redis query).
     "unacked_restore_interval": env_int("CELERY_UNACKED_RESTORE_INTERVAL_S", 10, minimum=1),
     "unacked_restore_throttle": 1,
-    # Kombu keeps every consumer's unacknowledged messages, and the lock its restores take, under three fixed
-    # key names per Redis database. Named after the queue instead, two deployments (or two test processes)
-    # sharing a database neither restore each other's messages on their own visibility timeout nor wait on a
-    # lock that a killed worker of the other left behind.
-    **{f"unacked{part}_key": f"{CELERY_TASK_DEFAULT_QUEUE}.unacked{part}" for part in ("", "_index", "_mutex")},
+    **unacked_keys(CELERY_TASK_DEFAULT_QUEUE),
 }
 # A restore runs under a Redis lock that expires by itself; a worker killed while holding it (the restore
 # takes milliseconds, but it runs every interval) would stop every worker's restores until then, kombu's

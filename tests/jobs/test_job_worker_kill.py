@@ -21,6 +21,7 @@ import pytest
 import redis
 from django.utils import timezone
 
+from portal.settings import unacked_keys
 from runners.clusters.registry import get_backend
 from runners.jobs import services as jobs
 from runners.jobs.models import Job
@@ -110,7 +111,7 @@ def test_a_launch_lost_with_its_worker_and_its_message_is_launched_again_once_it
         wait_for(lambda: Job.objects.get(id=job.id).state == "launching" and backend._read(job.id, 1) is not None,
                  timeout_s=60, message="the launch to have started the replicas (it then sleeps)")
         record = backend._read(job.id, 1)
-        unacked = f"{settings.CELERY_TASK_DEFAULT_QUEUE}.unacked"  # the worker's key (portal/settings.py)
+        unacked = unacked_keys(settings.CELERY_TASK_DEFAULT_QUEUE)["unacked_key"]  # the worker's
         assert private_redis.client().hlen(unacked) >= 1, "the launch message is held unacknowledged"
 
         workers[0].kill()

@@ -3,9 +3,13 @@ delivers it signed, retries a failing receiver with exponential backoff, gives u
 and a delivery whose worker was killed mid-try is delivered by another."""
 
 import json
+import time
 
 import pytest
+import redis
+from django.conf import settings
 
+from portal.settings import unacked_keys
 from runners.jobs import attempts
 from runners.jobs import services as jobs
 from runners.notifications import services
@@ -35,17 +39,13 @@ def _finish_a_job(environment, owner, outcome="succeeded", name="train-1"):
 
 def _broker_state() -> str:
     """What Redis holds for this run's queue: the waiting messages and the unacknowledged ones (with their age)."""
-    import time
-
-    import redis
-    from django.conf import settings
-
     client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
     queue = settings.CELERY_TASK_DEFAULT_QUEUE
-    index = client.zrange(f"{queue}.unacked_index", 0, -1, withscores=True)
+    keys = unacked_keys(queue)
+    index = client.zrange(keys["unacked_index_key"], 0, -1, withscores=True)
     return (f"queue {queue}: {client.llen(queue)} waiting; unacknowledged: "
             f"{[(tag.decode(), round(time.time() - score, 1)) for tag, score in index]}; "
-            f"restore lock: {client.get(f'{queue}.unacked_mutex')}")
+            f"restore lock: {client.get(keys['unacked_mutex_key'])}")
 
 
 @pytest.fixture
