@@ -3,7 +3,9 @@ delivers it signed, retries a failing receiver with exponential backoff, gives u
 and a delivery whose worker was killed mid-try is delivered by another."""
 
 import json
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -45,7 +47,30 @@ def _broker_state() -> str:
     index = client.zrange(keys["unacked_index_key"], 0, -1, withscores=True)
     return (f"queue {queue}: {client.llen(queue)} waiting; unacknowledged: "
             f"{[(tag.decode(), round(time.time() - score, 1)) for tag, score in index]}; "
-            f"restore lock: {client.get(keys['unacked_mutex_key'])}")
+            f"restore lock: {client.get(keys['unacked_mutex_key'])}; "
+            f"bindings: {client.smembers('_kombu.binding.' + queue)}; consumers: {_consumers(queue)}")
+
+
+def _sender(hook) -> str:
+    """Which process holds the connection the receiver is holding (ss, where it is installed)."""
+    try:
+        port = hook.server.server_address[1]
+        return subprocess.run(["ss", "-tnpH", "dst", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unknown ({error})"
+
+
+def _consumers(queue: str) -> list[str]:
+    """The processes started for this queue (CELERY_QUEUE in their environment) that are still there."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"CELERY_QUEUE={queue}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes().replace(bytes(1), b' ')[:160].decode()}")
+        except OSError:
+            pass
+    return found
 
 
 @pytest.fixture
@@ -101,6 +126,7 @@ def test_a_delivery_whose_worker_dies_mid_try_is_delivered_by_another(cluster, c
         job = _finish_a_job(cluster, owner, outcome="failed")
         assert job.state == "failed"
         wait_for(lambda: hook.held.is_set(), timeout_s=60, message="the first try to reach the receiver")
+        sender = _sender(hook)
         first.kill()
         delivery = Delivery.objects.get(webhook=webhook)
         assert delivery.state == "pending" and delivery.attempts == 0
@@ -112,7 +138,8 @@ def test_a_delivery_whose_worker_dies_mid_try_is_delivered_by_another(cluster, c
             wait_for(lambda: Delivery.objects.filter(id=delivery.id, state="delivered").exists(), timeout_s=60,
                      message="another worker to deliver it")
         except AssertionError as timed_out:
-            raise AssertionError(f"{timed_out}\n{_broker_state()}\nfirst worker:\n{first.output()[-3000:]}\n"
+            raise AssertionError(f"{timed_out}\n{_broker_state()}\nheld try sent by: {sender} (first worker: "
+                                 f"{first.process.pid})\nfirst worker:\n{first.output()[-3000:]}\n"
                                  f"second worker:\n{second.output()[-3000:]}") from None
     delivery.refresh_from_db()
     assert delivery.attempts == 1 and delivery.status_code == 204
