@@ -1,11 +1,11 @@
 """The browser's login page and the admin's share the API's login throttle."""
 
 import pytest
-from django.core.cache import cache
 from django.test import Client
 from rest_framework.test import APIClient
 
 from tests.conftest import PASSWORD
+from tests.support.worker import clear_cache
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -13,9 +13,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 @pytest.fixture(autouse=True)
 def thirty_logins_a_minute(settings):
     settings.API_LOGIN_RATE = "30/min"
-    cache.clear()
+    clear_cache()
     yield
-    cache.clear()
+    clear_cache()
 
 
 def _signed_in(client: Client) -> bool:

@@ -6,7 +6,7 @@ from django.test import Client
 from portal.middleware import DEGRADED_HEADER
 from runners.environments import services as environments
 from runners.environments.models import Environment
-from tests.support.worker import wait_for
+from tests.support.worker import clear_cache, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -26,12 +26,10 @@ def _point_celery_at(url: str | None) -> None:
 
 @pytest.fixture
 def broker_down():
-    from django.core.cache import cache
-
     _point_celery_at(UNREACHABLE)
     yield
     _point_celery_at(None)
-    cache.clear()
+    clear_cache()
 
 
 def test_an_environment_request_answers_201_and_says_degraded(broker_down, client_for, owner, tenant):

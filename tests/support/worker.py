@@ -102,6 +102,22 @@ def purge_queue(queue: str | None = None) -> None:
     client.delete(queue, *client.keys(f"{queue}*"))
 
 
+def clear_cache() -> int:
+    """Empty this run's part of Django's cache (the keys under its KEY_PREFIX); returns how many were removed.
+
+    Never ``cache.clear()`` in a test: on Redis it is FLUSHDB, and the cache shares its database with the
+    broker, so it also empties every test process's queues, unacknowledged messages and exchange bindings. A
+    message a worker holds unacknowledged is then never handed to another, and one restored finds no binding and
+    is dropped (tests/test_shared_redis.py keeps the call out of the suite).
+    """
+    import redis
+
+    cache = settings.CACHES["default"]
+    client = redis.Redis.from_url(cache["LOCATION"])
+    keys = list(client.scan_iter(match=f"{cache['KEY_PREFIX']}:*", count=1000))
+    return client.delete(*keys) if keys else 0
+
+
 def wait_for(predicate, *, timeout_s: float = 30, interval_s: float = 0.2, message: str = "condition"):
     """Poll until predicate() is truthy; fail with the message otherwise."""
     deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ from rest_framework.test import APIClient
 from tenants.auth import TokenAuthentication
 from tenants.models import TokenInfo
 from tests.conftest import PASSWORD
+from tests.support.worker import clear_cache
 
 pytestmark = [pytest.mark.integration, pytest.mark.django_db]
 
@@ -65,12 +66,10 @@ def test_anonymous_requests_are_refused():
 
 @pytest.fixture
 def two_logins_a_minute(settings):
-    from django.core.cache import cache
-
     settings.API_LOGIN_RATE = "2/min"
-    cache.clear()
+    clear_cache()
     yield
-    cache.clear()
+    clear_cache()
 
 
 def test_logins_are_limited_per_address_even_for_callers_with_a_token(owner, two_logins_a_minute):
