@@ -23,7 +23,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from starlette.applications import Starlette
 from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
@@ -210,19 +210,16 @@ class Edge:
         self.router = None
         self.table: Table | None = None
         self.prober: Prober | None = None
-        self.client: httpx.AsyncClient | None = None
-        self.passthrough: httpx.AsyncClient | None = None
+        self.client: aiohttp.ClientSession | None = None
+        self.passthrough: aiohttp.ClientSession | None = None
         self._sync_task: asyncio.Task | None = None
 
     async def startup(self) -> None:
         if self.config is None:
             self.config = await asyncio.to_thread(EdgeConfig.from_settings)
         c = self.config
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=c.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30))
-        self.passthrough = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), follow_redirects=False,
-                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.client = proxy.client_session(connect_timeout_s=c.connect_timeout_s)
+        self.passthrough = proxy.client_session(connect_timeout_s=5.0)
         self.router = PrefixRouter() if PrefixRouter is not None else None
         self.prober = Prober(self.client, interval_s=c.probe_interval_s, timeout_s=c.probe_timeout_s,
                              failures=c.probe_failures)
@@ -244,7 +241,7 @@ class Edge:
             await self.prober.stop()
         for client in (self.client, self.passthrough):
             if client is not None:
-                await client.aclose()
+                await client.close()
 
     def _sync_probes(self) -> None:
         self.prober.sync([target for route in self.table.routes.values() for target in route.targets])
@@ -343,7 +340,7 @@ class Edge:
         c = self.config
         margin = c.deadline_margin_ms / 1000.0
         tried: set[str] = set()
-        last_refusal: httpx.Response | None = None
+        last_refusal: tuple[int, list, bytes] | None = None
         waited = False
         headers = [(name, value) for name, value in proxy.request_headers(scope)
                    if name.lower() in FORWARDED_HEADERS]
@@ -392,8 +389,7 @@ class Edge:
                 if opened not in done:
                     opened.cancel()
                     try:
-                        response = await opened
-                        await response.aclose()
+                        (await opened).close()
                     except BaseException:
                         pass
                     if hung in done:
@@ -405,18 +401,20 @@ class Edge:
                     raise Refusal(504, {"detail": "The deadline passed before the answer."})
                 try:
                     response = opened.result()
-                except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                        httpx.WriteError, httpx.PoolTimeout) as exc:
+                except proxy.UPSTREAM_ERRORS as exc:
                     log.info("replica %s did not take the request (%s); trying the next", state.target.key,
                              type(exc).__name__)
                     tried.add(state.target.key)
                     waited = True
                     continue
-                if response.status_code in (429, 503) and len(choices) > 1:
+                if response.status in (429, 503) and len(choices) > 1:
                     # Full or draining: the next replica may answer within the deadline.
-                    await response.aread()
-                    await response.aclose()
-                    last_refusal = response
+                    try:
+                        refused = await response.read()
+                    except proxy.UPSTREAM_ERRORS:
+                        refused = b""
+                    last_refusal = (response.status, proxy.answer_headers(response, keep=PASSED_HEADERS), refused)
+                    proxy.let_go(response, whole=True)
                     tried.add(state.target.key)
                     waited = True
                     continue
@@ -431,10 +429,10 @@ class Edge:
                 hung.cancel()
                 state.outstanding = max(0, state.outstanding - cost)
 
-    async def _pass_refusal(self, send, response: httpx.Response) -> None:
-        headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": response.content})
+    async def _pass_refusal(self, send, refusal: tuple[int, list, bytes]) -> None:
+        status, headers, body = refusal
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     # --- everything else: passed to the portal's web process ------------------------------------------------
 

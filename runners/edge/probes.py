@@ -14,7 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from runners.edge.table import Target
 
@@ -33,7 +33,7 @@ class ReplicaState:
 
 
 class Prober:
-    def __init__(self, client: httpx.AsyncClient, *, interval_s: float, timeout_s: float, failures: int) -> None:
+    def __init__(self, client: aiohttp.ClientSession, *, interval_s: float, timeout_s: float, failures: int) -> None:
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -76,10 +76,13 @@ class Prober:
     async def probe(self, state: ReplicaState) -> str:
         """"ok", "not-ready" (it answered, not 200) or "silent" (no answer)."""
         try:
-            answer = await self.client.get(state.target.address + state.target.health_path, timeout=self.timeout_s)
-        except httpx.HTTPError:
+            async with self.client.get(state.target.address + state.target.health_path,
+                                       timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as answer:
+                status = answer.status
+                await answer.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return "silent"
-        return "ok" if answer.status_code == 200 else "not-ready"
+        return "ok" if status == 200 else "not-ready"
 
     async def _probe_loop(self, state: ReplicaState) -> None:
         loop = asyncio.get_running_loop()

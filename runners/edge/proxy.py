@@ -5,6 +5,12 @@ request with ``open_upstream`` (a replica it chose) and streams the answer back 
 the pass-through to the portal's web process uses ``forward_http``; an interactive workspace's
 terminal or notebook will use ``forward_http`` and ``forward_websocket`` with the address its own
 resolver picks. Each watches the client: a client that goes away closes the upstream connection at once.
+
+The upstream side is aiohttp's client. httpx's (httpcore's pool) looked at every pooled connection, with a
+socket poll each, whenever a request took or gave back a connection: with the hundred or so kept-alive
+connections a busy replica needs, that was most of the edge's CPU and held it to about 50 requests/s in front
+of a replica that answers 400 (bench/README.md). aiohttp's pool hands out a kept-alive connection per host
+from a list.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 
-import httpx
+import aiohttp
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are never passed on; neither is the upstream's own framing.
 HOP_BY_HOP = frozenset({
@@ -42,11 +48,28 @@ def request_headers(scope: dict, *, drop: Iterable[str] = (), keep_length: bool 
     return headers
 
 
-def answer_headers(response: httpx.Response, *, keep: Iterable[str] | None = None) -> list[tuple[bytes, bytes]]:
+# What the upstream hop may raise: aiohttp's errors (refused, reset, cut mid-answer) and its connect timeout.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def client_session(*, connect_timeout_s: float, keepalive_s: float = 30) -> aiohttp.ClientSession:
+    """A pool of kept-alive connections to upstreams, with no limit of its own (the callers bound what is in
+    flight), no timeout but the connect one (callers bound the rest by their deadlines), and nothing added to
+    what passes: no headers of its own, bodies neither decompressed nor re-encoded, redirects passed back."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+    )
+
+
+def answer_headers(response: aiohttp.ClientResponse, *,
+                   keep: Iterable[str] | None = None) -> list[tuple[bytes, bytes]]:
     """The upstream answer's headers to pass to the client: all but hop-by-hop ones, or only ``keep``."""
     wanted = {name.lower() for name in keep} if keep is not None else None
     out = []
-    for name, value in response.headers.raw:
+    for name, value in response.raw_headers:
         lowered = name.decode("latin-1").lower()
         if lowered in HOP_BY_HOP or lowered == "content-length" and response.headers.get("content-encoding"):
             continue
@@ -98,12 +121,22 @@ async def watching(receive, work: Awaitable):
     raise ClientGone()
 
 
-async def open_upstream(client: httpx.AsyncClient, method: str, url: str, headers, content) -> httpx.Response:
+async def open_upstream(client: aiohttp.ClientSession, method: str, url: str, headers,
+                        content) -> aiohttp.ClientResponse:
     """Send the request and return once the answer's status and headers are in (its body still to stream)."""
-    return await client.send(client.build_request(method, url, headers=headers, content=content), stream=True)
+    return await client.request(method, url, headers=headers, data=content, allow_redirects=False)
 
 
-async def stream_back(send, receive, response: httpx.Response, *, status: int | None = None,
+def let_go(response: aiohttp.ClientResponse, *, whole: bool) -> None:
+    """Done with an upstream answer: its connection goes back to the pool when the answer was read to its end
+    (``whole``), else it is closed, so the upstream sees its client leave and stops computing for it."""
+    if whole:
+        response.release()
+    else:
+        response.close()
+
+
+async def stream_back(send, receive, response: aiohttp.ClientResponse, *, status: int | None = None,
                       headers: list[tuple[bytes, bytes]], give_up_at: float | None = None) -> str:
     """Pass the upstream answer to the client as it comes; closes the upstream connection however it ends.
 
@@ -112,11 +145,11 @@ async def stream_back(send, receive, response: httpx.Response, *, status: int | 
     the answer is cut where it stands)."""
     loop = asyncio.get_running_loop()
     gone = asyncio.ensure_future(until_disconnect(receive))
-    chunks = response.aiter_raw()
+    whole = False
     try:
-        await send({"type": "http.response.start", "status": status or response.status_code, "headers": headers})
+        await send({"type": "http.response.start", "status": status or response.status, "headers": headers})
         while True:
-            step = asyncio.ensure_future(anext(chunks))
+            step = asyncio.ensure_future(response.content.readany())
             timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
             done, _ = await asyncio.wait({step, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if step not in done:
@@ -129,33 +162,38 @@ async def stream_back(send, receive, response: httpx.Response, *, status: int | 
                 return "deadline"
             try:
                 chunk = step.result()
-            except StopAsyncIteration:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return "done"
-            except httpx.HTTPError:
+            except UPSTREAM_ERRORS:
                 # The upstream broke mid-answer: the client gets the answer cut where it stands.
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return "upstream-broke"
+            if not chunk:  # the answer's end
+                whole = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "done"
             try:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except OSError:
                 return "client-gone"
     finally:
         gone.cancel()
-        await response.aclose()
+        let_go(response, whole=whole)
 
 
-async def forward_http(scope, receive, send, client: httpx.AsyncClient, base_url: str, *,
+async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base_url: str, *,
                        extra_headers: Iterable[tuple[str, str]] = ()) -> str:
     """Pass one HTTP request through to ``base_url`` (same path and query), body and answer streamed."""
     query = scope.get("query_string", b"").decode("latin-1")
     url = base_url.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (
         f"?{query}" if query else "")
 
+    gone = False
+
     async def body():
+        nonlocal gone
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                gone = True
                 raise ClientGone()
             if message.get("body"):
                 yield message["body"]
@@ -163,12 +201,14 @@ async def forward_http(scope, receive, send, client: httpx.AsyncClient, base_url
                 return
 
     headers = request_headers(scope, keep_length=True) + list(extra_headers)
+    sends_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
     try:
-        response = await client.send(client.build_request(scope["method"], url, headers=headers, content=body()),
-                                     stream=True)
+        response = await open_upstream(client, scope["method"], url, headers, body() if sends_body else None)
     except ClientGone:
         return "client-gone"
-    except httpx.HTTPError as exc:
+    except UPSTREAM_ERRORS as exc:
+        if gone:
+            return "client-gone"
         message = f'{{"detail": "The portal\'s web process did not answer: {type(exc).__name__}."}}'.encode()
         await send({"type": "http.response.start", "status": 502,
                     "headers": [(b"content-type", b"application/json")]})
