@@ -66,7 +66,9 @@ def _client(web, token, template: dict, calls: support.Calls, stop: threading.Ev
             try:
                 response = session.request(method, f"{web.url}{path}", timeout=30, **kwargs)
                 status, body = response.status_code, response
-            except (requests.ConnectionError, requests.Timeout):  # a client that gave up waiting retries too
+            # A server gone before its answer (or mid-answer: the body cut short), or a client that gave up
+            # waiting: each retries with the same key.
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError):
                 session = requests.Session()
                 session.headers["Authorization"] = f"Token {token}"
                 status, body = "connection", None
@@ -83,8 +85,16 @@ def _client(web, token, template: dict, calls: support.Calls, stop: threading.Ev
 def _run_clients(web, token, environment, *, count, retries, submit_share, fault) -> support.Calls:
     calls, stop = support.Calls(), threading.Event()
     template = support.submit_body(environment, "job")  # read here: the client threads use no database connection
-    threads = [threading.Thread(target=_client, args=(web, token, template, calls, stop),
-                                kwargs=dict(seed=index, retries=retries, submit_share=submit_share))
+    crashed: list[BaseException] = []
+
+    def client(**kwargs):
+        try:
+            _client(web, token, template, calls, stop, **kwargs)
+        except BaseException as error:  # a client that dies takes its last submit's record with it: say so
+            crashed.append(error)
+            raise
+
+    threads = [threading.Thread(target=client, kwargs=dict(seed=index, retries=retries, submit_share=submit_share))
                for index in range(count)]
     faults = threading.Thread(target=fault, args=(stop,))
     for thread in [*threads, faults]:
@@ -94,6 +104,7 @@ def _run_clients(web, token, environment, *, count, retries, submit_share, fault
     for thread in [*threads, faults]:
         thread.join(120)
     assert not any(thread.is_alive() for thread in threads), "a client still waits: its last submit is not recorded"
+    assert not crashed, f"a client died, its last submit not recorded: {crashed!r}"
     return calls
 
 
