@@ -72,6 +72,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.serve_litserve import LITSERVE, LITSERVE_KNOBS  # noqa: E402
 
+# The plot's one library, as pinned in the bench extra (pyproject.toml).
+MATPLOTLIB = "matplotlib==3.11.2"
+
 SYSTEM = (
     "You are the GPU portal's assistant for the ml-research team. Answer briefly, name the job and the "
     "flavor you mean, and never guess a quota: read it. Be kind to people who wait for their GPUs today.\n"
@@ -732,6 +735,10 @@ def main() -> None:
     if "litserve" in systems and importlib.util.find_spec("litserve") is None:
         print(f"installing {LITSERVE} for this bench (never a dependency of the portal)", flush=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", LITSERVE], check=True)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Checked before the runs, not after them: the plot is drawn at the end of a 20-minute bench.
+        print(f"installing {MATPLOTLIB} for --plot (the bench extra in pyproject.toml)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", MATPLOTLIB], check=True)
     checkpoint = write_checkpoint(Path(f"/tmp/serve-load-{os.getpid()}"))
     global EDGE
     if "portal" in systems and args.portal_via != "direct":
