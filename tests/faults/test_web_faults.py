@@ -82,7 +82,10 @@ def _client(web, token, template: dict, calls: support.Calls, stop: threading.Ev
         calls.add(method=method, key=key, seen=seen, status=status, job_id=job_id)
 
 
-def _run_clients(web, token, environment, *, count, retries, submit_share, fault) -> support.Calls:
+def _run_clients(web, token, environment, *, count, retries, submit_share, fault, until=None) -> support.Calls:
+    """``count`` client threads for RUN_S seconds beside the ``fault`` thread; with ``until`` (a test of the calls
+    so far), on past RUN_S until it holds, for at most three times as long: a fault that struck nothing in flight
+    in the first seconds (a worker killed just after its answer) is applied until it does."""
     calls, stop = support.Calls(), threading.Event()
     template = support.submit_body(environment, "job")  # read here: the client threads use no database connection
     crashed: list[BaseException] = []
@@ -100,6 +103,12 @@ def _run_clients(web, token, environment, *, count, retries, submit_share, fault
     for thread in [*threads, faults]:
         thread.start()
     time.sleep(RUN_S)
+    deadline = time.monotonic() + 2 * RUN_S
+    while until is not None and time.monotonic() < deadline:
+        with calls.lock:
+            if until(calls.rows):
+                break
+        time.sleep(0.2)
     stop.set()
     for thread in [*threads, faults]:
         thread.join(120)
@@ -177,7 +186,9 @@ def test_a_web_worker_killed_mid_request_leaves_each_submit_made_once_and_whole(
             stop.wait(2.5)  # gunicorn boots another; the other worker serves meanwhile
 
     try:
-        calls = _run_clients(web, token, environment, count=3, retries=30, submit_share=0.8, fault=kill_workers)
+        calls = _run_clients(web, token, environment, count=3, retries=30, submit_share=0.8, fault=kill_workers,
+                             until=lambda rows: any(row["method"] == "POST" and "connection" in row["seen"]
+                                                    for row in rows))
     finally:
         web.stop()
 
