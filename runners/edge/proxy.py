@@ -138,7 +138,8 @@ def let_go(response: aiohttp.ClientResponse, *, whole: bool) -> None:
 
 async def stream_back(send, receive, response: aiohttp.ClientResponse, *, status: int | None = None,
                       headers: list[tuple[bytes, bytes]], give_up_at: float | None = None) -> str:
-    """Pass the upstream answer to the client as it comes; closes the upstream connection however it ends.
+    """Pass the upstream answer to the client as it comes; the upstream connection goes back to the pool when
+    the answer was read to its end, and is closed however else it ends.
 
     Returns "done", "client-gone" (the client closed: the upstream connection is closed at once, so
     the replica stops computing for it) or "deadline" (``give_up_at``, loop time, passed mid-answer:
