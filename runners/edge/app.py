@@ -410,11 +410,11 @@ class Edge:
                 if response.status in (429, 503) and len(choices) > 1:
                     # Full or draining: the next replica may answer within the deadline.
                     try:
-                        refused = await response.read()
+                        refused = await response.read()  # read to its end: the connection is back in the pool
                     except proxy.UPSTREAM_ERRORS:
                         refused = b""
+                        proxy.let_go(response, whole=False)
                     last_refusal = (response.status, proxy.answer_headers(response, keep=PASSED_HEADERS), refused)
-                    proxy.let_go(response, whole=True)
                     tried.add(state.target.key)
                     waited = True
                     continue
