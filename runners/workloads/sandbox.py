@@ -110,16 +110,24 @@ class View:
     tmpfs_bytes: int | None = None
 
 
+# useradd's exit status when the name is already in use (shadow-utils).
+USERADD_NAME_TAKEN = 9
+
+
 def account() -> Account:
     """The sandbox account (created on first use); this process must be root."""
     try:
         entry = pwd.getpwnam(SANDBOX_USER)
     except KeyError:
-        subprocess.run(
+        made = subprocess.run(
             ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
              "--shell", "/usr/sbin/nologin", SANDBOX_USER],
-            check=True, capture_output=True, text=True,
+            capture_output=True, text=True,
         )
+        # Exit 9: the name is taken. Another process (a second worker, a second pytest process) made the
+        # account between the look-up above and now; it is the same account, so use it.
+        if made.returncode not in (0, USERADD_NAME_TAKEN):
+            raise subprocess.CalledProcessError(made.returncode, made.args, made.stdout, made.stderr)
         entry = pwd.getpwnam(SANDBOX_USER)
     return Account(entry.pw_uid, entry.pw_gid)
 
