@@ -14,6 +14,7 @@ from runners.inference.api import EndpointViewSet
 from runners.jobs.api import JobViewSet
 from runners.nodecache.api import NodeCacheViewSet
 from runners.notifications.api import NotificationPreferenceViewSet, WebhookViewSet
+from runners.workspaces.api import WorkspaceViewSet
 from tenants.api import ApiTokenViewSet, MemberViewSet, TenantViewSet
 
 router = DefaultRouter()
@@ -30,6 +31,7 @@ router.register("node-caches", NodeCacheViewSet, basename="node-cache")
 router.register("partition-changes", PartitionChangeViewSet, basename="partition-change")
 router.register("jobs", JobViewSet, basename="job")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
+router.register("workspaces", WorkspaceViewSet, basename="workspace")
 router.register(r"tenants/(?P<tenant_slug>[a-z0-9-]+)/webhooks", WebhookViewSet, basename="tenant-webhook")
 router.register("notification-preferences", NotificationPreferenceViewSet, basename="notification-preference")
 

@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "runners.scheduling",
     "runners.registry",
     "runners.inference",
+    "runners.workspaces",
     "runners.nodecache",
     "runners.usage",
     "runners.notifications",
@@ -350,6 +351,14 @@ ENDPOINT_SCALE_IN_AFTER_S = env_float("ENDPOINT_SCALE_IN_AFTER_S", 30.0, minimum
 ENDPOINT_IDLE_AFTER_S = env_float("ENDPOINT_IDLE_AFTER_S", 300.0, minimum=1.0)
 # A foreign engine (vLLM, TGI, SGLang) reports its KV-cache use: at this mean over its ready replicas, one more.
 ENDPOINT_KV_CACHE_HIGH = env_float("ENDPOINT_KV_CACHE_HIGH", 0.9, minimum=0.01)
+# Workspaces (runners/workspaces/, docs/workspaces.md): how often the pass asks each one's JupyterLab whether
+# it answers and what it did last; how long a probe may take; minutes without activity before the idle cull
+# stops one (a workspace may set its own); what one asks by default.
+WORKSPACE_RECONCILE_INTERVAL_S = env_float("WORKSPACE_RECONCILE_INTERVAL_S", 5.0, minimum=0.1)
+WORKSPACE_PROBE_TIMEOUT_S = env_float("WORKSPACE_PROBE_TIMEOUT_S", 2.0, minimum=0.1)
+WORKSPACE_IDLE_MINUTES = env_float("WORKSPACE_IDLE_MINUTES", 60.0, minimum=0.01)
+WORKSPACE_CPU_MILLI = env_int("WORKSPACE_CPU_MILLI", 2000, minimum=250)
+WORKSPACE_MEMORY_MIB = env_int("WORKSPACE_MEMORY_MIB", 8192, minimum=1024)
 # The edge (runners/edge/, docs/edge.md): the asynchronous front of the endpoints.
 EDGE_MAX_BODY_BYTES = env_int("EDGE_MAX_BODY_BYTES", 64 * 1024, minimum=1024)
 EDGE_TABLE_REFRESH_S = env_float("EDGE_TABLE_REFRESH_S", 0.5, minimum=0.05)
@@ -466,6 +475,9 @@ CELERY_BEAT_SCHEDULE = {
                        "options": {"expire_seconds": max(1, round(JOB_RECONCILE_INTERVAL_S))}},
     "endpoints-reconcile": {"task": "runners.tasks.endpoints_reconcile", "schedule": float(ENDPOINT_RECONCILE_INTERVAL_S),
                             "options": {"expire_seconds": max(1, round(ENDPOINT_RECONCILE_INTERVAL_S))}},
+    "workspaces-reconcile": {"task": "runners.tasks.workspaces_reconcile",
+                             "schedule": float(WORKSPACE_RECONCILE_INTERVAL_S),
+                             "options": {"expire_seconds": max(1, round(WORKSPACE_RECONCILE_INTERVAL_S))}},
     "usage-sample": {"task": "runners.tasks.usage_sample", "schedule": float(USAGE_SAMPLE_INTERVAL_S),
                      "options": {"expire_seconds": max(1, round(USAGE_SAMPLE_INTERVAL_S))}},
     "usage-settle": {"task": "runners.tasks.usage_settle", "schedule": float(USAGE_SETTLE_INTERVAL_S)},

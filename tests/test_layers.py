@@ -85,7 +85,7 @@ def test_no_nvidia_name_is_spelled_outside_runners_nvidia():
 LAYERS = [
     "common", "tenants", "audit", "quotas", "runners.bundles", "runners.datasets",
     "runners.clusters", "runners.environments", "runners.jobs", "runners.registry", "runners.inference",
-    "runners.nodecache", "runners.scheduling",
+    "runners.workspaces", "runners.nodecache", "runners.scheduling",
     "runners.usage", "runners.notifications",
     # The edge: not a Django app (no models), a process of its own that reads the apps below it.
     "runners.edge", "frontend", "portal",
@@ -96,7 +96,7 @@ MODEL_APP_LABELS = {"tenants": "tenants", "audit": "audit", "quotas": "quotas", 
                     "datasets": "runners.datasets", "registry": "runners.registry", "nodecache": "runners.nodecache",
                     "clusters": "runners.clusters",
                     "environments": "runners.environments", "jobs": "runners.jobs", "scheduling": "runners.scheduling",
-                    "inference": "runners.inference", "usage": "runners.usage",
+                    "inference": "runners.inference", "workspaces": "runners.workspaces", "usage": "runners.usage",
                     "notifications": "runners.notifications", "runners": "runners"}
 
 

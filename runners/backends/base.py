@@ -250,6 +250,21 @@ class ServingSettings:
 
 
 @dataclass(frozen=True)
+class WorkspaceSettings:
+    """What a workspace (a job of kind "workspace", runners.workspaces) runs: JupyterLab
+    (runners.workloads.workspace) under ``base_url``, its home folder kept across its starts, answering only
+    requests that carry ``key`` (the portal's edge adds it after its own sign-in check)."""
+
+    workspace_id: int
+    base_url: str  # /workspaces/<id>/
+    key: str
+    # The folder kept across stops and starts (locally under WORKSPACE_HOMES_DIR; on Kubernetes a claim).
+    home: str
+    # The image on Kubernetes (an environment's setting, from ALLOWED_IMAGE_REGISTRIES); None: the portal's own.
+    image: str | None = None
+
+
+@dataclass(frozen=True)
 class BundleRef:
     """The tenant's code bundle a `script` job runs in: its content digest (SHA-256) and where its archive lies,
     an fsspec URL (a folder under var/ or an S3 bucket) the backend reads."""
@@ -311,6 +326,8 @@ class JobLaunch:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     # Set for an inference replica (a job of kind "serving"): it runs the server instead of the trainer.
     serving: ServingSettings | None = None
+    # Set for a workspace (a job of kind "workspace"): it runs JupyterLab instead of the trainer.
+    workspace: WorkspaceSettings | None = None
     # For a "script" job: its code, and the hyperparameters of its spec (JSON) that gpuportal.init() hands it.
     bundle: BundleRef | None = None
     hyperparameters_json: str = "{}"
@@ -501,6 +518,13 @@ class ClusterBackend(Protocol):
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         """The base URL an inference replica's server answers on (``http://host:port``), None until it is known."""
+
+    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+        """Where a workspace's JupyterLab answers (``unix:/path`` locally, ``http://host:port`` on a cluster),
+        None until it is known."""
+
+    def delete_workspace_home(self, home: str) -> None:
+        """Remove a deleted workspace's home folder (``<tenant>/<workspace id>``)."""
 
     def job_progress(self, job_id: int, attempt: int, cursor: dict) -> ProgressRead:
         """Metric and checkpoint records the attempt wrote since `cursor` ({} for the first read).

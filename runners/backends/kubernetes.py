@@ -730,6 +730,9 @@ class KubernetesBackend:
         as open in this process until the portal's next jobs_open; the pods the Job controller
         creates later are bound by the next sync (the reconcile's status reads).
         """
+        if launch.workspace is not None:
+            # Not built yet on Kubernetes: a pod and a Service in the environment's namespace behind the edge.
+            raise PermanentBackendError("Workspaces run on the local backend only, so far.")
         if launch.serving is not None:
             return self._launch_serving(launch)
         if launch.template == "custom" and not (launch.image and launch.command):
@@ -1110,6 +1113,12 @@ class KubernetesBackend:
         if others():
             for manifest in shared:
                 self._apply(manifest)
+
+    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+        return None  # workspaces do not run here yet (launch_job refuses them)
+
+    def delete_workspace_home(self, home: str) -> None:
+        return None
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         """`http://<pod IP>:SERVER_PORT` of the replica's pod (the newest with an IP), from the watch cache."""

@@ -274,6 +274,12 @@ class LocalBackend:
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         return self.jobs.serving_address(job_id, attempt)
 
+    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+        return self.jobs.workspace_address(job_id, attempt)
+
+    def delete_workspace_home(self, home: str) -> None:
+        self.jobs.delete_workspace_home(home)
+
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return self.jobs.logs(job_id, attempt, rank, tail=tail)
 

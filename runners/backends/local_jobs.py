@@ -80,6 +80,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 SUPERVISOR_MODULE = "runners.workloads.supervise"
 TRAINER_MODULE = "runners.workloads.train"
 SERVER_MODULE = "runners.workloads.serve"
+# A workspace's server, run as a script: the sandbox shows this one file of the repository, not the rest.
+WORKSPACE_SCRIPT = Path(__file__).resolve().parents[1] / "workloads" / "workspace.py"
+# Workspaces' home folders, kept across their starts: <var>/workspace-homes/<tenant>/<workspace id>/.
+WORKSPACE_HOMES_DIR = "workspace-homes"
+# Where a workspace's JupyterLab listens: a Unix socket in a short folder of its own (a socket's path holds at
+# most 107 bytes), shown at the same place inside the sandbox. Only the portal (root) can connect to it: no
+# port, on the host or in the sandbox's network, answers for a workspace.
+WORKSPACE_SOCKETS_DIR = Path("/run/portal-workspaces") if os.geteuid() == 0 else Path(tempfile.gettempdir()) / (
+    f"portal-workspaces-{os.geteuid()}")
+WORKSPACE_SOCKET = "jupyter.sock"
 # An inference replica's own copy of the checkpoint it serves, in its job folder: the source job's
 # trainer keeps only its newest few checkpoints, and the endpoint must not lose its model to that.
 SERVED_MODEL_FILE = "served-model.pt"
@@ -250,11 +260,13 @@ class LocalJobs:
     def launch(self, launch: JobLaunch) -> int | None:
         if launch.serving is not None and launch.serving.image is not None:
             raise PermanentBackendError("Custom serving images run on the Kubernetes backend only.")
-        if launch.serving is None and launch.template not in ("pytorch-ddp", SCRIPT_TEMPLATE):
+        if launch.serving is None and launch.workspace is None and launch.template not in ("pytorch-ddp",
+                                                                                           SCRIPT_TEMPLATE):
             raise PermanentBackendError(
                 f"Template {launch.template!r} runs on the Kubernetes backend only; locally pytorch-ddp and script run."
             )
-        script = launch.serving is None and launch.template == SCRIPT_TEMPLATE
+        workspace = launch.workspace
+        script = launch.serving is None and workspace is None and launch.template == SCRIPT_TEMPLATE
         if script and (launch.bundle is None or not launch.command):
             raise PermanentBackendError("A script job needs its bundle and its command.")
         attempt_dir = self.attempt_dir(launch.job_id, launch.attempt)
@@ -269,8 +281,10 @@ class LocalJobs:
         if refused:
             raise PermanentBackendError(f"The job sets variables a tenant may not set: {'; '.join(refused)}.")
         job_dir = self.job_dir(launch.job_id)
-        sandboxed = script and self.sandboxed()
+        # A workspace runs whatever its member types: sandboxed as a script job is.
+        sandboxed = (script or workspace is not None) and self.sandboxed()
         bundle_dir = self._bundle(launch) if script else None
+        home = self._workspace_home(workspace.home) if workspace is not None else None
         attempt_dir.mkdir(parents=True, exist_ok=True)
         resumed = progress.latest_checkpoint_step(job_dir)
         restore = self._restore_plan(launch, job_dir)
@@ -289,8 +303,16 @@ class LocalJobs:
         per_host = max(1, (os.cpu_count() or 1) // max(1, len(launch.replicas)))
         threads = max(1, min(per_host, math.ceil(launch.cpu_milli_per_replica / 1000)))
         serving_port = None
+        workspace_socket = None
         environment = None
-        if script:
+        if workspace is not None:
+            sockets = WORKSPACE_SOCKETS_DIR / hashlib.sha256(str(attempt_dir).encode()).hexdigest()[:16]
+            sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
+            workspace_socket = sockets / WORKSPACE_SOCKET
+            workspace_socket.unlink(missing_ok=True)
+            argv = [sys.executable, str(WORKSPACE_SCRIPT), "--socket", str(workspace_socket), "--base-url",
+                    workspace.base_url, "--home", str(home)]
+        elif script:
             environment = self._environment(bundle_dir)
             python = str(Path(environment["dir"]) / "bin" / "python") if environment else sys.executable
             argv = list(launch.command)
@@ -346,6 +368,11 @@ class LocalJobs:
             }
             if script:
                 env.update(_script_variables(launch, job_dir, environment, resumed))
+            if workspace is not None:
+                # The key reaches JupyterLab in its environment only (never on its command line, which any
+                # account of the host may read); its home is the workspace's, kept across starts.
+                env.update({"PORTAL_WORKSPACE_KEY": workspace.key, "HOME": str(home),
+                            "JUPYTER_RUNTIME_DIR": str(Path(scratch["TMPDIR"]) / "jupyter-runtime")})
             if launch.datasets:
                 env[DATASETS_VARIABLE] = str(self._cache_view(launch, replica.node) / DATASETS_MANIFEST)
             devices: list[str] = []
@@ -360,12 +387,16 @@ class LocalJobs:
                 "cache_view": str(self._cache_view(launch, replica.node)) if caches else None,
             })
         record = {
-            "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(bundle_dir or REPO_ROOT),
+            "job_id": launch.job_id, "attempt": launch.attempt, "cwd": str(bundle_dir or home or REPO_ROOT),
             "replicas": replicas,
             "nodes": sorted({replica.node for replica in launch.replicas}), "resumed_from_step": resumed,
             "workload": launch.workload, "serving_port": serving_port, "gpu_resource": launch.gpu_resource,
+            "workspace_socket": str(workspace_socket) if workspace_socket else None,
             "environment": environment,
-            "sandbox": self._sandbox_record(job_dir, attempt_dir, bundle_dir, environment) if sandboxed else None,
+            "sandbox": self._sandbox_record(job_dir, attempt_dir, bundle_dir or home, environment,
+                                            writable=(home, workspace_socket.parent) if home else (),
+                                            read_only=(WORKSPACE_SCRIPT,) if home else ())
+            if sandboxed else None,
             "caches": caches,
             "restore": restore,
         }
@@ -547,16 +578,21 @@ class LocalJobs:
         ).hexdigest()
         return {"dir": str(self.envs_dir / key), "requirements": str(requirements), "runtime": runtime}
 
-    def _sandbox_record(self, job_dir: Path, attempt_dir: Path, bundle_dir: Path, environment: dict | None) -> dict:
+    def _sandbox_record(self, job_dir: Path, attempt_dir: Path, bundle_dir: Path, environment: dict | None, *,
+                        writable: tuple[Path, ...] = (), read_only: tuple[Path, ...] = ()) -> dict:
         """What the supervisor needs to start each replica in the sandbox; the sandbox account gets the job
-        folder and the attempt's scratch folder (the portal, root, reads them all the same)."""
+        folder and the attempt's scratch folder (the portal, root, reads them all the same). ``writable``:
+        more folders the account gets and writes (a workspace's home, its socket's folder); then
+        ``bundle_dir`` is the working directory and is writable too."""
         who = sandbox.account()
+        for path in writable:
+            os.chown(path, who.uid, who.gid)
         scratch = attempt_dir / SCRATCH_DIR
         for path in (job_dir, *[scratch / folder for folder in SCRATCH_VARIABLES.values()]):
             os.chown(path, who.uid, who.gid)
         for path in (scratch, scratch / "cache"):
             os.chown(path, who.uid, who.gid)
-        read_only = [str(bundle_dir)] + ([environment["dir"]] if environment else [])
+        read_only = [str(bundle_dir)] + ([environment["dir"]] if environment else []) + [str(p) for p in read_only]
         hosts = attempt_dir / SANDBOX_HOSTS_FILE
         hosts.write_text(sandbox.HOSTS)
         written = attempt_dir / SANDBOX_ATTEMPT_DIR
@@ -565,7 +601,8 @@ class LocalJobs:
         return {
             "hosts": str(hosts),
             "uid": who.uid, "gid": who.gid, "process_limit": self.sandbox_process_limit,
-            "read_only": read_only, "writable": [str(job_dir)],
+            "read_only": [path for path in read_only if Path(path) not in writable],
+            "writable": [str(job_dir), *[str(path) for path in writable]],
             "read_only_over": [str(job_dir / activity.ATTEMPTS_DIR)],
             "writable_over": [[str(written), str(attempt_dir)], [str(scratch), str(scratch)]],
             "cwd": str(bundle_dir),
@@ -602,6 +639,33 @@ class LocalJobs:
             temp.unlink(missing_ok=True)
             raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
         os.replace(temp, target)
+
+    def _workspace_home(self, home: str) -> Path:
+        """A workspace's home folder (``<tenant>/<id>``), made on its first start and kept across the others."""
+        relative = PurePosixPath(home)
+        if relative.is_absolute() or ".." in relative.parts or len(relative.parts) != 2:
+            raise PermanentBackendError(f"Not a workspace's home: {home!r}.")
+        folder = self.jobs_dir.parent / WORKSPACE_HOMES_DIR / relative.parts[0] / relative.parts[1]
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def delete_workspace_home(self, home: str) -> None:
+        relative = PurePosixPath(home)
+        if relative.is_absolute() or ".." in relative.parts or len(relative.parts) != 2:
+            raise PermanentBackendError(f"Not a workspace's home: {home!r}.")
+        shutil.rmtree(self.jobs_dir.parent / WORKSPACE_HOMES_DIR / relative.parts[0] / relative.parts[1],
+                      ignore_errors=True)
+
+    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+        """``unix:<socket>`` of the attempt's JupyterLab once the socket is there."""
+        try:
+            record = json.loads((self.attempt_dir(job_id, attempt) / supervise.LAUNCH_FILE).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        socket_path = record.get("workspace_socket")
+        if not socket_path or not stat.S_ISSOCK(_lstat_mode(socket_path)):
+            return None
+        return f"unix:{socket_path}"
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         try:
@@ -670,6 +734,8 @@ class LocalJobs:
             record = json.loads((attempt_dir / supervise.LAUNCH_FILE).read_text())
         except FileNotFoundError:
             return
+        if record.get("workspace_socket"):
+            shutil.rmtree(Path(record["workspace_socket"]).parent, ignore_errors=True)
         self._release_caches(record)  # the attempt reads no blob any more: the caches may evict them
         with self._state(write=True) as state:
             for node in record["nodes"]:
@@ -1070,3 +1136,10 @@ def _mig_device(nvml: ModuleType, gpu, start: int):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _lstat_mode(path: str) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0

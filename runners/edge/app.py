@@ -30,7 +30,7 @@ from starlette.routing import WebSocketRoute
 
 from runners.edge import proxy
 from runners.edge.probes import Prober, ReplicaState
-from runners.edge.table import SHIPPED, Caller, Route, Table
+from runners.edge.table import SHIPPED, Caller, Route, Table, WorkspaceRoute
 
 log = logging.getLogger("runners.edge")
 
@@ -212,6 +212,8 @@ class Edge:
         self.prober: Prober | None = None
         self.client: aiohttp.ClientSession | None = None
         self.passthrough: aiohttp.ClientSession | None = None
+        # A pool per workspace server reached over a Unix socket (aiohttp's connector holds one path).
+        self.workspace_sessions: dict[str, aiohttp.ClientSession] = {}
         self._sync_task: asyncio.Task | None = None
 
     async def startup(self) -> None:
@@ -239,7 +241,7 @@ class Edge:
             await self.table.stop()
         if self.prober is not None:
             await self.prober.stop()
-        for client in (self.client, self.passthrough):
+        for client in (self.client, self.passthrough, *self.workspace_sessions.values()):
             if client is not None:
                 await client.close()
 
@@ -434,6 +436,97 @@ class Edge:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    # --- workspaces: JupyterLab behind the portal's sign-in ----------------------------------------------------
+
+    async def _workspace_for(self, scope) -> tuple[WorkspaceRoute, Caller]:
+        """The workspace the path names and who asks, when they may open it: its owner, or a member of its
+        tenant where the owner shares it. Anyone else, signed in or not, gets the 404 of a workspace that
+        does not exist."""
+        from tenants.models import Role, role_at_least
+
+        missing = Refusal(404, {"detail": "No such workspace."})
+        try:
+            token, session_key = _credentials(scope)
+        except Refusal:
+            raise missing from None
+        caller = await self.table.caller(token=token, session_key=session_key) if token or session_key else None
+        workspace = self.table.workspace(scope["path_params"]["id"])
+        if caller is None or workspace is None:
+            raise missing
+        if caller.user_id != workspace.owner_id and not (
+                workspace.shared and role_at_least(caller.roles.get(workspace.tenant_id), Role.MEMBER)):
+            raise missing
+        return workspace, caller
+
+    def _workspace_headers(self, scope, workspace: WorkspaceRoute, caller: Caller) -> list[tuple[str, str]]:
+        """What the edge adds: the workspace's key and who asks. The caller's own credentials (the portal's
+        session and CSRF cookies, an API token) never reach the workspace, where its member's code runs;
+        JupyterLab's own cookies pass."""
+        from django.conf import settings
+
+        headers = [(WORKSPACE_KEY_HEADER, workspace.key), (WORKSPACE_USER_HEADER, caller.username)]
+        cookie = _header(scope, b"cookie")
+        if cookie:
+            portal = {settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME}
+            kept = [part.strip() for part in cookie.split(";")
+                    if part.strip() and part.strip().split("=", 1)[0].strip() not in portal]
+            if kept:
+                headers.append(("cookie", "; ".join(kept)))
+        return headers
+
+    def _workspace_session(self, address: str) -> tuple[aiohttp.ClientSession, str, str | None]:
+        """(pool, base URL, Unix socket) for a workspace's server."""
+        if address.startswith("unix:"):
+            path = address[len("unix:"):]
+            session = self.workspace_sessions.get(path)
+            if session is None:
+                if len(self.workspace_sessions) >= 256:  # servers long gone: their pools go too
+                    live = {w.address[len("unix:"):] for w in self.table.workspaces.values() if w.address}
+                    for gone in [p for p in self.workspace_sessions if p not in live]:
+                        asyncio.ensure_future(self.workspace_sessions.pop(gone).close())
+                session = self.workspace_sessions[path] = proxy.unix_session(
+                    path, connect_timeout_s=self.config.connect_timeout_s)
+            return session, "http://workspace", path
+        return self.passthrough, address.rstrip("/"), None
+
+    async def serve_workspace(self, scope, receive, send) -> None:
+        try:
+            workspace, caller = await self._workspace_for(scope)
+            if scope["method"] not in ("GET", "HEAD", "OPTIONS") and not _same_origin(scope):
+                raise Refusal(403, {"detail": "A workspace takes changes from its own pages only (the Origin "
+                                              "differs from the Host)."})
+            if not workspace.address:
+                raise Refusal(503, {"detail": f"The workspace is {workspace.state}, not ready yet."},
+                              {"Retry-After": 3})
+        except Refusal as refusal:
+            await _answer(send, refusal.status, refusal.body, refusal.headers)
+            return
+        session, base, _ = self._workspace_session(workspace.address)
+        await proxy.forward_http(scope, receive, send, session, base,
+                                 extra_headers=self._workspace_headers(scope, workspace, caller),
+                                 drop=WORKSPACE_DROPPED, unreachable="The workspace did not answer")
+
+    async def workspace_websocket(self, scope, receive, send) -> None:
+        try:
+            workspace, caller = await self._workspace_for(scope)
+            if not _same_origin(scope):
+                raise Refusal(403, {"detail": "The Origin differs from the Host."})
+            if not workspace.address:
+                raise Refusal(503, {"detail": f"The workspace is {workspace.state}, not ready yet."})
+        except Refusal as refusal:
+            await _refuse_websocket(scope, send, refusal)
+            return
+        _, base, socket_path = self._workspace_session(workspace.address)
+        query = scope.get("query_string", b"").decode("latin-1")
+        host = _header(scope, b"host") or "workspace"
+        where = f"ws://{host}" if socket_path else "ws" + base[len("http"):]
+        url = where + scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (f"?{query}" if query else "")
+        headers = [(name, value) for name, value in proxy.request_headers(scope, drop=(
+            "host", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+            "sec-websocket-protocol", *WORKSPACE_DROPPED))]
+        await proxy.forward_websocket(scope, receive, send, url, unix_socket=socket_path,
+                                      extra_headers=headers + self._workspace_headers(scope, workspace, caller))
+
     # --- everything else: passed to the portal's web process ------------------------------------------------
 
     async def pass_http(self, scope, receive, send) -> None:
@@ -464,6 +557,33 @@ class Edge:
         await proxy.forward_websocket(scope, receive, send, url, extra_headers=headers)
 
 
+# What a request to a workspace never carries on: the caller's credentials (the edge adds its own headers).
+WORKSPACE_KEY_HEADER = "X-Portal-Workspace-Key"
+WORKSPACE_USER_HEADER = "X-Portal-User"
+WORKSPACE_DROPPED = ("cookie", "authorization", WORKSPACE_KEY_HEADER.lower(), WORKSPACE_USER_HEADER.lower())
+
+
+def _same_origin(scope) -> bool:
+    """No Origin (not a browser's cross-site request), or one whose host is the Host the request came to."""
+    from urllib.parse import urlsplit
+
+    origin = _header(scope, b"origin")
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc.lower() == (_header(scope, b"host") or "").lower()
+
+
+async def _refuse_websocket(scope, send, refusal: Refusal) -> None:
+    """Refuse a WebSocket's handshake with the refusal's HTTP status where the server can (the ASGI
+    denial-response extension), else by closing it before it opens (a 403)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        status, raw, data = _json(refusal.status, refusal.body, refusal.headers)
+        await send({"type": "websocket.http.response.start", "status": status, "headers": raw})
+        await send({"type": "websocket.http.response.body", "body": data})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
 class _Asgi:
     """A raw ASGI endpoint for Starlette's router (a class instance is called as an ASGI app)."""
 
@@ -491,6 +611,8 @@ def build(*, upstream: str | None = None, config: EdgeConfig | None = None, tabl
 
     routes = [
         StarletteRoute("/serve/{tenant}/{name}/{route:path}", _Asgi(edge.serve), methods=None),
+        StarletteRoute("/workspaces/{id:int}/{rest:path}", _Asgi(edge.serve_workspace), methods=None),
+        WebSocketRoute("/workspaces/{id:int}/{rest:path}", _Asgi(edge.workspace_websocket)),
         StarletteRoute("/{rest:path}", _Asgi(edge.pass_http), methods=None),
         WebSocketRoute("/{rest:path}", _Asgi(edge.pass_websocket)),
     ]

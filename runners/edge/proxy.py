@@ -2,9 +2,9 @@
 
 Nothing here knows endpoints or Django. The serving route (``runners.edge.app``) opens its upstream
 request with ``open_upstream`` (a replica it chose) and streams the answer back with ``stream_back``;
-the pass-through to the portal's web process uses ``forward_http``; an interactive workspace's
-terminal or notebook will use ``forward_http`` and ``forward_websocket`` with the address its own
-resolver picks. Each watches the client: a client that goes away closes the upstream connection at once.
+the pass-through to the portal's web process uses ``forward_http``; a workspace's JupyterLab (its pages,
+kernels and terminals) uses ``forward_http`` and ``forward_websocket`` to the address the routing table
+holds for it, a Unix socket locally (``unix_session``). Each watches the client: a client that goes away closes the upstream connection at once.
 
 The upstream side is aiohttp's client. httpx's (httpcore's pool) looked at every pooled connection, with a
 socket poll each, whenever a request took or gave back a connection: with the hundred or so kept-alive
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
@@ -50,6 +51,16 @@ def request_headers(scope: dict, *, drop: Iterable[str] = (), keep_length: bool 
 
 # What the upstream hop may raise: aiohttp's errors (refused, reset, cut mid-answer) and its connect timeout.
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def unix_session(path: str, *, connect_timeout_s: float) -> aiohttp.ClientSession:
+    """``client_session``'s pool, to the one Unix socket ``path`` (a local workspace's server)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.UnixConnector(path=path, limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+    )
 
 
 def client_session(*, connect_timeout_s: float, keepalive_s: float = 30) -> aiohttp.ClientSession:
@@ -181,8 +192,10 @@ async def stream_back(send, receive, response: aiohttp.ClientResponse, *, status
 
 
 async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base_url: str, *,
-                       extra_headers: Iterable[tuple[str, str]] = ()) -> str:
-    """Pass one HTTP request through to ``base_url`` (same path and query), body and answer streamed."""
+                       extra_headers: Iterable[tuple[str, str]] = (), drop: Iterable[str] = (),
+                       unreachable: str = "The portal's web process did not answer") -> str:
+    """Pass one HTTP request through to ``base_url`` (same path and query), body and answer streamed; the
+    client's headers named in ``drop`` stay behind."""
     query = scope.get("query_string", b"").decode("latin-1")
     url = base_url.rstrip("/") + scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (
         f"?{query}" if query else "")
@@ -201,7 +214,7 @@ async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base
             if not message.get("more_body", False):
                 return
 
-    headers = request_headers(scope, keep_length=True) + list(extra_headers)
+    headers = request_headers(scope, keep_length=True, drop=drop) + list(extra_headers)
     sends_body = any(name in (b"content-length", b"transfer-encoding") for name, _ in scope["headers"])
     try:
         response = await open_upstream(client, scope["method"], url, headers, body() if sends_body else None)
@@ -210,7 +223,7 @@ async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base
     except UPSTREAM_ERRORS as exc:
         if gone:
             return "client-gone"
-        message = f'{{"detail": "The portal\'s web process did not answer: {type(exc).__name__}."}}'.encode()
+        message = json.dumps({"detail": f"{unreachable}: {type(exc).__name__}."}).encode()
         await send({"type": "http.response.start", "status": 502,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": message})
@@ -219,10 +232,11 @@ async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base
 
 
 async def forward_websocket(scope, receive, send, upstream_url: str, *,
-                            extra_headers: Iterable[tuple[str, str]] = ()) -> str:
-    """Pass a WebSocket through to ``upstream_url`` (ws://...): accepted once the upstream accepts, then
-    every message both ways until either side closes (the other side is closed with the same code)."""
-    from websockets.asyncio.client import connect
+                            extra_headers: Iterable[tuple[str, str]] = (), unix_socket: str | None = None) -> str:
+    """Pass a WebSocket through to ``upstream_url`` (ws://...; over ``unix_socket`` when given, the URL's host
+    then only its Host header): accepted once the upstream accepts, then every message both ways until
+    either side closes (the other side is closed with the same code)."""
+    from websockets.asyncio.client import connect, unix_connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
     message = await receive()
@@ -230,8 +244,12 @@ async def forward_websocket(scope, receive, send, upstream_url: str, *,
         return "client-gone"
     subprotocols = scope.get("subprotocols") or None
     try:
-        upstream = await connect(upstream_url, additional_headers=list(extra_headers), subprotocols=subprotocols,
-                                 open_timeout=10, max_size=None)
+        if unix_socket is not None:
+            upstream = await unix_connect(unix_socket, upstream_url, additional_headers=list(extra_headers),
+                                          subprotocols=subprotocols, open_timeout=10, max_size=None)
+        else:
+            upstream = await connect(upstream_url, additional_headers=list(extra_headers),
+                                     subprotocols=subprotocols, open_timeout=10, max_size=None)
     except (OSError, InvalidHandshake, InvalidStatus, asyncio.TimeoutError):
         await send({"type": "websocket.close", "code": 1011})
         return "upstream-unreachable"

@@ -1,7 +1,7 @@
 """What the edge knows from the database, read off the request path: the routing table and who callers are.
 
-The routing table (live endpoints, their tenant, settings, and ready replicas with their addresses) is
-read whole every EDGE_TABLE_REFRESH_S by a background task. Callers (an API token or a session cookie)
+The routing table (live endpoints, their tenant, settings, and ready replicas with their addresses; every
+workspace, who may open it and where it answers) is read whole every EDGE_TABLE_REFRESH_S by a background task. Callers (an API token or a session cookie)
 and their memberships are looked up once and kept EDGE_AUTH_CACHE_S. Every database read runs in one
 worker thread (asgiref's sync_to_async, thread-sensitive): a request waiting on a replica holds no
 database connection, and the edge as a whole holds one.
@@ -52,6 +52,19 @@ class Route:
 
 
 @dataclass(frozen=True)
+class WorkspaceRoute:
+    """A workspace as the edge passes to it: who may open it, and where its server answers while ready."""
+
+    id: int
+    tenant_id: int
+    owner_id: int
+    shared: bool
+    address: str  # unix:/path or http://host:port; "" while it is not ready
+    key: str
+    state: str
+
+
+@dataclass(frozen=True)
 class Caller:
     user_id: int
     username: str
@@ -87,6 +100,14 @@ def _read_table() -> dict[tuple[str, str], Route]:
             health = "/readyz"
         route.targets.append(Target(str(replica_id), address.rstrip("/"), health))
     return {(route.tenant_slug, route.name): route for route in routes.values()}
+
+
+def _read_workspaces() -> dict[int, WorkspaceRoute]:
+    from runners.workspaces.models import Workspace
+
+    close_old_connections()
+    return {row[0]: WorkspaceRoute(*row) for row in Workspace.objects.values_list(
+        "id", "tenant_id", "owner_id", "shared", "address", "key", "state")}
 
 
 def _note_request(endpoint_id: int, wake: bool) -> None:
@@ -148,6 +169,7 @@ class Table:
         self.auth_cache_s = auth_cache_s
         self.note_every_s = note_every_s
         self.routes: dict[tuple[str, str], Route] = {}
+        self.workspaces: dict[int, WorkspaceRoute] = {}
         self.loaded = asyncio.Event()
         self.refreshed_at = 0.0
         self._callers: dict[str, tuple[float, Caller | None]] = {}
@@ -169,6 +191,7 @@ class Table:
 
     async def refresh(self) -> None:
         self.routes = await self._db(_read_table)
+        self.workspaces = await self._db(_read_workspaces)
         self.refreshed_at = asyncio.get_running_loop().time()
         self.loaded.set()
         async with self.changed:
@@ -194,6 +217,9 @@ class Table:
 
     def route(self, tenant: str, name: str) -> Route | None:
         return self.routes.get((tenant, name))
+
+    def workspace(self, workspace_id: int) -> WorkspaceRoute | None:
+        return self.workspaces.get(workspace_id)
 
     async def caller(self, *, token: str | None, session_key: str | None) -> Caller | None:
         """Who sends the request (None: the token or session is not valid); cached EDGE_AUTH_CACHE_S."""

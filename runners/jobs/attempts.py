@@ -52,6 +52,7 @@ from runners.backends.base import (
     ServingSettings,
     ShardRef,
     TrainerSettings,
+    WorkspaceSettings,
 )
 from runners.bundles import services as bundles
 from runners.bundles.fetch_view import signed_fetch_url
@@ -165,7 +166,7 @@ def _dataset_mounts(job: Job, attempt: JobAttempt) -> tuple[DatasetMount, ...]:
 def _checkpoint_restore(job: Job) -> CheckpointRestore | None:
     """The job's newest durable checkpoint, for the backend to restore from the store where the job folder on
     the node the attempt lands on lacks it (or holds it damaged); None when no checkpoint is durable."""
-    if job.kind == Job.Kind.SERVING:
+    if job.kind != Job.Kind.TRAINING:
         return None
     newest = (job.checkpoints.filter(store_state="durable", manifest__isnull=False)
               .select_related("attempt").order_by("-step").first())
@@ -185,6 +186,14 @@ def _serving_settings(job: Job, attempt: JobAttempt) -> ServingSettings:
         return serving
     urls = [url for _receiver, url in signals.serving_weights_url.send(sender=Job, job=job, attempt=attempt) if url]
     return replace(serving, weights=replace(serving.weights, fetch_url=urls[0])) if urls else serving
+
+
+def _workspace_settings(job: Job) -> WorkspaceSettings:
+    """A workspace's settings, answered by the app that owns workspaces (above this one)."""
+    answers = [fields for _receiver, fields in signals.workspace_launch.send(sender=Job, job=job) if fields]
+    if not answers:
+        raise PermanentBackendError("The workspace this job started is gone.")
+    return WorkspaceSettings(**answers[0])
 
 
 def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
@@ -220,11 +229,12 @@ def job_launch_spec(job: Job, attempt: JobAttempt) -> JobLaunch:
         # The shipped trainer's settings are its hyperparameters; a script's are its own, handed over as JSON.
         trainer=TrainerSettings(keep_checkpoints=TRAINER_KEEP_CHECKPOINTS, **({} if script else hyper)),
         serving=_serving_settings(job, attempt) if job.kind == Job.Kind.SERVING else None,
+        workspace=_workspace_settings(job) if job.kind == Job.Kind.WORKSPACE else None,
         bundle=_bundle_ref(job, attempt),
         hyperparameters_json=json.dumps(hyper, sort_keys=True) if script else "{}",
         datasets=_dataset_mounts(job, attempt),
         restore=_checkpoint_restore(job),
-        checkpoint_upload_url=checkpoint_upload.signed_upload_url(job, attempt) if job.kind != Job.Kind.SERVING
+        checkpoint_upload_url=checkpoint_upload.signed_upload_url(job, attempt) if job.kind == Job.Kind.TRAINING
         and checkpoint_store.store_enabled() else "",
         node_caches=node_cache_specs(replica["node"] for replica in attempt.placement),
     )
@@ -563,9 +573,9 @@ def _outcome(job: Job, attempt: JobAttempt, status) -> tuple[str, str, int | Non
         return AttemptOutcome.NODE_LOST, status.reason, None
     if job.state == JobState.CANCELLING:
         return AttemptOutcome.CANCELLED, job.reason, first_failing[1] if first_failing else max(codes.values(), default=None)
-    if job.kind == Job.Kind.SERVING and job.state == JobState.PREEMPTED and not failing:
-        # A server exits 0 once it has drained on SIGTERM: for a preempted replica that is the stop
-        # it was asked for, never the end of its work.
+    if job.kind in (Job.Kind.SERVING, Job.Kind.WORKSPACE) and job.state == JobState.PREEMPTED and not failing:
+        # A server (a replica's, a workspace's JupyterLab) exits 0 once it has stopped on SIGTERM: for a
+        # preempted one that is the stop it was asked for, never the end of its work.
         return AttemptOutcome.PREEMPTED, job.reason, max(codes.values(), default=None)
     if status.phase == "exited" and codes and not failing and all(code == EXIT_OK for code in codes.values()):
         return AttemptOutcome.SUCCEEDED, "Every replica finished.", EXIT_OK

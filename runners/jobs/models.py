@@ -49,6 +49,8 @@ class Job(models.Model):
         # One replica of an inference endpoint (runners.inference): the server instead of the trainer,
         # scheduled, placed, preempted and reconciled like any other job.
         SERVING = "serving"
+        # A member's interactive workspace (runners.workspaces): JupyterLab on its flavor until stopped.
+        WORKSPACE = "workspace"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="jobs")
     environment = models.ForeignKey(Environment, on_delete=models.PROTECT, related_name="jobs")

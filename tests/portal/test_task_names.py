@@ -62,6 +62,7 @@ HARMLESS_ARGS = {
     "runners.tasks.job_stop": [999_999],
     "runners.tasks.partition_apply": [999_999],
     "runners.tasks.scheduler_cycle": [0.0],
+    "runners.tasks.workspace_home_delete": ["no-such-tenant/999999"],
 }
 
 
