@@ -70,7 +70,7 @@ def workspace_create(*, actor: AbstractBaseUser, data) -> Workspace:
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
         raise Invalid("name", "Lower-case letters, digits and '-', at most 30, starting and ending with a letter or digit.")
     environment = data["environment"]
-    if isinstance(environment, bool) or not isinstance(environment, int):
+    if isinstance(environment, bool) or not isinstance(environment, int) or not 1 <= environment < 2 ** 63:
         raise Invalid("environment", "The environment's id, a whole number.")
     environment = Environment.objects.filter(id=environment, tenant=tenant).first()
     if environment is None:
