@@ -402,6 +402,21 @@ class Client:
     def endpoint(self, endpoint_id: int) -> dict:
         return self.get(f"/api/v1/endpoints/{endpoint_id}/")
 
+    def workspaces(self, tenant: str | None = None) -> list[dict]:
+        return [w for w in self.pages("/api/v1/workspaces/") if tenant is None or w["tenant"] == tenant]
+
+    def workspace(self, workspace_id: int) -> dict:
+        return self.get(f"/api/v1/workspaces/{workspace_id}/")
+
+    def workspace_create(self, spec: dict) -> dict:
+        return self.post("/api/v1/workspaces/", spec)
+
+    def workspace_start(self, workspace_id: int) -> dict:
+        return self.post(f"/api/v1/workspaces/{workspace_id}/start/")
+
+    def workspace_stop(self, workspace_id: int) -> dict:
+        return self.post(f"/api/v1/workspaces/{workspace_id}/stop/")
+
     def usage(self, *, start: str | None = None, end: str | None = None, group_by: str | None = None,
               tenant: str | None = None) -> list[dict]:
         return self.get("/api/v1/usage/", start=start, end=end, group_by=group_by, tenant=tenant)

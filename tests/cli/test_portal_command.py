@@ -3,7 +3,7 @@ demo data) on a database of its own, started once for this module.
 
 The command runs as a person runs it, a subprocess with a config folder of its own: alice logs in, runs the
 shipped trainer and follows it to its end, reads its log and downloads its checkpoint, serves the checkpoint of a
-script that trains the shipped model through the SDK, cancels a second job,
+script that trains the shipped model through the SDK, cancels a second job, starts and stops a workspace,
 and each kind of mistake gets its exit code and one line on stderr.
 """
 
@@ -439,3 +439,24 @@ def test_a_pushed_dataset_is_read_by_the_job_that_names_it(cli):
     assert job["spec"]["datasets"] == [{"name": "corpus", "version": 1}]
     shown = cli("data", "show", "corpus:1")
     assert shown.returncode == 0 and "not read yet" not in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_a_workspace_starts_prints_its_url_which_answers_only_its_owner_and_stops(cli, portal):
+    result = cli("workspace", "start", "--environment", ENVIRONMENT, "--flavor", "t4-shared", timeout=600)
+    assert result.returncode == 0, result.stderr
+    url = result.stdout.strip().splitlines()[-1]
+    assert url.startswith(portal) and url.endswith("/lab"), result.stdout
+    token = json.loads(cli.config_file.read_text())["token"]
+    # JupyterLab through the edge of `manage.py up`, with alice's own credentials; nobody else's.
+    page = httpx.get(url, headers={"Authorization": f"Token {token}"}, timeout=30)
+    assert page.status_code == 200 and "JupyterLab" in page.text, page.text[:500]
+    assert httpx.get(url, timeout=30).status_code == 404
+    [workspace] = [w for w in cli.json("workspace", "ls") if w["name"] == "notebook"]
+    assert workspace["state"] == "ready" and workspace["owner"] == "alice"
+    again = cli("workspace", "start")  # it runs: the same workspace, its URL again
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == url, again.stderr
+    stopped = cli("workspace", "stop", str(workspace["id"]))
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.split()[-1] in ("stopping", "stopped"), stopped.stdout
+    missing = cli("workspace", "start", "--name", "nope")
+    assert missing.returncode == 2 and "--environment and --flavor" in one_line_error(missing)

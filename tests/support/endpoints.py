@@ -39,19 +39,23 @@ def trained_job(*, actor, environment, name="trained", seed=0, step=10) -> Job:
     return job
 
 
+def worker_passes(kind: str) -> None:
+    """What a worker does for jobs of one kind, once: the cycle, their launches and stops, the jobs' reconcile."""
+    scheduling.cycle_run()
+    for attempt in JobAttempt.objects.open().filter(started_at__isnull=True, job__kind=kind):
+        attempts.job_launch_run(job_id=attempt.job_id, attempt_number=attempt.number)
+    for job_id in Job.objects.filter(kind=kind, state__in=["cancelling", "preempted"]).values_list("id", flat=True):
+        attempts.job_stop_run(job_id=job_id)
+    reconcile.jobs_reconcile_run()
+
+
 def drive(endpoint: InferenceEndpoint, until, *, timeout_s: float = 90, pause_s: float = 0.3):
     """Run the passes a worker would (endpoint reconcile, scheduler cycle, launches, job reconcile) until
     `until(endpoint)` holds; the endpoint is refreshed before each look."""
     deadline = time.monotonic() + timeout_s
     while True:
         endpoint_reconcile.endpoints_reconcile_run()
-        scheduling.cycle_run()
-        for attempt in JobAttempt.objects.open().filter(started_at__isnull=True, job__kind=Job.Kind.SERVING):
-            attempts.job_launch_run(job_id=attempt.job_id, attempt_number=attempt.number)
-        for job_id in Job.objects.filter(kind=Job.Kind.SERVING, state__in=["cancelling", "preempted"]).values_list(
-                "id", flat=True):
-            attempts.job_stop_run(job_id=job_id)
-        reconcile.jobs_reconcile_run()
+        worker_passes(Job.Kind.SERVING)
         endpoint.refresh_from_db()
         if until(endpoint):
             return endpoint

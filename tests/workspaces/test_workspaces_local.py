@@ -13,12 +13,11 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from audit.models import AuditEntry
-from runners.jobs import attempts, reconcile
-from runners.jobs.models import Job, JobAttempt
-from runners.scheduling import services as scheduling
+from runners.jobs.models import Job
 from runners.workspaces.models import Workspace, WorkspaceState
 from runners.workspaces.reconcile import workspaces_reconcile_run
 from tests.support.edge import EdgeProcess
+from tests.support.endpoints import worker_passes
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -28,13 +27,7 @@ def drive(workspace: Workspace, until, *, timeout_s: float = 90) -> Workspace:
     """Run the passes a worker would (cycle, launches, stops, the jobs' and the workspaces' reconciles)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        scheduling.cycle_run()
-        for attempt in JobAttempt.objects.open().filter(started_at__isnull=True, job__kind=Job.Kind.WORKSPACE):
-            attempts.job_launch_run(job_id=attempt.job_id, attempt_number=attempt.number)
-        for job_id in Job.objects.filter(kind=Job.Kind.WORKSPACE, state__in=["cancelling", "preempted"]).values_list(
-                "id", flat=True):
-            attempts.job_stop_run(job_id=job_id)
-        reconcile.jobs_reconcile_run()
+        worker_passes(Job.Kind.WORKSPACE)
         workspaces_reconcile_run()
         workspace.refresh_from_db()
         if until(workspace):

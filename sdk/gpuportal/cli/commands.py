@@ -39,6 +39,7 @@ from gpuportal.cli.shared import (
     resolve_tenant,
 )
 from gpuportal.cli.storage import app as storage_app
+from gpuportal.cli.workspaces import app as workspace_app
 from gpuportal.client import (
     EXIT_AUTH,
     EXIT_BAD_INPUT,
@@ -647,3 +648,4 @@ def main(args: list[str] | None = None) -> None:
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 app.add_typer(storage_app, name="storage")
+app.add_typer(workspace_app, name="workspace")
