@@ -13,6 +13,7 @@ from frontend import (
     token_views,
     usage_views,
     views,
+    workspace_views,
 )
 from frontend.forms import LoginForm
 
@@ -46,6 +47,10 @@ urlpatterns = [
     path("jobs/<int:job_id>/log/", job_views.job_log, name="job-log"),
     path("jobs/<int:job_id>/log/download/", job_views.job_log_download, name="job-log-download"),
     path("tenants/<slug:slug>/endpoints/", endpoint_views.endpoint_list_page, name="endpoints"),
+    path("tenants/<slug:slug>/workspaces/", workspace_views.workspace_list_page, name="workspaces"),
+    path("tenants/<slug:slug>/workspaces/<int:workspace_id>/", workspace_views.workspace_page, name="workspace"),
+    path("tenants/<slug:slug>/workspaces/<int:workspace_id>/<str:action>/", workspace_views.workspace_action,
+         name="workspace-action"),
     path("tenants/<slug:slug>/models/", model_views.model_list_page, name="models"),
     path("tenants/<slug:slug>/datasets/", dataset_views.dataset_list_page, name="tenant-datasets"),
     path("tenants/<slug:slug>/storage/", storage_views.tenant_storage, name="tenant-storage"),

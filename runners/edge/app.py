@@ -136,6 +136,23 @@ def _credentials(scope) -> tuple[str | None, str | None]:
     return None, None
 
 
+def _session_key(scope) -> str | None:
+    """The portal's session cookie of the request, if it has one."""
+    from http.cookies import SimpleCookie
+
+    from django.conf import settings
+
+    cookie = _header(scope, b"cookie")
+    if not cookie:
+        return None
+    jar = SimpleCookie()
+    try:
+        jar.load(cookie)
+    except Exception:
+        return None
+    return jar[settings.SESSION_COOKIE_NAME].value if settings.SESSION_COOKIE_NAME in jar else None
+
+
 def _csrf_refusal(scope, body: bytes) -> tuple[int, bytes] | None:
     """Django's own CSRF check for a request authenticated by its session cookie (as DRF checks one)."""
     import io
@@ -449,6 +466,12 @@ class Edge:
             token, session_key = _credentials(scope)
         except Refusal:
             raise missing from None
+        if token is not None and session_key is None:
+            # JupyterLab's pages may send an Authorization header of Jupyter's own: the portal's session, when
+            # the browser has one, is who asks.
+            session_key = _session_key(scope)
+            if session_key is not None:
+                token = None
         caller = await self.table.caller(token=token, session_key=session_key) if token or session_key else None
         workspace = self.table.workspace(scope["path_params"]["id"])
         if caller is None or workspace is None:

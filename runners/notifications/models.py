@@ -15,6 +15,8 @@ class EventKind(models.TextChoices):
     JOB_PREEMPTED = "job_preempted", "Job preempted"
     ENVIRONMENT_FAILED = "environment_failed", "Environment failed"
     QUOTA_CHANGED = "quota_changed", "Quota changed"
+    # Told to its owner only: stopped by the idle cull, or preempted by another tenant's guarantee.
+    WORKSPACE_STOPPED = "workspace_stopped", "Workspace stopped"
 
 
 # What a member is mailed before choosing: failures and preemptions, not every finish or quota change.
@@ -24,6 +26,7 @@ EMAIL_DEFAULTS = {
     EventKind.JOB_PREEMPTED: True,
     EventKind.ENVIRONMENT_FAILED: True,
     EventKind.QUOTA_CHANGED: False,
+    EventKind.WORKSPACE_STOPPED: True,
 }
 
 

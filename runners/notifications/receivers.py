@@ -17,6 +17,7 @@ from quotas.signals import quota_changed
 from runners.environments.signals import environment_failed
 from runners.jobs.signals import attempts_ended
 from runners.notifications.models import Outbox
+from runners.workspaces.signals import workspace_stopped
 
 EVENT_TASK = "runners.tasks.notifications_event"
 
@@ -41,3 +42,9 @@ def _environment_failed(sender, *, environment_id, **kwargs) -> None:
 def _quota_changed(sender, *, tenant, **kwargs) -> None:
     # Every change is an event of its own: its key is made here, so a message delivered twice is one event.
     _record("quota", tenant.id, uuid.uuid4().hex, timezone.now().isoformat())
+
+
+@receiver(workspace_stopped, dispatch_uid="notifications-on-workspace-stopped")
+def _workspace_stopped(sender, *, workspace, reason, cause, **kwargs) -> None:
+    # Each stop is an event of its own; what it says is read from the workspace then (its reason stays).
+    _record("workspace", workspace.id, f"{cause}:{uuid.uuid4().hex}", timezone.now().isoformat())

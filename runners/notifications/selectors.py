@@ -29,13 +29,17 @@ def preference_tenant(*, user: AbstractBaseUser, slug: str) -> Tenant:
     return tenant
 
 
-def email_recipients(tenant: Tenant, kind: str) -> list[str]:
-    """The addresses of the tenant's members who chose to be mailed this kind of event."""
+def email_recipients(tenant: Tenant, kind: str, *, only: str | None = None) -> list[str]:
+    """The addresses of the tenant's members who chose to be mailed this kind of event (``only``: of this one
+    member, by username: a workspace's events are its owner's)."""
     chosen = dict(Preference.objects.filter(tenant=tenant, event=kind).values_list("user_id", "email"))
     default = EMAIL_DEFAULTS[kind]
+    members = Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
+    if only is not None:
+        members = members.filter(user__username=only)
     return [
         membership.user.email
-        for membership in Membership.objects.filter(tenant=tenant).select_related("user").order_by("user__username")
+        for membership in members
         if membership.user.email and membership.user.is_active and chosen.get(membership.user_id, default)
     ]
 

@@ -293,6 +293,22 @@ def quota_event(tenant_id: int, key: str, at: str) -> Event | None:
                         occurred_at=occurred_at)
 
 
+def workspace_event(workspace_id: int, key: str, at: str) -> Event | None:
+    """The event of a workspace the portal stopped (the idle cull, a preemption), for its owner only."""
+    from runners.workspaces.models import Workspace
+
+    workspace = Workspace.objects.select_related("tenant", "owner").filter(id=workspace_id).first()
+    if workspace is None:
+        return None
+    occurred_at = datetime.fromisoformat(at) if at else timezone.now()
+    payload = _payload(EventKind.WORKSPACE_STOPPED, workspace.tenant, occurred_at, reverse("workspace",
+                       args=[workspace.tenant.slug, workspace.id]), type="workspace", id=workspace.id,
+                       name=workspace.name, state=workspace.state, reason=workspace.reason,
+                       owner=workspace.owner.get_username(), cause=key.split(":", 1)[0])
+    return event_record(tenant=workspace.tenant, kind=EventKind.WORKSPACE_STOPPED, key=f"workspace:{workspace.id}:{key}",
+                        payload=payload, occurred_at=occurred_at)
+
+
 def outbox_process(outbox_id: int) -> int:
     """Record and send the events of one outbox row (what a receiver wrote in the signal's transaction);
     how many events. Idempotent: events are recorded once under their keys, so a row processed twice
@@ -316,6 +332,8 @@ def events_of(source: str, ref, key: str = "", at: str = "") -> list[Event]:
         events = [environment_event(int(ref))]
     elif source == "quota" and ref is not None and key:
         events = [quota_event(int(ref), key, at)]
+    elif source == "workspace" and ref is not None and key:
+        events = [workspace_event(int(ref), key, at)]
     else:
         events = []
     return [event for event in events if event is not None]
@@ -357,7 +375,8 @@ def _event_mail(event: Event) -> None:
 
 def _mail(event: Event) -> str:
     """Mail the event to the members who chose it; the error ("" when sent or nobody is to be mailed)."""
-    recipients = email_recipients(event.tenant, event.kind)
+    owner = event.payload["object"].get("owner") if event.kind == EventKind.WORKSPACE_STOPPED else None
+    recipients = email_recipients(event.tenant, event.kind, only=owner)
     if not recipients:
         return ""
     obj = event.payload["object"]

@@ -263,6 +263,19 @@ def endpoint_cost(endpoint: InferenceEndpoint, now: datetime) -> list[dict]:
     return [item for item in items(rows) if item["kind"] == "endpoint" and item["id"] == endpoint.id]
 
 
+def workspace_usage(workspace, now: datetime) -> dict:
+    """What a workspace has cost over all its starts (one Spend per currency), and its GPUs' mean utilization over
+    the last hour (None without readings)."""
+    job_ids = list(Job.objects.filter(tenant=workspace.tenant, kind=Job.Kind.WORKSPACE,
+                                      spec__workspace__workspace_id=workspace.id).values_list("id", flat=True))
+    spend: dict[str, Spend] = {}
+    for row in usage_rows(start=ledger.utc_day(workspace.created_at), end=ledger.utc_day(now), group_by=("job", "kind"),
+                          tenants=[workspace.tenant], now=now, job_ids=job_ids):
+        spend.setdefault(row["currency"], Spend(row["currency"])).add(row)
+    samples = UtilizationSample.objects.filter(job_id__in=job_ids, at__gte=now - timedelta(hours=1))
+    return {"costs": list(spend.values()), "utilization": mean_utilization(samples), "jobs": len(job_ids)}
+
+
 def allocation_cost(job_ids: list[int], begin: datetime, end: datetime) -> dict[str, Decimal]:
     """What these jobs' attempts cost between two moments, per currency, priced as the ledger prices them.
 

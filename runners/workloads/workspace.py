@@ -61,6 +61,8 @@ def argv_for(*, socket: str | None, port: int | None, base_url: str, home: str) 
         f"--ServerApp.base_url={base_url}",
         f"--ServerApp.root_dir={home}",
         f"--ServerApp.identity_provider_class={__name__}.PortalIdentity",
+        # No Jupyter token at all: JupyterLab's pages then send no Authorization header of their own.
+        "--IdentityProvider.token=",
         "--ServerApp.open_browser=False",
         # Requests come through the edge with the browser's Host (the portal's name): Jupyter's guard against
         # DNS rebinding of a server on localhost has nothing to guard here, where only the edge connects.

@@ -257,7 +257,10 @@ def observe(workspace_id: int, *, job_state: str, address: str | None, status: d
         elif job.state in (JobState.CANCELLING,):
             fields.update(state=WorkspaceState.STOPPING, address="")
         elif job.state == JobState.PREEMPTED:
-            fields.update(state=WorkspaceState.STOPPING, address="", reason=job.reason[:1000])
+            if workspace.state != WorkspaceState.STOPPING:
+                why = (f"Preempted: {job.reason} Its files are kept; it waits in the queue to start again.")[:1000]
+                fields.update(state=WorkspaceState.STOPPING, address="", reason=why)
+                signals.workspace_stopped.send(sender=Workspace, workspace=workspace, reason=why, cause="preempted")
         elif job.state in (JobState.QUEUED, JobState.ADMITTED, JobState.LAUNCHING):
             if workspace.state not in (WorkspaceState.QUEUED,):
                 fields.update(state=WorkspaceState.QUEUED, address="")
@@ -289,7 +292,7 @@ def observe(workspace_id: int, *, job_state: str, address: str | None, status: d
                     _stop_locked(workspace, why)
                     record("workspace.culled", actor=SYSTEM, tenant=workspace.tenant, obj=workspace,
                            object_repr=workspace.name, after={"idle_minutes": minutes})
-                    signals.workspace_culled.send(sender=Workspace, workspace=workspace, reason=why)
+                    signals.workspace_stopped.send(sender=Workspace, workspace=workspace, reason=why, cause="idle")
                     return "culled"
         if fields.get("state", workspace.state) != workspace.state:
             fields["state_changed_at"] = now

@@ -1,7 +1,7 @@
 """Workspaces end to end on the local backend: a member's JupyterLab scheduled as a job on a time-slice share,
 run in the sandbox on a Unix socket, reached only through the edge (a real process) with the portal's
 sign-in; its home folder kept across a stop and a start; everyone else a 404, over HTTP and WebSocket; the
-idle cull stopping a workspace left idle and not one running a cell."""
+idle cull stopping a workspace left idle (its owner told) and not one running a cell."""
 
 import json
 import time
@@ -9,11 +9,14 @@ import uuid
 
 import httpx
 import pytest
+from django.core import mail
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from audit.models import AuditEntry
 from runners.jobs.models import Job
+from runners.notifications import services as notifications
+from runners.notifications.models import Event, EventKind, Outbox
 from runners.workspaces.models import Workspace, WorkspaceState
 from runners.workspaces.reconcile import workspaces_reconcile_run
 from tests.support.edge import EdgeProcess
@@ -177,8 +180,12 @@ def test_a_members_workspace_runs_a_cell_keeps_its_files_and_is_nobody_elses(
     drive(workspace, lambda w: w.state == WorkspaceState.STOPPED)
 
 
-def test_an_idle_workspace_is_stopped_after_its_window_and_a_busy_one_is_not(world, client_for, owner, settings):
+def test_an_idle_workspace_is_stopped_after_its_window_and_a_busy_one_is_not(world, client_for, owner, teammate,
+                                                                             settings):
     edge = world["edge"]
+    for user in (owner, teammate):
+        user.email = f"{user.username}@example.com"
+        user.save()
     workspace = drive(start(client_for, owner, world), lambda w: w.state == WorkspaceState.READY)
     alice = session_cookie(client_for, owner)
     wait_edge_sees(edge, alice, workspace)
@@ -205,3 +212,10 @@ def test_an_idle_workspace_is_stopped_after_its_window_and_a_busy_one_is_not(wor
     assert AuditEntry.objects.filter(action="workspace.culled").exists()
     workspace = drive(workspace, lambda w: w.state == WorkspaceState.STOPPED)
     assert Job.objects.get(id=workspace.job_id).state == "cancelled"
+    # Its owner is told, and only its owner (the teammate chose the same mails and gets none of this one).
+    [row] = Outbox.objects.filter(source="workspace")
+    notifications.outbox_process(row.id)
+    [event] = Event.objects.filter(kind=EventKind.WORKSPACE_STOPPED)
+    assert event.payload["object"]["owner"] == owner.username and event.payload["object"]["cause"] == "idle"
+    assert event.payload["object"]["reason"].startswith("Idle for")
+    assert [message.to for message in mail.outbox] == [[owner.email]]
