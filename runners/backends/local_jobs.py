@@ -311,7 +311,7 @@ class LocalJobs:
             workspace_socket = sockets / WORKSPACE_SOCKET
             workspace_socket.unlink(missing_ok=True)
             argv = [sys.executable, str(WORKSPACE_SCRIPT), "--socket", str(workspace_socket), "--base-url",
-                    workspace.base_url, "--home", str(home)]
+                    workspace.base_url, "--home", str(home), "--grace-s", str(launch.grace_period_s)]
         elif script:
             environment = self._environment(bundle_dir)
             python = str(Path(environment["dir"]) / "bin" / "python") if environment else sys.executable

@@ -55,6 +55,9 @@ class Workspace(models.Model):
     last_activity_at = models.DateTimeField(null=True, blank=True)
     busy_seen_at = models.DateTimeField(null=True, blank=True)
     ready_at = models.DateTimeField(null=True, blank=True)
+    # The last time its JupyterLab answered the pass: a ready workspace is taken out of the edge's table only once
+    # it has not answered for WORKSPACE_UNANSWERED_S (a server busy a moment is not a server gone).
+    answered_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)
 

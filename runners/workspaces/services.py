@@ -266,11 +266,15 @@ def observe(workspace_id: int, *, job_state: str, address: str | None, status: d
                 fields.update(state=WorkspaceState.QUEUED, address="")
         elif job.state == JobState.RUNNING:
             if status is None or not address:
+                silent_s = (now - workspace.answered_at).total_seconds() if workspace.answered_at else None
                 if workspace.state == WorkspaceState.READY:
-                    fields.update(state=WorkspaceState.STARTING, address="", reason="JupyterLab stopped answering.")
+                    if silent_s is None or silent_s >= settings.WORKSPACE_UNANSWERED_S:
+                        fields.update(state=WorkspaceState.STARTING, address="",
+                                      reason="JupyterLab stopped answering.")
                 elif workspace.state != WorkspaceState.STARTING:
                     fields.update(state=WorkspaceState.STARTING, address="", reason="JupyterLab is starting.")
             else:
+                fields["answered_at"] = now
                 if workspace.state != WorkspaceState.READY or workspace.address != address:
                     fields.update(state=WorkspaceState.READY, address=address, reason="JupyterLab answers.")
                     if workspace.ready_at is None:

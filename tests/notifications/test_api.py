@@ -85,7 +85,7 @@ def test_the_delivery_log_lists_each_try_newest_first(client_for, owner, tenant)
 def test_a_member_reads_and_changes_only_their_own_mail_choices(client_for, owner, teammate, outsider, tenant):
     api = client_for(teammate)
     defaults = {"job_finished": False, "job_failed": True, "job_preempted": True, "environment_failed": True,
-                "quota_changed": False}
+                "quota_changed": False, "workspace_stopped": True}
     assert api.get("/api/v1/notification-preferences/").json() == [{"tenant": "acme", "email": defaults}]
 
     patched = api.patch("/api/v1/notification-preferences/acme/", {"email": {"job_finished": True}}, format="json")

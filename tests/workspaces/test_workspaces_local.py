@@ -14,14 +14,18 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from audit.models import AuditEntry
+from quotas.models import ResourceFlavor
+from runners.jobs import attempts
+from runners.jobs import services as jobs
 from runners.jobs.models import Job
 from runners.notifications import services as notifications
 from runners.notifications.models import Event, EventKind, Outbox
+from runners.scheduling import services as scheduling
 from runners.workspaces.models import Workspace, WorkspaceState
 from runners.workspaces.reconcile import workspaces_reconcile_run
 from tests.support.edge import EdgeProcess
 from tests.support.endpoints import worker_passes
-from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment, submit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -219,3 +223,75 @@ def test_an_idle_workspace_is_stopped_after_its_window_and_a_busy_one_is_not(wor
     assert event.payload["object"]["owner"] == owner.username and event.payload["object"]["cause"] == "idle"
     assert event.payload["object"]["reason"].startswith("Idle for")
     assert [message.to for message in mail.outbox] == [[owner.email]]
+
+
+def test_a_borrowed_workspace_is_preempted_by_a_guarantee_with_a_warning_first_and_keeps_its_files(
+        world, client_for, owner, outsider, other_tenant, settings):
+    edge = world["edge"]
+    flavors = {flavor.name: flavor for flavor in ResourceFlavor.objects.all()}
+    give_quota(world["environment"].tenant, flavors["h100-80gb"], guaranteed=0, max=8)
+    give_quota(other_tenant, flavors["h100-80gb"], guaranteed=16, max=16)
+    other_environment = ready_environment(actor=outsider, tenant=other_tenant)
+    workspace = start(client_for, owner, world, flavor="h100-80gb", gpus=8)
+    assert workspace.job.preemptible is True and "borrows" in workspace.reason
+    workspace = drive(workspace, lambda w: w.state == WorkspaceState.READY)
+    alice = session_cookie(client_for, owner)
+    wait_edge_sees(edge, alice, workspace)
+    base = f"{edge.url}/workspaces/{workspace.id}"
+
+    # alice has a notebook open: a kernel with a browser's connection, a cell run, a file written.
+    with httpx.Client(cookies=alice, timeout=30) as browser:
+        browser.get(f"{base}/lab")
+        xsrf = browser.cookies.get("_xsrf")
+        kernel = browser.post(f"{base}/api/kernels", json={"name": "python3"},
+                              headers={"X-XSRFToken": xsrf, "Origin": edge.url}).json()
+        jar = "; ".join(f"{name}={value}" for name, value in browser.cookies.items())
+    with connect(edge.url.replace("http", "ws") + f"/workspaces/{workspace.id}/api/kernels/{kernel['id']}/channels",
+                 additional_headers={"Cookie": jar, "Origin": edge.url}, open_timeout=30) as channel:
+        message_id = uuid.uuid4().hex
+        channel.send(json.dumps({
+            "header": {"msg_id": message_id, "username": "alice", "session": uuid.uuid4().hex,
+                       "msg_type": "execute_request", "version": "5.3"},
+            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "content": {"code": "open('kept.txt', 'w').write('mine')", "silent": False, "store_history": True,
+                        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}}))
+
+        def printed(until, timeout_s=60) -> str:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                message = json.loads(channel.recv(timeout=timeout_s))
+                if message.get("parent_header", {}).get("msg_id") != message_id:
+                    continue
+                text = message["content"].get("text", "") if message["msg_type"] == "stream" else ""
+                if until(message, text):
+                    return text
+            raise AssertionError("nothing came")
+
+        printed(lambda m, _: m["msg_type"] == "status" and m["content"]["execution_state"] == "idle")
+
+        # Another tenant's guaranteed gang needs the GPUs the workspace borrowed: the cycle preempts it.
+        gang = submit(outsider, other_environment, name="guaranteed", replicas=2, gpus_per_replica=8,
+                      preemptible=False, priority=50, topology={"level": "none", "mode": "preferred"})
+        deadline = time.monotonic() + 60
+        while Job.objects.get(id=workspace.job_id).state != "preempted":
+            assert time.monotonic() < deadline, Job.objects.get(id=workspace.job_id).reason
+            scheduling.cycle_run()
+            time.sleep(0.3)
+        attempts.job_stop_run(job_id=workspace.job_id)  # the stop the cycle sent: SIGTERM, the grace period on
+        # The warning reaches alice's notebook, under the cell she ran last, while JupyterLab still serves her.
+        warning = printed(lambda m, text: "stopping this workspace" in text, timeout_s=30)
+        assert "save your work" in warning
+        assert httpx.get(f"{base}/api/contents/kept.txt", cookies=alice, timeout=10).status_code == 200
+    workspace = drive(workspace, lambda w: w.state in (WorkspaceState.STOPPING, WorkspaceState.QUEUED))
+    workspace = drive(workspace, lambda w: w.state == WorkspaceState.QUEUED, timeout_s=60)
+    assert workspace.reason.startswith("Preempted") or "preempt" in workspace.job.reason.lower()
+    assert Outbox.objects.filter(source="workspace", key__startswith="preempted:").exists()
+
+    # The gang is done with the GPUs: the workspace starts again by itself, its files as they were.
+    jobs.job_cancel(actor=outsider, job=gang)
+    workspace = drive(workspace, lambda w: w.state == WorkspaceState.READY, timeout_s=120)
+    wait_edge_sees(edge, alice, workspace)
+    kept = httpx.get(f"{base}/api/contents/kept.txt", cookies=alice, timeout=10)
+    assert kept.status_code == 200 and kept.json()["content"] == "mine"
+    client_for(owner).post(f"/api/v1/workspaces/{workspace.id}/stop/")
+    drive(workspace, lambda w: w.state == WorkspaceState.STOPPED)
