@@ -249,6 +249,13 @@ class ServingSettings:
         ]
 
 
+# The headers a workspace's server trusts (the portal's edge and its probes send them, nothing else reaches the
+# server). runners/workloads/workspace.py, which runs in the sandbox with no other file of the repository,
+# spells them again; tests/workspaces/test_workspace_api.py holds the two spellings equal.
+WORKSPACE_KEY_HEADER = "X-Portal-Workspace-Key"
+WORKSPACE_USER_HEADER = "X-Portal-User"
+
+
 @dataclass(frozen=True)
 class WorkspaceSettings:
     """What a workspace (a job of kind "workspace", runners.workspaces) runs: JupyterLab

@@ -640,21 +640,21 @@ class LocalJobs:
             raise PermanentBackendError(f"The checkpoint to serve cannot be read: {exc}.") from None
         os.replace(temp, target)
 
-    def _workspace_home(self, home: str) -> Path:
-        """A workspace's home folder (``<tenant>/<id>``), made on its first start and kept across the others."""
+    def _workspace_home_path(self, home: str) -> Path:
+        """Where a workspace's home folder (``<tenant>/<id>``) lies on this host."""
         relative = PurePosixPath(home)
         if relative.is_absolute() or ".." in relative.parts or len(relative.parts) != 2:
             raise PermanentBackendError(f"Not a workspace's home: {home!r}.")
-        folder = self.jobs_dir.parent / WORKSPACE_HOMES_DIR / relative.parts[0] / relative.parts[1]
+        return self.jobs_dir.parent / WORKSPACE_HOMES_DIR / relative.parts[0] / relative.parts[1]
+
+    def _workspace_home(self, home: str) -> Path:
+        """A workspace's home folder, made on its first start and kept across the others."""
+        folder = self._workspace_home_path(home)
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
     def delete_workspace_home(self, home: str) -> None:
-        relative = PurePosixPath(home)
-        if relative.is_absolute() or ".." in relative.parts or len(relative.parts) != 2:
-            raise PermanentBackendError(f"Not a workspace's home: {home!r}.")
-        shutil.rmtree(self.jobs_dir.parent / WORKSPACE_HOMES_DIR / relative.parts[0] / relative.parts[1],
-                      ignore_errors=True)
+        shutil.rmtree(self._workspace_home_path(home), ignore_errors=True)
 
     def workspace_address(self, job_id: int, attempt: int) -> str | None:
         """``unix:<socket>`` of the attempt's JupyterLab once the socket is there."""

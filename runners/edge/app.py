@@ -28,6 +28,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 
+from runners.backends.base import WORKSPACE_KEY_HEADER, WORKSPACE_USER_HEADER
 from runners.edge import proxy
 from runners.edge.probes import Prober, ReplicaState
 from runners.edge.table import SHIPPED, Caller, Route, Table, WorkspaceRoute
@@ -114,26 +115,13 @@ def _header(scope, name: bytes) -> str | None:
 def _credentials(scope) -> tuple[str | None, str | None]:
     """(API token, session key) of the request: ``Authorization: Token <t>`` or ``Bearer <t>`` (the
     OpenAI client's), else the portal's session cookie."""
-    from http.cookies import SimpleCookie
-
-    from django.conf import settings
-
     authorization = _header(scope, b"authorization")
     if authorization:
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() in ("token", "bearer") and token.strip():
             return token.strip(), None
         raise Refusal(401, {"detail": "Invalid token header."}, {"WWW-Authenticate": "Token"})
-    cookie = _header(scope, b"cookie")
-    if cookie:
-        jar = SimpleCookie()
-        try:
-            jar.load(cookie)
-        except Exception:
-            jar = SimpleCookie()
-        if settings.SESSION_COOKIE_NAME in jar:
-            return None, jar[settings.SESSION_COOKIE_NAME].value
-    return None, None
+    return None, _session_key(scope)
 
 
 def _session_key(scope) -> str | None:
@@ -581,8 +569,6 @@ class Edge:
 
 
 # What a request to a workspace never carries on: the caller's credentials (the edge adds its own headers).
-WORKSPACE_KEY_HEADER = "X-Portal-Workspace-Key"
-WORKSPACE_USER_HEADER = "X-Portal-User"
 WORKSPACE_DROPPED = ("cookie", "authorization", WORKSPACE_KEY_HEADER.lower(), WORKSPACE_USER_HEADER.lower())
 
 

@@ -110,10 +110,8 @@ def notice(path: str, message: str) -> None:
 
 def _stop_with_notice(serverapp, grace_s: float) -> None:
     """SIGTERM: the notice first, then JupyterLab stops (after the grace while someone is connected)."""
-    from tornado.ioloop import IOLoop
-
     stopping = {"asked": False}
-    loop = getattr(serverapp, "io_loop", None) or IOLoop.current()
+    loop = serverapp.io_loop  # set by initialize_server: the loop start() runs
 
     async def stop() -> None:
         stop_at = time.time() + max(0.0, grace_s - GRACE_MARGIN_S)

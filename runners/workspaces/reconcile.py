@@ -16,6 +16,7 @@ import httpx
 from django.conf import settings
 from django.db import close_old_connections
 
+from runners.backends.base import WORKSPACE_KEY_HEADER
 from runners.clusters.registry import get_backend
 from runners.jobs.models import JobAttempt, JobState
 from runners.workspaces import services
@@ -23,7 +24,6 @@ from runners.workspaces.models import Workspace, WorkspaceState
 
 log = logging.getLogger(__name__)
 
-KEY_HEADER = "X-Portal-Workspace-Key"
 PROBES_AT_ONCE = 8
 QUIET = {"no_track_activity": "1"}
 
@@ -40,7 +40,7 @@ def client_for(address: str, timeout_s: float) -> tuple[httpx.Client, str]:
 def probe(address: str, key: str, base_url: str) -> dict | None:
     """What the server says of itself, or None when it does not answer as JupyterLab with this key."""
     client, root = client_for(address, settings.WORKSPACE_PROBE_TIMEOUT_S)
-    headers = {KEY_HEADER: key}
+    headers = {WORKSPACE_KEY_HEADER: key}
     try:
         with client:
             # Jupyter counts every API request as activity, unless it says not to: the probes must not keep

@@ -75,3 +75,17 @@ def test_a_workspace_is_its_owners_its_admins_and_when_shared_its_members(
     assert client_for(viewer).get(path).status_code == 404  # viewers do not open workspaces
     assert client_for(outsider).get(path).status_code == 404
     assert client_for(teammate).post(path + "start/").status_code == 202
+
+
+def test_the_sandboxed_server_trusts_the_headers_the_portal_sends():
+    import ast
+    from pathlib import Path
+
+    from runners.backends import base
+
+    # The workload is read as text: importing it takes jupyter-server, which the portal's processes do not load.
+    source = Path(base.__file__).resolve().parents[1] / "workloads" / "workspace.py"
+    spelled = {node.targets[0].id: node.value.value for node in ast.parse(source.read_text()).body
+               if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+               and isinstance(node.value, ast.Constant)}
+    assert (spelled["KEY_HEADER"], spelled["USER_HEADER"]) == (base.WORKSPACE_KEY_HEADER, base.WORKSPACE_USER_HEADER)

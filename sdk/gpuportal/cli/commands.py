@@ -37,6 +37,7 @@ from gpuportal.cli.shared import (
     print_json,
     progress_bar,
     resolve_tenant,
+    wait_while,
 )
 from gpuportal.cli.storage import app as storage_app
 from gpuportal.cli.workspaces import app as workspace_app
@@ -545,13 +546,9 @@ def serve(
         extra = {"gpus_per_replica": gpus, "min_replicas": min_replicas, "max_replicas": max_replicas}
         spec.update({key: value for key, value in extra.items() if value is not None})
         endpoint = client.endpoint_create(spec)
-        deadline = time.monotonic() + ENDPOINT_WAIT_S
-        while not detach and endpoint["state"] in ("deploying", "scaling"):
-            if time.monotonic() > deadline:
-                raise PortalError(f"endpoint {name} is still {endpoint['state']} after {ENDPOINT_WAIT_S:.0f} s: "
-                                  f"{endpoint.get('reason') or 'no reason given'}", EXIT_JOB_FAILED)
-            time.sleep(POLL_INTERVAL_S)
-            endpoint = client.endpoint(endpoint["id"])
+        if not detach:
+            endpoint = wait_while(endpoint, ("deploying", "scaling"), client.endpoint, what=f"endpoint {name}",
+                                  seconds=ENDPOINT_WAIT_S, every_s=POLL_INTERVAL_S)
     if as_json:
         print_json(endpoint)
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from typing import Annotated, Any
 
 import typer
@@ -14,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from gpuportal.cli import config as config_file
-from gpuportal.client import EXIT_AUTH, EXIT_BAD_INPUT, Client, PortalError
+from gpuportal.client import EXIT_AUTH, EXIT_BAD_INPUT, EXIT_JOB_FAILED, Client, PortalError
 
 # Text from the portal (names, reasons, paths) is printed as it is: no markup, no highlighting.
 out = Console(soft_wrap=True, markup=False, highlight=False)
@@ -75,3 +76,16 @@ def name_and_version(reference: str) -> tuple[str, int | None]:
     if number and not number.isdigit():
         raise PortalError(f"{reference}: a version is a number (NAME:3)", EXIT_BAD_INPUT)
     return name, int(number) if number else None
+
+
+def wait_while(item: dict, states: tuple[str, ...], read, *, what: str, seconds: float, every_s: float = 1.0) -> dict:
+    """Read ``item`` again (``read(id)``) while its state is one of ``states``; a PortalError (exit 1) naming
+    ``what`` and its reason once ``seconds`` have passed. Returns it as last read."""
+    deadline = time.monotonic() + seconds
+    while item["state"] in states:
+        if time.monotonic() > deadline:
+            raise PortalError(f"{what} is still {item['state']} after {seconds:.0f} s: "
+                              f"{item.get('reason') or 'no reason given'}", EXIT_JOB_FAILED)
+        time.sleep(every_s)
+        item = read(item["id"])
+    return item

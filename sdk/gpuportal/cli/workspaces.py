@@ -3,13 +3,22 @@ created the first time) and get its URL once it is ready; stop it; list yours.""
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from gpuportal.cli.shared import JsonFlag, TenantOption, connect, err, handled, out, print_json, resolve_tenant
+from gpuportal.cli.shared import (
+    JsonFlag,
+    TenantOption,
+    connect,
+    err,
+    handled,
+    out,
+    print_json,
+    resolve_tenant,
+    wait_while,
+)
 from gpuportal.client import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_NOT_FOUND, PortalError
 
 app = typer.Typer(name="workspace", no_args_is_help=True, help="Interactive workspaces: start, stop, list.")
@@ -59,13 +68,9 @@ def start_command(
             workspace = client.workspace_start(found["id"])
         else:
             workspace = found
-        deadline = time.monotonic() + READY_WAIT_S
-        while not detach and workspace["state"] in ON_THE_WAY:
-            if time.monotonic() > deadline:
-                raise PortalError(f"workspace {name} is still {workspace['state']} after {READY_WAIT_S:.0f} s: "
-                                  f"{workspace.get('reason') or 'no reason given'}", EXIT_JOB_FAILED)
-            time.sleep(POLL_INTERVAL_S)
-            workspace = client.workspace(workspace["id"])
+        if not detach:
+            workspace = wait_while(workspace, ON_THE_WAY, client.workspace, what=f"workspace {name}",
+                                   seconds=READY_WAIT_S, every_s=POLL_INTERVAL_S)
     if as_json:
         print_json(workspace)
     else:
