@@ -57,6 +57,7 @@ def unix_session(path: str, *, connect_timeout_s: float) -> aiohttp.ClientSessio
     """``client_session``'s pool, to the one Unix socket ``path`` (a local workspace's server)."""
     return aiohttp.ClientSession(
         connector=aiohttp.UnixConnector(path=path, limit=0),
+        cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s),
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -66,9 +67,14 @@ def unix_session(path: str, *, connect_timeout_s: float) -> aiohttp.ClientSessio
 def client_session(*, connect_timeout_s: float, keepalive_s: float = 30) -> aiohttp.ClientSession:
     """A pool of kept-alive connections to upstreams, with no limit of its own (the callers bound what is in
     flight), no timeout but the connect one (callers bound the rest by their deadlines), and nothing added to
-    what passes: no headers of its own, bodies neither decompressed nor re-encoded, redirects passed back."""
+    what passes: no headers of its own, bodies neither decompressed nor re-encoded, redirects passed back.
+
+    No cookie jar: aiohttp's default one keeps what an upstream named by a host name sets (a session cookie at
+    a sign-in, JupyterLab's _xsrf) and sends it with every later request on the pool, whoever makes it.
+    """
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+        cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s),
         auto_decompress=False,
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),

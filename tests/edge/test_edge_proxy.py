@@ -82,3 +82,19 @@ def test_every_other_path_and_websockets_pass_through_to_the_web_process(tmp_pat
         assert answer.status_code == 502 and "web process" in json.loads(answer.content)["detail"]
     finally:
         edge.stop()
+
+
+def test_one_clients_cookies_never_reach_another_clients_request(tmp_path, upstream):
+    """The edge keeps no cookies of its own: an upstream named by a host name (the web Service on Kubernetes, a
+    workspace's server) setting a cookie for one client (a session at sign-in, JupyterLab's _xsrf) must not
+    have it sent on another client's requests."""
+    edge = EdgeProcess(tmp_path / "edge.log", upstream=f"http://localhost:{upstream.port}").start()
+    try:
+        signed_in = httpx.post(f"{edge.url}/sign-in")
+        assert signed_in.status_code == 200 and "alices-session" in signed_in.headers["set-cookie"]
+        stranger = httpx.get(f"{edge.url}/echo/page").json()
+        assert "cookie" not in stranger["headers"], stranger["headers"]
+        own = httpx.get(f"{edge.url}/echo/page", headers={"Cookie": "sessionid=bobs-session"}).json()
+        assert own["headers"]["cookie"] == "sessionid=bobs-session"
+    finally:
+        edge.stop()

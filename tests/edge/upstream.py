@@ -1,5 +1,5 @@
 """A small upstream for the edge's tests, served by uvicorn in a thread: a slow event stream that notes
-when its client goes away, a page that echoes what reached it, and a WebSocket echo."""
+when its client goes away, a page that echoes what reached it, a sign-in that sets a cookie, and a WebSocket echo."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Upstream:
             Route("/health", lambda request: JSONResponse({})),
             Route("/v1/completions", self.stream, methods=["POST"]),
             Route("/echo/{rest:path}", self.echo, methods=["GET", "POST"]),
+            Route("/sign-in", self.sign_in, methods=["POST"]),
             WebSocketRoute("/ws/echo", self.ws_echo),
         ])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
@@ -70,6 +71,12 @@ class Upstream:
     async def echo(self, request: Request):
         return JSONResponse({"path": request.url.path, "query": request.url.query, "method": request.method,
                              "body": (await request.body()).decode(), "headers": dict(request.headers)})
+
+    async def sign_in(self, request: Request):
+        """A sign-in's answer: a session cookie for the one client that asked."""
+        response = JSONResponse({})
+        response.set_cookie("sessionid", "alices-session", path="/", httponly=True)
+        return response
 
     async def ws_echo(self, websocket: WebSocket):
         await websocket.accept()
