@@ -18,6 +18,7 @@ the table's one background thread (runners/edge/table.py).
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import logging
 import math
@@ -461,8 +462,10 @@ class Edge:
             if session_key is not None:
                 token = None
         caller = await self.table.caller(token=token, session_key=session_key) if token or session_key else None
-        workspace = self.table.workspace(scope["path_params"]["id"])
-        if caller is None or workspace is None:
+        if caller is None:
+            raise missing
+        workspace = await self.table.workspace_now(scope["path_params"]["id"])
+        if workspace is None:
             raise missing
         if caller.user_id != workspace.owner_id and not (
                 workspace.shared and role_at_least(caller.roles.get(workspace.tenant_id), Role.MEMBER)):
@@ -507,8 +510,11 @@ class Edge:
                 raise Refusal(403, {"detail": "A workspace takes changes from its own pages only (the Origin "
                                               "differs from the Host)."})
             if not workspace.address:
+                if scope["method"] == "GET" and "text/html" in (_header(scope, b"accept") or ""):
+                    await _answer_waiting(send, workspace)
+                    return
                 raise Refusal(503, {"detail": f"The workspace is {workspace.state}, not ready yet."},
-                              {"Retry-After": 3})
+                              {"Retry-After": WORKSPACE_RETRY_S})
         except Refusal as refusal:
             await _answer(send, refusal.status, refusal.body, refusal.headers)
             return
@@ -566,6 +572,28 @@ class Edge:
             "host", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
             "sec-websocket-protocol"))]
         await proxy.forward_websocket(scope, receive, send, url, extra_headers=headers)
+
+
+# How soon a request to a workspace that is not ready may try again (Retry-After; the waiting page's reload).
+WORKSPACE_RETRY_S = 3
+
+WAITING_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="{retry}">
+<title>Workspace not ready</title></head>
+<body><main><h1>The workspace is {state}</h1>
+<p>This page loads it again every {retry} seconds, and shows JupyterLab once the workspace is ready.</p></main></body>
+</html>
+"""
+
+
+async def _answer_waiting(send, workspace: WorkspaceRoute) -> None:
+    """A browser's page of a workspace that is not ready: a 503 that reloads itself until it is (a JSON refusal
+    would leave the person before raw JSON, with nothing that tries again)."""
+    body = WAITING_PAGE.format(state=html.escape(workspace.state), retry=WORKSPACE_RETRY_S).encode()
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"Content-Type", b"text/html; charset=utf-8"), (b"Retry-After", str(WORKSPACE_RETRY_S).encode()),
+        (b"Cache-Control", b"no-store")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 # What a request to a workspace never carries on: the caller's credentials (the edge adds its own headers).

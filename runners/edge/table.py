@@ -1,7 +1,9 @@
 """What the edge knows from the database, read off the request path: the routing table and who callers are.
 
 The routing table (live endpoints, their tenant, settings, and ready replicas with their addresses; every
-workspace, who may open it and where it answers) is read whole every EDGE_TABLE_REFRESH_S by a background task. Callers (an API token or a session cookie)
+workspace, who may open it and where it answers) is read whole every EDGE_TABLE_REFRESH_S by a background task; a
+workspace the table holds as not ready is read again on its own when a signed-in caller asks for it (at most every
+WORKSPACE_REREAD_S). Callers (an API token or a session cookie)
 and their memberships are looked up once and kept EDGE_AUTH_CACHE_S. Every database read runs in one
 worker thread (asgiref's sync_to_async, thread-sensitive): a request waiting on a replica holds no
 database connection, and the edge as a whole holds one.
@@ -102,12 +104,26 @@ def _read_table() -> dict[tuple[str, str], Route]:
     return {(route.tenant_slug, route.name): route for route in routes.values()}
 
 
+WORKSPACE_COLUMNS = ("id", "tenant_id", "owner_id", "shared", "address", "key", "state")
+# A workspace the table holds as missing or not ready is read again from the database at most this often: a
+# workspace that has just become ready is served at once, and requests for one that is not cost a read at most
+# this often each.
+WORKSPACE_REREAD_S = 0.25
+
+
 def _read_workspaces() -> dict[int, WorkspaceRoute]:
     from runners.workspaces.models import Workspace
 
     close_old_connections()
-    return {row[0]: WorkspaceRoute(*row) for row in Workspace.objects.values_list(
-        "id", "tenant_id", "owner_id", "shared", "address", "key", "state")}
+    return {row[0]: WorkspaceRoute(*row) for row in Workspace.objects.values_list(*WORKSPACE_COLUMNS)}
+
+
+def _read_workspace(workspace_id: int) -> WorkspaceRoute | None:
+    from runners.workspaces.models import Workspace
+
+    close_old_connections()
+    row = Workspace.objects.filter(id=workspace_id).values_list(*WORKSPACE_COLUMNS).first()
+    return WorkspaceRoute(*row) if row else None
 
 
 def _note_request(endpoint_id: int, wake: bool) -> None:
@@ -174,6 +190,7 @@ class Table:
         self.refreshed_at = 0.0
         self._callers: dict[str, tuple[float, Caller | None]] = {}
         self._noted: dict[int, float] = {}
+        self._reread: dict[int, float] = {}
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._db = sync_to_async(lambda fn, *args: fn(*args), thread_sensitive=True)
@@ -220,6 +237,26 @@ class Table:
 
     def workspace(self, workspace_id: int) -> WorkspaceRoute | None:
         return self.workspaces.get(workspace_id)
+
+    async def workspace_now(self, workspace_id: int) -> WorkspaceRoute | None:
+        """The workspace as the table holds it, or, where that would refuse it (missing, or not ready), as the
+        database has it now: the portal says "ready" the moment it writes so, and a person who opens it then must
+        not get "not ready yet" from a table read a moment before. Read again at most every WORKSPACE_REREAD_S."""
+        known = self.workspaces.get(workspace_id)
+        if known is not None and known.address:
+            return known
+        now = time.monotonic()
+        if self._reread.get(workspace_id, 0.0) > now:
+            return known
+        if len(self._reread) > 10_000:
+            self._reread = {key: until for key, until in self._reread.items() if until > now}
+        self._reread[workspace_id] = now + WORKSPACE_REREAD_S
+        found = await self._db(_read_workspace, workspace_id)
+        if found is None:
+            self.workspaces.pop(workspace_id, None)
+        else:
+            self.workspaces[workspace_id] = found
+        return found
 
     async def caller(self, *, token: str | None, session_key: str | None) -> Caller | None:
         """Who sends the request (None: the token or session is not valid); cached EDGE_AUTH_CACHE_S."""

@@ -21,7 +21,8 @@ class Upstream:
     EVENTS = 400
     EVERY_S = 0.025
 
-    def __init__(self) -> None:
+    def __init__(self, *, uds: str | None = None) -> None:
+        """On a free loopback port, or on the Unix socket ``uds`` (as a local workspace's server listens)."""
         self.sent = 0
         self.closed = threading.Event()  # the stream's connection closed before its last event
         self.finished = threading.Event()
@@ -35,10 +36,12 @@ class Upstream:
             Route("/v1/completions", self.stream, methods=["POST"]),
             Route("/echo/{rest:path}", self.echo, methods=["GET", "POST"]),
             Route("/sign-in", self.sign_in, methods=["POST"]),
+            Route("/workspaces/{rest:path}", self.echo, methods=["GET", "POST"]),
             WebSocketRoute("/ws/echo", self.ws_echo),
         ])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off", ws="websockets-sansio"))
+        where = {"uds": uds} if uds else {"host": "127.0.0.1", "port": self.port}
+        self.server = uvicorn.Server(uvicorn.Config(app, **where, log_level="warning", lifespan="off",
+                                                    ws="websockets-sansio"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> Upstream:
