@@ -1,5 +1,5 @@
-"""What the usage pages read: utilization over time, cost per day and flavor, the costliest jobs and
-endpoints, idle allocations, one job's or endpoint's cost, and the cluster's summary for staff.
+"""What the usage pages read: utilization over time, cost per day and flavor, the costliest jobs,
+endpoints and workspaces, the tenant's workspaces with their idle time, idle allocations, one job's or endpoint's cost, and the cluster's summary for staff.
 
 Every cost here comes from `selectors.usage_rows`, the rows the API and its CSV export give, so a
 page never disagrees with the export (the one exception, an endpoint's cost over the hours its
@@ -182,29 +182,80 @@ class Spend:
         return None if self.cloud_cost is None else self.cloud_cost - self.gpu_cost
 
 
-def items(rows: list[dict]) -> list[dict]:
-    """Rows grouped by job and kind as one entry per job or endpoint and currency: {"kind", "id", "spend"}."""
+def workspace_jobs(tenant: Tenant, job_ids) -> dict[int, int]:
+    """{job id: workspace id} for those of ``job_ids`` that are the tenant's workspaces' starts."""
+    return dict(Job.objects.filter(tenant=tenant, kind=Job.Kind.WORKSPACE, id__in=[i for i in job_ids if i])
+                .values_list("id", "spec__workspace__workspace_id"))
+
+
+def items(rows: list[dict], workspaces: dict[int, int] | None = None) -> list[dict]:
+    """Rows grouped by job and kind as one entry per job, endpoint or workspace and currency: {"kind", "id",
+    "spend"}. An endpoint's replicas count under their endpoint; a workspace's starts (``workspaces``: job id to
+    workspace id) under their workspace."""
+    workspaces = workspaces or {}
     found: dict[tuple, dict] = {}
     for row in rows:
-        kind, item_id = ("endpoint", row["endpoint"]) if row["endpoint"] else ("job", row["job"])
+        if row["endpoint"]:
+            kind, item_id = "endpoint", row["endpoint"]
+        elif row["job"] in workspaces:
+            kind, item_id = "workspace", workspaces[row["job"]]
+        else:
+            kind, item_id = "job", row["job"]
         item = found.setdefault((kind, item_id, row["currency"]),
                                 {"kind": kind, "id": item_id, "spend": Spend(row["currency"])})
         item["spend"].add(row)
     return list(found.values())
 
 
-def top_items(tenant: Tenant, start: date, end: date, now: datetime, limit: int = TOP_ITEMS) -> list[dict]:
-    """The tenant's costliest jobs and endpoints over the range, each named (only the tenant's own are looked up)."""
-    found = items(usage_rows(start=start, end=end, group_by=("job", "kind"), tenants=[tenant], now=now))
+def top_items(tenant: Tenant, start: date, end: date, now: datetime, *, user, limit: int = TOP_ITEMS) -> list[dict]:
+    """The tenant's costliest jobs, endpoints and workspaces over the range, each named (only the tenant's own are
+    looked up; a workspace ``user`` may not see keeps its cost and loses its name)."""
+    from runners.workspaces.selectors import workspace_list
+
+    rows = usage_rows(start=start, end=end, group_by=("job", "kind"), tenants=[tenant], now=now)
+    found = items(rows, workspace_jobs(tenant, {row["job"] for row in rows}))
     found.sort(key=lambda item: (-item["spend"].cost, item["kind"], item["id"] or 0))
     found = found[:limit]
-    jobs = dict(Job.objects.filter(tenant=tenant, id__in=[i["id"] for i in found if i["kind"] == "job"])
-                .values_list("id", "name"))
-    endpoints = dict(InferenceEndpoint.objects.filter(
-        tenant=tenant, id__in=[i["id"] for i in found if i["kind"] == "endpoint"]).values_list("id", "name"))
+    names = {
+        "job": dict(Job.objects.filter(tenant=tenant, id__in=[i["id"] for i in found if i["kind"] == "job"])
+                    .values_list("id", "name")),
+        "endpoint": dict(InferenceEndpoint.objects.filter(
+            tenant=tenant, id__in=[i["id"] for i in found if i["kind"] == "endpoint"]).values_list("id", "name")),
+        "workspace": dict(workspace_list(user=user, tenant=tenant).filter(
+            id__in=[i["id"] for i in found if i["kind"] == "workspace"]).values_list("id", "name")),
+    }
     for item in found:
-        item["name"] = (endpoints if item["kind"] == "endpoint" else jobs).get(item["id"])
+        item["name"] = names[item["kind"]].get(item["id"])
     return found
+
+
+def tenant_workspaces(tenant: Tenant, start: date, end: date, now: datetime, *, user) -> list[dict]:
+    """The tenant's workspaces ``user`` may see, beside its jobs and endpoints: each with what it cost over the
+    range (one Spend per currency), how long it has been idle now (while it runs; JupyterLab's last activity, a
+    kernel seen busy, or its start) and the idle window it is stopped after."""
+    from runners.workspaces import services as workspace_services
+    from runners.workspaces.models import WorkspaceState
+    from runners.workspaces.selectors import workspace_list
+
+    workspaces = list(workspace_list(user=user, tenant=tenant).order_by("name"))
+    if not workspaces:
+        return []
+    visible = {workspace.id for workspace in workspaces}
+    jobs = {job: workspace for job, workspace in
+            Job.objects.filter(tenant=tenant, kind=Job.Kind.WORKSPACE).values_list("id", "spec__workspace__workspace_id")
+            if workspace in visible}
+    spend: dict[int, dict[str, Spend]] = defaultdict(dict)
+    if jobs:
+        for row in usage_rows(start=start, end=end, group_by=("job", "kind"), tenants=[tenant], now=now,
+                              job_ids=list(jobs)):
+            spend[jobs[row["job"]]].setdefault(row["currency"], Spend(row["currency"])).add(row)
+    listed = []
+    for workspace in workspaces:
+        since = workspace_services.idle_since(workspace) if workspace.state == WorkspaceState.READY else None
+        listed.append({"workspace": workspace, "costs": list(spend[workspace.id].values()),
+                       "idle_for": (now - since) if since else None,
+                       "idle_limit": workspace_services.idle_limit(workspace)})
+    return listed
 
 
 def daily_by_flavor(tenant: Tenant, start: date, end: date, now: datetime) -> dict:

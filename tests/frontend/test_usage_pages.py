@@ -309,3 +309,47 @@ def test_the_cluster_page_is_for_staff_and_matches_the_ledger(client, scenario, 
     useful = allocated * Decimal("41.6667") / 100
     spent = Decimal(per_tenant["acme"]) + Decimal(per_tenant["globex"]) + Decimal(idle["cost"])
     assert _text(html, "per-useful-hour") == f"USD {(spent / useful).quantize(Decimal('0.01'))}"
+
+
+def finished_workspace_start(workspace, start, end) -> Job:
+    """One start of ``workspace`` that ran from ``start`` to ``end`` (a job of kind workspace, as the service makes)."""
+    job = finished_job(workspace.environment, f"workspace-{workspace.name}", workspace.flavor, 1, start, end)
+    Job.objects.filter(id=job.id).update(kind=Job.Kind.WORKSPACE, spec={"workspace": {"workspace_id": workspace.id}})
+    return job
+
+
+def test_workspaces_are_listed_beside_jobs_and_endpoints_with_their_cost_and_idle_time(
+        client, scenario, tenant, owner, teammate):
+    from runners.workspaces.models import Workspace, WorkspaceState
+
+    t4 = scenario["flavors"]["t4-shared"]
+    notebook = Workspace.objects.create(tenant=tenant, environment=scenario["acme"], owner=owner, name="notebook",
+                                        flavor=t4, state=WorkspaceState.READY, idle_minutes=45,
+                                        ready_at=timezone.now() - timedelta(hours=2),
+                                        last_activity_at=timezone.now() - timedelta(minutes=25))
+    scratch = Workspace.objects.create(tenant=tenant, environment=scenario["acme"], owner=owner, name="scratch",
+                                       flavor=t4, state=WorkspaceState.STOPPED)
+    starts = [finished_workspace_start(notebook, at(1), at(3)),
+              finished_workspace_start(notebook, at(20), at(22)),  # two starts: one line, 4 GPU-hours at 0.25
+              finished_workspace_start(scratch, at(2), at(3))]
+
+    client.force_login(owner)
+    html = client.get(f"/tenants/acme/usage/{RANGE}").content.decode()
+    row = _row(html, f'data-item="workspace-{notebook.id}"')
+    assert f'href="/tenants/acme/workspaces/{notebook.id}/"' in row and ">notebook<" in row and "workspace" in row
+    assert _text(row, "item-gpu-hours") == "4.0000" and _text(row, "item-cost") == "USD 1.00"
+    assert not any(f'data-item="job-{job.id}"' in html for job in starts)  # counted under their workspace only
+    listed = html.split('data-testid="usage-workspaces"', 1)[1].split("</table>", 1)[0]
+    ready = _row(listed, f'data-workspace="{notebook.id}"')
+    assert _text(ready, "workspace-cost") == "USD 1.00" and _text(ready, "workspace-gpu-hours") == "4.0000"
+    assert re.fullmatch(r"2[45]m \d\ds", _text(ready, "workspace-idle")), _text(ready, "workspace-idle")
+    assert "45m 00s idle" in ready
+    stopped = _row(listed, f'data-workspace="{scratch.id}"')
+    assert _text(stopped, "workspace-idle") == "not running" and _text(stopped, "workspace-cost") == "USD 0.25"
+
+    # A member who does not own them: their cost counts in the tenant's figures, their names are not shown.
+    client.force_login(teammate)
+    html = client.get(f"/tenants/acme/usage/{RANGE}").content.decode()
+    row = _row(html, f'data-item="workspace-{notebook.id}"')
+    assert "another member's" in row and "notebook" not in row and _text(row, "item-cost") == "USD 1.00"
+    assert 'data-testid="usage-workspaces"' not in html and "No workspace of this tenant that you may see." in html
