@@ -30,6 +30,13 @@ so nothing makes a new pod while the server drains; the pod itself is deleted wi
 the grace period. A replacement pod (the ReplicaSet's, should the pod have vanished)
 is never bound: the attempt is over, and the portal relaunches with a new one.
 
+A workspace (a launch with `workspace`) is such a one-pod Deployment too, bound and read the same way
+(`runners.backends.workspace_manifests`): JupyterLab, its home folder a claim of the workspace's (made at its
+first start, kept across its stops, deleted by `delete_workspace_home`), its key in a Secret of the attempt's
+(the pod reads it through a secretKeyRef), and a NetworkPolicy of the workspace's that lets in the portal's
+namespace alone, on WORKSPACE_PORT alone. `workspace_address` is its pod's IP. A stop deletes the attempt's
+Secret with its Deployment; the claim and the policy stay for the next start.
+
 A member's own kubeconfig (`member_kubeconfig`) is a ServiceAccount of theirs for that
 environment in the portal's members namespace (`member_accounts_namespace`, where no
 tenant has rights, so nobody can run a pod as it), a RoleBinding to their tier's Role in
@@ -86,11 +93,24 @@ from runners.backends.manifests import (
     ENVIRONMENT_LABEL,
     MANAGED_BY,
     MANAGED_BY_LABEL,
+    NOT_A_WORKSPACE,
+    SAME_NAMESPACE_POLICY,
     TENANT_LABEL,
+    WORKSPACE_LABEL,
+    WORKSPACE_PORT,
     environment_manifests,
     ownership_selector,
+    same_namespace_policy_spec,
 )
 from runners.backends.serve_manifests import ENDPOINT_LABEL, SERVER_PORT, endpoint_manifests, serve_manifests
+from runners.backends.workspace_manifests import (
+    home_claim_manifest,
+    key_secret_manifest,
+    key_secret_name,
+    workspace_deployment_manifest,
+    workspace_network_policy_manifest,
+    workspace_selector,
+)
 from runners.nvidia import names
 from runners.storage import cache_grants
 
@@ -116,6 +136,8 @@ KINDS = {
     "ConfigMap": "v1",
     "Service": "v1",
     "PersistentVolumeClaim": "v1",
+    # A workspace attempt's key; the portal creates and deletes these, and never reads one.
+    "Secret": "v1",
     "Job": "batch/v1",
     "Deployment": "apps/v1",
     "ReplicaSet": "apps/v1",
@@ -731,8 +753,7 @@ class KubernetesBackend:
         creates later are bound by the next sync (the reconcile's status reads).
         """
         if launch.workspace is not None:
-            # Not built yet on Kubernetes: a pod and a Service in the environment's namespace behind the edge.
-            raise PermanentBackendError("Workspaces run on the local backend only, so far.")
+            return self._launch_workspace(launch)
         if launch.serving is not None:
             return self._launch_serving(launch)
         if launch.template == "custom" and not (launch.image and launch.command):
@@ -807,6 +828,75 @@ class KubernetesBackend:
         for manifest in manifests:
             self._apply(manifest)
         self._sync(force=True)
+
+    def _launch_workspace(self, launch: JobLaunch) -> None:
+        """Make the workspace's policy and home claim, apply the attempt's Deployment, then its key's Secret; bind its pod.
+
+        The policy comes before any pod, so the pod is never reachable from elsewhere; the Secret after the
+        Deployment, whose dependent it is (the answer gives its uid). Everything is idempotent: a redelivered
+        launch re-applies what is there and finds the claim and the Secret made (409). The attempt counts as
+        open in this process only once its Secret exists, so this process binds its pod only then (one bound
+        sooner by another process waits in the kubelet, which retries a missing secretKeyRef).
+        """
+        claim = home_claim_manifest(launch, storage_class=self.checkpoint_storage_class)
+        policy = workspace_network_policy_manifest(launch, portal_namespace=self.portal_namespace)
+        deployment = workspace_deployment_manifest(launch, image=self.trainer_image, scheduler_name=self.scheduler_name)
+        self._isolate_workspaces(launch.namespace)
+        self._apply(policy)
+        self._ensure_workspace_home(claim)
+        applied = self._apply(deployment)
+        self._checked("Secret", "create", namespace=launch.namespace, body=key_secret_manifest(launch, owner=applied),
+                      field_manager=self.field_manager, accept=(201, 409))
+        self._launched_since.add((launch.job_id, launch.attempt))
+        self._sync(force=True)
+
+    def _isolate_workspaces(self, namespace: str) -> None:
+        """Make sure the environment's same-namespace policy leaves workspaces' pods out.
+
+        An environment synced before workspaces ran here lets every pod of the namespace reach every other; its
+        next sync brings the policy up to date, and so does this, first, keeping the policy's labels (so the
+        sync's prune still knows it as the environment's). A namespace without that policy opens nothing to
+        the workspace: its own policy is then the only one that selects its pod.
+        """
+        items = self._checked("NetworkPolicy", "list", namespace=namespace, label_selector=OWN)[1].get("items") or []
+        current = next((item for item in items if item["metadata"]["name"] == SAME_NAMESPACE_POLICY), None)
+        if current is None or (current.get("spec") or {}).get("podSelector") == NOT_A_WORKSPACE:
+            return
+        labels = current["metadata"].get("labels") or {}
+        logger.info("Leaving workspaces out of %s/%s, which predates them.", namespace, SAME_NAMESPACE_POLICY)
+        self._apply({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": SAME_NAMESPACE_POLICY, "namespace": namespace,
+                         "labels": {key: labels[key] for key in (MANAGED_BY_LABEL, TENANT_LABEL, ENVIRONMENT_LABEL)
+                                    if key in labels}},
+            "spec": same_namespace_policy_spec(),
+        })
+
+    def _ensure_workspace_home(self, claim: dict) -> None:
+        """The workspace's home claim: created at its first start, then found there (409) and kept as it is.
+
+        A claim of that name that is not the portal's for this workspace (a member made it) is never mounted
+        as its home; one being deleted is waited for.
+        """
+        metadata = claim["metadata"]
+        name, namespace = metadata["name"], metadata["namespace"]
+        status, _ = self._checked("PersistentVolumeClaim", "create", namespace=namespace, body=claim,
+                                  field_manager=self.field_manager, accept=(201, 409))
+        if status == 201:
+            return
+        status, current = self._checked("PersistentVolumeClaim", "read", name, namespace, accept=(200, 404))
+        if status == 404:
+            raise TransientBackendError(f"The home claim {namespace}/{name} went away while the workspace started; "
+                                        "trying again makes it.")
+        labels = (current.get("metadata") or {}).get("labels") or {}
+        if any(labels.get(key) != value for key, value in metadata["labels"].items()):
+            raise PermanentBackendError(
+                f"PersistentVolumeClaim {namespace}/{name} already exists and was not made by the portal for this "
+                "workspace; an operator has to look at it before the workspace starts."
+            )
+        if (current.get("metadata") or {}).get("deletionTimestamp"):
+            raise TransientBackendError(f"The home claim {namespace}/{name} is still being deleted.")
 
     # Pods of every attempt, kept current by a watch. Several worker processes each keep their
     # own; binding is idempotent (409 once bound), so they never disagree about a pod.
@@ -987,8 +1077,8 @@ class KubernetesBackend:
         """
         metadata = controller.get("metadata") or {}
         name = metadata.get("name", "")
-        serving = ENDPOINT_LABEL in (metadata.get("labels") or {})
-        selector = ("involvedObject.kind=ReplicaSet" if serving else f"involvedObject.kind=Job,involvedObject.name={name}")
+        deployed = _deployed(metadata)
+        selector = ("involvedObject.kind=ReplicaSet" if deployed else f"involvedObject.kind=Job,involvedObject.name={name}")
         try:
             listing = self._checked("Event", "list", namespace=metadata.get("namespace"),
                                     field_selector=f"{selector},reason={k8s_jobs.FAILED_CREATE}")[1]
@@ -996,12 +1086,13 @@ class KubernetesBackend:
             logger.warning("Could not read why the pods of %s/%s are not created: %s", metadata.get("namespace"), name, exc)
             return ""
         events = listing.get("items") or []
-        if serving:
+        if deployed:
             return k8s_jobs.pods_refused(events, name_prefix=f"{name}-")
         return k8s_jobs.pods_refused(events, uid=metadata.get("uid", ""))
 
     def _read_controller(self, pods: list[dict], job_id: int, attempt: int) -> dict | None:
-        """The attempt's Job, or its Deployment for an inference replica (its pods say which); None once gone."""
+        """The attempt's Job, or its Deployment for an inference replica or a workspace (its pods say which); None
+        once gone."""
         if not pods:
             for kind in ("Job", "Deployment"):
                 listing = self._checked(kind, "list", label_selector=self._attempt_selector(job_id, attempt))[1]
@@ -1009,7 +1100,7 @@ class KubernetesBackend:
                     return items[0]
             return None
         metadata = pods[0]["metadata"]
-        kind = "Deployment" if ENDPOINT_LABEL in (metadata.get("labels") or {}) else "Job"
+        kind = "Deployment" if _deployed(metadata) else "Job"
         status, found = self._checked(kind, "read", f"job-{job_id}-{attempt}", metadata["namespace"], accept=(200, 404))
         return found if status == 200 else None
 
@@ -1055,7 +1146,8 @@ class KubernetesBackend:
         with one second (the server takes the shorter of that and what the collector asked;
         finished and unbound pods go at once), so nothing of an ended attempt holds its GPUs
         or is bound later. Logs go with the pods: the portal has recorded the progress.
-        An inference replica's Deployment and ReplicaSet go the same way (see _delete_deployments).
+        An inference replica's or a workspace's Deployment and ReplicaSet go the same way (see _delete_deployments);
+        a workspace's key goes with them, its home claim and policy stay.
         """
         selector = self._attempt_selector(job_id, attempt)
         self._controllers("Job", selector, "Background")
@@ -1072,16 +1164,18 @@ class KubernetesBackend:
             self._launched_since.discard(key)
 
     def _delete_deployments(self, selector: str, propagation: str) -> None:
-        """Delete an inference replica's Deployment, then its ReplicaSet, with this propagation.
+        """Delete an inference replica's (or a workspace's) Deployment, then its ReplicaSet, with this propagation.
 
         The Deployment first (else it would remake the ReplicaSet), the ReplicaSet always (a
         retry after a failure in between finds it alone): once both are gone or being deleted,
         nothing makes a pod for the attempt. The endpoint's shared objects go first if this
-        was its last replica: the replica takes no new requests from here on.
+        was its last replica: the replica takes no new requests from here on. A workspace's key
+        goes before its Deployment, so a retry finds the Deployment to say where the key is.
         """
         deployments = self._checked("Deployment", "list", label_selector=selector)[1].get("items") or []
         for deployment in deployments:
             self._release_endpoint(deployment)
+            self._release_workspace(deployment)
             metadata = deployment["metadata"]
             self._delete("Deployment", metadata["name"], metadata["namespace"], propagation_policy=propagation)
         self._controllers("ReplicaSet", selector, propagation)
@@ -1114,21 +1208,52 @@ class KubernetesBackend:
             for manifest in shared:
                 self._apply(manifest)
 
+    def _release_workspace(self, deployment: dict) -> None:
+        """Delete a workspace attempt's key (its Secret), if this Deployment is a workspace's; its home claim stays.
+
+        Deleted here, not left to the garbage collector: a stop deletes the Deployment orphaning its dependents,
+        the Secret among them.
+        """
+        metadata = deployment["metadata"]
+        labels = metadata.get("labels") or {}
+        if WORKSPACE_LABEL not in labels:
+            return
+        try:
+            name = key_secret_name(int(labels[JOB_LABEL]), int(labels[ATTEMPT_LABEL]))
+        except (KeyError, ValueError):
+            logger.warning("Deployment %s/%s of a workspace names no attempt; its key is left to the garbage "
+                           "collector.", metadata["namespace"], metadata["name"])
+            return
+        self._delete("Secret", name, metadata["namespace"])
+
     def workspace_address(self, job_id: int, attempt: int) -> str | None:
-        return None  # workspaces do not run here yet (launch_job refuses them)
+        """`http://<pod IP>:WORKSPACE_PORT` of the workspace's pod (the newest with an IP), from the watch cache."""
+        return self._pod_address(job_id, attempt, WORKSPACE_PORT)
 
     def delete_workspace_home(self, home: str) -> None:
-        return None
+        """Delete a deleted workspace's home claim and its policy, wherever they are (by its labels); idempotent.
+
+        Its keys went with its attempts (each stop and forget deletes its attempt's Secret).
+        """
+        selector = workspace_selector(home)
+        for claim in self._checked("PersistentVolumeClaim", "list", label_selector=selector)[1].get("items") or []:
+            self._delete("PersistentVolumeClaim", claim["metadata"]["name"], claim["metadata"]["namespace"])
+        for policy in self._checked("NetworkPolicy", "list", label_selector=selector)[1].get("items") or []:
+            self._delete("NetworkPolicy", policy["metadata"]["name"], policy["metadata"]["namespace"])
 
     def serving_address(self, job_id: int, attempt: int) -> str | None:
         """`http://<pod IP>:SERVER_PORT` of the replica's pod (the newest with an IP), from the watch cache."""
+        return self._pod_address(job_id, attempt, SERVER_PORT)
+
+    def _pod_address(self, job_id: int, attempt: int, port: int) -> str | None:
+        """`http://<pod IP>:<port>` of the attempt's newest pod with an IP (an IPv6 one in brackets); None before."""
         self._sync()
         pods = [pod for pod in self._cached_pods((job_id, attempt)) if (pod.get("status") or {}).get("podIP")]
         if not pods:
             return None
         pod = max(pods, key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"]))
         address = pod["status"]["podIP"]
-        return f"http://[{address}]:{SERVER_PORT}" if ":" in address else f"http://{address}:{SERVER_PORT}"
+        return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
     def _read_log(self, pod: dict, query: list[tuple[str, object]]) -> bytes | None:
         """One read of a pod's workload log; None when there is none (the pod is gone, or its container has not started)."""
@@ -1250,6 +1375,13 @@ class KubernetesBackend:
                     metadata = pod["metadata"]
                     replicas[(metadata["namespace"], metadata["name"])] = (key, rank, k8s_jobs.workload_container(pod))
         return replicas
+
+
+def _deployed(metadata: dict) -> bool:
+    """Whether an attempt's object (its pod, or its controller) is an inference replica's or a workspace's: a
+    Deployment runs it, not a Job."""
+    labels = metadata.get("labels") or {}
+    return ENDPOINT_LABEL in labels or WORKSPACE_LABEL in labels
 
 
 def _owner(namespace: dict) -> str | None:

@@ -31,6 +31,12 @@ ROUTER_POLICY = "allow-portal-router"
 # An inference replica's pods carry the endpoint's id; its server listens on this port.
 ENDPOINT_LABEL = "portal.gpu/endpoint-id"
 SERVER_PORT = 8000
+# A workspace's pod (and its home claim and policy) carry the workspace's id; JupyterLab listens on this port.
+WORKSPACE_LABEL = "portal.gpu/workspace-id"
+WORKSPACE_PORT = 8888
+# The pods the namespace's own traffic policy covers: every pod but workspaces, which take traffic from the
+# portal's edge alone (their own policy, runners.backends.workspace_manifests).
+NOT_A_WORKSPACE = {"matchExpressions": [{"key": WORKSPACE_LABEL, "operator": "DoesNotExist"}]}
 VIEWER_ROLE = "portal-viewer"
 EDITOR_ROLE = "portal-editor"
 
@@ -125,10 +131,22 @@ def limit_range_manifest(spec: EnvironmentSpec) -> dict:
     }
 
 
-def network_policy_manifests(spec: EnvironmentSpec, *, portal_namespace: str = "") -> list[dict]:
-    """NetworkPolicies: deny all traffic, then allow the namespace to itself and DNS lookups; and, with
-    ``portal_namespace``, the portal's router to reach inference replicas' servers (that port, those pods only)."""
+def same_namespace_policy_spec() -> dict:
+    """The spec of SAME_NAMESPACE_POLICY: the namespace's pods may talk to each other, workspaces' pods left out
+    (nothing in the namespace reaches a workspace; what a workspace may reach is its own policy's)."""
     same_namespace_peer = [{"podSelector": {}}]  # A bare podSelector means "pods in this namespace".
+    return {
+        "podSelector": {"matchExpressions": [dict(expression) for expression in NOT_A_WORKSPACE["matchExpressions"]]},
+        "policyTypes": ["Ingress", "Egress"],
+        "ingress": [{"from": same_namespace_peer}],
+        "egress": [{"to": same_namespace_peer}],
+    }
+
+
+def network_policy_manifests(spec: EnvironmentSpec, *, portal_namespace: str = "") -> list[dict]:
+    """NetworkPolicies: deny all traffic, then allow the namespace to itself (workspaces' pods aside) and DNS
+    lookups; and, with ``portal_namespace``, the portal's router to reach inference replicas' servers (that port,
+    those pods only)."""
     dns_peer = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
         "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
@@ -160,14 +178,7 @@ def network_policy_manifests(spec: EnvironmentSpec, *, portal_namespace: str = "
         }]
     return [
         policy(DEFAULT_DENY_POLICY, {"policyTypes": ["Ingress", "Egress"]}),
-        policy(
-            SAME_NAMESPACE_POLICY,
-            {
-                "policyTypes": ["Ingress", "Egress"],
-                "ingress": [{"from": same_namespace_peer}],
-                "egress": [{"to": same_namespace_peer}],
-            },
-        ),
+        policy(SAME_NAMESPACE_POLICY, same_namespace_policy_spec()),
         policy(
             DNS_POLICY,
             {

@@ -66,6 +66,11 @@ def claim(size="10Gi") -> dict:
             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": size}}}}
 
 
+def secret(name="job-1-1-workspace-key") -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}, "type": "Opaque",
+            "immutable": True, "data": {"key": "a2V5"}}
+
+
 def safe_pod(name="trainer", gpus=1) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {"app": "llm"}},
             "spec": {"containers": [{"name": "trainer", "image": "trainer",
@@ -178,6 +183,8 @@ CLAIMS = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
 JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
 BINDINGS = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+SECRETS = f"/api/v1/namespaces/{NS}/secrets"
+POLICIES = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
 
 # (kind, verb, subresource): the cases. Kind "*" stands for a call whose kind is a variable (any of KINDS).
 TABLE: dict[tuple[str, str, str], list[Case]] = {
@@ -234,6 +241,29 @@ TABLE: dict[tuple[str, str, str], list[Case]] = {
                                                                  {"spec": {"resources": {"requests": {"storage": "20Gi"}}}},
                                                                  content_type=MERGE_PATCH)), 403, "Forbidden"),
     ],
+    ("PersistentVolumeClaim", "list", ""): [
+        Case("all namespaces", get("/api/v1/persistentvolumeclaims?labelSelector=portal.gpu%2Fworkspace-id%3D9"), 200),
+    ],
+    ("PersistentVolumeClaim", "delete", ""): [
+        Case("exists", then(post(CLAIMS, claim()), delete(f"{CLAIMS}/checkpoints")), 200),
+        Case("missing", delete(f"{CLAIMS}/nope"), 404, "NotFound"),
+    ],
+    ("Secret", "create", ""): [
+        Case("new", post(SECRETS, secret()), 201),
+        Case("taken", then(post(SECRETS, secret()), post(SECRETS, secret())), 409, "AlreadyExists"),
+        Case("namespace terminating", then(terminating, post(SECRETS, secret())), 403, "Forbidden",
+             "NamespaceTerminating"),
+    ],
+    ("Secret", "delete", ""): [
+        Case("exists", then(post(SECRETS, secret()), delete(f"{SECRETS}/job-1-1-workspace-key")), 200),
+        Case("missing", delete(f"{SECRETS}/nope"), 404, "NotFound"),
+    ],
+    ("NetworkPolicy", "list", ""): [
+        Case("in a namespace", get(f"{POLICIES}?labelSelector=app.kubernetes.io%2Fmanaged-by%3Dgpu-portal"), 200),
+        Case("all namespaces", get("/apis/networking.k8s.io/v1/networkpolicies?labelSelector=portal.gpu%2F"
+                                   "workspace-id%3D9"), 200),
+    ],
+    ("NetworkPolicy", "delete", ""): [Case("missing", delete(f"{POLICIES}/nope"), 404, "NotFound")],
     ("Pod", "list", ""): [Case("all namespaces", get("/api/v1/pods?labelSelector=app%3Dllm"), 200)],
     ("Pod", "watch", ""): [
         Case("from now", watch_from("100"), 200),

@@ -50,7 +50,8 @@ EXPECTED_CLUSTER_ROLE_RULES = {
     (("",), ("namespaces",), ("create", "delete", "get", "patch"), ()),
     (("",), ("limitranges", "resourcequotas", "serviceaccounts", "services"), ("create", "delete", "list", "patch"), ()),
     (("networking.k8s.io",), ("networkpolicies",), ("create", "delete", "list", "patch"), ()),
-    (("",), ("persistentvolumeclaims",), ("create", "get", "patch"), ()),
+    (("",), ("persistentvolumeclaims",), ("create", "delete", "get", "list", "patch"), ()),
+    (("",), ("secrets",), ("create", "delete"), ()),
     (("batch",), ("jobs",), ("create", "delete", "get", "list", "patch"), ()),
     (("apps",), ("deployments",), ("create", "delete", "get", "list", "patch"), ()),
     (("apps",), ("replicasets",), ("delete", "list"), ()),
@@ -501,7 +502,8 @@ def rbac_problems(objects: list[dict]) -> list[str]:
                     problems.append(f"{name} grants nonResourceURLs")
                 for verb in {"impersonate", "deletecollection"} & set(rule.get("verbs", [])):
                     problems.append(f"{name} grants {verb}")
-                if {"secrets"} & set(rule.get("resources", [])):
+                # Secrets may be made and removed (a workspace attempt's key), never read or changed.
+                if {"secrets"} & set(rule.get("resources", [])) and set(rule.get("verbs", [])) - {"create", "delete"}:
                     problems.append(f"{name} grants access to Secrets")
         if obj["kind"] in ("RoleBinding", "ClusterRoleBinding") and obj["roleRef"]["name"] in BUILT_IN_ROLES:
             problems.append(f"{name} binds {obj['roleRef']['name']}")
@@ -520,11 +522,14 @@ def test_no_wildcards_and_no_built_in_admin_roles(rendered):
     {"kind": "ClusterRole", "metadata": {"name": "x"}, "rules": [{"apiGroups": [""], "resources": ["*"], "verbs": ["get"]}]},
     {"kind": "Role", "metadata": {"name": "x"}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]}]},
     {"kind": "Role", "metadata": {"name": "x"}, "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]},
+    {"kind": "ClusterRole", "metadata": {"name": "x"}, "rules": [{"apiGroups": [""], "resources": ["secrets"],
+                                                                  "verbs": ["create", "patch"]}]},
     {"kind": "ClusterRole", "metadata": {"name": "x"}, "rules": [{"apiGroups": [""], "resources": ["users"], "verbs": ["impersonate"]}]},
     {"kind": "ClusterRole", "metadata": {"name": "x"}, "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]},
     {"kind": "ClusterRoleBinding", "metadata": {"name": "x"}, "roleRef": {"kind": "ClusterRole", "name": "cluster-admin"}},
     {"kind": "RoleBinding", "metadata": {"name": "x"}, "roleRef": {"kind": "ClusterRole", "name": "edit"}},
-], ids=["group", "resource", "verb", "secrets", "impersonate", "non-resource", "cluster-admin", "edit"])
+], ids=["group", "resource", "verb", "secrets", "secrets-patch", "impersonate", "non-resource", "cluster-admin",
+        "edit"])
 def test_rbac_problems_catches(bad):
     assert rbac_problems([bad])
 

@@ -91,6 +91,9 @@ for apps/v1 does (Background: the garbage collector deletes the dependents
 without their owner. The kubelet restarts a crashed container of such a pod in place
 (`crash_container`).
 
+For workspaces it serves Secrets too (a workspace attempt's key), stored as written; its kubelet
+does not check that a pod's secretKeyRef names one (a real kubelet holds the container back until it does).
+
 For members' own kubeconfigs it serves the serviceaccounts/token subresource (an
 authentication.k8s.io/v1 TokenRequest answered with a random token, remembered with
 its namespace, ServiceAccount and expiry: at least 10 minutes, at most 2^32 s,
@@ -165,6 +168,7 @@ RESOURCE_TYPES = {
         ResourceType("configmaps", "ConfigMap", "v1", namespaced=True),
         ResourceType("services", "Service", "v1", namespaced=True),
         ResourceType("persistentvolumeclaims", "PersistentVolumeClaim", "v1", namespaced=True),
+        ResourceType("secrets", "Secret", "v1", namespaced=True),
         ResourceType("jobs", "Job", "batch/v1", namespaced=True),
         ResourceType("deployments", "Deployment", "apps/v1", namespaced=True),
         ResourceType("replicasets", "ReplicaSet", "apps/v1", namespaced=True),
