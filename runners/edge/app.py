@@ -542,7 +542,8 @@ class Edge:
             "host", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
             "sec-websocket-protocol", *WORKSPACE_DROPPED))]
         await proxy.forward_websocket(scope, receive, send, url, unix_socket=socket_path,
-                                      extra_headers=headers + self._workspace_headers(scope, workspace, caller))
+                                      extra_headers=headers + self._workspace_headers(scope, workspace, caller),
+                                      open_timeout_s=WORKSPACE_OPEN_TIMEOUT_S)
 
     # --- everything else: passed to the portal's web process ------------------------------------------------
 
@@ -574,6 +575,9 @@ class Edge:
         await proxy.forward_websocket(scope, receive, send, url, extra_headers=headers)
 
 
+# How long a WebSocket to a workspace may take to open: JupyterLab holds a kernel's first channel until the
+# kernel answers (its kernel_info_timeout, 60 s), and a kernel still starting must not fail the page's channel.
+WORKSPACE_OPEN_TIMEOUT_S = 65
 # How soon a request to a workspace that is not ready may try again (Retry-After; the waiting page's reload).
 WORKSPACE_RETRY_S = 3
 

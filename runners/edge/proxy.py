@@ -238,10 +238,11 @@ async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base
 
 
 async def forward_websocket(scope, receive, send, upstream_url: str, *,
-                            extra_headers: Iterable[tuple[str, str]] = (), unix_socket: str | None = None) -> str:
+                            extra_headers: Iterable[tuple[str, str]] = (), unix_socket: str | None = None,
+                            open_timeout_s: float = 10) -> str:
     """Pass a WebSocket through to ``upstream_url`` (ws://...; over ``unix_socket`` when given, the URL's host
-    then only its Host header): accepted once the upstream accepts, then every message both ways until
-    either side closes (the other side is closed with the same code)."""
+    then only its Host header): accepted once the upstream accepts (within ``open_timeout_s``), then every
+    message both ways until either side closes (the other side is closed with the same code)."""
     from websockets.asyncio.client import connect, unix_connect
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
@@ -252,10 +253,10 @@ async def forward_websocket(scope, receive, send, upstream_url: str, *,
     try:
         if unix_socket is not None:
             upstream = await unix_connect(unix_socket, upstream_url, additional_headers=list(extra_headers),
-                                          subprotocols=subprotocols, open_timeout=10, max_size=None)
+                                          subprotocols=subprotocols, open_timeout=open_timeout_s, max_size=None)
         else:
             upstream = await connect(upstream_url, additional_headers=list(extra_headers),
-                                     subprotocols=subprotocols, open_timeout=10, max_size=None)
+                                     subprotocols=subprotocols, open_timeout=open_timeout_s, max_size=None)
     except (OSError, InvalidHandshake, InvalidStatus, asyncio.TimeoutError):
         await send({"type": "websocket.close", "code": 1011})
         return "upstream-unreachable"

@@ -68,6 +68,8 @@ def test_every_other_path_and_websockets_pass_through_to_the_web_process(tmp_pat
         assert seen["headers"]["x-forwarded-for"] == "127.0.0.1" and seen["headers"]["x-forwarded-proto"] == "http"
 
         with connect(f"ws://127.0.0.1:{edge.port}/ws/echo") as websocket:
+            # The client offers permessage-deflate; the edge, which would compress on its one loop, declines.
+            assert websocket.response.headers.get("Sec-WebSocket-Extensions") is None
             websocket.send("hello")
             assert websocket.recv(timeout=10) == "echo:hello"
             websocket.send(b"\x00\x01")
