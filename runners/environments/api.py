@@ -36,12 +36,19 @@ class EnvironmentSerializer(serializers.ModelSerializer):
             "created_by",
             "created_at",
             "state_changed_at",
+            "workspace_image",
         ]
+
+
+WORKSPACE_IMAGE_HELP = ("The image the environment's workspaces run on Kubernetes, from ALLOWED_IMAGE_REGISTRIES "
+                        "(with JupyterLab and the portal's workspace server); \"\" for the portal's own.")
 
 
 class EnvironmentCreateSerializer(StrictTypesMixin, serializers.Serializer):
     tenant = serializers.CharField(max_length=TENANT_SLUG_MAX)
     name = dns_label_field(ENVIRONMENT_NAME_MAX)
+    workspace_image = serializers.CharField(max_length=255, required=False, allow_blank=True,
+                                            help_text=WORKSPACE_IMAGE_HELP)
 
     def validate_tenant(self, slug: str) -> Tenant:
         # Another tenant's slug reads exactly like one that does not exist.
@@ -49,6 +56,12 @@ class EnvironmentCreateSerializer(StrictTypesMixin, serializers.Serializer):
         if tenant is None:
             raise serializers.ValidationError(f"There is no tenant {slug!r} that you belong to.")
         return tenant
+
+
+class EnvironmentChangeSerializer(StrictTypesMixin, serializers.Serializer):
+    """What may change on an environment (its tenant's admins): the image its workspaces run."""
+
+    workspace_image = serializers.CharField(max_length=255, allow_blank=True, help_text=WORKSPACE_IMAGE_HELP)
 
 
 class KubeconfigRenderer(BaseRenderer):
@@ -167,6 +180,20 @@ class EnvironmentViewSet(
         data.is_valid(raise_exception=True)
         environment = environments.environment_request(actor=request.user, **data.validated_data)
         return Response(EnvironmentSerializer(environment).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=EnvironmentChangeSerializer, responses={200: EnvironmentSerializer})
+    def partial_update(self, request, pk):
+        """Change the image the environment's workspaces run; any other field is refused by name."""
+        environment = self.get_object()
+        unknown = sorted(set(request.data) - set(EnvironmentChangeSerializer().fields)) if hasattr(
+            request.data, "keys") else []
+        if unknown:
+            raise exceptions.ValidationError({unknown[0]: ["Cannot be changed here."]})
+        data = EnvironmentChangeSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        environment = environments.environment_set_workspace_image(
+            actor=request.user, environment=environment, image=data.validated_data["workspace_image"])
+        return Response(EnvironmentSerializer(environment).data)
 
     @extend_schema(responses={
         202: EnvironmentSerializer,

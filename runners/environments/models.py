@@ -47,6 +47,10 @@ class Environment(models.Model):
     # When teardown was first asked for; a namespace Terminating much longer than
     # KUBERNETES_NAMESPACE_DELETE_TIMEOUT_S is reported on the environment as stuck.
     delete_requested_at = models.DateTimeField(null=True, blank=True)
+    # The image a workspace of this environment runs on Kubernetes (from ALLOWED_IMAGE_REGISTRIES, holding
+    # JupyterLab and the portal's runners/workloads/workspace.py); "": the portal's own (KUBERNETES_TRAINER_IMAGE).
+    # The local backend always runs the portal's own JupyterLab in its sandbox.
+    workspace_image = models.CharField(max_length=255, blank=True)
 
     class Meta:
         db_table = "runners_environment"  # the table kept its name when the model moved here

@@ -17,6 +17,7 @@ from django.utils import timezone
 from audit.services import record
 from common.dispatch import enqueue_on_commit, send_task
 from common.errors import Conflict, Invalid, NotAllowed, NotFound
+from common.images import allowed_image
 from quotas.selectors import environment_quota_hard
 from runners.backends.base import EnvironmentSpec, MemberBinding, PermanentBackendError, TransientBackendError
 from runners.backends.k8s_access import AccessRefused, MemberKubeconfig
@@ -87,9 +88,11 @@ def _release_sync_message(environment_id: int) -> None:
     Environment.objects.filter(id=environment_id).update(sync_pending=False)
 
 
-def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -> Environment:
+def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str, workspace_image: str = "") -> Environment:
     """Record a new environment as requested; a worker provisions it after commit."""
     require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
+    if workspace_image:
+        allowed_image("workspace_image", workspace_image)
     namespace = environment_namespace(tenant.slug, name)
     if len(namespace) > NAMESPACE_MAX:
         raise Invalid("name", f"Too long for this tenant: the namespace {namespace!r} would exceed {NAMESPACE_MAX} characters; "
@@ -113,6 +116,7 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
         backend=settings.CLUSTER_BACKEND,
         created_by=actor,
         status_message="Waiting for a worker.",
+        workspace_image=workspace_image,
     )
     environment.full_clean(validate_constraints=False)
     try:
@@ -127,6 +131,28 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str) -
         if Environment.objects.exclude(state=EnvironmentState.DELETED).filter(tenant=tenant, name=name).exists():
             raise duplicate from None
         raise unavailable from None
+    return environment
+
+
+def environment_set_workspace_image(*, actor: AbstractBaseUser, environment: Environment, image: str) -> Environment:
+    """Change the image the environment's workspaces run (Kubernetes; "" for the portal's own): the tenant's
+    admins may. A workspace running now keeps its image; its next start takes the new one."""
+    require_role(user=actor, tenant=environment.tenant, at_least=Role.ADMIN)
+    if not isinstance(image, str):
+        raise Invalid("workspace_image", "A string: an image reference, or \"\" for the portal's own.")
+    if image:
+        allowed_image("workspace_image", image)
+    with transaction.atomic():
+        current = Environment.objects.select_for_update().get(id=environment.id)
+        if current.state == EnvironmentState.DELETED or current.delete_requested_at is not None:
+            raise Invalid("workspace_image", "The environment is being deleted.")
+        before = current.workspace_image
+        if before != image:
+            Environment.objects.filter(id=current.id).update(workspace_image=image)
+            record("environment.workspace_image_changed", actor=actor, tenant=current.tenant, obj=current,
+                   object_repr=f"{current.tenant.slug}/{current.name}", before={"workspace_image": before},
+                   after={"workspace_image": image})
+    environment.refresh_from_db()
     return environment
 
 

@@ -27,6 +27,7 @@ from django.utils import timezone
 from audit.services import record
 from common.dispatch import send_task, send_task_at_most_every
 from common.errors import Conflict, Invalid, TooMany
+from common.images import allowed_image
 from quotas.models import PartitionKind, Quota, ResourceFlavor
 from runners.bundles import services as bundles
 from runners.clusters.models import Node
@@ -237,14 +238,7 @@ def _topology(value) -> dict[str, str]:
 
 def image_check(image, command) -> tuple[str, list[str]]:
     """An image and command as a spec gives them, checked (Invalid names ``image`` or ``command``)."""
-    if not isinstance(image, str) or not image:
-        raise Invalid("image", "Name the image: a reference from an allowed registry.")
-    registries = settings.ALLOWED_IMAGE_REGISTRIES
-    if not any(image.startswith(registry.rstrip("/") + "/") for registry in registries):
-        raise Invalid("image", f"Images come from {', '.join(registries) or 'no registry (none is allowed)'}.")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9._\-/:@]{0,254}", image):
-        raise Invalid("image", "Not an image reference.")
-    return image, command_check(command)
+    return allowed_image("image", image), command_check(command)
 
 
 def spec_shape_check(data, *, fields, required, what: str) -> None:

@@ -12,11 +12,11 @@ def _workspace_launch(sender, job, **kwargs):
     """The settings of the workspace this job started (read at its launch: its key is this start's)."""
     from runners.workspaces.services import home_of
 
-    workspace = Workspace.objects.filter(job_id=job.id).select_related("tenant").first()
+    workspace = Workspace.objects.filter(job_id=job.id).select_related("tenant", "environment").first()
     if workspace is None:
         return None
     return {"workspace_id": workspace.id, "base_url": workspace.base_url, "key": workspace.key,
-            "home": home_of(workspace)}
+            "home": home_of(workspace), "image": workspace.environment.workspace_image or None}
 
 
 @receiver(job_signals.attempts_ended)

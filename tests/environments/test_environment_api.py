@@ -71,6 +71,11 @@ def test_a_deleted_name_can_be_used_again(client_for, teammate, tenant):
         ({"tenant": "nope", "name": "train"}, "tenant", "no tenant"),
         ({"tenant": "x" * 31, "name": "train"}, "tenant", "no more than 30"),
         ({"name": "train"}, "tenant", "required"),
+        ({"tenant": "acme", "name": "train", "workspace_image": "docker.io/evil/lab:1"}, "workspace_image",
+         "images come from"),
+        ({"tenant": "acme", "name": "train", "workspace_image": "nvcr.io/nvidia/Lab Image"}, "workspace_image",
+         "not an image reference"),
+        ({"tenant": "acme", "name": "train", "workspace_image": 7}, "workspace_image", "string"),
     ],
 )
 def test_bad_input_gets_400_naming_the_field(client_for, owner, tenant, payload, field, phrase):
@@ -137,3 +142,49 @@ def test_a_name_that_would_make_a_cluster_namespace_is_refused(client_for, staff
     assert response.status_code == 400
     assert "reserved for the cluster" in response.json()["name"][0]
     assert not Environment.objects.exists()
+
+
+LAB_IMAGE = "nvcr.io/nvidia/pytorch:24.10-py3-lab"
+
+
+def test_an_admin_sets_the_image_an_environments_workspaces_run_and_a_workspace_start_takes_it(
+        client_for, owner, teammate, outsider, tenant):
+    from audit.models import AuditEntry
+    from runners.jobs.models import Job
+    from runners.jobs.signals import workspace_launch
+    from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
+
+    created = client_for(owner).post("/api/v1/environments/", {"tenant": "acme", "name": "train",
+                                                                "workspace_image": LAB_IMAGE}, format="json")
+    assert created.status_code == 201 and created.json()["workspace_image"] == LAB_IMAGE
+    environment = ready_environment(actor=owner, tenant=tenant, name="notebooks")
+    url = f"/api/v1/environments/{environment.id}/"
+    assert client_for(owner).get(url).json()["workspace_image"] == ""
+
+    # Only the tenant's admins change it; another tenant's member is told nothing exists.
+    assert client_for(teammate).patch(url, {"workspace_image": LAB_IMAGE}, format="json").status_code == 403
+    assert client_for(outsider).patch(url, {"workspace_image": LAB_IMAGE}, format="json").status_code == 404
+    refused = client_for(owner).patch(url, {"workspace_image": "ghcr.io/someone/lab:1"}, format="json")
+    assert refused.status_code == 400 and "workspace_image" in refused.json()
+    unknown = client_for(owner).patch(url, {"name": "renamed"}, format="json")
+    assert unknown.status_code == 400 and "name" in unknown.json()
+    environment.refresh_from_db()
+    assert environment.workspace_image == "" and environment.name == "notebooks"
+
+    changed = client_for(owner).patch(url, {"workspace_image": LAB_IMAGE}, format="json")
+    assert changed.status_code == 200 and changed.json()["workspace_image"] == LAB_IMAGE
+    entry = AuditEntry.objects.get(action="environment.workspace_image_changed")
+    assert entry.before == {"workspace_image": ""} and entry.after == {"workspace_image": LAB_IMAGE}
+
+    # A workspace's start in it runs that image (the backend's launch reads it from the workspace's answer).
+    give_quota(tenant, demo_cluster_with_flavors()["t4-shared"], guaranteed=1, max=2)
+    started = client_for(owner).post("/api/v1/workspaces/", {"tenant": "acme", "environment": environment.id,
+                                                             "name": "nb", "flavor": "t4-shared"}, format="json")
+    assert started.status_code == 201, started.content
+    job = Job.objects.get(id=started.json()["job"])
+    answers = [fields for _receiver, fields in workspace_launch.send(sender=Job, job=job) if fields]
+    assert answers[0]["image"] == LAB_IMAGE
+    # "" puts back the portal's own image.
+    assert client_for(owner).patch(url, {"workspace_image": ""}, format="json").json()["workspace_image"] == ""
+    answers = [fields for _receiver, fields in workspace_launch.send(sender=Job, job=job) if fields]
+    assert answers[0]["image"] is None
