@@ -42,7 +42,7 @@ The metrics, each a latency in milliseconds at the client:
   with JupyterLab are part of it.
 
 The WebSocket client is the `websockets` package's sync client, offering permessage-deflate as browsers do;
-what each way agreed to is printed (JupyterLab turns compression down; the edge's uvicorn takes it).
+what each way agreed to is printed (both turn it down: JupyterLab, and the edge since this bench found it compressing every message on its one loop).
 
 How it is fair: the edge is pinned to one core (`--edge-core`), JupyterLab, its kernel and its terminal to
 another (`--workspace-core`), this client to `--client-core` (a third core when the machine has one, else
