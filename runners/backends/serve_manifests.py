@@ -370,13 +370,23 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
         volumes.insert(0, {"name": WEIGHTS_VOLUME,
                            "emptyDir": {"sizeLimit": _weights_volume_limit(launch.serving.weights.bytes)}})
         init_containers.append(fetch_weights_container(launch, server_image))
+    return one_pod_deployment(launch, name=name, selector=labels, pod_labels=pod_labels, scheduler_name=scheduler_name,
+                              containers=[container], volumes=volumes, init_containers=init_containers)
+
+
+def one_pod_deployment(launch: JobLaunch, *, name: str, selector: dict, pod_labels: dict, scheduler_name: str,
+                       containers: list[dict], volumes: list[dict], init_containers: list[dict] = (),
+                       pod_security: dict | None = None) -> dict:
+    """The Deployment of an attempt that is one pod (an inference replica, a workspace): bound where the portal
+    placed it (rank 0), recreated rather than rolled (never a second pod beside the first, on the GPUs the portal
+    gave to one), no ServiceAccount token, the portal's pod security context (or ``pod_security``)."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": launch.namespace, "labels": pod_labels},
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "Recreate"},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {**placement_annotation(launch), RANK_ANNOTATION: "0"}},
@@ -387,9 +397,9 @@ def serving_deployment_manifest(launch: JobLaunch, *, server_image: str, schedul
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": launch.grace_period_s,
-                    "securityContext": dict(POD_SECURITY_CONTEXT),
-                    **({"initContainers": init_containers} if init_containers else {}),
-                    "containers": [container],
+                    "securityContext": dict(pod_security or POD_SECURITY_CONTEXT),
+                    **({"initContainers": list(init_containers)} if init_containers else {}),
+                    "containers": containers,
                     "volumes": volumes,
                 },
             },

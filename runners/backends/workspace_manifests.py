@@ -40,18 +40,16 @@ from runners.backends.job_manifests import (
     SCRATCH_VOLUME,
     attempt_labels,
     job_name,
-    placement_annotation,
     replica_resources,
 )
 from runners.backends.manifests import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
     TENANT_LABEL,
-    WORKLOAD_SERVICE_ACCOUNT,
     WORKSPACE_LABEL,
     WORKSPACE_PORT,
 )
-from runners.backends.serve_manifests import RANK_ANNOTATION, SERVER_CONTAINER
+from runners.backends.serve_manifests import SERVER_CONTAINER, one_pod_deployment
 
 WORKSPACE_COMMAND = ["python", "-m", "runners.workloads.workspace"]
 # The workspace's home folder: its claim, mounted here; $HOME, JupyterLab's root and the working directory.
@@ -229,38 +227,15 @@ def workspace_deployment_manifest(launch: JobLaunch, *, image: str, scheduler_na
     """
     _checked(launch)
     workspace = launch.workspace
-    labels = _pod_labels(launch)
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": job_name(launch), "namespace": launch.namespace, "labels": labels},
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": attempt_labels(launch)},
-            # An update never starts a second pod beside the first: on the GPUs the portal gave to one, and on
-            # a claim one pod mounts.
-            "strategy": {"type": "Recreate"},
-            "template": {
-                "metadata": {"labels": labels, "annotations": {**placement_annotation(launch), RANK_ANNOTATION: "0"}},
-                "spec": {
-                    "schedulerName": scheduler_name,
-                    "restartPolicy": "Always",
-                    "serviceAccountName": WORKLOAD_SERVICE_ACCOUNT,
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": launch.grace_period_s,
-                    # fsGroup makes the claim writable by the workspace's user; only a volume whose root is not
-                    # already the group's is walked (a big home is not re-owned at every start).
-                    "securityContext": {**POD_SECURITY_CONTEXT, "fsGroupChangePolicy": "OnRootMismatch"},
-                    "containers": [workspace_container(launch, image=workspace.image or image)],
-                    "volumes": [
-                        {"name": HOME_VOLUME, "persistentVolumeClaim": {"claimName": home_claim_name(workspace.home)}},
-                        {"name": SCRATCH_VOLUME, "emptyDir": {}},
-                    ],
-                },
-            },
-        },
-    }
+    return one_pod_deployment(
+        launch, name=job_name(launch), selector=attempt_labels(launch), pod_labels=_pod_labels(launch),
+        scheduler_name=scheduler_name, containers=[workspace_container(launch, image=workspace.image or image)],
+        volumes=[{"name": HOME_VOLUME, "persistentVolumeClaim": {"claimName": home_claim_name(workspace.home)}},
+                 {"name": SCRATCH_VOLUME, "emptyDir": {}}],
+        # fsGroup makes the claim writable by the workspace's user; only a volume whose root is not already the
+        # group's is walked (a big home is not re-owned at every start).
+        pod_security={**POD_SECURITY_CONTEXT, "fsGroupChangePolicy": "OnRootMismatch"},
+    )
 
 
 def workspace_manifests(launch: JobLaunch, *, image: str, scheduler_name: str, portal_namespace: str,
