@@ -14,7 +14,6 @@ import re
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ import torch
 from django.conf import settings
 
 from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
-from tests.support.portal_up import free_port, fresh_database, started_portal
+from tests.support.portal_up import free_port, fresh_database, ready_environment_through_api, started_portal
 
 pytestmark = pytest.mark.e2e
 
@@ -91,13 +90,7 @@ def cli(portal, tmp_path_factory):
     result = run("login", portal, "--username", "alice", "--password-stdin", input=f"{PASSWORD}\n")
     assert result.returncode == 0, result.stderr
     token = json.loads(run.config_file.read_text())["token"]
-    with httpx.Client(base_url=portal, headers={"Authorization": f"Token {token}"}) as api:
-        created = api.post("/api/v1/environments/", json={"tenant": "ml-research", "name": ENVIRONMENT})
-        assert created.status_code == 201, created.text
-        deadline = time.monotonic() + 120
-        while api.get(f"/api/v1/environments/{created.json()['id']}/").json()["state"] != "ready":
-            assert time.monotonic() < deadline, "the environment did not become ready"
-            time.sleep(0.5)
+    ready_environment_through_api(portal, token, tenant="ml-research", name=ENVIRONMENT)
     return run
 
 

@@ -20,7 +20,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from tests.frontend.conftest import _playwright
-from tests.support.portal_up import fresh_database, started_portal
+from tests.support.portal_up import fresh_database, ready_environment_through_api, started_portal
 
 pytestmark = pytest.mark.e2e
 
@@ -46,13 +46,7 @@ def portal(tmp_path_factory):
             login = httpx.post(f"{url}/api/v1/auth/token/", json={"username": "alice", "password": PASSWORD})
             assert login.status_code in (200, 201), login.text
             token = login.json()["token"]
-            with httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}) as api:
-                created = api.post("/api/v1/environments/", json={"tenant": "ml-research", "name": "notebooks"})
-                assert created.status_code == 201, created.text
-                deadline = time.monotonic() + 120
-                while api.get(f"/api/v1/environments/{created.json()['id']}/").json()["state"] != "ready":
-                    assert time.monotonic() < deadline, "the environment did not become ready"
-                    time.sleep(0.5)
+            ready_environment_through_api(url, token, tenant="ml-research", name="notebooks")
             yield url
 
 

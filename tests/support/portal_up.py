@@ -133,3 +133,18 @@ def started_portal(env_overrides: dict[str, str], var_dir: Path, *, timeout_s: f
     finally:
         _stop(process, timeout_s=30)
         kill_job_processes(Path(env.get("LOCAL_JOBS_DIR") or var_dir / "jobs"))
+
+
+def ready_environment_through_api(url: str, token: str, *, tenant: str, name: str, timeout_s: float = 120) -> int:
+    """Ask the portal at ``url`` for an environment as its Environments page does (the API, with ``token``), and
+    wait until a worker has made it ready: its id."""
+    import httpx
+
+    with httpx.Client(base_url=url, headers={"Authorization": f"Token {token}"}) as api:
+        created = api.post("/api/v1/environments/", json={"tenant": tenant, "name": name})
+        assert created.status_code == 201, created.text
+        deadline = time.monotonic() + timeout_s
+        while api.get(f"/api/v1/environments/{created.json()['id']}/").json()["state"] != "ready":
+            assert time.monotonic() < deadline, f"the environment {tenant}/{name} did not become ready"
+            time.sleep(0.5)
+    return created.json()["id"]
