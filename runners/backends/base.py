@@ -512,8 +512,9 @@ class ClusterBackend(Protocol):
     def forget_job(self, job_id: int, attempt: int) -> None:
         """The attempt has ended and its outcome is recorded: release what tracks it."""
 
-    def jobs_open(self, attempts: set[tuple[int, int]]) -> None:
-        """The (job id, attempt) pairs the portal holds open now, told once per reconcile pass.
+    def jobs_open(self, attempts: dict[tuple[int, int], str]) -> None:
+        """The (job id, attempt) pairs the portal holds open now, each with the namespace it runs in, told once
+        per reconcile pass (a cluster's backend counts a pod as an attempt's only in that namespace).
 
         Only their replicas may be started or bound; anything else of the portal's found
         running is left unbound (and logged), and what the backend tracks of other attempts
@@ -523,12 +524,13 @@ class ClusterBackend(Protocol):
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         """The last `tail` lines one replica wrote."""
 
-    def serving_address(self, job_id: int, attempt: int) -> str | None:
-        """The base URL an inference replica's server answers on (``http://host:port``), None until it is known."""
+    def serving_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
+        """The base URL an inference replica's server answers on (``http://host:port``), None until it is known.
+        ``namespace``: the one the attempt runs in (its environment's), where a cluster looks for its pod."""
 
-    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+    def workspace_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
         """Where a workspace's JupyterLab answers (``unix:/path`` locally, ``http://host:port`` on a cluster),
-        None until it is known."""
+        None until it is known. ``namespace``: as for serving_address."""
 
     def delete_workspace_home(self, home: str) -> None:
         """Remove a deleted workspace's home folder (``<tenant>/<workspace id>``)."""

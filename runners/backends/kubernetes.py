@@ -269,8 +269,11 @@ class KubernetesBackend:
         self.min_sync_interval_s = 0.5
         # The attempts whose pods may be bound: the set the portal last gave jobs_open, and what
         # this process launched since. Pods of any other attempt are left unbound, logged once each (by uid).
-        self._open_attempts: set[tuple[int, int]] = set()
-        self._launched_since: set[tuple[int, int]] = set()
+        # The attempts the portal holds open, each with the namespace it runs in (None where the caller did not
+        # say): a pod counts as an attempt's only in that namespace. Its labels alone say nothing, since a
+        # tenant's editors may make pods, Jobs and Deployments with any labels in their own namespaces.
+        self._open_attempts: dict[tuple[int, int], str | None] = {}
+        self._launched_since: dict[tuple[int, int], str] = {}
         self._unbound_noted: set[str] = set()
         # Bytes of pod log read by job_progress, all told (what the reconcile's reads cost).
         self.log_bytes_read = 0
@@ -759,7 +762,7 @@ class KubernetesBackend:
         if launch.template == "custom" and not (launch.image and launch.command):
             raise PermanentBackendError("A custom job needs an image and a command.")
         # Open from now on in this process, so its pods are bound at once (and by every later sync here).
-        self._launched_since.add((launch.job_id, launch.attempt))
+        self._launched_since[(launch.job_id, launch.attempt)] = launch.namespace
         self._ensure_checkpoint_volume(launch)
         for manifest in job_manifests(
             launch, trainer_image=self.trainer_image, scheduler_name=self.scheduler_name,
@@ -822,7 +825,7 @@ class KubernetesBackend:
         """
         manifests = serve_manifests(launch, server_image=self.trainer_image, scheduler_name=self.scheduler_name,
                                     cache_grant_key=self.cache_grant_key)
-        self._launched_since.add((launch.job_id, launch.attempt))
+        self._launched_since[(launch.job_id, launch.attempt)] = launch.namespace
         if launch.serving.source_job_id is not None:
             self._ensure_checkpoint_volume(launch)
         for manifest in manifests:
@@ -847,7 +850,7 @@ class KubernetesBackend:
         applied = self._apply(deployment)
         self._checked("Secret", "create", namespace=launch.namespace, body=key_secret_manifest(launch, owner=applied),
                       field_manager=self.field_manager, accept=(201, 409))
-        self._launched_since.add((launch.job_id, launch.attempt))
+        self._launched_since[(launch.job_id, launch.attempt)] = launch.namespace
         self._sync(force=True)
 
     def _isolate_workspaces(self, namespace: str) -> None:
@@ -936,12 +939,27 @@ class KubernetesBackend:
         every other attempt, whichever process ended it, so memory stays bounded by the open ones.
         """
         with self._sync_lock:
-            self._open_attempts = {(int(job_id), int(attempt)) for job_id, attempt in attempts}
-            self._launched_since = set()
-            self.tracker.prune(self._open_attempts)
+            if isinstance(attempts, dict):
+                self._open_attempts = {(int(job_id), int(attempt)): namespace
+                                       for (job_id, attempt), namespace in attempts.items()}
+            else:
+                self._open_attempts = {(int(job_id), int(attempt)): None for job_id, attempt in attempts}
+            self._launched_since = {}
+            self.tracker.prune(set(self._open_attempts))
 
     def _is_open(self, attempt: tuple[int, int] | None) -> bool:
         return attempt is not None and (attempt in self._open_attempts or attempt in self._launched_since)
+
+    def _namespace_of(self, attempt: tuple[int, int] | None) -> str | None:
+        """The namespace an open attempt runs in, where this process knows it (its launch, or the portal's
+        jobs_open)."""
+        if attempt is None:
+            return None
+        return self._launched_since.get(attempt) or self._open_attempts.get(attempt)
+
+    @staticmethod
+    def _in_namespace(pods: list[dict], namespace: str | None) -> list[dict]:
+        return pods if namespace is None else [pod for pod in pods if pod["metadata"].get("namespace") == namespace]
 
     def _sync(self, *, force: bool = False) -> None:
         """Bring the pod cache up to date (at most every min_sync_interval_s) and bind open attempts' pods still unbound.
@@ -1002,6 +1020,14 @@ class KubernetesBackend:
                     logger.warning("Leaving pod %s/%s unbound: its attempt %s is not open.",
                                    metadata["namespace"], metadata["name"], attempt)
                 continue
+            expected = self._namespace_of(attempt)
+            if expected is not None and metadata.get("namespace") != expected:
+                # The attempt's labels on a pod of another namespace: not the portal's, whoever made it.
+                if metadata.get("uid", "") not in self._unbound_noted:
+                    self._unbound_noted.add(metadata.get("uid", ""))
+                    logger.warning("Leaving pod %s/%s unbound: it carries attempt %s's labels, and that attempt "
+                                   "runs in %s.", metadata["namespace"], metadata["name"], attempt, expected)
+                continue
             to_bind.append(pod)
         self._unbound_noted &= present
         return to_bind
@@ -1030,7 +1056,8 @@ class KubernetesBackend:
         return self._node_verdicts[node_name]
 
     def _cached_pods(self, key: tuple[int, int]) -> list[dict]:
-        """The attempt's pods in the watch cache (indexed once per sync: a pass reads every attempt)."""
+        """The attempt's pods in the watch cache (indexed once per sync: a pass reads every attempt): those that carry
+        its labels, in its namespace where this process knows it (`_namespace_of`)."""
         index = self._pods_by_attempt
         if index is None:
             index = {}
@@ -1039,7 +1066,7 @@ class KubernetesBackend:
                 if attempt is not None:
                     index.setdefault(attempt, []).append(pod)
             self._pods_by_attempt = index
-        return index.get(key, [])
+        return self._in_namespace(index.get(key, []), self._namespace_of(key))
 
     def job_status(self, job_id: int, attempt: int) -> AttemptStatus:
         self._sync()
@@ -1160,8 +1187,8 @@ class KubernetesBackend:
         key = (job_id, attempt)
         with self._sync_lock:
             self.tracker.forget(key)
-            self._open_attempts.discard(key)
-            self._launched_since.discard(key)
+            self._open_attempts.pop(key, None)
+            self._launched_since.pop(key, None)
 
     def _delete_deployments(self, selector: str, propagation: str) -> None:
         """Delete an inference replica's (or a workspace's) Deployment, then its ReplicaSet, with this propagation.
@@ -1226,9 +1253,9 @@ class KubernetesBackend:
             return
         self._delete("Secret", name, metadata["namespace"])
 
-    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+    def workspace_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
         """`http://<pod IP>:WORKSPACE_PORT` of the workspace's pod (the newest with an IP), from the watch cache."""
-        return self._pod_address(job_id, attempt, WORKSPACE_PORT)
+        return self._pod_address(job_id, attempt, WORKSPACE_PORT, namespace)
 
     def delete_workspace_home(self, home: str) -> None:
         """Delete a deleted workspace's home claim and its policy, wherever they are (by its labels); idempotent.
@@ -1241,14 +1268,21 @@ class KubernetesBackend:
         for policy in self._checked("NetworkPolicy", "list", label_selector=selector)[1].get("items") or []:
             self._delete("NetworkPolicy", policy["metadata"]["name"], policy["metadata"]["namespace"])
 
-    def serving_address(self, job_id: int, attempt: int) -> str | None:
+    def serving_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
         """`http://<pod IP>:SERVER_PORT` of the replica's pod (the newest with an IP), from the watch cache."""
-        return self._pod_address(job_id, attempt, SERVER_PORT)
+        return self._pod_address(job_id, attempt, SERVER_PORT, namespace)
 
-    def _pod_address(self, job_id: int, attempt: int, port: int) -> str | None:
-        """`http://<pod IP>:<port>` of the attempt's newest pod with an IP (an IPv6 one in brackets); None before."""
+    def _pod_address(self, job_id: int, attempt: int, port: int, namespace: str = "") -> str | None:
+        """`http://<pod IP>:<port>` of the attempt's newest pod with an IP (an IPv6 one in brackets) in the attempt's
+        namespace (``namespace``, else as this process knows it); None before, and None while the namespace is
+        unknown: a person's traffic, with the attempt's key, never goes to a pod found by its labels alone."""
         self._sync()
-        pods = [pod for pod in self._cached_pods((job_id, attempt)) if (pod.get("status") or {}).get("podIP")]
+        key = (job_id, attempt)
+        namespace = namespace or self._namespace_of(key)
+        if not namespace:
+            return None
+        pods = [pod for pod in self._in_namespace(self._cached_pods(key), namespace)
+                if (pod.get("status") or {}).get("podIP")]
         if not pods:
             return None
         pod = max(pods, key=lambda pod: (pod["metadata"].get("creationTimestamp") or "", pod["metadata"]["name"]))

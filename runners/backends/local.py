@@ -271,10 +271,10 @@ class LocalBackend:
         """What each node's cache holds (runners.storage.nodecache snapshots), for the portal's rows of them."""
         return self.jobs.node_cache_snapshots(specs)
 
-    def serving_address(self, job_id: int, attempt: int) -> str | None:
-        return self.jobs.serving_address(job_id, attempt)
+    def serving_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
+        return self.jobs.serving_address(job_id, attempt)  # one host: the attempt's own record says where
 
-    def workspace_address(self, job_id: int, attempt: int) -> str | None:
+    def workspace_address(self, job_id: int, attempt: int, *, namespace: str = "") -> str | None:
         return self.jobs.workspace_address(job_id, attempt)
 
     def delete_workspace_home(self, home: str) -> None:
@@ -283,7 +283,7 @@ class LocalBackend:
     def job_logs(self, job_id: int, attempt: int, rank: int, *, tail: int) -> str:
         return self.jobs.logs(job_id, attempt, rank, tail=tail)
 
-    def jobs_open(self, attempts: set[tuple[int, int]]) -> None:
+    def jobs_open(self, attempts: dict[tuple[int, int], str]) -> None:
         """Nothing to do here: a local attempt binds nothing, and its processes and scratch folder go with
         forget_job. Killing or dropping what is not in `attempts` would race a launch made after the
         portal took its list, so the local backend acts on an attempt only when told that attempt's end."""

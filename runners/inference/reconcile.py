@@ -137,7 +137,7 @@ def _engine(replica: Replica) -> str:
 
 def _read_one(backend, replica: Replica, attempt_number: int) -> Read:
     try:
-        address = backend.serving_address(replica.job_id, attempt_number)
+        address = backend.serving_address(replica.job_id, attempt_number, namespace=replica.job.environment.namespace)
     except BackendError as exc:
         # Where it answers is unknown this time (the API unreachable): that says nothing of the replica.
         logger.warning("Could not read where replica %s of %s answers: %s", replica.id, replica.endpoint_id, exc)
@@ -151,7 +151,7 @@ def _read_replicas(endpoints: list[int], backend) -> dict[int, dict[int, Read]]:
     """{endpoint id: {replica id: read}} of these endpoints' running replicas, read together (at most
     ENDPOINT_PROBE_CONCURRENCY at once); outside any transaction. The probes touch no database."""
     replicas = list(Replica.objects.filter(endpoint_id__in=endpoints, retiring=False, job__state=JobState.RUNNING)
-                    .select_related("job"))
+                    .select_related("job__environment"))
     attempts = open_attempts([replica.job for replica in replicas])
     asked = [(replica, attempts[replica.job_id].number) for replica in replicas if replica.job_id in attempts]
     read: dict[int, dict[int, Read]] = {endpoint_id: {} for endpoint_id in endpoints}

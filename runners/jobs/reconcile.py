@@ -144,7 +144,9 @@ def jobs_reconcile_run() -> dict[str, int]:
         now = timezone.now()
         holding = Job.objects.filter(state__in=JOB_HOLDING_STATES)
         attempts = open_attempts(holding)
-        backend.jobs_open({(attempt.job_id, attempt.number) for attempt in attempts.values()})
+        namespaces = dict(holding.values_list("id", "environment__namespace"))
+        backend.jobs_open({(attempt.job_id, attempt.number): namespaces.get(attempt.job_id)
+                           for attempt in attempts.values()})
         jobs = list(
             holding.filter(Q(reconcile_after__isnull=True) | Q(reconcile_after__lte=now))
             .select_related("tenant", "environment", "flavor").order_by("reconcile_errors", "id")

@@ -66,16 +66,17 @@ def probe(address: str, key: str, base_url: str) -> dict | None:
 def workspaces_reconcile_run() -> dict[str, int]:
     """One pass over every workspace that has a job not known to be over; returns how many ended in each state."""
     rows = list(Workspace.objects.exclude(job=None).exclude(
-        state__in=[WorkspaceState.STOPPED, WorkspaceState.FAILED]).values_list("id", "job_id", "job__state", "key"))
+        state__in=[WorkspaceState.STOPPED, WorkspaceState.FAILED]).values_list(
+        "id", "job_id", "job__state", "key", "environment__namespace"))
     numbers = dict(JobAttempt.objects.open().filter(job_id__in=[row[1] for row in rows]).values_list("job_id", "number"))
     backend = get_backend()
 
     def look(row):
-        workspace_id, job_id, job_state, key = row
+        workspace_id, job_id, job_state, key, namespace = row
         address = status = None
         if job_state == JobState.RUNNING and job_id in numbers:
             try:
-                address = backend.workspace_address(job_id, numbers[job_id])
+                address = backend.workspace_address(job_id, numbers[job_id], namespace=namespace)
             except Exception:  # the backend away a moment: not ready this pass
                 log.exception("workspace %s: the backend could not say where its server answers", workspace_id)
             if address:

@@ -121,6 +121,39 @@ def test_a_launch_makes_claim_policy_deployment_and_key_and_binds_the_restricted
         assert api.invalid_answers == [] and api.controller_errors == []
 
 
+def test_a_pod_of_another_namespace_that_copies_an_attempts_labels_is_never_its_address_nor_bound(
+        backend, make_backend, cluster):
+    """Another tenant's editors may make pods with any labels in their own namespace. One that copies this
+    workspace's attempt labels (and is newer, with an IP, and waits for the portal's scheduler) must not become
+    the workspace's address, where the edge would send its owner's browser with the key, nor get bound."""
+    launch = launched(backend, cluster)
+    [real] = workspace_pods(cluster)
+    other = "globex-lab"
+    backend.ensure_environment(make_spec(environment_id=8, tenant_slug="globex", namespace=other))
+    forged = workspace_deployment_manifest(launch, image="registry.example/evil:1", scheduler_name="gpu-portal")
+    template = forged["spec"]["template"]
+    cluster.put({"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": "job-61-1-forged", "namespace": other, **template["metadata"],
+                              "creationTimestamp": "2999-01-01T00:00:00Z"},
+                 "spec": template["spec"], "status": {"phase": "Running", "podIP": "10.66.6.6"}})
+    real_address = f"http://{real['status']['podIP']}:8888"
+    backend._sync(force=True)
+    assert backend.workspace_address(61, 1) == real_address
+
+    # Another process (a worker that did not launch it) knows the namespace from the portal's jobs_open, or
+    # from the caller; knowing neither, it says nothing rather than guess.
+    elsewhere = make_backend()
+    elsewhere._sync(force=True)
+    assert elsewhere.workspace_address(61, 1) is None
+    assert elsewhere.workspace_address(61, 1, namespace=NAMESPACE) == real_address
+    elsewhere.jobs_open({(61, 1): NAMESPACE})
+    elsewhere._sync(force=True)
+    assert elsewhere.workspace_address(61, 1) == real_address
+    assert elsewhere.job_status(61, 1).phase == "running"
+    # And the forged pod was bound by neither.
+    assert not cluster.pods(other)[0]["spec"].get("nodeName")
+
+
 def test_the_namespace_refuses_a_pod_that_is_not_restricted(backend, cluster):
     """What the launch above passed is enforced here: the same Deployment without the security context is refused."""
     deployment = workspace_deployment_manifest(make_launch(job_id=62), image="x", scheduler_name="gpu-portal")
