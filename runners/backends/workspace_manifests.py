@@ -240,9 +240,11 @@ def workspace_deployment_manifest(launch: JobLaunch, *, image: str, scheduler_na
 
 def workspace_manifests(launch: JobLaunch, *, image: str, scheduler_name: str, portal_namespace: str,
                         storage_class: str = "") -> list[dict]:
-    """Every object of a workspace attempt, in the order the backend makes them: the home claim, the policy (before
-    any pod exists), the Deployment, then its key's Secret (owned by the Deployment once that has a uid). The
-    backend binds the pod only after all four, so it never starts without its key."""
+    """Every object of a workspace attempt: the home claim, the policy, the Deployment and its key's Secret. The
+    backend makes the policy first (before any pod exists), then the claim, the Deployment, and the Secret (owned
+    by the Deployment once that has a uid); the process that launches binds the pod only after the Secret exists
+    (one bound sooner by another process waits in the kubelet, which holds a container back until its
+    secretKeyRef resolves)."""
     return [
         home_claim_manifest(launch, storage_class=storage_class),
         workspace_network_policy_manifest(launch, portal_namespace=portal_namespace),

@@ -581,22 +581,32 @@ WORKSPACE_OPEN_TIMEOUT_S = 65
 # How soon a request to a workspace that is not ready may try again (Retry-After; the waiting page's reload).
 WORKSPACE_RETRY_S = 3
 
+# The states in which a workspace becomes ready by itself: its waiting page reloads; in the others (stopping,
+# stopped, failed) someone has to start it again, and the page says so once.
+COMING_UP = ("queued", "starting")
 WAITING_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="{retry}">
+<html lang="en"><head><meta charset="utf-8">{refresh}
 <title>Workspace not ready</title></head>
 <body><main><h1>The workspace is {state}</h1>
-<p>This page loads it again every {retry} seconds, and shows JupyterLab once the workspace is ready.</p></main></body>
+<p>{what}</p><p><a href="/">Back to the portal</a></p></main></body>
 </html>
 """
 
 
 async def _answer_waiting(send, workspace: WorkspaceRoute) -> None:
-    """A browser's page of a workspace that is not ready: a 503 that reloads itself until it is (a JSON refusal
-    would leave the person before raw JSON, with nothing that tries again)."""
-    body = WAITING_PAGE.format(state=html.escape(workspace.state), retry=WORKSPACE_RETRY_S).encode()
-    await send({"type": "http.response.start", "status": 503, "headers": [
-        (b"Content-Type", b"text/html; charset=utf-8"), (b"Retry-After", str(WORKSPACE_RETRY_S).encode()),
-        (b"Cache-Control", b"no-store")]})
+    """A browser's page of a workspace that is not ready: a 503 page (a JSON refusal would leave the person
+    before raw JSON), which reloads itself until the workspace is ready where it is on its way."""
+    coming = workspace.state in COMING_UP
+    body = WAITING_PAGE.format(
+        state=html.escape(workspace.state),
+        refresh=f'<meta http-equiv="refresh" content="{WORKSPACE_RETRY_S}">' if coming else "",
+        what=(f"This page loads it again every {WORKSPACE_RETRY_S} seconds, and shows JupyterLab once the workspace "
+              "is ready." if coming else "Start it again from its page in the portal."),
+    ).encode()
+    headers = [(b"Content-Type", b"text/html; charset=utf-8"), (b"Cache-Control", b"no-store")]
+    if coming:
+        headers.append((b"Retry-After", str(WORKSPACE_RETRY_S).encode()))
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

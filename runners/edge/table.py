@@ -241,10 +241,13 @@ class Table:
     async def workspace_now(self, workspace_id: int) -> WorkspaceRoute | None:
         """The workspace as the table holds it, or, where that would refuse it (missing, or not ready), as the
         database has it now: the portal says "ready" the moment it writes so, and a person who opens it then must
-        not get "not ready yet" from a table read a moment before. Read again at most every WORKSPACE_REREAD_S."""
+        not get "not ready yet" from a table read a moment before. Read again at most every WORKSPACE_REREAD_S, and only one
+        the table holds as not ready or one newer than any it holds."""
         known = self.workspaces.get(workspace_id)
         if known is not None and known.address:
             return known
+        if known is None and workspace_id <= max(self.workspaces, default=0):
+            return None  # not one made since the table was read: a wrong id costs no read
         now = time.monotonic()
         if self._reread.get(workspace_id, 0.0) > now:
             return known

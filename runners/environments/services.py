@@ -92,6 +92,8 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str, w
     """Record a new environment as requested; a worker provisions it after commit."""
     require_role(user=actor, tenant=tenant, at_least=Role.MEMBER)
     if workspace_image:
+        # What every member's workspaces will run: the tenant's admins choose it, here as in a change.
+        require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
         allowed_image("workspace_image", workspace_image)
     namespace = environment_namespace(tenant.slug, name)
     if len(namespace) > NAMESPACE_MAX:
@@ -124,7 +126,8 @@ def environment_request(*, actor: AbstractBaseUser, tenant: Tenant, name: str, w
             environment.save()
             record("environment.created", actor=actor, tenant=tenant, obj=environment,
                    object_repr=f"{tenant.slug}/{name}", after={"name": name, "namespace": namespace,
-                                                                "backend": environment.backend})
+                                                                "backend": environment.backend,
+                                                                "workspace_image": workspace_image})
             enqueue_on_commit("runners.tasks.environment_provision", environment.id)
     except IntegrityError:
         # Two requests raced past the checks above; the constraints decided.
@@ -145,7 +148,7 @@ def environment_set_workspace_image(*, actor: AbstractBaseUser, environment: Env
     with transaction.atomic():
         current = Environment.objects.select_for_update().get(id=environment.id)
         if current.state == EnvironmentState.DELETED or current.delete_requested_at is not None:
-            raise Invalid("workspace_image", "The environment is being deleted.")
+            raise Conflict("The environment is being deleted.")
         before = current.workspace_image
         if before != image:
             Environment.objects.filter(id=current.id).update(workspace_image=image)

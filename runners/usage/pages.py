@@ -210,6 +210,7 @@ def items(rows: list[dict], workspaces: dict[int, int] | None = None) -> list[di
 def top_items(tenant: Tenant, start: date, end: date, now: datetime, *, user, limit: int = TOP_ITEMS) -> list[dict]:
     """The tenant's costliest jobs, endpoints and workspaces over the range, each named (only the tenant's own are
     looked up; a workspace ``user`` may not see keeps its cost and loses its name)."""
+    from runners.workspaces.models import Workspace
     from runners.workspaces.selectors import workspace_list
 
     rows = usage_rows(start=start, end=end, group_by=("job", "kind"), tenants=[tenant], now=now)
@@ -224,8 +225,12 @@ def top_items(tenant: Tenant, start: date, end: date, now: datetime, *, user, li
         "workspace": dict(workspace_list(user=user, tenant=tenant).filter(
             id__in=[i["id"] for i in found if i["kind"] == "workspace"]).values_list("id", "name")),
     }
+    existing = set(Workspace.objects.filter(tenant=tenant, id__in=[i["id"] for i in found if i["kind"] == "workspace"])
+                   .values_list("id", flat=True))
     for item in found:
         item["name"] = names[item["kind"]].get(item["id"])
+        # A workspace without a name here is deleted, or another member's private one.
+        item["deleted"] = item["kind"] == "workspace" and item["id"] not in existing
     return found
 
 

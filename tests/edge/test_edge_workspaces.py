@@ -35,6 +35,8 @@ def session_of(user, settings) -> dict:
 def test_a_workspace_just_ready_is_served_at_once_and_a_browser_waits_on_a_page_that_reloads(
         tmp_path, workspace, owner, outsider, settings):
     socket_path = str(tmp_path / "jupyter.sock")
+    stopped = Workspace.objects.create(tenant=workspace.tenant, environment=workspace.environment, owner=owner,
+                                       name="old", flavor=workspace.flavor, state=WorkspaceState.STOPPED)
     # The table is read at the edge's start and then not for a minute: only the edge's own read of the one
     # workspace can know it became ready.
     edge = EdgeProcess(tmp_path / "edge.log", EDGE_TABLE_REFRESH_S=60).start()
@@ -47,6 +49,10 @@ def test_a_workspace_just_ready_is_served_at_once_and_a_browser_waits_on_a_page_
             assert waiting.headers["retry-after"] == "3" and waiting.headers["cache-control"] == "no-store"
             assert re.search(r'<meta http-equiv="refresh" content="3">', waiting.text)
             assert "The workspace is starting" in waiting.text
+            # One that is stopped does not come up by itself: its page says so, and does not reload.
+            idle = httpx.get(f"{edge.url}/workspaces/{stopped.id}/lab", cookies=cookies, headers=HTML)
+            assert idle.status_code == 503 and "The workspace is stopped" in idle.text
+            assert "refresh" not in idle.text and "retry-after" not in idle.headers
             # An API client (JupyterLab's own requests) gets the JSON refusal it can read.
             api = httpx.get(f"{edge.url}/workspaces/{workspace.id}/api/status", cookies=cookies)
             assert api.status_code == 503 and api.json()["detail"] == "The workspace is starting, not ready yet."

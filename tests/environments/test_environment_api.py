@@ -154,9 +154,14 @@ def test_an_admin_sets_the_image_an_environments_workspaces_run_and_a_workspace_
     from runners.jobs.signals import workspace_launch
     from tests.support.jobs import demo_cluster_with_flavors, give_quota, ready_environment
 
+    # What every member's workspaces run is the admins' choice, at creation as in a change.
+    by_member = client_for(teammate).post("/api/v1/environments/", {"tenant": "acme", "name": "train",
+                                                                     "workspace_image": LAB_IMAGE}, format="json")
+    assert by_member.status_code == 403 and not Environment.objects.exists()
     created = client_for(owner).post("/api/v1/environments/", {"tenant": "acme", "name": "train",
                                                                 "workspace_image": LAB_IMAGE}, format="json")
     assert created.status_code == 201 and created.json()["workspace_image"] == LAB_IMAGE
+    assert AuditEntry.objects.get(action="environment.created").after["workspace_image"] == LAB_IMAGE
     environment = ready_environment(actor=owner, tenant=tenant, name="notebooks")
     url = f"/api/v1/environments/{environment.id}/"
     assert client_for(owner).get(url).json()["workspace_image"] == ""

@@ -353,3 +353,9 @@ def test_workspaces_are_listed_beside_jobs_and_endpoints_with_their_cost_and_idl
     row = _row(html, f'data-item="workspace-{notebook.id}"')
     assert "another member's" in row and "notebook" not in row and _text(row, "item-cost") == "USD 1.00"
     assert 'data-testid="usage-workspaces"' not in html and "No workspace of this tenant that you may see." in html
+
+    # A deleted workspace keeps its cost, under a name that says so.
+    Job.objects.filter(id__in=[job.id for job in starts[2:]]).update(spec={"workspace": {"workspace_id": 999_999}})
+    client.force_login(owner)
+    html = client.get(f"/tenants/acme/usage/{RANGE}").content.decode()
+    assert "a deleted workspace" in _row(html, 'data-item="workspace-999999"')
