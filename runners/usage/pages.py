@@ -245,10 +245,9 @@ def tenant_workspaces(tenant: Tenant, start: date, end: date, now: datetime, *, 
     workspaces = list(workspace_list(user=user, tenant=tenant).order_by("name"))
     if not workspaces:
         return []
-    visible = {workspace.id for workspace in workspaces}
-    jobs = {job: workspace for job, workspace in
-            Job.objects.filter(tenant=tenant, kind=Job.Kind.WORKSPACE).values_list("id", "spec__workspace__workspace_id")
-            if workspace in visible}
+    jobs = dict(Job.objects.filter(tenant=tenant, kind=Job.Kind.WORKSPACE,
+                                   spec__workspace__workspace_id__in=[workspace.id for workspace in workspaces])
+                .values_list("id", "spec__workspace__workspace_id"))
     spend: dict[int, dict[str, Spend]] = defaultdict(dict)
     if jobs:
         for row in usage_rows(start=start, end=end, group_by=("job", "kind"), tenants=[tenant], now=now,
