@@ -189,6 +189,9 @@ class Table:
         self.loaded = asyncio.Event()
         self.refreshed_at = 0.0
         self._callers: dict[str, tuple[float, Caller | None]] = {}
+        # One lookup at a time per credential: when a cached caller expires under load, the requests that
+        # arrive meanwhile wait for that lookup instead of each sending its own (a stampede on the database).
+        self._looking_up: dict[str, asyncio.Future] = {}
         self._noted: dict[int, float] = {}
         self._reread: dict[int, float] = {}
         self._task: asyncio.Task | None = None
@@ -267,11 +270,34 @@ class Table:
             key, lookup, argument = "t:" + hashlib.sha256(token.encode()).hexdigest(), _caller_by_token, token
         else:
             key, lookup, argument = "s:" + hashlib.sha256(session_key.encode()).hexdigest(), _caller_by_session, session_key
-        now = time.monotonic()
-        cached = self._callers.get(key)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        found = await self._db(lookup, argument)
+        while True:
+            now = time.monotonic()
+            cached = self._callers.get(key)
+            if cached is not None and cached[0] > now:
+                return cached[1]
+            pending = self._looking_up.get(key)
+            if pending is None:
+                break
+            try:
+                return await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if pending.cancelled():  # the request that looked it up went away: look again
+                    continue
+                raise
+        pending = self._looking_up[key] = asyncio.get_running_loop().create_future()
+        try:
+            found = await self._db(lookup, argument)
+        except asyncio.CancelledError:
+            pending.cancel()
+            raise
+        except BaseException as error:
+            pending.set_exception(error)
+            pending.exception()  # marked retrieved: there may be nobody waiting for it
+            raise
+        else:
+            pending.set_result(found)
+        finally:
+            del self._looking_up[key]
         if len(self._callers) > 10_000:
             self._callers = {k: v for k, v in self._callers.items() if v[0] > now}
         self._callers[key] = (now + self.auth_cache_s, found)
