@@ -370,6 +370,10 @@ EDGE_PROBE_FAILURES = env_int("EDGE_PROBE_FAILURES", 2, minimum=1)
 EDGE_DEADLINE_MARGIN_MS = env_float("EDGE_DEADLINE_MARGIN_MS", 50.0, minimum=0.0)
 EDGE_IN_FLIGHT_PER_REPLICA = env_int("EDGE_IN_FLIGHT_PER_REPLICA", 0, minimum=0)
 EDGE_CONNECT_TIMEOUT_S = env_float("EDGE_CONNECT_TIMEOUT_S", 1.0, minimum=0.05)
+# How long the edge keeps a client's idle connection open (uvicorn's own default is 5 s). Longer than the idle
+# timeout of a load balancer in front (60 s on the common ones), so it is never the edge that closes a connection
+# the balancer is about to reuse, and a client that pauses need not reconnect.
+EDGE_KEEPALIVE_S = env_float("EDGE_KEEPALIVE_S", 75.0, minimum=1.0)
 # The reconcile asks each replica's /readyz and /metrics with this timeout, this many replicas at once.
 ENDPOINT_PROBE_TIMEOUT_S = env_float("ENDPOINT_PROBE_TIMEOUT_S", 1.0, minimum=0.1)
 ENDPOINT_PROBE_CONCURRENCY = env_int("ENDPOINT_PROBE_CONCURRENCY", 16, minimum=1)

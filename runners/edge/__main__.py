@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 
     django.setup()
     import uvicorn
+    from django.conf import settings
 
     from runners.edge.app import build
 
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     # waits), for traffic that mostly stays inside the cluster.
     uvicorn.run(app, host=host.strip("[]") or "0.0.0.0", port=int(port), log_level="warning", access_log=False,
                 proxy_headers=True, forwarded_allow_ips=os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1,::1"),
-                timeout_graceful_shutdown=10, lifespan="on", ws="websockets-sansio", ws_per_message_deflate=False)
+                timeout_graceful_shutdown=10, timeout_keep_alive=settings.EDGE_KEEPALIVE_S, lifespan="on",
+                ws="websockets-sansio", ws_per_message_deflate=False)
     return 0
 
 

@@ -18,6 +18,7 @@ the table's one background thread (runners/edge/table.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 import logging
@@ -298,6 +299,10 @@ class Edge:
             raise Refusal(404, {"detail": "No such endpoint."})
         if not (caller.is_staff or role_at_least(role, Role.MEMBER)):
             raise Refusal(403, {"detail": "Viewers read endpoints; generating takes a member of the tenant."})
+        serving = [state for state in map(self.prober.state, route.targets) if not state.out]
+        if serving and not any(state.admits(self._replica_cap(route)) for state in serving):
+            # Every replica in rotation holds what it was last seen to take: refused before the body is read.
+            raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > c.max_body_bytes:
             raise Refusal(413, {"body": [f"The body is over {c.max_body_bytes} bytes."]})
@@ -324,8 +329,7 @@ class Edge:
         self.table.note_request(route)
         self.in_flight[route.id] = self.in_flight.get(route.id, 0) + 1
         try:
-            await proxy.watching(receive, self._forward(scope, receive, send, route, kind, body, data, cost, prompt,
-                                                        give_up_at, loop))
+            await self._forward(scope, receive, send, route, kind, body, data, cost, prompt, give_up_at, loop)
         finally:
             left = self.in_flight.get(route.id, 1) - 1
             if left > 0:
@@ -333,9 +337,18 @@ class Edge:
             else:
                 self.in_flight.pop(route.id, None)
 
+    def _replica_cap(self, route: Route) -> int:
+        return self.config.in_flight_per_replica or 2 * route.queue_limit
+
     def _choices(self, route: Route, tried: set[str], prompt: str) -> list[ReplicaState]:
         states = [self.prober.state(target) for target in route.targets]
         states = [state for state in states if not state.out and state.target.key not in tried]
+        cap = self._replica_cap(route)
+        open_states = [state for state in states if state.admits(cap)]
+        if states and not open_states and not tried:
+            # Every replica in rotation holds what it was last seen to take: refused here, at once.
+            raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
+        states = open_states
         if len(states) <= 1 or self.router is None:
             return sorted(states, key=lambda state: (state.outstanding, int(state.target.key)
                                                      if state.target.key.isdigit() else 0))
@@ -352,90 +365,138 @@ class Edge:
         waited = False
         headers = [(name, value) for name, value in proxy.request_headers(scope)
                    if name.lower() in FORWARDED_HEADERS]
-        while True:
-            choices = self._choices(route, tried, prompt)
-            if not choices:
-                if last_refusal is not None:
-                    await self._pass_refusal(send, last_refusal)
-                    return
-                if tried:
-                    raise Refusal(503, {"detail": "Every ready replica refused, reset or stopped answering; try "
-                                                  "again."}, {"Retry-After": 2})
-                # Cold start (or every replica out of rotation): wait for one within the deadline.
-                if loop.time() + 0.05 >= give_up_at:
-                    raise Refusal(503, {"detail": "No replica is ready yet (starting); try again." if route.starting
-                                        else "No replica is ready."}, {"Retry-After": 5})
-                self.table.note_request(route)
-                await self.table.wait_change(min(c.table_refresh_s, max(0.01, give_up_at - loop.time())))
-                route = self.table.route(route.tenant_slug, route.name) or route
-                waited = True
-                continue
-            state = choices[0]
-            left_ms = (give_up_at - loop.time()) * 1000.0
-            if left_ms < 1:
-                if not tried and not waited:  # too short to be met at all: refused at once, as a replica would
-                    raise Refusal(429, {"detail": "The deadline is too short to be met; give a longer deadline_ms."},
-                                  {"Retry-After": 1})
-                raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
-            content = body
-            asked = data.get("deadline_ms")
-            if route.engine == SHIPPED and (waited or asked is not None and asked > c.max_deadline_ms):
-                # The shipped server counts a body's deadline from when the request reaches it.
-                content = json.dumps(dict(data, deadline_ms=round(left_ms, 1))).encode()
-            url = f"{state.target.address}/{kind}"
-            out_headers = headers + [(DEADLINE_HEADER, f"{left_ms:.1f}")]
-            state.outstanding += cost
-            if self.router is not None:
-                # Noted as it is sent, as SGLang's router does: the next request with this prefix follows it at
-                # once, not only after this one's answer (bench/prefix_routing.py: 58 % hits against 46 %).
-                self.router.record(state.target.key, prompt)
-            opened = asyncio.ensure_future(proxy.open_upstream(self.client, "POST", url, out_headers, content))
-            hung = asyncio.ensure_future(state.hung.wait())
-            try:
-                done, _ = await asyncio.wait({opened, hung}, timeout=max(0.0, give_up_at + margin - loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if opened not in done:
-                    opened.cancel()
-                    try:
-                        (await opened).close()
-                    except BaseException:
-                        pass
-                    if hung in done:
-                        log.warning("replica %s stopped answering; its request goes to the next one",
-                                    state.target.key)
-                        tried.add(state.target.key)
-                        waited = True
-                        continue
-                    raise Refusal(504, {"detail": "The deadline passed before the answer."})
-                try:
-                    response = opened.result()
-                except proxy.UPSTREAM_ERRORS as exc:
-                    log.info("replica %s did not take the request (%s); trying the next", state.target.key,
-                             type(exc).__name__)
-                    tried.add(state.target.key)
-                    waited = True
-                    continue
-                if response.status in (429, 503) and len(choices) > 1:
-                    # Full or draining: the next replica may answer within the deadline.
-                    try:
-                        refused = await response.read()  # read to its end: the connection is back in the pool
-                    except proxy.UPSTREAM_ERRORS:
-                        refused = b""
-                        proxy.let_go(response, whole=False)
-                    last_refusal = (response.status, proxy.answer_headers(response, keep=PASSED_HEADERS), refused)
-                    tried.add(state.target.key)
-                    waited = True
-                    continue
-                answer_headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
-                answer_headers.append((b"X-Portal-Replica", state.target.key.encode()))
-                ended = await proxy.stream_back(send, receive, response, headers=answer_headers,
-                                                give_up_at=give_up_at + margin)
-                if ended == "client-gone":
+        # One watch on the client for the whole request: its leaving ends whatever is under way for it.
+        gone = asyncio.ensure_future(proxy.until_disconnect(receive))
+        try:
+            while True:
+                if gone.done():
                     raise proxy.ClientGone()
-                return
-            finally:
-                hung.cancel()
-                state.outstanding = max(0, state.outstanding - cost)
+                choices = self._choices(route, tried, prompt)
+                if not choices:
+                    if last_refusal is not None:
+                        await self._pass_refusal(send, last_refusal)
+                        return
+                    if tried:
+                        raise Refusal(503, {"detail": "Every ready replica refused, reset or stopped answering; try "
+                                                      "again."}, {"Retry-After": 2})
+                    # Cold start (or every replica out of rotation): wait for one within the deadline.
+                    if loop.time() + 0.05 >= give_up_at:
+                        raise Refusal(503, {"detail": "No replica is ready yet (starting); try again."
+                                            if route.starting else "No replica is ready."}, {"Retry-After": 5})
+                    self.table.note_request(route)
+                    await self.table.wait_change(min(c.table_refresh_s, max(0.01, give_up_at - loop.time())))
+                    route = self.table.route(route.tenant_slug, route.name) or route
+                    waited = True
+                    continue
+                state = choices[0]
+                left_ms = (give_up_at - loop.time()) * 1000.0
+                if left_ms < 1:
+                    if not tried and not waited:  # too short to be met at all: refused at once, as a replica would
+                        raise Refusal(429, {"detail": "The deadline is too short to be met; give a longer "
+                                                      "deadline_ms."}, {"Retry-After": 1})
+                    raise Refusal(504, {"detail": "The deadline passed before a replica could take the request."})
+                content = body
+                asked = data.get("deadline_ms")
+                if route.engine == SHIPPED and (waited or asked is not None and asked > c.max_deadline_ms):
+                    # The shipped server counts a body's deadline from when the request reaches it.
+                    content = json.dumps(dict(data, deadline_ms=round(left_ms, 1))).encode()
+                out_headers = headers + [(DEADLINE_HEADER, f"{left_ms:.1f}")]
+                state.outstanding += cost
+                state.in_flight += 1
+                if self.router is not None:
+                    # Noted as it is sent, as SGLang's router does: the next request with this prefix follows it at
+                    # once, not only after this one's answer (bench/prefix_routing.py: 58 % hits against 46 %).
+                    self.router.record(state.target.key, prompt)
+                try:
+                    ended, refusal = await self._exchange(send, gone, route, state, f"{state.target.address}/{kind}",
+                                                          out_headers, content, give_up_at + margin,
+                                                          alternatives=len(choices) > 1, loop=loop)
+                finally:
+                    state.outstanding = max(0, state.outstanding - cost)
+                    state.in_flight = max(0, state.in_flight - 1)
+                if ended:
+                    return
+                # Not taken there: the next replica, with what is left of the deadline.
+                last_refusal = refusal or last_refusal
+                tried.add(state.target.key)
+                waited = True
+        finally:
+            gone.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # retrieved, whatever ended the watch
+
+    async def _exchange(self, send, gone: asyncio.Future, route: Route, state: ReplicaState, url: str, headers,
+                        content: bytes, give_up_at: float, *, alternatives: bool, loop,
+                        ) -> tuple[bool, tuple[int, list, bytes] | None]:
+        """One try at one replica: (True, None) once its answer has been passed to the client, whole or cut at
+        the deadline; (False, its refusal or None) when the next replica should have the request: it refused
+        (429/503) and there is another, it did not take the request (refused the connection, reset it), or
+        the probes found it hung before its answer began. Raises Refusal(504) when the deadline passes before
+        the answer begins, and ClientGone when the client leaves.
+
+        The try runs as one task that three things may stop: the deadline (a timer), the client leaving (the
+        request's watch) and the probes finding the replica hung (`ReplicaState.waiting`, until the answer
+        begins). Nothing else is created for it: no task per chunk, no waiting on several things at once."""
+        cap = self._replica_cap(route)
+        started: list = []
+        why: list[str] = []
+
+        async def exchange() -> tuple[bool, tuple[int, list, bytes] | None]:
+            response = await proxy.open_upstream(self.client, "POST", url, headers, content)
+            if response.status == 429:
+                state.refused(loop.time(), cap)
+            elif response.status < 400:
+                state.answered(cap)
+            if response.status in (429, 503) and alternatives:
+                # Full or draining: the next replica may answer within the deadline.
+                try:
+                    refused = await response.read()  # read to its end: the connection is back in the pool
+                except proxy.UPSTREAM_ERRORS:
+                    refused = b""
+                    proxy.let_go(response, whole=False)
+                return False, (response.status, proxy.answer_headers(response, keep=PASSED_HEADERS), refused)
+            state.waiting.pop(task, None)  # from here, a replica that hangs is the deadline's to end
+            answer_headers = proxy.answer_headers(response, keep=PASSED_HEADERS)
+            answer_headers.append((b"X-Portal-Replica", state.target.key.encode()))
+            await proxy.pump(send, response, answer_headers, started)
+            return True, None
+
+        def stop(reason: str) -> None:
+            if not why and not task.done():
+                why.append(reason)
+                task.cancel()
+
+        def client_left(_) -> None:
+            stop("client-gone")
+
+        task = asyncio.ensure_future(exchange())
+        timer = loop.call_at(give_up_at, stop, "deadline")
+        gone.add_done_callback(client_left)
+        state.waiting[task] = stop
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not why or (current is not None and current.cancelling()):
+                raise  # not one of ours: the edge itself is stopping
+            if why[0] == "client-gone":
+                raise proxy.ClientGone() from None
+            if started:  # the deadline passed mid-answer: the answer is cut where it stands
+                with contextlib.suppress(OSError):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return True, None
+            if why[0] == "hung":
+                log.warning("replica %s stopped answering; its request goes to the next one", state.target.key)
+                return False, None
+            raise Refusal(504, {"detail": "The deadline passed before the answer."}) from None
+        except proxy.UPSTREAM_ERRORS as exc:
+            log.info("replica %s did not take the request (%s); trying the next", state.target.key,
+                     type(exc).__name__)
+            return False, None
+        finally:
+            timer.cancel()
+            gone.remove_done_callback(client_left)
+            state.waiting.pop(task, None)
 
     async def _pass_refusal(self, send, refusal: tuple[int, list, bytes]) -> None:
         status, headers, body = refusal
@@ -648,7 +709,6 @@ class _Asgi:
 def build(*, upstream: str | None = None, config: EdgeConfig | None = None, table: Table | None = None):
     """The edge's ASGI app. ``upstream``: the web process every other request passes to (none: 404);
     ``table``: where routes and callers come from (the database's, read in the background, unless given)."""
-    import contextlib
 
     edge = Edge(config=config, upstream=upstream, table=table)
 
@@ -679,6 +739,12 @@ def build(*, upstream: str | None = None, config: EdgeConfig | None = None, tabl
                 if len(parts) == 5 and parts[4] not in ROUTES:
                     await _answer(send, 404, {"detail": "No such route; an endpoint answers /v1/generate, "
                                                         "/v1/completions and /v1/chat/completions."})
+                    return
+                if len(parts) == 5 and parts[2] and parts[3]:
+                    # The serving route straight to its handler: Starlette's router and middleware would match
+                    # what was just split, at a tenth of the edge's CPU per request under load.
+                    scope["path_params"] = {"tenant": parts[2], "name": parts[3], "route": parts[4]}
+                    await edge.serve(scope, receive, send)
                     return
         await app(scope, receive, send)
 

@@ -21,6 +21,11 @@ from runners.edge.table import Target
 log = logging.getLogger("runners.edge")
 
 
+# How much a replica's in-flight limit shrinks when it refuses for being full, and how often at most.
+LIMIT_CUT = 0.9
+LIMIT_CUT_EVERY_S = 0.05
+
+
 @dataclass
 class ReplicaState:
     target: Target
@@ -30,6 +35,32 @@ class ReplicaState:
     # Set while the replica answers nothing: requests waiting on it leave.
     hung: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
+    # Requests sent to it and not yet answered, and how many it is given before the edge refuses for it
+    # (0: none learned yet, the endpoint's cap holds). See `answered` and `refused`.
+    in_flight: int = 0
+    limit: float = 0.0
+    cut_at: float = -1e9
+    # The tries waiting for its answer to begin, each with how to stop it: a hung replica stops them at once.
+    waiting: dict = field(default_factory=dict)
+
+    def admits(self, cap: float) -> bool:
+        return self.in_flight < (self.limit or cap)
+
+    def answered(self, cap: float) -> None:
+        """It took a request (an answer that is not a refusal): its limit grows by one for each limit's worth
+        of answers, up to the endpoint's cap."""
+        limit = self.limit or cap
+        self.limit = min(cap, limit + 1.0 / limit)
+
+    def refused(self, now: float, cap: float) -> None:
+        """It refused a request for being full (429: its queue, or the deadline behind the work it holds): what it
+        held was too much, so it is given a tenth less than that, at most once each LIMIT_CUT_EVERY_S (the
+        refusals of one burst are one signal). The edge then refuses the excess itself, at a fraction of the
+        CPU the replica's own refusal costs both, and the replica keeps computing."""
+        if now - self.cut_at < LIMIT_CUT_EVERY_S:
+            return
+        self.cut_at = now
+        self.limit = max(2.0, min(self.limit or cap, LIMIT_CUT * self.in_flight))
 
 
 class Prober:
@@ -103,4 +134,6 @@ class Prober:
                     state.out = True
                     if result == "silent":
                         state.hung.set()
+                        for stop in list(state.waiting.values()):
+                            stop("hung")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

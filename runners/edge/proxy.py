@@ -119,25 +119,6 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
         pass
 
 
-async def watching(receive, work: Awaitable):
-    """Await ``work`` unless the client goes first (then ``work`` is cancelled and ClientGone raised)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnect(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        gone.cancel()
-        raise
-    if task.done():
-        gone.cancel()
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    raise ClientGone()
-
-
 async def open_upstream(client: aiohttp.ClientSession, method: str, url: str, headers,
                         content) -> aiohttp.ClientResponse:
     """Send the request and return once the answer's status and headers are in (its body still to stream)."""
@@ -151,6 +132,34 @@ def let_go(response: aiohttp.ClientResponse, *, whole: bool) -> None:
         response.release()
     else:
         response.close()
+
+
+async def pump(send, response: aiohttp.ClientResponse, headers: list[tuple[bytes, bytes]], started: list) -> str:
+    """Pass the upstream answer to the client as it comes, with nothing watching: the caller runs this in a task
+    it cancels when the client leaves or a deadline passes (the serving route). ``started`` gets True once the
+    answer's head is sent. Returns "done" or "upstream-broke" (the upstream broke mid-answer: the client's
+    answer is cut where it stands); a client gone mid-answer raises ClientGone. The upstream connection goes
+    back to the pool when the answer was read to its end, and is closed however else it ends."""
+    whole = False
+    try:
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        started.append(True)
+        while True:
+            try:
+                chunk = await response.content.readany()
+            except UPSTREAM_ERRORS:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "upstream-broke"
+            if not chunk:  # the answer's end
+                whole = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return "done"
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except OSError:
+                raise ClientGone() from None
+    finally:
+        let_go(response, whole=whole)
 
 
 async def stream_back(send, receive, response: aiohttp.ClientResponse, *, status: int | None = None,
