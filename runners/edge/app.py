@@ -48,6 +48,9 @@ except ImportError:  # pragma: no cover - until the prefix router is in
         outstanding_tokens: int
 
 DEADLINE_HEADER = "x-portal-deadline-ms"
+# The shipped server's mark on a 429 that refused one request's deadline alone (not a full replica): such a
+# refusal says nothing of how much the replica takes, so it leaves the replica's limit as it is.
+REFUSED_HEADER = "x-portal-refused"
 # The routes an endpoint answers through the edge: the native one and the OpenAI ones.
 ROUTES = ("v1/generate", "v1/completions", "v1/chat/completions")
 # Headers of a replica's answer passed to the caller.
@@ -443,7 +446,7 @@ class Edge:
 
         async def exchange() -> tuple[bool, tuple[int, list, bytes] | None]:
             response = await proxy.open_upstream(self.client, "POST", url, headers, content)
-            if response.status == 429:
+            if response.status == 429 and response.headers.get(REFUSED_HEADER) != "deadline":
                 state.refused(loop.time(), cap)
             elif response.status < 400:
                 state.answered(cap)

@@ -219,11 +219,16 @@ class Refused(Exception):
     """Answered at once with this status, a message and, for 429 and 503, a Retry-After in seconds; a 400
     names its field."""
 
-    def __init__(self, status: int, detail: str, retry_after: int | None = None, field: str | None = None) -> None:
+    def __init__(self, status: int, detail: str, retry_after: int | None = None, field: str | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(detail)
         self.status, self.detail, self.retry_after, self.field = status, detail, retry_after, field
+        # "deadline": refused for this request's deadline alone (the answer's X-Portal-Refused), not for being
+        # full; the edge learns its limit for the replica from the other refusals only (docs/edge.md).
+        self.reason = reason
 
 
+REFUSED_HEADER = "X-Portal-Refused"
 CANCELLED = 499  # the status of a request whose caller went away (nginx's "client closed request")
 
 
@@ -366,7 +371,7 @@ class Engine:
                 self.metrics.outcomes.labels("shed").inc()
                 raise Refused(
                     429, f"cannot meet the deadline behind the work ahead (about {wait * 1000:.0f} ms of waiting)",
-                    retry_after=max(1, math.ceil(wait)),
+                    retry_after=max(1, math.ceil(wait)), reason="deadline",
                 )
             heapq.heappush(self.queue, (seq.deadline, next(self.order), seq))
             self.queued_cost += seq.cost
@@ -730,6 +735,8 @@ def _engine_serve(conn, runner, device: str, settings: Settings, activity_file: 
             )
         except Refused as refused:
             headers = {} if refused.retry_after is None else {"Retry-After": str(refused.retry_after)}
+            if refused.reason is not None:
+                headers[REFUSED_HEADER] = refused.reason
             send(("done", rid, refused.status, {"detail": refused.detail, "field": refused.field}, headers))
 
     send(("ready", None if runner.allowed is None else bytes(sorted(runner.allowed)), str(engine.device), runner.kind))

@@ -160,6 +160,7 @@ def test_a_full_queue_and_an_impossible_deadline_are_refused_at_once_with_retry_
     with pytest.raises(Refused) as full:
         e.submit(b"c", 1, 60_000)
     assert full.value.status == 429 and "full" in full.value.detail and full.value.retry_after >= 1
+    assert full.value.reason is None, "a full replica: the edge's limit for it learns from this refusal"
     assert time.monotonic() - started < 0.1
 
     e = engine(Settings(batch_token_budget=300, max_tokens=256), start=False)
@@ -168,6 +169,7 @@ def test_a_full_queue_and_an_impossible_deadline_are_refused_at_once_with_retry_
     with pytest.raises(Refused) as hopeless:
         e.submit(b"b" * 40, 100, 3_500)  # 2.6 s of waiting, then 1 s of its own
     assert hopeless.value.status == 429 and "deadline" in hopeless.value.detail
+    assert hopeless.value.reason == "deadline", "this request's deadline alone: marked so the edge's limit stays"
     assert hopeless.value.retry_after >= 2
     assert len(e.queue) == 1
     e.submit(b"b" * 40, 100, 10_000)  # the same request with time enough is admitted
@@ -390,7 +392,7 @@ def test_sigterm_under_load_answers_every_admitted_request_then_exits_0(tmp_path
     assert "drained: 48 answered" in server.proc.stdout.read()
 
 
-async def _post_all(port: int, bodies: list[dict], spacing_s: float) -> list[tuple[int, float]]:
+async def _post_all(port: int, bodies: list[dict], spacing_s: float) -> list[tuple[int, float, bytes]]:
     """Send each body `spacing_s` after the one before (open loop); (status, seconds to the answer) each."""
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -406,7 +408,7 @@ async def _post_all(port: int, bodies: list[dict], spacing_s: float) -> list[tup
         )
         raw = await asyncio.wait_for(reader.read(), 120)
         writer.close()
-        return int(raw.split(b" ", 2)[1]), loop.time() - sent
+        return int(raw.split(b" ", 2)[1]), loop.time() - sent, raw.partition(b"\r\n\r\n")[0].lower()
 
     return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
@@ -422,11 +424,13 @@ def test_overload_is_answered_in_time_shed_or_expired_never_left_waiting(tmp_pat
         answers = asyncio.run(_post_all(server.port, bodies, 0.003))
     finally:
         server.stop()
-    statuses = Counter(status for status, _ in answers)
+    statuses = Counter(status for status, _, _ in answers)
     assert set(statuses) <= {200, 429, 504}, statuses
     assert statuses[200] > 0 and statuses[429] > 0
+    # The queue never fills here (1,000): each 429 refused its request's deadline, and says so to the edge.
+    assert all(b"\r\nx-portal-refused: deadline" in head for status, _, head in answers if status == 429)
     # Every caller had its answer close to its deadline at the latest; the slack is for a busy test machine.
-    assert max(seconds for _, seconds in answers) < 0.5 + 1.5, sorted(s for _, s in answers)[-5:]
+    assert max(seconds for _, seconds, _ in answers) < 0.5 + 1.5, sorted(s for _, s, _ in answers)[-5:]
 
 
 def test_the_engine_process_killed_mid_load_answers_every_waiting_caller_and_the_replica_exits_1(tmp_path):
