@@ -162,48 +162,37 @@ async def pump(send, response: aiohttp.ClientResponse, headers: list[tuple[bytes
         let_go(response, whole=whole)
 
 
-async def stream_back(send, receive, response: aiohttp.ClientResponse, *, status: int | None = None,
+async def stream_back(send, receive, response: aiohttp.ClientResponse, *,
                       headers: list[tuple[bytes, bytes]], give_up_at: float | None = None) -> str:
-    """Pass the upstream answer to the client as it comes; the upstream connection goes back to the pool when
-    the answer was read to its end, and is closed however else it ends.
+    """``pump`` watched: the answer passed to the client as it comes, ended early when the client leaves or
+    ``give_up_at`` (loop time) passes.
 
-    Returns "done", "client-gone" (the client closed: the upstream connection is closed at once, so
-    the replica stops computing for it) or "deadline" (``give_up_at``, loop time, passed mid-answer:
-    the answer is cut where it stands)."""
+    Returns "done", "upstream-broke", "client-gone" (the client closed: the upstream connection is closed at
+    once, so the upstream stops computing for it) or "deadline" (the answer is cut where it stands)."""
     loop = asyncio.get_running_loop()
+    started: list = []
+    work = asyncio.ensure_future(pump(send, response, headers, started))
     gone = asyncio.ensure_future(until_disconnect(receive))
-    whole = False
     try:
-        await send({"type": "http.response.start", "status": status or response.status, "headers": headers})
-        while True:
-            step = asyncio.ensure_future(response.content.readany())
-            timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
-            done, _ = await asyncio.wait({step, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if step not in done:
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
-                if gone in done:
-                    return "client-gone"
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return "deadline"
+        timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
+        done, _ = await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
             try:
-                chunk = step.result()
-            except UPSTREAM_ERRORS:
-                # The upstream broke mid-answer: the client gets the answer cut where it stands.
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return "upstream-broke"
-            if not chunk:  # the answer's end
-                whole = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return "done"
-            try:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except OSError:
+                return work.result()
+            except ClientGone:
                 return "client-gone"
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        if gone in done:
+            return "client-gone"
+        if not started:
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return "deadline"
     finally:
         gone.cancel()
-        let_go(response, whole=whole)
+        work.cancel()
 
 
 async def forward_http(scope, receive, send, client: aiohttp.ClientSession, base_url: str, *,
