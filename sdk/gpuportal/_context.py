@@ -280,6 +280,9 @@ class Context:
         self._closed = False
         self._stop_callbacks: list[Callable[[str], None]] = []
         self._notified = False
+        # Held while the stop callbacks run, so that they run once and are done before anyone who asked goes on:
+        # the timer thread, should_stop() in the loop and a signal handler (the main thread again: reentrant).
+        self._notify_lock = threading.RLock()
         self._timer: threading.Timer | None = None
         if handle_signals:
             _signals.install()
@@ -479,11 +482,12 @@ class Context:
         self._timer.start()
 
     def _notify(self, reason: str) -> None:
-        if self._notified or not self._stop_callbacks:
-            return
-        self._notified = True
-        for callback in list(self._stop_callbacks):
-            self._call(callback, reason)
+        with self._notify_lock:
+            if self._notified or not self._stop_callbacks:
+                return
+            self._notified = True
+            for callback in list(self._stop_callbacks):
+                self._call(callback, reason)
 
     @staticmethod
     def _call(callback: Callable[[str], None], reason: str) -> None:
@@ -507,6 +511,10 @@ class Context:
         reason = self.stop_reason or self._local_reason()
         if sync and self.world_size > 1:
             reason = self._agree(reason)
+        if reason:
+            # The loop may see max_runtime_s pass before the timer thread does (a busy machine): the callbacks
+            # are called here then, or waited for if the timer is calling them, before the script can exit.
+            self._notify(reason)
         if reason and self.stop_reason is None:
             self.stop_reason = reason
             self._record_stop()

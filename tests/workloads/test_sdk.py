@@ -381,6 +381,37 @@ def test_on_stop_is_called_from_a_timer_when_the_max_runtime_passes(tmp_path):
     assert reasons == ["max runtime 0.2 s reached"] and ctx.should_stop()
 
 
+def test_a_loop_that_sees_the_max_runtime_before_the_timer_calls_back_itself(tmp_path):
+    """On a busy machine the loop's should_stop() may find the max runtime passed before the timer thread runs;
+    the callbacks are called then, from the loop, before the script can exit (the timer's late call is none)."""
+    ctx = make(tmp_path, max_runtime_s=0.2)
+    reasons = []
+    ctx.on_stop(reasons.append)
+    ctx.start_clock()
+    ctx._timer.cancel()  # the timer thread has not had the CPU yet
+    time.sleep(0.3)
+    assert ctx.should_stop()
+    assert reasons == ["max runtime 0.2 s reached"], "called from the loop, at once"
+    ctx._notify("late")  # what the timer thread would do now
+    assert reasons == ["max runtime 0.2 s reached"], "still once"
+
+
+def test_a_loop_that_stops_while_the_timer_is_calling_back_waits_for_the_callback(tmp_path):
+    ctx = make(tmp_path, max_runtime_s=0.1)
+    calling, done = threading.Event(), threading.Event()
+
+    def slow(reason):
+        calling.set()
+        time.sleep(0.3)
+        done.set()
+
+    ctx.on_stop(slow)
+    ctx.start_clock()
+    assert calling.wait(timeout=30)
+    assert ctx.should_stop()
+    assert done.is_set(), "should_stop() returned while the callback still ran: the script could exit under it"
+
+
 def test_a_stop_line_without_a_checkpoint_names_none(tmp_path):
     ctx = make(tmp_path)
     ctx.request_stop("x")
