@@ -34,6 +34,7 @@ from runners.backends.base import WORKSPACE_KEY_HEADER, WORKSPACE_USER_HEADER
 from runners.edge import proxy
 from runners.edge.probes import Prober, ReplicaState
 from runners.edge.table import SHIPPED, Caller, Route, Table, WorkspaceRoute
+from runners.workloads.serve_settings import DEADLINE_HEADER, REFUSED_HEADER
 
 log = logging.getLogger("runners.edge")
 
@@ -47,10 +48,6 @@ except ImportError:  # pragma: no cover - until the prefix router is in
         key: str
         outstanding_tokens: int
 
-DEADLINE_HEADER = "x-portal-deadline-ms"
-# The shipped server's mark on a 429 that refused one request's deadline alone (not a full replica): such a
-# refusal says nothing of how much the replica takes, so it leaves the replica's limit as it is.
-REFUSED_HEADER = "x-portal-refused"
 # The routes an endpoint answers through the edge: the native one and the OpenAI ones.
 ROUTES = ("v1/generate", "v1/completions", "v1/chat/completions")
 # Headers of a replica's answer passed to the caller.
@@ -302,10 +299,8 @@ class Edge:
             raise Refusal(404, {"detail": "No such endpoint."})
         if not (caller.is_staff or role_at_least(role, Role.MEMBER)):
             raise Refusal(403, {"detail": "Viewers read endpoints; generating takes a member of the tenant."})
-        serving = [state for state in map(self.prober.state, route.targets) if not state.out]
-        if serving and not any(state.admits(self._replica_cap(route)) for state in serving):
-            # Every replica in rotation holds what it was last seen to take: refused before the body is read.
-            raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
+        # Before the body is read: the cheapest refusal there is.
+        self._open(route, [state for state in map(self.prober.state, route.targets) if not state.out])
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > c.max_body_bytes:
             raise Refusal(413, {"body": [f"The body is over {c.max_body_bytes} bytes."]})
@@ -343,15 +338,22 @@ class Edge:
     def _replica_cap(self, route: Route) -> int:
         return self.config.in_flight_per_replica or 2 * route.queue_limit
 
+    def _open(self, route: Route, states: list[ReplicaState]) -> list[ReplicaState]:
+        """Those of ``states`` (replicas in rotation) below their limit; when there are some and none is, the
+        request is refused here, at once (429 with Retry-After), as the replicas would refuse it."""
+        cap = self._replica_cap(route)
+        open_states = [state for state in states if state.admits(cap)]
+        if states and not open_states:
+            raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
+        return open_states
+
     def _choices(self, route: Route, tried: set[str], prompt: str) -> list[ReplicaState]:
         states = [self.prober.state(target) for target in route.targets]
         states = [state for state in states if not state.out and state.target.key not in tried]
-        cap = self._replica_cap(route)
-        open_states = [state for state in states if state.admits(cap)]
-        if states and not open_states and not tried:
-            # Every replica in rotation holds what it was last seen to take: refused here, at once.
-            raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
-        states = open_states
+        if tried:  # after a replica's refusal: the others below their limit, or none (its refusal is the answer)
+            states = [state for state in states if state.admits(self._replica_cap(route))]
+        else:
+            states = self._open(route, states)
         if len(states) <= 1 or self.router is None:
             return sorted(states, key=lambda state: (state.outstanding, int(state.target.key)
                                                      if state.target.key.isdigit() else 0))

@@ -32,15 +32,14 @@ class ReplicaState:
     outstanding: int = 0
     failures: int = 0
     out: bool = False
-    # Set while the replica answers nothing: requests waiting on it leave.
-    hung: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     # Requests sent to it and not yet answered, and how many it is given before the edge refuses for it
     # (0: none learned yet, the endpoint's cap holds). See `answered` and `refused`.
     in_flight: int = 0
     limit: float = 0.0
     cut_at: float = -1e9
-    # The tries waiting for its answer to begin, each with how to stop it: a hung replica stops them at once.
+    # The tries waiting for its answer to begin, each with how to stop it: when the replica answers nothing
+    # (hung), the probe stops them at once and they go to the next replica.
     waiting: dict = field(default_factory=dict)
 
     def admits(self, cap: float) -> bool:
@@ -53,9 +52,9 @@ class ReplicaState:
         self.limit = min(cap, limit + 1.0 / limit)
 
     def refused(self, now: float, cap: float) -> None:
-        """It refused a request for being full (429: its queue, or the deadline behind the work it holds): what it
-        held was too much, so it is given a tenth less than that, at most once each LIMIT_CUT_EVERY_S (the
-        refusals of one burst are one signal). The edge then refuses the excess itself, at a fraction of the
+        """It refused a request for being full (a 429 not marked as one request's deadline alone): what it held
+        was too much, so it is given a tenth less than that, at most once each LIMIT_CUT_EVERY_S (the refusals
+        of one burst are one signal). The edge then refuses the excess itself, at a fraction of the
         CPU the replica's own refusal costs both, and the replica keeps computing."""
         if now - self.cut_at < LIMIT_CUT_EVERY_S:
             return
@@ -124,7 +123,6 @@ class Prober:
                 if state.out:
                     log.info("replica %s at %s answers again: back in rotation", state.target.key, state.target.address)
                 state.failures, state.out = 0, False
-                state.hung.clear()
             else:
                 state.failures += 1
                 if state.failures >= self.failures:
@@ -133,7 +131,6 @@ class Prober:
                                     state.target.key, state.target.address, state.failures, result)
                     state.out = True
                     if result == "silent":
-                        state.hung.set()
                         for stop in list(state.waiting.values()):
                             stop("hung")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))

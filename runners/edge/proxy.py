@@ -162,20 +162,15 @@ async def pump(send, response: aiohttp.ClientResponse, headers: list[tuple[bytes
         let_go(response, whole=whole)
 
 
-async def stream_back(send, receive, response: aiohttp.ClientResponse, *,
-                      headers: list[tuple[bytes, bytes]], give_up_at: float | None = None) -> str:
-    """``pump`` watched: the answer passed to the client as it comes, ended early when the client leaves or
-    ``give_up_at`` (loop time) passes.
+async def stream_back(send, receive, response: aiohttp.ClientResponse, *, headers: list[tuple[bytes, bytes]]) -> str:
+    """``pump`` watched: the answer passed to the client as it comes, ended early when the client leaves.
 
-    Returns "done", "upstream-broke", "client-gone" (the client closed: the upstream connection is closed at
-    once, so the upstream stops computing for it) or "deadline" (the answer is cut where it stands)."""
-    loop = asyncio.get_running_loop()
-    started: list = []
-    work = asyncio.ensure_future(pump(send, response, headers, started))
+    Returns "done", "upstream-broke" or "client-gone" (the client closed: the upstream connection is closed at
+    once, so the upstream stops computing for it)."""
+    work = asyncio.ensure_future(pump(send, response, headers, []))
     gone = asyncio.ensure_future(until_disconnect(receive))
     try:
-        timeout = None if give_up_at is None else max(0.0, give_up_at - loop.time())
-        done, _ = await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
             try:
                 return work.result()
@@ -184,12 +179,7 @@ async def stream_back(send, receive, response: aiohttp.ClientResponse, *,
         work.cancel()
         with contextlib.suppress(BaseException):
             await work
-        if gone in done:
-            return "client-gone"
-        if not started:
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return "deadline"
+        return "client-gone"
     finally:
         gone.cancel()
         work.cancel()

@@ -131,7 +131,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from runners.workloads import serve_openai
 from runners.workloads.progress import tagged_line
 from runners.workloads.serve_openai import plain_chat
-from runners.workloads.serve_settings import Settings
+from runners.workloads.serve_settings import DEADLINE_HEADER, Settings
 
 LISTENING_TAG = "PORTAL_SERVE_LISTENING"
 MAX_BODY_BYTES = 64 * 1024
@@ -362,7 +362,6 @@ class FrontMetrics:
         )
 
 
-DEADLINE_HEADER = "x-portal-deadline-ms"
 GENERATE_ROUTES = {"/v1/generate": "native", "/v1/completions": "completion", "/v1/chat/completions": "chat"}
 GONE = ("gone",)  # what a waiting request gets when its caller closed the connection
 

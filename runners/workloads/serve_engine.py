@@ -27,7 +27,7 @@ from torch.nn.utils.rnn import pack_sequence, pad_packed_sequence
 from runners.workloads.activity import ActivityMeter
 from runners.workloads.progress import checkpoint_files
 from runners.workloads.serve_openai import plain_chat
-from runners.workloads.serve_settings import Settings
+from runners.workloads.serve_settings import REFUSED_HEADER, Settings
 from runners.workloads.train import CHECKPOINT_FORMAT, VOCAB, CharModel
 
 # --- the model -----------------------------------------------------------------------------------
@@ -228,7 +228,6 @@ class Refused(Exception):
         self.reason = reason
 
 
-REFUSED_HEADER = "X-Portal-Refused"
 CANCELLED = 499  # the status of a request whose caller went away (nginx's "client closed request")
 
 

@@ -7,6 +7,13 @@ from __future__ import annotations  # the fields' types stay names: the flags' p
 
 from dataclasses import dataclass
 
+# The shipped server's headers that the edge (runners.edge) speaks with it, named once for both sides.
+# On a request: what is left of its deadline, counted from its arrival at the edge.
+DEADLINE_HEADER = "x-portal-deadline-ms"
+# On a 429 that refused one request's deadline alone ("deadline"), not a full replica: such a refusal says
+# nothing of how much the replica takes, so the edge leaves its limit for the replica as it is.
+REFUSED_HEADER = "x-portal-refused"
+
 
 @dataclass(frozen=True)
 class Settings:

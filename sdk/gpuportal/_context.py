@@ -465,8 +465,8 @@ class Context:
         """Call `callback(reason)` once, as soon as the portal asks the job to stop, for a loop that cannot poll
         should_stop(): from the signal handler (a signal: in the main thread, between two instructions of the
         script), from a timer thread (max_runtime_s), from request_stop(), or from should_stop() when the loop
-        sees the stop first. Keep it short (set a flag); no
-        printing in it, which can fail inside a signal handler. Called at once if the stop came already."""
+        sees the stop first. Keep it short (set a flag); no printing in it, which can fail inside a signal
+        handler. Called at once if the stop came already."""
         self._stop_callbacks.append(callback)
         if self._notified:
             self._call(callback, self._requested or self.stop_reason or self._local_reason() or "stopped")

@@ -5,8 +5,6 @@ costs the replica and the edge a whole round trip of CPU on the core they share.
 them: a refusal cuts the replica's limit to nine tenths of what it then held, and each answer gives a little
 back. Past the limit the edge refuses by itself, before reading the request's body."""
 
-import asyncio
-
 import pytest
 
 from runners.edge.probes import LIMIT_CUT_EVERY_S, ReplicaState
@@ -18,10 +16,7 @@ CAP = 128
 
 
 def _state() -> ReplicaState:
-    async def make() -> ReplicaState:  # its Event wants a running loop's thread, as in the edge
-        return ReplicaState(Target(key="1", address="http://127.0.0.1:9", health_path="/readyz"))
-
-    return asyncio.run(make())
+    return ReplicaState(Target(key="1", address="http://127.0.0.1:9", health_path="/readyz"))
 
 
 def test_until_a_refusal_the_cap_is_the_limit():
