@@ -10,6 +10,7 @@ from django.conf import settings
 from django.test.utils import override_settings
 from rest_framework.test import APIClient
 
+from tests.support.k8s_schema import read_each_schema_once
 from tests.support.portal_up import kill_job_processes
 from tests.support.worker import WorkerProcess, purge_queue
 
@@ -46,6 +47,12 @@ def pytest_configure(config):
             "`make test`, which then uses this checkout's embedded Redis.",
             2,
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kubernetes_schemas_read_once():
+    """kubernetes-validate parses each schema file once per test process (tests/support/k8s_schema.py)."""
+    read_each_schema_once()
 
 
 @pytest.fixture(scope="session")
