@@ -338,22 +338,20 @@ class Edge:
     def _replica_cap(self, route: Route) -> int:
         return self.config.in_flight_per_replica or 2 * route.queue_limit
 
-    def _open(self, route: Route, states: list[ReplicaState]) -> list[ReplicaState]:
-        """Those of ``states`` (replicas in rotation) below their limit; when there are some and none is, the
-        request is refused here, at once (429 with Retry-After), as the replicas would refuse it."""
+    def _open(self, route: Route, states: list[ReplicaState], *, refuse: bool = True) -> list[ReplicaState]:
+        """Those of ``states`` (replicas in rotation) below their limit; when there are some and none is, and
+        ``refuse``, the request is refused here, at once (429 with Retry-After), as the replicas would refuse it."""
         cap = self._replica_cap(route)
         open_states = [state for state in states if state.admits(cap)]
-        if states and not open_states:
+        if refuse and states and not open_states:
             raise Refusal(429, {"detail": f"Endpoint {route.name} is at capacity; try again."}, {"Retry-After": 1})
         return open_states
 
     def _choices(self, route: Route, tried: set[str], prompt: str) -> list[ReplicaState]:
         states = [self.prober.state(target) for target in route.targets]
         states = [state for state in states if not state.out and state.target.key not in tried]
-        if tried:  # after a replica's refusal: the others below their limit, or none (its refusal is the answer)
-            states = [state for state in states if state.admits(self._replica_cap(route))]
-        else:
-            states = self._open(route, states)
+        # After a replica's refusal: the others below their limit, or none (that refusal is then the answer).
+        states = self._open(route, states, refuse=not tried)
         if len(states) <= 1 or self.router is None:
             return sorted(states, key=lambda state: (state.outstanding, int(state.target.key)
                                                      if state.target.key.isdigit() else 0))

@@ -393,7 +393,8 @@ def test_sigterm_under_load_answers_every_admitted_request_then_exits_0(tmp_path
 
 
 async def _post_all(port: int, bodies: list[dict], spacing_s: float) -> list[tuple[int, float, bytes]]:
-    """Send each body `spacing_s` after the one before (open loop); (status, seconds to the answer) each."""
+    """Send each body `spacing_s` after the one before (open loop); (status, seconds to the answer, the answer's
+    head in lower case) each."""
     loop = asyncio.get_running_loop()
     start = loop.time()
 
