@@ -2,7 +2,8 @@
 
 Bad input raises `TraceError` with a message that names the file, the row and the field, so the
 replay can print it as one line. The `multigpu*` pod lists have only the first five columns
-(name, cpu_milli, memory_mib, num_gpu, gpu_milli); `gpu_spec` is optional everywhere.
+(name, cpu_milli, memory_mib, num_gpu, gpu_milli); `gpu_spec` is optional everywhere, and so are
+`creation_time` and `deletion_time` (seconds from the trace's start; the departures replay needs them).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from .model import GPU_MILLI, Gpu, Node, PodRequest
 
@@ -27,6 +29,9 @@ class TracePod:
 
     request: PodRequest
     gpu_spec: str
+    # Seconds from the trace's start; None where the list has no times (the multigpu lists).
+    created_s: Optional[int] = None
+    deleted_s: Optional[int] = None
 
 
 def _rows(path: Path, required: tuple[str, ...], kind: str) -> list[dict[str, str]]:
@@ -105,7 +110,11 @@ def load_pods(path: str | Path) -> list[TracePod]:
             gpu_milli=gpu_milli if has_gpu else 0,
             gpu_models=frozenset(models) if models and has_gpu else None,
         )
-        pods.append(TracePod(request, "|".join(models) if has_gpu else ""))
+        times = [None, None]
+        for index, column in enumerate(("creation_time", "deletion_time")):
+            if (row.get(column) or "").strip() not in ("", "nan"):
+                times[index] = _whole(path, line, row, column)
+        pods.append(TracePod(request, "|".join(models) if has_gpu else "", *times))
     if not pods:
         raise TraceError(f"pods file {path} has no pods")
     return pods

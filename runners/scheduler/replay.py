@@ -17,8 +17,16 @@ The shuffle uses numpy's PCG64, not Go's math/rand, so a seed here is not the sa
 the same seed there; means over seeds are what compare. Equal scores go to the first node in a
 seeded random order, as the simulator's renamed nodes do (see `policies.pick_max`).
 
+With `--defrag`, a pod that fits nowhere may have room made for it by moving pods already placed
+(`defrag.plan_room`: at most `DEFRAG_MAX_MOVES_PER_POD` moves, each to where the moved pod fits
+tightest), within a budget of moves per pod arrived (`--defrag-budget`, default
+`DEFAULT_DEFRAG_BUDGET`: 2 moves per 100 pods). Every placed pod counts as movable (the trace says
+nothing of checkpoints). Each move is charged `--move-cost-s` seconds of the GPUs it moves (stopping
+with a checkpoint, then restoring elsewhere), reported as GPU-seconds lost to moves.
+
 Usage: python -m runners.scheduler.replay --nodes CSV --pods CSV --policy NAME --seed N [--tune 1.3]
-[--mix trace|online] [--window N] [--json]
+[--mix trace|online] [--window N] [--defrag [--defrag-budget SHARE] [--move-cost-s S]] [--json]
+       python -m runners.scheduler.replay ... --departures [--arrive-within S] [--defrag ...]   (departures.py)
 """
 
 from __future__ import annotations
@@ -34,11 +42,29 @@ from typing import Literal, Optional, Sequence, get_args
 import numpy as np
 
 from .batch import place_window
+from .defrag import Running, apply_plan, plan_room
 from .model import ClusterState, Node
 from .openb import TracePod, load_nodes, load_pods
-from .policies import POLICY_NAMES, FgdPolicy, FragModel, OnlineMix, PolicyName, make_policy, prior_pod, typical_pods
+from .policies import (
+    POLICY_NAMES,
+    Choice,
+    FgdPolicy,
+    FragModel,
+    OnlineMix,
+    PolicyName,
+    make_policy,
+    prior_pod,
+    typical_pods,
+)
 
 ARRIVED_PCT_MAX = 130
+# Moves allowed per pod arrived when --defrag is on, and the most any one waiting pod may cause.
+DEFAULT_DEFRAG_BUDGET = 0.02
+DEFRAG_MAX_MOVES_PER_POD = 2
+# What one move costs its GPUs, in seconds: a checkpoint written, the pod stopped, restored elsewhere.
+DEFAULT_MOVE_COST_S = 60.0
+# A budget above one move per pod arrived is a mistake, not a setting.
+DEFRAG_BUDGET_MAX = 1.0
 
 
 @dataclass
@@ -58,6 +84,12 @@ class ReplayResult:
     pods_per_s: float
     mix: str = "trace"
     window: int = 1
+    defrag: bool = False
+    defrag_budget: float = 0.0
+    moves: int = 0
+    moves_per_1000_pods: float = 0.0
+    pods_placed_by_moves: int = 0
+    gpu_seconds_lost_to_moves: float = 0.0
 
     def as_dict(self) -> dict:
         """The JSON object the CLI prints."""
@@ -89,7 +121,7 @@ def inflate(pods: list[TracePod], total_gpus: int, tune: float, rng: np.random.G
         if requested_milli + original.request.gpu_milli > target_milli:
             return order
         requested_milli += original.request.total_gpu_milli
-        order.append(TracePod(replace(original.request, name=f"{original.request.name}-tuned-{copies}"), original.gpu_spec))
+        order.append(replace(original, request=replace(original.request, name=f"{original.request.name}-tuned-{copies}")))
         copies += 1
 
 
@@ -118,6 +150,9 @@ def replay(
     trace: str = "",
     mix: MixSource = "trace",
     window: int = 1,
+    defrag: bool = False,
+    defrag_budget: float = DEFAULT_DEFRAG_BUDGET,
+    move_cost_s: float = DEFAULT_MOVE_COST_S,
 ) -> ReplayResult:
     """Run the published procedure for one policy and seed; pure apart from the clock.
 
@@ -125,7 +160,8 @@ def replay(
     pod list, as the simulator does; "online" learns them from the pods arrived so far
     (`OnlineMix`), as the portal's own cycle must. `window` > 1 is the batch mode: pods arriving
     within a window of that many are placed together (`batch.place_window`); the records of a
-    window's pods are taken once it is placed.
+    window's pods are taken once it is placed. `defrag` makes room for a pod that fits nowhere by
+    moving placed pods (module docstring), one pod at a time, so it needs a window of 1.
     """
     started = time.perf_counter()
     if seed < 0:
@@ -134,6 +170,9 @@ def replay(
         raise ValueError(f"the window must be 1 or more pods, got {window}")
     if mix not in get_args(MixSource):
         raise ValueError(f"unknown mix {mix!r}; choose trace or online")
+    check_defrag_settings(defrag_budget, move_cost_s)
+    if defrag and window != 1:
+        raise ValueError(f"defragmentation places one pod at a time; it needs a window of 1, got {window}")
     rng = np.random.default_rng(seed)
     state = ClusterState(list(nodes))
     total_gpus = state.total_gpus
@@ -158,6 +197,10 @@ def replay(
     fragmented = np.zeros(len(workload) + 1, dtype=np.float64)
     used[0], fragmented[0] = used_milli, frag_total
     arrived_milli, placed = 0, 0
+    # What defragmentation needs to know: every placed pod, by node, and how many pods hold each GPU.
+    by_row: dict[int, list[Running]] = {}
+    pods_on = np.zeros_like(state.gpu_left_milli) if defrag else None
+    moves, placed_by_moves, moved_milli = 0, 0, 0
     for first in range(0, len(workload), window):
         arriving = workload[first:first + window]
         batch = [trace_pod.request for trace_pod in arriving]
@@ -167,15 +210,30 @@ def replay(
             # The pods of this window have arrived, so their shapes are known before they are placed.
             if online.due() and isinstance(policy, FgdPolicy):
                 policy.retarget(online.typical())
+        touched = []
         if window == 1:
             pod = batch[0]
             feasible = state.feasible(pod)
             choices = [policy.select(state, pod, feasible, rng) if feasible.size else None]
             if choices[0] is not None:
                 state.place(choices[0].row, pod, choices[0].gpus)
+            elif defrag:
+                allowed = min(DEFRAG_MAX_MOVES_PER_POD, int(defrag_budget * (first + 1) + 1e-9) - moves)
+                plan = plan_room(state, pod, (), max_moves=allowed, by_row=by_row, pods_on=pods_on) if allowed >= 1 else None
+                if plan is not None:
+                    apply_plan(state, pod, plan)
+                    for move in plan.moves:
+                        _forget(by_row, pods_on, move.running)
+                        _remember(by_row, pods_on, Running(move.running.key, move.running.pod, move.to_row, move.to_gpus))
+                        touched += [move.running.row, move.to_row]
+                    moves += len(plan.moves)
+                    placed_by_moves += 1
+                    moved_milli += plan.moved_gpu_milli
+                    choices = [Choice(plan.row, plan.gpus)]
+            if defrag and choices[0] is not None:
+                _remember(by_row, pods_on, Running(first, pod, choices[0].row, tuple(choices[0].gpus)))
         else:
             choices = place_window(state, batch, policy, rng)
-        touched = []
         for pod, choice in zip(batch, choices):
             if choice is not None:
                 placed += 1
@@ -205,7 +263,35 @@ def replay(
         pods_per_s=round(len(workload) / elapsed, 1) if elapsed > 0 else 0.0,
         mix=mix,
         window=window,
+        defrag=defrag,
+        defrag_budget=defrag_budget if defrag else 0.0,
+        moves=moves,
+        moves_per_1000_pods=round(1000 * moves / len(workload), 2) if workload else 0.0,
+        pods_placed_by_moves=placed_by_moves,
+        gpu_seconds_lost_to_moves=round(moved_milli / 1000 * move_cost_s, 1),
     )
+
+
+def check_defrag_settings(budget: float, move_cost_s: float) -> None:
+    """Refuse a budget or move cost that cannot be meant (ValueError naming the setting)."""
+    if not (0 <= budget <= DEFRAG_BUDGET_MAX):
+        raise ValueError(
+            f"--defrag-budget is moves per pod arrived, from 0 to {DEFRAG_BUDGET_MAX:g}; got {budget:g}"
+        )
+    if not (0 <= move_cost_s <= 86_400):
+        raise ValueError(f"--move-cost-s is seconds a move costs its GPUs, from 0 to 86400; got {move_cost_s:g}")
+
+
+def _remember(by_row: dict[int, list[Running]], pods_on: np.ndarray, running: Running) -> None:
+    by_row.setdefault(running.row, []).append(running)
+    for col in running.gpus:
+        pods_on[running.row, col] += 1
+
+
+def _forget(by_row: dict[int, list[Running]], pods_on: np.ndarray, running: Running) -> None:
+    by_row[running.row].remove(running)
+    for col in running.gpus:
+        pods_on[running.row, col] -= 1
 
 
 def trace_name(pods_path: str) -> str:
@@ -229,18 +315,56 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tune", type=float, default=1.3, help="inflate to this many times the cluster's GPUs (<= 0: as is)")
     parser.add_argument("--mix", default="trace", help="typical pods from the whole 'trace' (as published) or 'online'")
     parser.add_argument("--window", type=int, default=1, help="place the pods arriving within this many together")
+    parser.add_argument("--defrag", action="store_true", help="make room for a pod that fits nowhere by moving placed pods")
+    parser.add_argument("--defrag-budget", type=float, default=None, metavar="SHARE",
+                        help=f"moves allowed per pod arrived (default {DEFAULT_DEFRAG_BUDGET:g}); needs --defrag")
+    parser.add_argument("--move-cost-s", type=float, default=None, metavar="S",
+                        help=f"seconds of its GPUs a move costs (default {DEFAULT_MOVE_COST_S:g}); needs --defrag")
+    parser.add_argument("--departures", action="store_true",
+                        help="replay in time: pods arrive at creation_time, run until deletion_time, queue when they do not fit")
+    parser.add_argument("--arrive-within", type=float, default=None, metavar="SECONDS",
+                        help="with --departures: compress the arrival times into this many seconds (default: as they are)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.arrive_within is not None and not args.departures:
+        parser.error("--arrive-within needs --departures")
+    if args.departures and (args.window != 1 or args.mix != "trace"):
+        parser.error("--departures places one pod at a time with the trace's mix; leave out --window and --mix")
+    if not args.defrag and (args.defrag_budget is not None or args.move_cost_s is not None):
+        parser.error("--defrag-budget and --move-cost-s need --defrag")
+    budget = DEFAULT_DEFRAG_BUDGET if args.defrag_budget is None else args.defrag_budget
+    move_cost_s = DEFAULT_MOVE_COST_S if args.move_cost_s is None else args.move_cost_s
     if args.policy not in POLICY_NAMES:
         parser.error(f"unknown policy {args.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
     if args.seed < 0:
         parser.error(f"--seed must be 0 or more, got {args.seed}")
     try:
+        check_defrag_settings(budget, move_cost_s)
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
-        result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods), args.mix, args.window)
+        if args.departures:
+            from .departures import departures_replay  # it builds on this module
+
+            timed = departures_replay(nodes, pods, args.policy, args.seed, arrive_within=args.arrive_within, tune=max(args.tune, 0.0),
+                                      trace=trace_name(args.pods), defrag=args.defrag, defrag_budget=budget,
+                                      move_cost_s=move_cost_s)
+        else:
+            result = replay(nodes, pods, args.policy, args.seed, args.tune, trace_name(args.pods), args.mix, args.window,
+                            defrag=args.defrag, defrag_budget=budget, move_cost_s=move_cost_s)
     except ValueError as error:  # TraceError is one too
         parser.error(str(error))
+    if args.departures:
+        if args.json:
+            print(json.dumps(timed.as_dict()))
+        else:
+            print(
+                f"{timed.policy} on {timed.trace} (seed {timed.seed}, in time): {timed.pods_started}/{timed.pods} pods started, "
+                f"waits mean {timed.wait_mean_s:g} s and p99 {timed.wait_p99_s:g} s, "
+                f"{timed.allocation_mean_pct:g}% of {timed.total_gpus} GPUs allocated on average, "
+                f"{timed.gpu_hours_delivered_pct:g}% of the GPU-hours delivered while arriving"
+                + (f"; {timed.moves} moves ({timed.gpu_seconds_lost_to_moves:g} GPU-s lost to them)" if timed.defrag else "")
+            )
+        return 0
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
@@ -249,6 +373,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{result.policy} on {result.trace} (seed {result.seed}): {result.pods_placed}/{result.pods_arrived} pods placed, "
             f"{at_130}% of {result.total_gpus} GPUs allocated at {ARRIVED_PCT_MAX}% arrived, "
             f"{result.pods_per_s:.0f} pods/s"
+            + (f"; {result.moves} moves ({result.moves_per_1000_pods:g} per 1,000 pods, "
+               f"{result.gpu_seconds_lost_to_moves:g} GPU-s lost to them)" if result.defrag else "")
         )
     return 0
 
