@@ -145,7 +145,8 @@ def _evictions(
     cpu_short = pod.cpu_milli - int(state.cpu_left_milli[row]) - sum(r.pod.cpu_milli for r in chosen)
     memory_short = pod.memory_mib - int(state.memory_left_mib[row]) - sum(r.pod.memory_mib for r in chosen)
     if cpu_short > 0 or memory_short > 0:
-        rest = [r for r in on_node if r not in chosen and _is_mover(r) and not (set(r.gpus) & set(gpus))]
+        taken = {id(r) for r in chosen}
+        rest = [r for r in on_node if id(r) not in taken and _is_mover(r) and not (set(r.gpus) & set(gpus))]
         rest.sort(key=lambda r: (-r.pod.cpu_milli, -r.pod.memory_mib))
         for running in rest:
             if cpu_short <= 0 and memory_short <= 0:
@@ -181,25 +182,31 @@ def _tightest(state: ClusterState, pod: PodRequest, away_from: int) -> Optional[
 
 
 def _candidates(state: ClusterState, pod: PodRequest, pods_on: np.ndarray, max_moves: int) -> np.ndarray:
-    """Nodes worth a trial, cheapest first: the right model, schedulable, enough capacity once cleared."""
+    """Nodes worth a trial, cheapest first: the right model, schedulable, enough capacity once cleared.
+
+    A GPU counts as one that moves could clear only if its occupants could land somewhere: they hold
+    `GPU_MILLI - left` between them, and none can go to a GPU with less room than the most any GPU of
+    the cluster has free (`room`), so more than `count x room` cannot all move. It is a bound, not the
+    answer: the trial decides.
+    """
     rows = state.model_rows(pod) if pod.kind in ("share", "whole") else np.arange(state.n_nodes)
     rows = rows[state.schedulable[rows]]
     rows = rows[(state.cpu_capacity_milli[rows] >= pod.cpu_milli) & (state.memory_capacity_mib[rows] >= pod.memory_mib)]
     kind = pod.kind
-    if kind == "whole":
+    if kind in ("whole", "share"):
+        room = int(state.max_left_milli.max()) if state.n_nodes else 0
         count = pods_on[rows]
-        usable = (count <= max_moves) & ~state.gpu_is_mig[rows]
-        usable &= np.arange(count.shape[1])[None, :] < state.gpu_count[rows][:, None]
-        free_whole = state.full_free_gpus[rows]
-        reach = usable.sum(axis=1)
-        keep = reach >= pod.gpu_count
-        rows, need = rows[keep], np.maximum(pod.gpu_count - free_whole[keep], 0)
-    elif kind == "share":
-        count = pods_on[rows]
-        # One GPU among the node's that could reach the share by clearing at most max_moves pods.
-        keep = ((count >= 1) & (count <= max_moves)).any(axis=1)
-        rows = rows[keep]
-        need = np.ones(rows.size, dtype=np.int64)
+        held = GPU_MILLI - state.gpu_left_milli[rows]
+        real = (np.arange(count.shape[1])[None, :] < state.gpu_count[rows][:, None]) & ~state.gpu_is_mig[rows]
+        movable = (count >= 1) & (count <= max_moves) & (held <= count * room) & real
+        if kind == "whole":
+            free = (state.gpu_left_milli[rows] == GPU_MILLI) & real
+            keep = (free | movable).sum(axis=1) >= pod.gpu_count
+            rows, need = rows[keep], np.maximum(pod.gpu_count - state.full_free_gpus[rows][keep], 0)
+        else:
+            keep = movable.any(axis=1)
+            rows = rows[keep]
+            need = np.ones(rows.size, dtype=np.int64)
     else:
         need = np.ones(rows.size, dtype=np.int64)
     order = np.lexsort((state.tie_rank[rows], need))
