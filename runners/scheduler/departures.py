@@ -173,6 +173,7 @@ def departures_replay(
     if isinstance(policy, FgdPolicy):
         policy.bind(state)
 
+    cpu_left_at_start, allocated_at_start = state.cpu_left_milli.copy(), state.allocated_gpu_milli()
     start = np.full(len(pods), np.nan)
     ends: list[tuple[float, int]] = []  # (time, pod index) of running pods
     end_of: dict[int, float] = {}
@@ -201,15 +202,19 @@ def departures_replay(
         for col in running.gpus:
             pods_on[running.row, col] -= 1
 
-    def run(index: int, row: int, gpus: tuple[int, ...], now: float) -> None:
+    def started(index: int, row: int, gpus: tuple[int, ...], now: float) -> None:
+        """The books for a pod placed on `state` at `now`: where it runs, when it ends."""
         nonlocal used_milli
         busy[:] = [area, now]
-        state.place(row, requests[index], gpus)
         remember(Running(index, requests[index], row, tuple(gpus)))
         start[index] = now
         end_of[index] = now + duration[index]
         heapq.heappush(ends, (end_of[index], index))
         used_milli += gpu_milli[index]
+
+    def run(index: int, row: int, gpus: tuple[int, ...], now: float) -> None:
+        state.place(row, requests[index], gpus)
+        started(index, row, gpus, now)
 
     def try_place(index: int, now: float) -> bool:
         pod = requests[index]
@@ -221,7 +226,7 @@ def departures_replay(
         return True
 
     def schedule(now: float, arrived: int) -> None:
-        nonlocal moves, moved_milli, used_milli
+        nonlocal moves, moved_milli
         kept = []
         for position, index in enumerate(queue):
             if position >= backfill:
@@ -257,12 +262,7 @@ def departures_replay(
             moves += len(plan.moves)
             moved_milli += plan.moved_gpu_milli
             queue.remove(head)
-            remember(Running(head, requests[head], plan.row, tuple(plan.gpus)))
-            start[head] = now
-            busy[:] = [area, now]
-            end_of[head] = now + duration[head]
-            heapq.heappush(ends, (end_of[head], head))
-            used_milli += gpu_milli[head]
+            started(head, plan.row, plan.gpus, now)
 
     def advance(now: float) -> None:
         nonlocal area, last_t
@@ -311,7 +311,7 @@ def departures_replay(
     # Every pod that started has left, once: the cluster is as empty as it began. A move that lost a pod
     # or ran one twice would leave something held (or give back more than was taken, which `release`
     # refuses).
-    if placed or (state.cpu_left_milli != state.cpu_capacity_milli).any() or state.allocated_gpu_milli() != 0:
+    if placed or (state.cpu_left_milli != cpu_left_at_start).any() or state.allocated_gpu_milli() != allocated_at_start:
         raise RuntimeError("the replay ended with resources still held: a pod was lost or run twice")
     if np.isnan(start).any():
         busy[:] = [area, end_time]
