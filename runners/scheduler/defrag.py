@@ -10,7 +10,9 @@ costs its pod's GPUs for as long as the checkpoint, the stop and the restore tak
 nowhere, it proposes the cheapest set of at most `max_moves` moves (each a running pod, where it is,
 where it goes) after which the waiting pod fits on one node, and where it then goes. "Cheapest" is,
 in order: the fewest moves, the fewest milli-GPUs moved (the GPU-seconds a move costs grow with the
-GPUs it stops), and the node the tie order ranks first. The moved pods go where they fit tightest
+GPUs it stops), and the node the tie order ranks first; it is sought among the `MAX_CANDIDATES`
+nodes that a vector prefilter ranks first (fewest GPUs to clear), so on a large cluster it is the
+cheapest found there, not a proven optimum. The moved pods go where they fit tightest
 (the GPU with the least room left that still holds them: the slivers other pods left), never onto
 the node being cleared, and never where they would themselves push anything out: a plan moves each
 pod once, in one step, and every target is checked against the cluster as the earlier moves of the
@@ -223,7 +225,7 @@ def plan_room(
     by_row: Optional[Mapping[int, Sequence[Running]]] = None,
     pods_on: Optional[np.ndarray] = None,
 ) -> Optional[Plan]:
-    """The cheapest plan of at most `max_moves` moves after which `pod` fits, or None.
+    """The cheapest plan found of at most `max_moves` moves after which `pod` fits, or None.
 
     `running` is every pod placed on `state` (the state must hold exactly them); `movable` says which
     may move (default: all of them). `by_row` and `pods_on` (the number of pods on each GPU slot, an
