@@ -42,6 +42,13 @@ from .model import GPU_MILLI, ClusterState, PodRequest
 
 # Nodes tried per waiting pod, cheapest first by the prefilter; trying a node costs a trial.
 MAX_CANDIDATES = 24
+# The replays' settings. Moves allowed per pod arrived, and the most any one waiting pod may cause.
+DEFAULT_DEFRAG_BUDGET = 0.02
+DEFRAG_MAX_MOVES_PER_POD = 2
+# What one move costs its GPUs, in seconds: a checkpoint written, the pod stopped, restored elsewhere.
+DEFAULT_MOVE_COST_S = 60.0
+# A budget above one move per pod arrived is a mistake, not a setting.
+DEFRAG_BUDGET_MAX = 1.0
 
 
 @dataclass(frozen=True)
@@ -308,3 +315,13 @@ def apply_plan(state: ClusterState, pod: PodRequest, plan: Plan) -> None:
     for move in plan.moves:
         state.place(move.to_row, move.running.pod, move.to_gpus)
     state.place(plan.row, pod, plan.gpus)
+
+
+def check_defrag_settings(budget: float, move_cost_s: float) -> None:
+    """Refuse a budget or move cost that cannot be meant (ValueError naming the setting)."""
+    if not (0 <= budget <= DEFRAG_BUDGET_MAX):
+        raise ValueError(
+            f"--defrag-budget is moves per pod arrived, from 0 to {DEFRAG_BUDGET_MAX:g}; got {budget:g}"
+        )
+    if not (0 <= move_cost_s <= 86_400):
+        raise ValueError(f"--move-cost-s is seconds a move costs its GPUs, from 0 to 86400; got {move_cost_s:g}")

@@ -44,11 +44,18 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .defrag import Running, apply_plan, plan_room
+from .defrag import (
+    DEFAULT_DEFRAG_BUDGET,
+    DEFAULT_MOVE_COST_S,
+    DEFRAG_MAX_MOVES_PER_POD,
+    Running,
+    apply_plan,
+    check_defrag_settings,
+    plan_room,
+)
 from .model import ClusterState, Node, PodRequest
-from .openb import TracePod
+from .openb import TracePod, inflate
 from .policies import FgdPolicy, PolicyName, make_policy, typical_pods
-from .replay import DEFAULT_DEFRAG_BUDGET, DEFAULT_MOVE_COST_S, DEFRAG_MAX_MOVES_PER_POD, check_defrag_settings, inflate
 
 DEFAULT_BACKFILL = 64
 # Waiting pods (the oldest) that defragmentation tries to make room for after each departure. One (the

@@ -9,9 +9,11 @@ replay can print it as one line. The `multigpu*` pod lists have only the first f
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from .model import GPU_MILLI, Gpu, Node, PodRequest
 
@@ -118,3 +120,32 @@ def load_pods(path: str | Path) -> list[TracePod]:
     if not pods:
         raise TraceError(f"pods file {path} has no pods")
     return pods
+
+
+def inflate(pods: list[TracePod], total_gpus: int, tune: float, rng: np.random.Generator) -> list[TracePod]:
+    """Shuffle the name-sorted pods, then add or remove random pods to reach tune x the cluster's GPUs."""
+    by_name = sorted(pods, key=lambda pod: pod.request.name)
+    order = [by_name[i] for i in rng.permutation(len(by_name))]
+    if tune <= 0:
+        return order
+    target_milli = tune * total_gpus * 1000
+    requested_milli = sum(pod.request.total_gpu_milli for pod in order)
+    if not any(pod.request.gpu_count for pod in by_name):
+        # Copies of pods that ask for no GPU never bring the requested GPUs nearer the target.
+        raise ValueError(
+            f"the pod list asks for no GPUs, so it cannot be inflated to {tune:g}x the cluster's GPUs; "
+            "replay it as it is with --tune 0"
+        )
+    if requested_milli > target_milli:
+        while requested_milli > target_milli and order:
+            removed = order.pop(int(rng.integers(len(order))))
+            requested_milli -= removed.request.total_gpu_milli
+        return order
+    copies = 0
+    while True:
+        original = by_name[int(rng.integers(len(by_name)))]
+        if requested_milli + original.request.gpu_milli > target_milli:
+            return order
+        requested_milli += original.request.total_gpu_milli
+        order.append(replace(original, request=replace(original.request, name=f"{original.request.name}-tuned-{copies}")))
+        copies += 1

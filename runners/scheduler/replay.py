@@ -4,7 +4,7 @@ The published procedure (hkust-adsl/kubernetes-scheduler-simulator, `Simulate` a
 `TunePodsByNodeTotalResource`):
 
 1. Sort the pods by name and shuffle them with the seed.
-2. Inflate ("tune") to `tune` x the cluster's GPUs: append random copies of trace pods, drawn from
+2. Inflate ("tune") to `tune` x the cluster's GPUs (`openb.inflate`, which the replay in time shares): append random copies of trace pods, drawn from
    the name-sorted list, until the next copy would push the requested GPUs over the target (the
    simulator compares against the copy's per-GPU milli, not its total; kept as published), or, if
    the trace is already over, remove random pods until it is not.
@@ -35,16 +35,25 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence, get_args
 
 import numpy as np
 
 from .batch import place_window
-from .defrag import Running, apply_plan, plan_room
+from .defrag import (
+    DEFAULT_DEFRAG_BUDGET,
+    DEFAULT_MOVE_COST_S,
+    DEFRAG_MAX_MOVES_PER_POD,
+    Running,
+    apply_plan,
+    check_defrag_settings,
+    plan_room,
+)
+from .departures import departures_replay
 from .model import ClusterState, Node
-from .openb import TracePod, load_nodes, load_pods
+from .openb import TracePod, inflate, load_nodes, load_pods
 from .policies import (
     POLICY_NAMES,
     Choice,
@@ -58,13 +67,6 @@ from .policies import (
 )
 
 ARRIVED_PCT_MAX = 130
-# Moves allowed per pod arrived when --defrag is on, and the most any one waiting pod may cause.
-DEFAULT_DEFRAG_BUDGET = 0.02
-DEFRAG_MAX_MOVES_PER_POD = 2
-# What one move costs its GPUs, in seconds: a checkpoint written, the pod stopped, restored elsewhere.
-DEFAULT_MOVE_COST_S = 60.0
-# A budget above one move per pod arrived is a mistake, not a setting.
-DEFRAG_BUDGET_MAX = 1.0
 
 
 @dataclass
@@ -94,35 +96,6 @@ class ReplayResult:
     def as_dict(self) -> dict:
         """The JSON object the CLI prints."""
         return dict(self.__dict__)
-
-
-def inflate(pods: list[TracePod], total_gpus: int, tune: float, rng: np.random.Generator) -> list[TracePod]:
-    """Shuffle the name-sorted pods, then add or remove random pods to reach tune x the cluster's GPUs."""
-    by_name = sorted(pods, key=lambda pod: pod.request.name)
-    order = [by_name[i] for i in rng.permutation(len(by_name))]
-    if tune <= 0:
-        return order
-    target_milli = tune * total_gpus * 1000
-    requested_milli = sum(pod.request.total_gpu_milli for pod in order)
-    if not any(pod.request.gpu_count for pod in by_name):
-        # Copies of pods that ask for no GPU never bring the requested GPUs nearer the target.
-        raise ValueError(
-            f"the pod list asks for no GPUs, so it cannot be inflated to {tune:g}x the cluster's GPUs; "
-            "replay it as it is with --tune 0"
-        )
-    if requested_milli > target_milli:
-        while requested_milli > target_milli and order:
-            removed = order.pop(int(rng.integers(len(order))))
-            requested_milli -= removed.request.total_gpu_milli
-        return order
-    copies = 0
-    while True:
-        original = by_name[int(rng.integers(len(by_name)))]
-        if requested_milli + original.request.gpu_milli > target_milli:
-            return order
-        requested_milli += original.request.total_gpu_milli
-        order.append(replace(original, request=replace(original.request, name=f"{original.request.name}-tuned-{copies}")))
-        copies += 1
 
 
 def bin_by_arrived(arrived_milli: np.ndarray, values: np.ndarray, total_gpus: int, decimals: int) -> list[Optional[float]]:
@@ -272,16 +245,6 @@ def replay(
     )
 
 
-def check_defrag_settings(budget: float, move_cost_s: float) -> None:
-    """Refuse a budget or move cost that cannot be meant (ValueError naming the setting)."""
-    if not (0 <= budget <= DEFRAG_BUDGET_MAX):
-        raise ValueError(
-            f"--defrag-budget is moves per pod arrived, from 0 to {DEFRAG_BUDGET_MAX:g}; got {budget:g}"
-        )
-    if not (0 <= move_cost_s <= 86_400):
-        raise ValueError(f"--move-cost-s is seconds a move costs its GPUs, from 0 to 86400; got {move_cost_s:g}")
-
-
 def _remember(by_row: dict[int, list[Running]], pods_on: np.ndarray, running: Running) -> None:
     by_row.setdefault(running.row, []).append(running)
     for col in running.gpus:
@@ -343,8 +306,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
         if args.departures:
-            from .departures import departures_replay  # it builds on this module
-
             timed = departures_replay(nodes, pods, args.policy, args.seed, arrive_within=args.arrive_within, tune=max(args.tune, 0.0),
                                       trace=trace_name(args.pods), defrag=args.defrag, defrag_budget=budget,
                                       move_cost_s=move_cost_s)

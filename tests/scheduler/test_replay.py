@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runners.scheduler.openb import TraceError, load_nodes, load_pods
-from runners.scheduler.replay import inflate, replay
+from runners.scheduler.openb import TraceError, inflate, load_nodes, load_pods
+from runners.scheduler.replay import replay
 
 pytestmark = pytest.mark.e2e
 
