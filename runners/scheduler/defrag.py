@@ -17,7 +17,8 @@ cheapest found there, not a proven optimum. The moved pods go where they fit tig
 the node being cleared, and never where they would themselves push anything out: a plan moves each
 pod once, in one step, and every target is checked against the cluster as the earlier moves of the
 same plan leave it. It tries the plan on the state itself (`ClusterState.trial`) and undoes it, so
-the state is as it was when it returns; `apply_plan` then makes it for real.
+the state is as it was when it returns; `apply_plan` then makes it for real, on the state and in the
+caller's `Placements` (the placed pods, indexed by node and GPU).
 
 What may move is the caller's to say (`movable`): in the portal, running preemptible work whose
 tenant allows moves and that was not moved within the window; in the trace replay, every pod
@@ -32,7 +33,7 @@ waiting.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,6 +90,46 @@ class Plan:
         return sum(move.gpu_milli for move in self.moves)
 
 
+class Placements:
+    """The pods placed on a cluster, indexed as `plan_room` reads them: by key, by node (row), and how
+    many pods hold each GPU slot (`pods_on`, shaped like `state.gpu_left_milli`). A replay keeps one as
+    pods come, move and go; it must hold exactly the pods placed on the state it is planned against."""
+
+    def __init__(self, state: ClusterState, running: Iterable[Running] = ()):
+        self.by_key: dict[object, Running] = {}
+        self.by_row: dict[int, list[Running]] = {}
+        self.pods_on = np.zeros_like(state.gpu_left_milli)
+        for placed in running:
+            self.add(placed)
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.by_key
+
+    def __getitem__(self, key: object) -> Running:
+        return self.by_key[key]
+
+    def add(self, running: Running) -> None:
+        self.by_key[running.key] = running
+        self.by_row.setdefault(running.row, []).append(running)
+        for col in running.gpus:
+            self.pods_on[running.row, col] += 1
+
+    def remove(self, running: Running) -> None:
+        del self.by_key[running.key]
+        self.by_row[running.row].remove(running)
+        for col in running.gpus:
+            self.pods_on[running.row, col] -= 1
+
+
+def moves_allowed(budget: float, arrived: int, moves_made: int) -> int:
+    """Moves a replay may still make for one waiting pod: the budget (moves per pod arrived) less those
+    made, and at most `DEFRAG_MAX_MOVES_PER_POD`; below 1, none."""
+    return max(min(DEFRAG_MAX_MOVES_PER_POD, int(budget * arrived + 1e-9) - moves_made), 0)
+
+
 def _is_mover(running: Running) -> bool:
     """Shares, single whole GPUs and CPU-only pods; not multi-GPU pods, not MIG slices."""
     kind = running.pod.kind
@@ -113,10 +154,11 @@ def _evictions(
         priced = []
         for col in columns:
             occupants = by_col.get(col, [])
-            if free[col] + sum(r.pod.gpu_milli for r in occupants) < GPU_MILLI:
+            held = sum(r.pod.gpu_milli for r in occupants)
+            if free[col] + held < GPU_MILLI:
                 continue  # something not listed holds part of it
             if all(_is_mover(r) for r in occupants):
-                priced.append((len(occupants), sum(r.pod.gpu_milli for r in occupants), col))
+                priced.append((len(occupants), held, col))
         if len(priced) < pod.gpu_count:
             return None
         priced.sort()
@@ -225,19 +267,15 @@ def _candidates(state: ClusterState, pod: PodRequest, pods_on: np.ndarray, max_m
 def plan_room(
     state: ClusterState,
     pod: PodRequest,
-    running: Sequence[Running],
+    placed: Placements,
     *,
     max_moves: int = 2,
     movable: Optional[Callable[[Running], bool]] = None,
-    by_row: Optional[Mapping[int, Sequence[Running]]] = None,
-    pods_on: Optional[np.ndarray] = None,
 ) -> Optional[Plan]:
     """The cheapest plan found of at most `max_moves` moves after which `pod` fits, or None.
 
-    `running` is every pod placed on `state` (the state must hold exactly them); `movable` says which
-    may move (default: all of them). `by_row` and `pods_on` (the number of pods on each GPU slot, an
-    array shaped like `state.gpu_left_milli`) are the same facts indexed, for a caller that keeps
-    them as pods come and go; when left out they are worked out here. The state is left as it was.
+    `placed` is every pod placed on `state`; `movable` says which may move (default: all of them). The
+    state is left as it was.
     """
     if max_moves < 1:
         raise ValueError(f"max_moves must be 1 or more, got {max_moves}")
@@ -245,18 +283,10 @@ def plan_room(
         return None
     if state._undo is not None:
         raise ValueError("plan_room needs a state with no trial open")
-    if by_row is None or pods_on is None:
-        by_row_built: dict[int, list[Running]] = {}
-        pods_on = np.zeros_like(state.gpu_left_milli)
-        for placed in running:
-            by_row_built.setdefault(placed.row, []).append(placed)
-            for col in placed.gpus:
-                pods_on[placed.row, col] += 1
-        by_row = by_row_built
     best: Optional[tuple[tuple, Plan]] = None
-    for row in _candidates(state, pod, pods_on, max_moves):
+    for row in _candidates(state, pod, placed.pods_on, max_moves):
         row = int(row)
-        on_node = [r for r in by_row.get(row, ()) if movable is None or movable(r)]
+        on_node = [r for r in placed.by_row.get(row, ()) if movable is None or movable(r)]
         found = _evictions(state, pod, row, on_node, max_moves)
         if found is None:
             continue
@@ -282,9 +312,8 @@ def _try(state: ClusterState, pod: PodRequest, row: int, gpus: tuple[int, ...], 
     try:
         for running in evicted:
             state.release(running.row, running.pod, running.gpus)
-        # The waiting pod's room is taken first, so no moved pod lands in it.
-        if not _fits(state, pod, row, gpus):
-            return None
+        # `_evictions` chose them so that the pod now fits; its room is taken first, so no moved pod
+        # lands in it.
         state.place(row, pod, gpus)
         moves = []
         for running in evicted:
@@ -298,23 +327,21 @@ def _try(state: ClusterState, pod: PodRequest, row: int, gpus: tuple[int, ...], 
         state.undo()
 
 
-def _fits(state: ClusterState, pod: PodRequest, row: int, gpus: tuple[int, ...]) -> bool:
-    if state.cpu_left_milli[row] < pod.cpu_milli or state.memory_left_mib[row] < pod.memory_mib:
-        return False
-    return all(state.gpu_left_milli[row, col] >= pod.gpu_milli for col in gpus) if pod.gpu_count else True
-
-
-def apply_plan(state: ClusterState, pod: PodRequest, plan: Plan) -> None:
-    """Make the plan on `state`: each move's pod released and placed on its target, then the pod placed.
+def apply_plan(state: ClusterState, pod: PodRequest, plan: Plan, placed: Placements, key: object) -> None:
+    """Make the plan on `state` and in `placed`: each move's pod released and placed on its target, then
+    the waiting pod placed under `key`.
 
     The order is the one `plan_room` checked: every move first, so the room is free when the pod
     comes; the state refuses (ValueError) a release of what is not there.
     """
     for move in plan.moves:
         state.release(move.running.row, move.running.pod, move.running.gpus)
+        placed.remove(move.running)
     for move in plan.moves:
         state.place(move.to_row, move.running.pod, move.to_gpus)
+        placed.add(Running(move.running.key, move.running.pod, move.to_row, move.to_gpus))
     state.place(plan.row, pod, plan.gpus)
+    placed.add(Running(key, pod, plan.row, plan.gpus))
 
 
 def check_defrag_settings(budget: float, move_cost_s: float) -> None:

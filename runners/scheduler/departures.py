@@ -47,10 +47,11 @@ import numpy as np
 from .defrag import (
     DEFAULT_DEFRAG_BUDGET,
     DEFAULT_MOVE_COST_S,
-    DEFRAG_MAX_MOVES_PER_POD,
+    Placements,
     Running,
     apply_plan,
     check_defrag_settings,
+    moves_allowed,
     plan_room,
 )
 from .model import ClusterState, Node, PodRequest
@@ -102,9 +103,10 @@ class DeparturesResult:
 def _times(pods: Sequence[TracePod], trace: str) -> tuple[np.ndarray, np.ndarray]:
     missing = sum(pod.created_s is None or pod.deleted_s is None for pod in pods)
     if missing:
+        named = f"the pod list {trace}" if trace else "the pod list"
         raise ValueError(
-            f"the pod list {trace or ''} has no creation_time and deletion_time for {missing} of its {len(pods)} pods; "
-            "the departures replay needs both (the multigpu lists have none)".replace("list  has", "list has")
+            f"{named} has no creation_time and deletion_time for {missing} of its {len(pods)} pods; "
+            "the departures replay needs both (the multigpu lists have none)"
         )
     created = np.array([pod.created_s for pod in pods], dtype=np.float64)
     # A pod deleted at or before its creation ran for a moment: one second, not nothing.
@@ -184,36 +186,21 @@ def departures_replay(
     start = np.full(len(pods), np.nan)
     ends: list[tuple[float, int]] = []  # (time, pod index) of running pods
     end_of: dict[int, float] = {}
-    placed: dict[int, Running] = {}
-    by_row: dict[int, list[Running]] = {}
-    pods_on = np.zeros_like(state.gpu_left_milli)
+    placed = Placements(state)
     queue: list[int] = []  # pod indices, oldest first
     moves, moved_milli = 0, 0
     used_milli = 0
     area = 0.0
     area_at_last_arrival = 0.0
     # The area and time at the last start: allocation is averaged over the time work waited or arrived.
-    busy = [0.0, 0.0]
+    busy_area, busy_until = 0.0, 0.0
     last_t = 0.0
     series: list[tuple[float, float]] = []
 
-    def remember(running: Running) -> None:
-        placed[running.key] = running
-        by_row.setdefault(running.row, []).append(running)
-        for col in running.gpus:
-            pods_on[running.row, col] += 1
-
-    def forget(running: Running) -> None:
-        del placed[running.key]
-        by_row[running.row].remove(running)
-        for col in running.gpus:
-            pods_on[running.row, col] -= 1
-
-    def started(index: int, row: int, gpus: tuple[int, ...], now: float) -> None:
-        """The books for a pod placed on `state` at `now`: where it runs, when it ends."""
-        nonlocal used_milli
-        busy[:] = [area, now]
-        remember(Running(index, requests[index], row, tuple(gpus)))
+    def started(index: int, now: float) -> None:
+        """The books for a pod placed on `state` and in `placed` at `now`: when it started and will end."""
+        nonlocal used_milli, busy_area, busy_until
+        busy_area, busy_until = area, now
         start[index] = now
         end_of[index] = now + duration[index]
         heapq.heappush(ends, (end_of[index], index))
@@ -221,7 +208,8 @@ def departures_replay(
 
     def run(index: int, row: int, gpus: tuple[int, ...], now: float) -> None:
         state.place(row, requests[index], gpus)
-        started(index, row, gpus, now)
+        placed.add(Running(index, requests[index], row, tuple(gpus)))
+        started(index, now)
 
     def try_place(index: int, now: float) -> bool:
         pod = requests[index]
@@ -248,28 +236,26 @@ def departures_replay(
         # shape that found no plan finds none again until a plan changes the cluster.
         no_plan: set[tuple] = set()
         for head in list(queue[:plan_tries]):
-            allowed = min(DEFRAG_MAX_MOVES_PER_POD, int(defrag_budget * arrived + 1e-9) - moves)
-            if allowed < 1:
+            allowed = moves_allowed(defrag_budget, arrived, moves)
+            if not allowed:
                 return
             if _shape(requests[head]) in no_plan:
                 continue
-            plan = plan_room(state, requests[head], (), max_moves=allowed, by_row=by_row, pods_on=pods_on)
+            plan = plan_room(state, requests[head], placed, max_moves=allowed)
             if plan is None:
                 no_plan.add(_shape(requests[head]))
                 continue
             no_plan.clear()
-            apply_plan(state, requests[head], plan)
+            apply_plan(state, requests[head], plan, placed, key=head)
             for move in plan.moves:
                 index = move.running.key
-                forget(move.running)
-                remember(Running(index, move.running.pod, move.to_row, move.to_gpus))
                 # Stopped, checkpointed and restored: it finishes move_cost_s later, holding its GPUs meanwhile.
                 end_of[index] += move_cost_s
                 heapq.heappush(ends, (end_of[index], index))
             moves += len(plan.moves)
             moved_milli += plan.moved_gpu_milli
             queue.remove(head)
-            started(head, plan.row, plan.gpus, now)
+            started(head, now)
 
     def advance(now: float) -> None:
         nonlocal area, last_t
@@ -288,7 +274,7 @@ def departures_replay(
                 continue  # an end pushed back by a move; the later entry stands
             advance(now)
             running = placed[index]
-            forget(running)
+            placed.remove(running)
             state.release(running.row, running.pod, running.gpus)
             used_milli -= gpu_milli[index]
             del end_of[index]
@@ -318,10 +304,10 @@ def departures_replay(
     # Every pod that started has left, once: the cluster is as empty as it began. A move that lost a pod
     # or ran one twice would leave something held (or give back more than was taken, which `release`
     # refuses).
-    if placed or (state.cpu_left_milli != cpu_left_at_start).any() or state.allocated_gpu_milli() != allocated_at_start:
+    if len(placed) or (state.cpu_left_milli != cpu_left_at_start).any() or state.allocated_gpu_milli() != allocated_at_start:
         raise RuntimeError("the replay ended with resources still held: a pod was lost or run twice")
     if np.isnan(start).any():
-        busy[:] = [area, end_time]
+        busy_area, busy_until = area, end_time
     waits = np.where(np.isnan(start), end_time - arrival, start - arrival)
     asked = float((gpu_milli * duration).sum())
     # Delivered while the work was arriving: GPU-seconds run by the last arrival, over what a cluster
@@ -329,7 +315,6 @@ def departures_replay(
     horizon = float(arrival.max())
     ideal = float((gpu_milli * np.minimum(duration, horizon - arrival)).sum())
     span = float(end_time) if end_time > 0 else 1.0
-    busy_area, busy_until = busy
     elapsed = time.perf_counter() - started_at
     return DeparturesResult(
         policy=policy_name,

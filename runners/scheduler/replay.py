@@ -45,10 +45,11 @@ from .batch import place_window
 from .defrag import (
     DEFAULT_DEFRAG_BUDGET,
     DEFAULT_MOVE_COST_S,
-    DEFRAG_MAX_MOVES_PER_POD,
+    Placements,
     Running,
     apply_plan,
     check_defrag_settings,
+    moves_allowed,
     plan_room,
 )
 from .departures import departures_replay
@@ -171,8 +172,7 @@ def replay(
     used[0], fragmented[0] = used_milli, frag_total
     arrived_milli, placed = 0, 0
     # What defragmentation needs to know: every placed pod, by node, and how many pods hold each GPU.
-    by_row: dict[int, list[Running]] = {}
-    pods_on = np.zeros_like(state.gpu_left_milli) if defrag else None
+    placements = Placements(state)
     moves, placed_by_moves, moved_milli = 0, 0, 0
     for first in range(0, len(workload), window):
         arriving = workload[first:first + window]
@@ -190,21 +190,18 @@ def replay(
             choices = [policy.select(state, pod, feasible, rng) if feasible.size else None]
             if choices[0] is not None:
                 state.place(choices[0].row, pod, choices[0].gpus)
+                if defrag:
+                    placements.add(Running(first, pod, choices[0].row, tuple(choices[0].gpus)))
             elif defrag:
-                allowed = min(DEFRAG_MAX_MOVES_PER_POD, int(defrag_budget * (first + 1) + 1e-9) - moves)
-                plan = plan_room(state, pod, (), max_moves=allowed, by_row=by_row, pods_on=pods_on) if allowed >= 1 else None
+                allowed = moves_allowed(defrag_budget, first + 1, moves)
+                plan = plan_room(state, pod, placements, max_moves=allowed) if allowed else None
                 if plan is not None:
-                    apply_plan(state, pod, plan)
-                    for move in plan.moves:
-                        _forget(by_row, pods_on, move.running)
-                        _remember(by_row, pods_on, Running(move.running.key, move.running.pod, move.to_row, move.to_gpus))
-                        touched += [move.running.row, move.to_row]
+                    apply_plan(state, pod, plan, placements, key=first)
+                    touched += [row for move in plan.moves for row in (move.running.row, move.to_row)]
                     moves += len(plan.moves)
                     placed_by_moves += 1
                     moved_milli += plan.moved_gpu_milli
                     choices = [Choice(plan.row, plan.gpus)]
-            if defrag and choices[0] is not None:
-                _remember(by_row, pods_on, Running(first, pod, choices[0].row, tuple(choices[0].gpus)))
         else:
             choices = place_window(state, batch, policy, rng)
         for pod, choice in zip(batch, choices):
@@ -243,18 +240,6 @@ def replay(
         pods_placed_by_moves=placed_by_moves,
         gpu_seconds_lost_to_moves=round(moved_milli / 1000 * move_cost_s, 1),
     )
-
-
-def _remember(by_row: dict[int, list[Running]], pods_on: np.ndarray, running: Running) -> None:
-    by_row.setdefault(running.row, []).append(running)
-    for col in running.gpus:
-        pods_on[running.row, col] += 1
-
-
-def _forget(by_row: dict[int, list[Running]], pods_on: np.ndarray, running: Running) -> None:
-    by_row[running.row].remove(running)
-    for col in running.gpus:
-        pods_on[running.row, col] -= 1
 
 
 def trace_name(pods_path: str) -> str:
@@ -302,7 +287,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.seed < 0:
         parser.error(f"--seed must be 0 or more, got {args.seed}")
     try:
-        check_defrag_settings(budget, move_cost_s)
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
         if args.departures:

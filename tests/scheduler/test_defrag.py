@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runners.scheduler.defrag import Running, apply_plan, plan_room
+from runners.scheduler.defrag import Placements, Running, apply_plan, moves_allowed, plan_room
 from runners.scheduler.model import GPU_MILLI, ClusterState, Gpu, Node, PodRequest
 
 pytestmark = pytest.mark.unit
@@ -24,7 +24,7 @@ def _placed(state, placements):
     for key, (pod, row, gpus) in enumerate(placements):
         state.place(row, pod, gpus)
         running.append(Running(key, pod, row, gpus))
-    return running
+    return Placements(state, running)
 
 
 def _occupancy(state):
@@ -42,7 +42,7 @@ def test_two_one_gpu_pods_on_two_nodes_give_way_to_a_four_gpu_pod_with_one_move(
     # Nothing changed while planning.
     for name, array in _occupancy(state).items():
         assert np.array_equal(array, before[name]), name
-    apply_plan(state, gang, plan)
+    apply_plan(state, gang, plan, running, key="gang")
     assert len(plan.gpus) == 4
     assert (state.gpu_left_milli[plan.row] == 0).all()
     move = plan.moves[0]
@@ -82,10 +82,19 @@ def test_shares_move_into_slivers_so_a_whole_gpu_frees_up():
     assert plan_room(state, whole, running, max_moves=1) is None
 
 
+def test_the_budget_allows_moves_per_pod_arrived_less_those_made_and_two_at_most():
+    assert moves_allowed(0.02, 100, 0) == 2
+    assert moves_allowed(0.02, 100, 1) == 1
+    assert moves_allowed(0.02, 100, 2) == 0
+    assert moves_allowed(0.02, 49, 0) == 0
+    assert moves_allowed(0.5, 100, 0) == 2
+    assert moves_allowed(0.0, 10_000, 0) == 0
+
+
 def test_a_bad_move_limit_is_refused():
     state = ClusterState([_node("a")])
     with pytest.raises(ValueError, match="max_moves"):
-        plan_room(state, _pod("x"), [], max_moves=0)
+        plan_room(state, _pod("x"), Placements(state), max_moves=0)
 
 
 SHAPES = st.sampled_from([
@@ -151,7 +160,8 @@ def _check(case):
     if state.feasible(waiting).size:
         return None
     before = _occupancy(state)
-    plan = plan_room(state, waiting, running, max_moves=max_moves, movable=lambda r: r.key in movable_keys)
+    placed = Placements(state, running)
+    plan = plan_room(state, waiting, placed, max_moves=max_moves, movable=lambda r: r.key in movable_keys)
     for name, array in _occupancy(state).items():
         assert np.array_equal(array, before[name]), name
     if plan is None:
@@ -160,12 +170,17 @@ def _check(case):
     assert 1 <= len(keys) <= max_moves and len(set(keys)) == len(keys)
     assert all(key in movable_keys for key in keys)
     assert all(move.to_row != move.running.row and move.to_row != plan.row for move in plan.moves)
-    apply_plan(state, waiting, plan)
+    apply_plan(state, waiting, plan, placed, key="waiting")
     # Every pod once, where the plan says, and the state is exactly what placing them there from
     # scratch gives: nothing over a node's CPU, memory or GPU milli, nothing left behind.
     moved = {move.running.key: move for move in plan.moves}
     final = [(r.pod, moved[r.key].to_row, moved[r.key].to_gpus) if r.key in moved else (r.pod, r.row, r.gpus) for r in running]
     final.append((waiting, plan.row, plan.gpus))
+    # The books moved with the pods: the index holds each pod once, where it now runs.
+    assert sorted((r.pod.name, r.row, r.gpus) for r in placed.by_key.values()) == sorted(
+        (pod.name, row, tuple(gpus)) for pod, row, gpus in final)
+    fresh_books = Placements(state, [Running(i, pod, row, tuple(gpus)) for i, (pod, row, gpus) in enumerate(final)])
+    assert np.array_equal(fresh_books.pods_on, placed.pods_on)
     fresh = ClusterState(nodes)
     for pod, row, gpus in final:
         fresh.place(row, pod, gpus)
