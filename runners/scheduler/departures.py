@@ -54,8 +54,8 @@ from .defrag import (
     moves_allowed,
     plan_room,
 )
-from .model import ClusterState, Node, PodRequest
-from .openb import TracePod, inflate
+from .model import Node, PodRequest
+from .openb import TracePod, inflate, replay_cluster
 from .policies import FgdPolicy, PolicyName, make_policy, typical_pods
 
 DEFAULT_BACKFILL = 64
@@ -157,10 +157,8 @@ def departures_replay(
     check_defrag_settings(defrag_budget, move_cost_s)
     _times(pods, trace)
     rng = np.random.default_rng(seed)
-    state = ClusterState(list(nodes))
+    state = replay_cluster(nodes)
     total_gpus = state.total_gpus
-    if total_gpus == 0:
-        raise ValueError(f"the node list has {state.n_nodes} node(s) but no GPUs; a GPU replay needs at least one")
     typical = typical_pods([pod.request for pod in pods], [pod.gpu_spec for pod in pods], with_memory=policy_name == "portal")
     if tune > 0:
         pods = inflate(list(pods), total_gpus, tune, rng)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import GPU_MILLI, Gpu, Node, PodRequest
+from .model import GPU_MILLI, ClusterState, Gpu, Node, PodRequest
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
@@ -149,3 +149,11 @@ def inflate(pods: list[TracePod], total_gpus: int, tune: float, rng: np.random.G
         requested_milli += original.request.total_gpu_milli
         order.append(replace(original, request=replace(original.request, name=f"{original.request.name}-tuned-{copies}")))
         copies += 1
+
+
+def replay_cluster(nodes: Sequence[Node]) -> ClusterState:
+    """The cluster a trace replay places on; a node list without GPUs is refused (ValueError)."""
+    state = ClusterState(list(nodes))
+    if state.total_gpus == 0:
+        raise ValueError(f"the node list has {state.n_nodes} node(s) but no GPUs; a GPU replay needs at least one")
+    return state

@@ -53,8 +53,8 @@ from .defrag import (
     plan_room,
 )
 from .departures import departures_replay
-from .model import ClusterState, Node
-from .openb import TracePod, inflate, load_nodes, load_pods
+from .model import Node
+from .openb import TracePod, inflate, load_nodes, load_pods, replay_cluster
 from .policies import (
     POLICY_NAMES,
     Choice,
@@ -148,10 +148,8 @@ def replay(
     if defrag and window != 1:
         raise ValueError(f"defragmentation places one pod at a time; it needs a window of 1, got {window}")
     rng = np.random.default_rng(seed)
-    state = ClusterState(list(nodes))
+    state = replay_cluster(nodes)
     total_gpus = state.total_gpus
-    if total_gpus == 0:
-        raise ValueError(f"the node list has {state.n_nodes} node(s) but no GPUs; a GPU replay needs at least one")
     workload = inflate(pods, total_gpus, tune, rng)
     state.tie_rank = rng.permutation(state.n_nodes)
     with_memory = policy_name == "portal"

@@ -75,6 +75,12 @@ def test_a_pod_too_big_for_the_empty_cluster_is_counted_apart_and_waits_for_noth
     assert result.wait_p99_s == 0
 
 
+def test_a_node_list_without_gpus_is_refused():
+    nodes = [Node(name="cpu-only", cpu_milli=64_000, memory_mib=262_144)]
+    with pytest.raises(ValueError, match="1 node\\(s\\) but no GPUs"):
+        departures_replay(nodes, _trace(), "portal", 0)
+
+
 def test_a_pod_list_without_times_is_refused_naming_them():
     pods = [TracePod(PodRequest(name="x", cpu_milli=1, memory_mib=1, num_gpu=1, gpu_milli=1000), "")]
     with pytest.raises(ValueError, match="creation_time and deletion_time"):
