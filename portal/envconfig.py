@@ -40,7 +40,7 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={value!r} is not a boolean: use one of true/false, 1/0, yes/no, on/off.")
 
 
-def _number(name: str, default, parse: Callable, kind: str, minimum):
+def _number(name: str, default, parse: Callable, kind: str, minimum, maximum=None):
     value = _raw(name)
     if value is None:
         return default
@@ -50,6 +50,8 @@ def _number(name: str, default, parse: Callable, kind: str, minimum):
         raise ImproperlyConfigured(f"{name}={value!r} is not {kind}.") from None
     if minimum is not None and number < minimum:
         raise ImproperlyConfigured(f"{name}={value!r} must be at least {minimum}.")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={value!r} must be at most {maximum}.")
     return number
 
 
@@ -57,8 +59,8 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return _number(name, default, int, "a whole number", minimum)
 
 
-def env_float(name: str, default: float, *, minimum: float | None = None) -> float:
-    return _number(name, default, float, "a number", minimum)
+def env_float(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
+    return _number(name, default, float, "a number", minimum, maximum)
 
 
 def env_decimal(name: str, default: str, *, minimum: str | None = None) -> Decimal:

@@ -499,6 +499,12 @@ PARTITION_APPLY_TIMEOUT_S = env_int("PARTITION_APPLY_TIMEOUT_S", 900, minimum=1)
 PARTITION_POLL_INTERVAL_S = env_float("PARTITION_POLL_INTERVAL_S", 2.0, minimum=0)
 # One default for the grace period everywhere: the scheduler's own (runners.scheduler.admission.cycle).
 PREEMPTION_GRACE_PERIOD_S = env_int("PREEMPTION_GRACE_PERIOD_S", int(DEFAULT_GRACE_PERIOD_S), minimum=0)
+# Defragmentation by migration (runners.scheduling.defrag): the GPU-seconds moves may cost in any hour, as a
+# share of the GPU-seconds held in that hour (0 turns moves off); how long a moved job is left where it goes;
+# and what a move is expected to cost its GPUs while the cycle has seen no checkpoint and restore of the flavor.
+DEFRAG_BUDGET = env_float("DEFRAG_BUDGET", 0.02, minimum=0, maximum=1)
+DEFRAG_MOVE_WINDOW_S = env_int("DEFRAG_MOVE_WINDOW_S", 3600, minimum=0)
+DEFRAG_MOVE_COST_S = env_float("DEFRAG_MOVE_COST_S", 60.0, minimum=0, maximum=86400)
 # A running partition change renews its lease as it works; one not renewed for this long is resumed.
 PARTITION_LEASE_S = env_int("PARTITION_LEASE_S", 120, minimum=1)
 

@@ -31,6 +31,9 @@ class Tenant(models.Model):
     slug = models.CharField(max_length=TENANT_SLUG_MAX, unique=True, validators=[dns_label_validator])
     name = models.CharField(max_length=100)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Whether the scheduler may stop this tenant's preemptible jobs with a checkpoint and resume them on another
+    # node to make room for a job that fits nowhere (runners.scheduling.defrag); a tenant admin turns it off.
+    allow_moves = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["slug"]

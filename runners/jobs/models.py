@@ -100,6 +100,11 @@ class Job(models.Model):
     reconcile_error = models.CharField(max_length=1000, blank=True)
     # Where the last read of the job's progress (metrics, checkpoints) stopped: the backend's own cursor.
     progress_cursor = models.JSONField(default=dict, blank=True)
+    # A place the scheduler keeps for the job's next attempt (replicas as JobAttempt.placement has them), until
+    # pinned_until: set on a job moved to make room (its new place) and on the job the room is made for
+    # (runners.scheduling.defrag). While it holds, nobody else is placed there and the job is admitted there.
+    pinned_placement = models.JSONField(null=True, blank=True)
+    pinned_until = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         db_table = "runners_job"  # the table kept its name when the model moved here

@@ -59,6 +59,7 @@ from runners.scheduler.admission import (
 )
 from runners.scheduler.batch import place_queue
 from runners.scheduler.policies import FragModel, OnlineMix, TypicalPod, prior_pod, typical_pods
+from runners.scheduling import defrag
 from runners.scheduling.models import SchedulerCycle
 from tenants.models import Tenant
 
@@ -342,6 +343,78 @@ def _recent_typical(flavor: ResourceFlavor, timeslice_share: int,
     return mix.typical()
 
 
+def _pins_free(pinned: list[Job], holding_pinned: list[Job], nodes: list[_NodeRow],
+               used: dict[str, _Usage]) -> dict[int, list[dict]]:
+    """The queued pinned jobs whose place is free now (of holding attempts and every other pin), with it; then
+    every live pin, of queued and holding (moved, still stopping) jobs alike, is taken out of ``used`` for
+    the rest of the cycle."""
+    by_name = {node.name: node for node in nodes}
+    pins = [*pinned, *holding_pinned]
+    free: dict[int, list[dict]] = {}
+    for job in pinned:
+        if all(_pin_fits(job, node, replicas, used, [other for other in pins if other.id != job.id])
+               for node, replicas in _by_node(job.pinned_placement, by_name)):
+            free[job.id] = job.pinned_placement
+    for job in pins:
+        for replica in job.pinned_placement:
+            used[replica["node"]].take(job, replica)
+    return free
+
+
+def _by_node(pin: list[dict], by_name: dict) -> list[tuple]:
+    """A pin's replicas grouped by node, each node's inventory row (None: gone or cordoned)."""
+    grouped: dict[str, list[dict]] = defaultdict(list)
+    for replica in pin:
+        grouped[replica["node"]].append(replica)
+    return [(by_name.get(name), replicas) for name, replicas in grouped.items()]
+
+
+def _pin_fits(job: Job, node: _NodeRow | None, replicas: list[dict], used: dict[str, _Usage], others: list[Job]) -> bool:
+    """Whether these replicas of the job fit on the node beside what holding attempts and the other pins use."""
+    if node is None:
+        return False
+    base = used.get(node.name) or _NO_USAGE
+    pinned, mine = _Usage(), _Usage()
+    for other in others:
+        for replica in other.pinned_placement:
+            if replica["node"] == node.name:
+                pinned.take(other, replica)
+    for replica in replicas:
+        mine.take(job, replica)
+    if (base.cpu_milli + pinned.cpu_milli + mine.cpu_milli > node.cpu_milli
+            or base.memory_mib + pinned.memory_mib + mine.memory_mib > node.memory_mib):
+        return False
+    gpus = {gpu.index: gpu for gpu in _flavor_gpus(job.flavor, _gpus_of(node))}
+    if not (mine.whole | mine.shares.keys()) <= gpus.keys():
+        return False
+    if job.flavor.kind == PartitionKind.TIMESLICE:
+        return all(base.shares.get(index, 0) + pinned.shares.get(index, 0) + count <= gpus[index].timeslice_replicas
+                   for index, count in mine.shares.items())
+    return not mine.whole & (base.whole | pinned.whole)
+
+
+def _rooms(unplaced: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage], holding: list[Job],
+           attempts: dict[int, JobAttempt], spared: set[int], now) -> list[defrag.PlannedRoom]:
+    """Rooms for the admitted jobs that fit on no node, flavor by flavor, within the budget."""
+    budget = defrag.budget_left_gpu_s(holding, now)
+    rooms: list[defrag.PlannedRoom] = []
+    by_flavor: dict[int, list[Job]] = defaultdict(list)
+    for job in unplaced:
+        by_flavor[job.flavor_id].append(job)
+    for jobs in by_flavor.values():
+        flavor = jobs[0].flavor
+        if budget <= 0 or flavor.kind == PartitionKind.MIG:
+            continue
+        snapshot, index_maps, share = _snapshot_for(flavor, nodes, used)
+        found, budget = defrag.plan_rooms(
+            flavor=flavor, waiting=jobs, snapshot=snapshot, index_maps=index_maps, timeslice_share=share,
+            holding=holding, attempts=attempts, pod_of=lambda job, rank, share=share: _gang(job, share).pods[rank],
+            spared=spared, budget_gpu_s=budget, now=now,
+        )
+        rooms.extend(found)
+    return rooms
+
+
 def _place(admitted: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage]) -> dict[int, list[dict] | str]:
     """Placement for each admitted job (a list of replicas), or the reason it does not fit now."""
     results: dict[int, list[dict] | str] = {}
@@ -523,9 +596,14 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         queued = _with_tenant_and_flavor(
             list(Job.objects.filter(state=JobState.QUEUED).order_by("submitted_at", "id")), flavors
         )
+        # Pins (runners.scheduling.defrag): a queued job with a live one holds its units and is admitted at its
+        # place once that is free; one that ran out is dropped, and its job queues as any other.
+        pinned = [job for job in queued if defrag.pin_is_live(job, now)]
+        pinned_ids = {job.id for job in pinned}
+        expired = [job for job in queued if job.pinned_placement and job.id not in pinned_ids]
         # The schedulable inventory, for the fit check here and placement below.
         nodes = _inventory()
-        misfits = _misfits(queued, nodes)
+        misfits = _misfits([job for job in queued if job.id not in pinned_ids], nodes)
         running = [
             RunningWorkload(
                 id=str(job.id), tenant=job.tenant.slug, units_by_flavor={job.flavor.name: job.units},
@@ -535,6 +613,15 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
                 else None,
             )
             for job in holding
+        ] + [
+            # Its units are kept for it: admission counts them as held (within its tenant's max, as when the
+            # room was made or the job was moved), and never picks it as a victim.
+            RunningWorkload(
+                id=str(job.id), tenant=job.tenant.slug, units_by_flavor={job.flavor.name: job.units},
+                priority=job.priority, preemptible=False, started_at_s=now.timestamp(),
+                estimated_runtime_s=float(job.spec["max_runtime_s"]),
+            )
+            for job in pinned
         ]
         pending = [
             PendingGang(
@@ -542,7 +629,7 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
                 priority=job.priority, submitted_at_s=_epoch(job.submitted_at),
                 estimated_runtime_s=float(job.spec["max_runtime_s"]), preemptible=job.preemptible,
             )
-            for job in queued if job.id not in misfits
+            for job in queued if job.id not in misfits and job.id not in pinned_ids
         ]
         snapshot = AdmissionSnapshot(
             capacity_units_by_flavor={flavor.name: flavor.capacity for flavor in flavors.values()},
@@ -557,7 +644,16 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         by_id = {str(job.id): job for job in [*holding, *queued]}
 
         admitted_jobs = [by_id[admission.gang_id] for admission in decisions.admitted]
-        placed = _place(admitted_jobs, nodes, _usage(holding, attempts))
+        used = _usage(holding, attempts)
+        pinned_placed = _pins_free(pinned, [job for job in holding if defrag.pin_is_live(job, now)], nodes, used)
+        placed = _place(admitted_jobs, nodes, used)
+        # Jobs admission let in that fit on no node: room made for them by moving running work, where the planner
+        # finds it within the budget (runners.scheduling.defrag).
+        unplaced = [job for job in admitted_jobs if isinstance(placed[job.id], str)]
+        spared_victims = {int(preemption.workload_id) for preemption in decisions.preemptions}
+        rooms = _rooms(unplaced, nodes, used, holding, attempts, spared_victims, now) if unplaced else []
+        placed.update(pinned_placed)
+        admitted_jobs = [job for job in pinned if job.id in pinned_placed] + admitted_jobs
         # The nodes placed on, re-read under their row locks: a cordon that committed since the inventory was
         # read wins, and one not yet committed waits for this commit (runners.clusters.services' note).
         cordoned = nodes_locked_unschedulable(
@@ -572,6 +668,7 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         victims = jobs_locked(
             [int(preemption.workload_id) for preemption in decisions.preemptions]
             + [job.id for job in admitted_jobs if not isinstance(placed[job.id], str)]
+            + [move.job.id for room in rooms for move in room.moves] + [room.job.id for room in rooms]
         )
         for preemption in decisions.preemptions:
             # The victim's row, locked and read fresh: a launch claims an attempt under this lock,
@@ -604,6 +701,10 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
             if int(gang_id) in placed:
                 placed[int(gang_id)] = ("Waiting: a job it was to take the place of has joined its tenant's guarantee "
                                         "meanwhile; the next cycle decides again.")
+        room_stops, room_reasons = defrag.rooms_make(rooms, victims, now)
+        stops.extend(room_stops)
+        for job_id, reason in room_reasons.items():
+            placed[job_id] = reason
         waiting_reasons = {waiting.gang_id: waiting.reason for waiting in decisions.waiting}
         waiting_reasons.update({str(job_id): reason for job_id, reason in misfits.items()})
         starts = {reservation.gang_id: _moment(reservation.projected_start_s) for reservation in decisions.reservations}
@@ -611,13 +712,21 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
             if isinstance(placed[job.id], str):
                 waiting_reasons[str(job.id)] = placed[job.id]
         launches = jobs_admit_locked([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
+        # A pin is used once: the job is admitted at its place (or, one that ran out, wherever it was placed).
+        unpinned = [job_id for job_id, _ in launches if by_id[str(job_id)].pinned_placement]
+        if unpinned:
+            Job.objects.filter(id__in=unpinned).update(pinned_placement=None, pinned_until=None)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
         # Jobs that cannot fit the cluster now are in no line until it grows back: no place, no start.
         line = [waiting.gang_id for waiting in decisions.waiting] + [
             str(job.id) for job in admitted_jobs if isinstance(placed[job.id], str)
         ]
-        order = line + [str(job_id) for job_id in misfits]
+        # Pinned jobs whose place is not free yet keep their reason (why room is being made, or the move's),
+        # outside the line: their units are held already.
+        kept = [job for job in pinned if job.id not in pinned_placed]
+        waiting_reasons.update({str(job.id): job.reason for job in kept})
+        order = line + [str(job.id) for job in kept] + [str(job_id) for job_id in misfits]
         updates = []
         for position, gang_id in enumerate(order, start=1):
             job = by_id[gang_id]
@@ -632,6 +741,10 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         # Never waited for: a row another writer holds (a cancel, a replica retired) is left to the next cycle.
         job_rows_update(updates, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED,
                         skip_locked=True)
+        expired = [job for job in expired if job.id not in unpinned]
+        for job in expired:
+            job.pinned_placement = job.pinned_until = None
+        job_rows_update(expired, ["pinned_placement", "pinned_until"], only_in_state=JobState.QUEUED, skip_locked=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
         SchedulerCycle.objects.filter(id=1).update(
             last_duration_ms=elapsed_ms, last_admitted=len(launches), last_preempted=len(stops),
