@@ -32,6 +32,7 @@ urlpatterns = [
     path("tenants/<slug:slug>/", views.tenant_detail, name="tenant"),
     path("tenants/<slug:slug>/environments/new/", views.environment_create, name="environment-create"),
     path("tenants/<slug:slug>/members/new/", views.member_add, name="member-add"),
+    path("tenants/<slug:slug>/moves/", views.tenant_moves, name="tenant-moves"),
     path("tenants/<slug:slug>/members/<str:username>/remove/", views.member_remove, name="member-remove"),
     path("environments/<int:environment_id>/", views.environment_detail, name="environment"),
     path("environments/<int:environment_id>/status/", views.environment_status, name="environment-status"),

@@ -137,6 +137,25 @@ def environment_create(request, slug):
 
 @login_required
 @require_POST
+def tenant_moves(request, slug):
+    """Turn the scheduler's moves of the tenant's jobs on or off (an admin's choice; runners.scheduling.defrag)."""
+    tenant = selectors.tenant_get(user=request.user, slug=slug)
+    allow = request.POST.get("allow_moves")
+    if allow not in ("true", "false"):
+        messages.error(request, "Could not change moves: allow_moves must be true or false.")
+        return redirect("tenant", slug=tenant.slug)
+    try:
+        tenant = services.tenant_moves_set(actor=request.user, tenant=tenant, allow=allow == "true")
+    except PermissionDenied as exc:
+        messages.error(request, f"Could not change moves: {exc}")
+    else:
+        messages.success(request, "The scheduler may move this tenant's preemptible jobs to make room." if tenant.allow_moves
+                         else "The scheduler will never move this tenant's jobs.")
+    return redirect("tenant", slug=tenant.slug)
+
+
+@login_required
+@require_POST
 def member_add(request, slug):
     tenant = selectors.tenant_get(user=request.user, slug=slug)
     form = MemberAddForm(request.POST)

@@ -142,7 +142,8 @@ class TenantSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tenant
-        fields = ["slug", "name", "created_at", "my_role"]
+        fields = ["slug", "name", "created_at", "my_role", "allow_moves"]
+        read_only_fields = fields
 
     def get_my_role(self, tenant: Tenant) -> str | None:
         user = self.context["request"].user
@@ -156,6 +157,12 @@ class TenantSerializer(serializers.ModelSerializer):
 class TenantCreateSerializer(StrictTypesMixin, serializers.Serializer):
     slug = dns_label_field(TENANT_SLUG_MAX)
     name = serializers.CharField(max_length=100)
+
+
+class TenantUpdateSerializer(StrictTypesMixin, serializers.Serializer):
+    allow_moves = serializers.BooleanField(
+        help_text="Whether the scheduler may stop this tenant's preemptible jobs with a checkpoint and resume them "
+                  "on another node to make room for a job that fits on no node. Tenant admins set it.")
 
 
 class TenantViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
@@ -175,6 +182,14 @@ class TenantViewSet(TenantScopedMixin, mixins.ListModelMixin, mixins.RetrieveMod
         data.is_valid(raise_exception=True)
         tenant = services.tenant_create(actor=request.user, **data.validated_data)
         return Response(TenantSerializer(tenant, context={"request": request}).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=TenantUpdateSerializer, responses={200: TenantSerializer})
+    def partial_update(self, request, slug):
+        tenant = self.get_object()
+        data = TenantUpdateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        tenant = services.tenant_moves_set(actor=request.user, tenant=tenant, allow=data.validated_data["allow_moves"])
+        return Response(TenantSerializer(tenant, context={"request": request}).data)
 
 
 # --- Members ----------------------------------------------------------------

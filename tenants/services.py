@@ -46,6 +46,22 @@ def tenant_create(*, actor: AbstractBaseUser, slug: str, name: str) -> Tenant:
 
 
 @transaction.atomic
+def tenant_moves_set(*, actor: AbstractBaseUser, tenant: Tenant, allow: bool) -> Tenant:
+    """Let the scheduler move the tenant's preemptible jobs to make room (runners.scheduling.defrag), or not; an
+    admin's choice. Turned off, no job of the tenant is moved from the next scheduler cycle on; a move already
+    under way finishes."""
+    require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
+    tenant = Tenant.objects.select_for_update().get(id=tenant.id)
+    if tenant.allow_moves != allow:
+        before = tenant.allow_moves
+        tenant.allow_moves = allow
+        tenant.save(update_fields=["allow_moves"])
+        audited("tenant.moves_set", actor=actor, tenant=tenant, obj=tenant, before={"allow_moves": before},
+                after={"allow_moves": allow})
+    return tenant
+
+
+@transaction.atomic
 def membership_add(*, actor: AbstractBaseUser, tenant: Tenant, username: str, role: str) -> Membership:
     """Add a user to a tenant; admins may grant up to admin, owners and staff anything."""
     actor_role = require_role(user=actor, tenant=tenant, at_least=Role.ADMIN)
