@@ -42,6 +42,9 @@ from runners.scheduling.models import JobMove
 PIN_SLACK_S = 300
 # How many of a flavor's latest moves the cost estimate is learnt from.
 COST_SAMPLES = 20
+# Waiting jobs of one flavor the planner is asked about per cycle, first in admission's order: each ask costs
+# a pass over the flavor's nodes, and a cycle may leave thousands unplaced.
+ROOM_TRIES = 8
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,10 @@ def plan_rooms(*, flavor: ResourceFlavor, waiting: list[Job], snapshot, index_ma
         return job is not None and _movable(job, recently=recently, spared=spared)
 
     rooms: list[PlannedRoom] = []
+    if not any(movable(item) for item in running):
+        return rooms, budget_gpu_s
     cost_s = None
-    for job in waiting:
+    for job in waiting[:ROOM_TRIES]:
         pod = _waiting_pod(job, timeslice_share)
         if pod is None:
             continue
