@@ -10,9 +10,11 @@ GPUs free, 6 in all, and globex's 4-GPU job fits on neither. Globex turned moves
 
 import pytest
 
+from runners.clusters.registry import get_backend
 from runners.jobs.models import Job
 from runners.scheduling.models import JobMove
 from tests.jobs.test_job_worker import HOLDER, _start_worker, _state_is, _supervisors_alive, wait_for
+from tests.support import invariants
 from tests.support.jobs import demo_cluster_with_flavors, give_quota, job_data, ready_environment, script_bundle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
@@ -82,6 +84,7 @@ def test_a_job_that_fits_nowhere_gets_room_by_moving_a_job_that_resumes_at_its_e
     acme, globex = client_for(owner), client_for(outsider)
     assert globex.patch("/api/v1/tenants/globex/", {"allow_moves": False}, format="json").status_code == 200
     _start_worker(celery_worker_factory, settings)
+    baseline = invariants.baseline()
 
     wide = [_submit(acme, cluster, "acme", f"wide-{n}", 7, "holder") for n in (1, 2)]
     for job_id in wide:
@@ -108,6 +111,7 @@ def test_a_job_that_fits_nowhere_gets_room_by_moving_a_job_that_resumes_at_its_e
     wait_for(lambda: Job.objects.get(id=small["acme"]).attempts.filter(number=2, started_at__isnull=False).exists(),
              timeout_s=60, message="the moved job to start again")
     assert _node(gang) == origin
+    assert invariants.check(get_backend(), baseline=baseline) == []
     moved = Job.objects.get(id=small["acme"])
     first, second = moved.attempts.order_by("number")
     assert first.exit_code == 75 and first.reason.startswith("Moved to make room: 4 whole H100-80GB GPUs free")

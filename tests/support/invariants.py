@@ -34,6 +34,10 @@ The rules:
    (clipped to the latest recorded end of the job's earlier attempts) to its end (none recorded:
    the next attempt's admission, else now); and no second is counted twice across a job's
    attempts (their GPU-seconds never exceed units x the union of their intervals).
+8. Pins (the places kept by moves that make room, runners.scheduling.defrag): a job with a live
+   pin (``pinned_until`` not past) is queued or preempted (admission uses the pin up); no GPU is
+   kept by two pins; and a pinned GPU is held by no open attempt of another job but one already
+   told to stop (the moved job that clears it), nor past its time-slice shares counting the pins.
 """
 
 from __future__ import annotations
@@ -309,6 +313,46 @@ def _deleted_environments_hold_nothing(snap: _Snapshot) -> list[str]:
     return found
 
 
+# --- 8. Pins --------------------------------------------------------------------------------
+
+
+def _pins_keep_their_places(snap: _Snapshot, base: Baseline) -> list[str]:
+    found = []
+    kept: dict[tuple[str, int], list[Job]] = defaultdict(list)
+    for job in snap.jobs.values():
+        if not job.pinned_placement or job.pinned_until is None or job.pinned_until <= snap.now:
+            continue
+        if job.state not in (JobState.QUEUED, JobState.PREEMPTED):
+            found.append(f"{_name(job)} keeps a live pin {json.dumps(job.pinned_placement)} (only queued or preempted "
+                         "jobs may: admission uses it up)")
+            continue
+        for replica in job.pinned_placement:
+            for index in replica["gpus"]:
+                kept[(replica["node"], index)].append(job)
+    held: dict[tuple[str, int], list[tuple[Job, bool]]] = defaultdict(list)
+    for attempts in snap.open_attempts.values():
+        for attempt in attempts:
+            stopping = attempt.job.state in (JobState.PREEMPTED, JobState.CANCELLING)
+            for replica in attempt.placement:
+                for index in replica["gpus"]:
+                    held[(replica["node"], index)].append((attempt.job, stopping))
+    for (node, index), pinned in sorted(kept.items()):
+        where = f"GPU {node}/{index}"
+        names = ", ".join(_name(job) for job in pinned)
+        others = [job for job, stopping in held.get((node, index), []) if not stopping and job.id not in {p.id for p in pinned}]
+        if pinned[0].flavor.kind == PartitionKind.TIMESLICE:
+            limit = base.timeslice_replicas.get((node, index), 1)
+            if len(pinned) + len(others) > limit:
+                found.append(f"{where}: {len(pinned)} pinned shares ({names}) and {len(others)} held by running work "
+                             f"are past its {limit} shares")
+        elif len(pinned) > 1:
+            found.append(f"{where} is kept by two pins: {names}")
+        elif others:
+            found.append(f"{where} is kept for {names} but held by {', '.join(_name(job) for job in others)}, "
+                         "which was not told to stop")
+    return found
+
+
 # --- 7. The ledger -------------------------------------------------------------------------
 
 # What rounding may leave between the ledger (each piece kept to 0.001 GPU-second and 0.000001 of
@@ -438,6 +482,7 @@ def check(backend=None, *, stuck_after_s: float = 60.0, slack_s: float = 5.0, ba
         *_within_max_and_capacity(snap, base),
         *_nothing_stuck(snap, stuck_after_s),
         *_deleted_environments_hold_nothing(snap),
+        *_pins_keep_their_places(snap, base),
         *(check_ledger() if ledger else []),
     ]
 
