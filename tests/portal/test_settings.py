@@ -35,6 +35,9 @@ def _manage(*args: str, **env: str) -> subprocess.CompletedProcess:
         ("REQUEST_MAX_BODY_BYTES", "100", "must be at least 1024"),
         ("API_PAGE_SIZE", "500", "must be at most 200"),
         ("SENTRY_TRACES_SAMPLE_RATE", "2", "must be between 0 and 1"),
+        ("DEFRAG_BUDGET", "5", "must be at most 1"),
+        ("DEFRAG_BUDGET", "-0.1", "must be at least 0"),
+        ("DEFRAG_MOVE_COST_S", "lots", "is not a number"),
     ],
 )
 def test_a_malformed_variable_stops_start_up_naming_it(name, value, phrase):
