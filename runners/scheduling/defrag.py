@@ -116,7 +116,8 @@ def _waiting_pod(job: Job, timeslice_share: int) -> placement_model.PodRequest |
     return None
 
 
-def _movable(job: Job, *, recently: set[int], spared: set[int]) -> bool:
+def may_move(job: Job, *, recently: set[int], spared: set[int]) -> bool:
+    """Whether the job may be moved now (the module's note says which may)."""
     return (job.state == JobState.RUNNING and job.preemptible and job.kind == Job.Kind.TRAINING and job.replicas == 1
             and job.tenant.allow_moves and job.id not in recently and job.id not in spared
             and not job.pinned_placement)
@@ -159,7 +160,7 @@ def plan_rooms(*, flavor: ResourceFlavor, waiting: list[Job], snapshot, index_ma
 
     def movable(item: Running) -> bool:
         job = jobs_by_id.get(item.key) if isinstance(item.key, int) else None
-        return job is not None and _movable(job, recently=recently, spared=spared)
+        return job is not None and may_move(job, recently=recently, spared=spared)
 
     rooms: list[PlannedRoom] = []
     if not any(movable(item) for item in running):

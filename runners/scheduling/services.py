@@ -396,8 +396,12 @@ def _pin_fits(job: Job, node: _NodeRow | None, replicas: list[dict], used: dict[
 def _rooms(unplaced: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage], holding: list[Job],
            attempts: dict[int, JobAttempt], spared: set[int], now) -> list[defrag.PlannedRoom]:
     """Rooms for the admitted jobs that fit on no node, flavor by flavor, within the budget."""
-    budget = defrag.budget_left_gpu_s(holding, now)
     rooms: list[defrag.PlannedRoom] = []
+    # Nothing may move (a quick look at the jobs' own fields): no snapshot to build, no planner to ask.
+    recently = defrag.moved_recently(now)
+    if not any(defrag.may_move(job, recently=recently, spared=spared) for job in holding):
+        return rooms
+    budget = defrag.budget_left_gpu_s(holding, now)
     by_flavor: dict[int, list[Job]] = defaultdict(list)
     for job in unplaced:
         by_flavor[job.flavor_id].append(job)
