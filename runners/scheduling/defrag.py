@@ -102,20 +102,6 @@ def moved_recently(now) -> set[int]:
     return set(JobMove.objects.filter(at__gt=since).values_list("job_id", flat=True))
 
 
-def _waiting_pod(job: Job, timeslice_share: int) -> placement_model.PodRequest | None:
-    """The job as one pod on one node, or None when the planner cannot make room for it: a MIG flavor, or
-    several time-slice replicas (each needs a GPU of its own)."""
-    flavor, spec = job.flavor, job.spec
-    models = frozenset({flavor.gpu_model})
-    cpu, memory = spec["cpu_milli_per_replica"] * job.replicas, spec["memory_mib_per_replica"] * job.replicas
-    if flavor.kind == PartitionKind.WHOLE:
-        return placement_model.PodRequest(f"{job.id}", cpu, memory, num_gpu=job.units, gpu_milli=placement_model.GPU_MILLI,
-                                          gpu_models=models)
-    if flavor.kind == PartitionKind.TIMESLICE and job.replicas == 1:
-        return placement_model.PodRequest(f"{job.id}", cpu, memory, num_gpu=1, gpu_milli=timeslice_share, gpu_models=models)
-    return None
-
-
 def may_move(job: Job, *, recently: set[int], spared: set[int]) -> bool:
     """Whether the job may be moved now (the module's note says which may)."""
     return (job.state == JobState.RUNNING and job.preemptible and job.kind == Job.Kind.TRAINING and job.replicas == 1
@@ -132,17 +118,18 @@ def _gain(job: Job, node: str) -> str:
 
 
 def plan_rooms(*, flavor: ResourceFlavor, waiting: list[Job], snapshot, index_maps: dict[str, list[int]],
-               timeslice_share: int, holding: list[Job], attempts: dict, pod_of, spared: set[int],
-               budget_gpu_s: float, now) -> tuple[list[PlannedRoom], float]:
+               holding: list[Job], attempts: dict, pod_of, waiting_pod, recently: set[int], spared: set[int],
+               budget_gpu_s: float) -> tuple[list[PlannedRoom], float]:
     """Rooms for these waiting jobs of one flavor, in their order, on the flavor's snapshot as the cycle
     left it; returns them and the budget left. ``pod_of(job, rank)``: a holding job's replica as placement
-    sees it. A job the planner finds nothing for, or whose moves would pass the budget, is left waiting."""
+    sees it; ``waiting_pod(job)``: a waiting job as one pod on one node, or None when no room can be made for
+    it. ``recently``: the jobs moved within the window (those this call moves are added). A job the planner
+    finds nothing for, or whose moves would pass the budget, is left waiting."""
     if flavor.kind == PartitionKind.MIG or budget_gpu_s <= 0:
         return [], budget_gpu_s
     state = placement_model.ClusterState(list(snapshot.nodes))
     rows = {name: row for row, name in enumerate(state.node_names)}
     columns = {name: {index: col for col, index in enumerate(indices)} for name, indices in index_maps.items()}
-    recently = moved_recently(now)
     jobs_by_id: dict[int, Job] = {}
     running: list[Running] = []
     for job in holding:
@@ -167,7 +154,7 @@ def plan_rooms(*, flavor: ResourceFlavor, waiting: list[Job], snapshot, index_ma
         return rooms, budget_gpu_s
     cost_s = None
     for job in waiting[:ROOM_TRIES]:
-        pod = _waiting_pod(job, timeslice_share)
+        pod = waiting_pod(job)
         if pod is None:
             continue
         plan = plan_room(state, pod, placed, max_moves=DEFRAG_MAX_MOVES_PER_POD, movable=movable)
@@ -198,21 +185,15 @@ def plan_rooms(*, flavor: ResourceFlavor, waiting: list[Job], snapshot, index_ma
 
 
 
-def _duration_text(seconds: float) -> str:
-    minutes = round(seconds / 60)
-    return f"{minutes} minute{'' if minutes == 1 else 's'}" if seconds >= 60 else f"{round(seconds)} seconds"
-
-
-def rooms_make(rooms: list[PlannedRoom], locked: dict[int, Job], now) -> tuple[list[int], dict[int, str]]:
+def rooms_make(rooms: list[PlannedRoom], locked: dict[int, Job], now, *, within: str) -> tuple[list[int], dict[int, str]]:
     """Make the planned rooms, on job rows the cycle holds locked and has read fresh: each move preempts its
     job with the grace period and pins its new place, and the waiting job's place is pinned. A room whose
     jobs have moved on since the cycle read them (a mover no longer running or preemptible, the waiting job
-    no longer queued) is not made. Returns the jobs to tell to stop (after commit) and the waiting jobs'
-    reasons."""
+    no longer queued) is not made. ``within``: the grace period in words, as preemption reasons say it.
+    Returns the jobs to tell to stop (after commit) and the waiting jobs' reasons."""
     stops: list[int] = []
     reasons: dict[int, str] = {}
     until = pin_until(now)
-    within = _duration_text(settings.PREEMPTION_GRACE_PERIOD_S)
     for room in rooms:
         movers = [locked.get(move.job.id) for move in room.moves]
         waiting = locked.get(room.job.id)

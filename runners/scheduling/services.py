@@ -393,6 +393,17 @@ def _pin_fits(job: Job, node: _NodeRow | None, replicas: list[dict], used: dict[
     return not mine.whole & (base.whole | pinned.whole)
 
 
+def _one_pod(job: Job, timeslice_share: int) -> placement_model.PodRequest | None:
+    """The job as one pod on one node (all its replicas' GPUs, CPU and memory), which meets any topology it asks
+    for; None where the planner makes no room: a MIG flavor, or several time-slice replicas (each needs a GPU
+    of its own)."""
+    flavor, spec = job.flavor, job.spec
+    if flavor.kind == PartitionKind.MIG or (flavor.kind == PartitionKind.TIMESLICE and job.replicas > 1):
+        return None
+    return _pod(flavor, timeslice_share, str(job.id), spec["cpu_milli_per_replica"] * job.replicas,
+                spec["memory_mib_per_replica"] * job.replicas, job.units)
+
+
 def _rooms(unplaced: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage], holding: list[Job],
            attempts: dict[int, JobAttempt], spared: set[int], now) -> list[defrag.PlannedRoom]:
     """Rooms for the admitted jobs that fit on no node, flavor by flavor, within the budget."""
@@ -411,9 +422,10 @@ def _rooms(unplaced: list[Job], nodes: list[_NodeRow], used: dict[str, _Usage], 
             continue
         snapshot, index_maps, share = _snapshot_for(flavor, nodes, used)
         found, budget = defrag.plan_rooms(
-            flavor=flavor, waiting=jobs, snapshot=snapshot, index_maps=index_maps, timeslice_share=share,
-            holding=holding, attempts=attempts, pod_of=lambda job, rank, share=share: _gang(job, share).pods[rank],
-            spared=spared, budget_gpu_s=budget, now=now,
+            flavor=flavor, waiting=jobs, snapshot=snapshot, index_maps=index_maps, holding=holding, attempts=attempts,
+            pod_of=lambda job, rank, share=share: _gang(job, share).pods[rank],
+            waiting_pod=lambda job, share=share: _one_pod(job, share), recently=recently, spared=spared,
+            budget_gpu_s=budget,
         )
         rooms.extend(found)
     return rooms
@@ -705,7 +717,8 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
             if int(gang_id) in placed:
                 placed[int(gang_id)] = ("Waiting: a job it was to take the place of has joined its tenant's guarantee "
                                         "meanwhile; the next cycle decides again.")
-        room_stops, room_reasons = defrag.rooms_make(rooms, victims, now)
+        room_stops, room_reasons = defrag.rooms_make(rooms, victims, now,
+                                                     within=_duration_text(settings.PREEMPTION_GRACE_PERIOD_S))
         stops.extend(room_stops)
         for job_id, reason in room_reasons.items():
             placed[job_id] = reason
