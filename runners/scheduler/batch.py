@@ -98,7 +98,8 @@ def place_gangs_jointly(
     arrival = list(range(len(gangs)))
     largest = _largest_first(gangs)
     chosen = _place_in_order(state, gangs, arrival, policy, seed)
-    if largest != arrival:
+    # Largest first could only win by placing more; where arrival order placed every gang it cannot.
+    if largest != arrival and any(made is None for made in chosen):
         other = _place_in_order(state, gangs, largest, policy, seed)
         placed = {index for index, made in enumerate(chosen) if made is not None}
         if _largest_first_wins(gangs, placed, {index for index, made in enumerate(other) if made is not None}):
@@ -134,7 +135,8 @@ def place_queue(
     more GPU milli; otherwise the given order's decisions stand.
     """
     in_order = place_gangs(snapshot, gangs, policy=policy, typical=typical, seed=seed)
-    if not 2 <= len(gangs) <= max_gangs:
+    # Largest first could only win by placing more; where the given order placed every gang it cannot.
+    if not 2 <= len(gangs) <= max_gangs or all(decision.placed for decision in in_order):
         return in_order
     pods = [gang.pods for gang in gangs]
     largest = _largest_first(pods)
