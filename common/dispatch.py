@@ -108,10 +108,20 @@ def send_tasks(name: str, calls: Sequence[tuple]) -> int:
         batch = calls[start:start + SEND_BATCH]
         try:
             with current_app.producer_or_acquire() as producer:
-                grouped = producer.batch(max_size=SEND_BATCH) if hasattr(producer, "batch") else contextlib.nullcontext()
+                batched = hasattr(producer, "batch")
+                grouped = producer.batch(max_size=SEND_BATCH) if batched else contextlib.nullcontext()
+                # In a batch, the queue is declared once for all its messages, and no message is retried on its
+                # own: the batch goes to the broker as one, and when it fails it is sent again one by one, each
+                # with the retry policy (below). A fifth of the batch's time went to declaring and wrapping
+                # every message for a retry of its own.
+                if batched:
+                    queue = current_app.amqp.router.route({}, name, (), {}, current_app.tasks.get(name)).get("queue")
+                    if queue is not None:
+                        producer.maybe_declare(queue)
+                options = {"declare": [], "retry": False} if batched else {}
                 with grouped:
                     for args in batch:
-                        current_app.send_task(name, args=tuple(args), producer=producer)
+                        current_app.send_task(name, args=tuple(args), producer=producer, **options)
         except Exception as exc:  # kombu's BatchPublishError, OperationalError, redis ConnectionError...
             logger.warning("Could not send %d %s messages together (%s); sending them one by one.", len(batch), name, exc)
             sent += sum(send_task(name, *args) for args in batch)
