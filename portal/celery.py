@@ -29,8 +29,8 @@ class CelerySettings(Mapping):
 
     Celery looks a setting up under three spellings (``CELERY_TASK_SEND_SENT_EVENT``, ``task_send_sent_event``
     and the old name) in its source before its defaults; on Django's settings object each spelling it lacks is
-    an AttributeError raised and caught, about 30 µs a lookup, and sending one task looks up six. A cycle's
-    thousand launch messages spent a tenth of their time there. This source knows which names Django has and
+    an AttributeError raised and caught, about 30 µs a lookup, and sending one task looks up six. Sending a
+    cycle's 886 launch messages took a sixth less time without those misses. This source knows which names Django has and
     misses the others at once; the set is read again whenever a setting changes (Django's ``setting_changed``,
     sent by ``override_settings``).
     """
