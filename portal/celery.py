@@ -10,6 +10,7 @@ from celery.signals import beat_init, task_failure
 from celery.utils.threads import bound_open_broker_sockets
 from celery.worker.consumer import Consumer
 from celery.worker.consumer.consumer import COLLECT_SOCKET_TIMEOUT
+from django.conf import settings
 from django.core.signals import setting_changed
 
 from common.metrics import task_failed
@@ -23,15 +24,14 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("CELERY_SKIP_CHECKS", "1")
 
 
-
 class CelerySettings(Mapping):
     """Django's ``CELERY_*`` settings as Celery's configuration source, read live (an override is seen at once).
 
     Celery looks a setting up under three spellings (``CELERY_TASK_SEND_SENT_EVENT``, ``task_send_sent_event``
     and the old name) in its source before its defaults; on Django's settings object each spelling it lacks is
     an AttributeError raised and caught, about 30 µs a lookup, and sending one task looks up six. Sending a
-    cycle's 886 launch messages took a sixth less time without those misses. This source knows which names Django has and
-    misses the others at once; the set is read again whenever a setting changes (Django's ``setting_changed``,
+    cycle's 886 launch messages took a sixth less time without those misses. This source knows which names
+    Django has and misses the others at once; the set is read again whenever a setting changes (Django's ``setting_changed``,
     sent by ``override_settings``).
     """
 
@@ -41,8 +41,6 @@ class CelerySettings(Mapping):
     @property
     def names(self) -> frozenset[str]:
         if self._names is None:
-            from django.conf import settings
-
             self._names = frozenset(name for name in dir(settings) if name.startswith("CELERY_"))
         return self._names
 
@@ -52,8 +50,6 @@ class CelerySettings(Mapping):
     def __getitem__(self, key: str):
         if key not in self.names:
             raise KeyError(key)
-        from django.conf import settings
-
         try:
             return getattr(settings, key)
         except AttributeError:  # removed since the names were read
