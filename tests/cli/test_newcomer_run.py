@@ -34,6 +34,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "sdk" / "examples" / "ddp" / "tr
 # line), short enough for every `make test`: on a 2-core machine loaded twentyfold (load average 21), the stop
 # came at step 1047 of 2000. Every step is CPU that both ranks spend, in both attempts taken together.
 STEPS = 2500
+# The least a step lasts (the example's step_s), so the run takes 25 s or more however fast the machine: an idle
+# one trained all 2500 steps in the ~10 s between the first metrics line the portal had and the preemption.
+STEP_S = 0.01
 
 
 def _wait(what: str, check, *, timeout_s: float, pause_s: float = 0.2):
@@ -94,7 +97,8 @@ def test_portal_run_of_the_ddp_example_is_preempted_resumes_at_the_exact_step_an
     with out.open("w") as stdout, err.open("w") as stderr:
         run = subprocess.Popen(
             [str(PORTAL), "run", "--replicas", "2", "--gpus", "8", "--flavor", "h100-80gb",
-             "--hp", f"steps={STEPS}", "--hp", "checkpoint_every=50", "--", "python", "train.py"],
+             "--hp", f"steps={STEPS}", "--hp", "checkpoint_every=50",
+             "--hp", f"step_s={STEP_S}", "--", "python", "train.py"],
             cwd=folder, env=cli.env, stdout=stdout, stderr=stderr, text=True)
     try:
         job_id = int(_wait("portal run submits the job", lambda: re.search(r"Submitted job (\d+)", err.read_text()),
