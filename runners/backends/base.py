@@ -217,9 +217,9 @@ class ServingSettings:
     endpoint_id: int
     checkpoint: str
     source_job_id: int | None = None
-    queue_limit: int = 64
-    batch_token_budget: int = 16384
-    max_batch_wait_ms: float = 5.0
+    queue_limit: int = 256
+    batch_token_budget: int = 65536
+    max_batch_wait_ms: float = 20.0
     default_deadline_ms: float = 10_000.0
     max_deadline_ms: float = 25_000.0
     image: str | None = None  # a custom image (Kubernetes only); None runs the shipped server

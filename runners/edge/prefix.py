@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 DEFAULT_BLOCK_CHARS = 64
 DEFAULT_MAX_PREFIXES_PER_REPLICA = 4096
-# A quarter of the shipped server's default batch token budget (16384): a prefix holder with that much
-# more work ahead than the least loaded replica has a few decode steps' worth of extra wait, about what
-# recomputing a few hundred bytes of prompt costs; more than that and the miss is the cheaper.
+# A prefix holder with this many more tokens of work ahead than the least loaded replica has a few decode
+# steps' worth of extra wait, about what recomputing a few hundred bytes of prompt costs; more than that and
+# the miss is the cheaper.
 DEFAULT_LOAD_SLACK = 4096.0
 
 

@@ -277,7 +277,7 @@ class Metrics:
         self.running = Gauge("serve_running_sequences", "Sequences in the running batch", registry=r)
         self.batch_tokens = Histogram(
             "serve_batch_tokens", "Token cost (prompt + max_tokens) of the running batch at each decode step",
-            buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), registry=r,
+            buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), registry=r,
         )
         latency_buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram("serve_time_to_first_token_seconds", "Arrival to first token", buckets=latency_buckets, registry=r)

@@ -17,9 +17,9 @@ REFUSED_HEADER = "x-portal-refused"
 
 @dataclass(frozen=True)
 class Settings:
-    queue_limit: int = 64
-    batch_token_budget: int = 16384
-    max_batch_wait_ms: float = 5.0
+    queue_limit: int = 256
+    batch_token_budget: int = 65536
+    max_batch_wait_ms: float = 20.0
     default_deadline_ms: float = 10_000.0
     max_deadline_ms: float = 120_000.0
     max_prompt_bytes: int = 2048
