@@ -217,7 +217,7 @@ class ServingSettings:
     endpoint_id: int
     checkpoint: str
     source_job_id: int | None = None
-    queue_limit: int = 256
+    queue_limit: int = 128
     batch_token_budget: int = 65536
     max_batch_wait_ms: float = 20.0
     default_deadline_ms: float = 10_000.0

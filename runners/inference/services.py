@@ -51,7 +51,7 @@ BOUNDS = {
     "min_replicas": (0, 16, 1),
     "max_replicas": (1, 16, 1),
     "warm_replicas": (0, 16, 0),
-    "queue_limit": (1, 4096, 256),
+    "queue_limit": (1, 4096, 128),
     "batch_token_budget": (64, 262_144, 65_536),
     "max_batch_wait_ms": (0, 1000, 20),
     "default_deadline_ms": (100, 120_000, 10_000),

@@ -86,7 +86,7 @@ which wins over the default.
     --checkpoint            SERVE_CHECKPOINT           (required)
     --host                  SERVE_HOST                 127.0.0.1
     --port                  SERVE_PORT                 8000    0: any free port
-    --queue-limit           SERVE_QUEUE_LIMIT          256     requests waiting, beyond the running batch
+    --queue-limit           SERVE_QUEUE_LIMIT          128     requests waiting, beyond the running batch
     --batch-token-budget    SERVE_BATCH_TOKEN_BUDGET   65536   prompt bytes + max_tokens over the batch
     --max-batch-wait-ms     SERVE_MAX_BATCH_WAIT_MS    20      how long waiting requests are gathered to join
                                                                together (unless a quarter of the budget is

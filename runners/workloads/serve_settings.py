@@ -17,7 +17,7 @@ REFUSED_HEADER = "x-portal-refused"
 
 @dataclass(frozen=True)
 class Settings:
-    queue_limit: int = 256
+    queue_limit: int = 128
     batch_token_budget: int = 65536
     max_batch_wait_ms: float = 20.0
     default_deadline_ms: float = 10_000.0
