@@ -115,7 +115,7 @@ def test_a_custom_image_runs_its_own_entrypoint_with_the_settings_as_variables()
     assert "command" not in container and "args" not in container
     env = {item["name"]: item["value"] for item in container["env"]}
     assert env["SERVE_HOST"] == "0.0.0.0" and env["SERVE_PORT"] == "8000"
-    assert env["SERVE_QUEUE_LIMIT"] == "64" and env["SERVE_MAX_DEADLINE_MS"] == "25000.0"
+    assert env["SERVE_QUEUE_LIMIT"] == str(CUSTOM.queue_limit) and env["SERVE_MAX_DEADLINE_MS"] == "25000.0"
     assert [mount["mountPath"] for mount in container["volumeMounts"]] == ["/scratch"]
 
 
