@@ -380,6 +380,10 @@ ALLOWED = {
 }
 
 
+# The states in which a job keeps a pin: waiting for the admission that uses it (the cycle clears it then).
+PIN_KEEPING_STATES = frozenset({JobState.QUEUED, JobState.PREEMPTED})
+
+
 def transition(job: Job, to: str, reason: str, **fields) -> bool:
     """Move a job to `to` if it is still in the state this copy holds; record the event.
 
@@ -396,6 +400,11 @@ def transition(job: Job, to: str, reason: str, **fields) -> bool:
     if to != JobState.QUEUED:
         fields.setdefault("queue_position", None)
         fields.setdefault("projected_start", None)
+    if to not in PIN_KEEPING_STATES:
+        # A pin (the place a move reserved) is for the job's next admission: one cancelled, failed or done
+        # has none, and its reservation must not keep others off those GPUs until it runs out.
+        fields.setdefault("pinned_placement", None)
+        fields.setdefault("pinned_until", None)
     with transaction.atomic():
         moved = Job.objects.filter(id=job.id, state=job.state).update(
             state=to, reason=reason[:1000], state_changed_at=now, **fields

@@ -1,6 +1,8 @@
 """Rules of the job path that hold without a worker: budgets, bounded reads, the schema against the spec check,
 per-flavor caps, and where recorded progress is credited."""
 
+from datetime import timedelta
+
 import pytest
 from django.utils import timezone
 
@@ -73,6 +75,31 @@ def _running(owner, environment, **overrides):
     jobs.transition(job, "running", "test")
     attempt.refresh_from_db()
     return job, attempt
+
+
+def test_a_pinned_job_that_is_cancelled_or_fails_gives_its_pin_back(owner, environment):
+    until = timezone.now() + timedelta(minutes=5)
+    pin = [{"replica": 0, "node": "gpu-a", "gpus": [3]}]
+    moved, _ = _running(owner, environment)
+    assert jobs.transition(moved, "preempted", "Moved to make room.")
+    Job.objects.filter(id=moved.id).update(pinned_placement=pin, pinned_until=until)
+    moved.refresh_from_db()
+    assert jobs.transition(moved, "cancelling", "Cancelled by its owner.")
+    waiting = jobs.job_submit(actor=owner, data=job_data(environment, name="waiting"))
+    Job.objects.filter(id=waiting.id).update(pinned_placement=pin, pinned_until=until)
+    waiting.refresh_from_db()
+    assert jobs.transition(waiting, "failed", "Its environment went away.")
+    for job in (moved, waiting):
+        job.refresh_from_db()
+        assert (job.pinned_placement, job.pinned_until) == (None, None), job.state
+    # Preempted (moved) and queued again, a job keeps its pin for the admission that uses it.
+    kept, _ = _running(owner, environment, name="kept")
+    Job.objects.filter(id=kept.id).update(pinned_placement=pin, pinned_until=until)
+    kept.refresh_from_db()
+    assert jobs.transition(kept, "preempted", "Moved to make room.")
+    assert jobs.transition(kept, "queued", "Stopped: waiting for its place.")
+    kept.refresh_from_db()
+    assert kept.pinned_placement == pin
 
 
 def test_a_spent_runtime_budget_fails_the_job_without_a_retry(owner, environment):
