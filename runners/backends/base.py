@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
 from runners.nvidia import names
+from runners.workloads.serve_settings import Settings as ServerDefaults
 
 
 class BackendError(Exception):
@@ -217,10 +218,11 @@ class ServingSettings:
     endpoint_id: int
     checkpoint: str
     source_job_id: int | None = None
-    queue_limit: int = 128
-    batch_token_budget: int = 65536
-    max_batch_wait_ms: float = 20.0
-    default_deadline_ms: float = 10_000.0
+    # The shipped server's own defaults (runners/workloads/serve_settings.py): one place for both.
+    queue_limit: int = ServerDefaults.queue_limit
+    batch_token_budget: int = ServerDefaults.batch_token_budget
+    max_batch_wait_ms: float = ServerDefaults.max_batch_wait_ms
+    default_deadline_ms: float = ServerDefaults.default_deadline_ms
     max_deadline_ms: float = 25_000.0
     image: str | None = None  # a custom image (Kubernetes only); None runs the shipped server
     # The model version's weights (a blob of kind "models"): served from the node cache's copy where the node

@@ -29,7 +29,7 @@ from common.dispatch import send_task_at_most_every
 from common.errors import Conflict, Invalid
 from quotas.models import PartitionKind, Quota
 from runners.backends import engines as engine_kinds
-from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone
+from runners.backends.base import BackendError, CheckpointElsewhere, CheckpointGone, ServingSettings
 from runners.clusters.registry import get_backend
 from runners.environments.models import Environment, EnvironmentState
 from runners.inference.models import EndpointState, InferenceEndpoint, Replica, ScaleEvent
@@ -51,10 +51,11 @@ BOUNDS = {
     "min_replicas": (0, 16, 1),
     "max_replicas": (1, 16, 1),
     "warm_replicas": (0, 16, 0),
-    "queue_limit": (1, 4096, 128),
-    "batch_token_budget": (64, 262_144, 65_536),
-    "max_batch_wait_ms": (0, 1000, 20),
-    "default_deadline_ms": (100, 120_000, 10_000),
+    # The shipped server's settings default to what a replica runs with when none is given.
+    "queue_limit": (1, 4096, ServingSettings.queue_limit),
+    "batch_token_budget": (64, 262_144, ServingSettings.batch_token_budget),
+    "max_batch_wait_ms": (0, 1000, int(ServingSettings.max_batch_wait_ms)),
+    "default_deadline_ms": (100, 120_000, int(ServingSettings.default_deadline_ms)),
 }
 REQUIRED = ("tenant", "environment", "name", "source", "flavor")
 # A foreign engine's fields (runners.backends.engines): which engine, its image, and its named settings.
