@@ -434,7 +434,10 @@ def transition_locked(jobs: list[Job], to: str, reasons: dict[int, str]) -> None
         job.state, job.reason, job.state_changed_at = to, reason, now
         if to != JobState.QUEUED:
             job.queue_position = job.projected_start = None
-    job_rows_update(jobs, ["state", "reason", "queue_position", "projected_start", "state_changed_at"])
+        if to not in PIN_KEEPING_STATES:
+            job.pinned_placement = job.pinned_until = None  # as in ``transition``: admission uses the pin up
+    job_rows_update(jobs, ["state", "reason", "queue_position", "projected_start", "state_changed_at",
+                           "pinned_placement", "pinned_until"])
     rows_insert(JobEvent, events)
 
 

@@ -728,11 +728,9 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         for job in admitted_jobs:
             if isinstance(placed[job.id], str):
                 waiting_reasons[str(job.id)] = placed[job.id]
+        # A pin is used once: the job is admitted at its place (or, one that ran out, wherever it was placed), and
+        # the transition to admitted drops it.
         launches = jobs_admit_locked([job for job in admitted_jobs if not isinstance(placed[job.id], str)], placed)
-        # A pin is used once: the job is admitted at its place (or, one that ran out, wherever it was placed).
-        unpinned = [job_id for job_id, _ in launches if by_id[str(job_id)].pinned_placement]
-        if unpinned:
-            Job.objects.filter(id__in=unpinned).update(pinned_placement=None, pinned_until=None)
 
         # Everyone still queued: the reason and the place in line, in the order the cycle considered them.
         # Jobs that cannot fit the cluster now are in no line until it grows back: no place, no start.
@@ -758,7 +756,7 @@ def cycle_run(*, wait: bool = True, unless_ran_since: float | None = None) -> di
         # Never waited for: a row another writer holds (a cancel, a replica retired) is left to the next cycle.
         job_rows_update(updates, ["reason", "queue_position", "projected_start"], only_in_state=JobState.QUEUED,
                         skip_locked=True)
-        expired = [job for job in expired if job.id not in unpinned]
+        # (One admitted in this cycle left queued, and its pin, at its transition: only_in_state skips it.)
         for job in expired:
             job.pinned_placement = job.pinned_until = None
         job_rows_update(expired, ["pinned_placement", "pinned_until"], only_in_state=JobState.QUEUED, skip_locked=True)
