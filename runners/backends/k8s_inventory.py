@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kubernetes.utils import parse_quantity
-
 from runners.backends.base import GpuInfo, NodeInfo
+from runners.backends.k8s_client import parse_quantity
 from runners.nvidia import catalog, mig, names
 
 

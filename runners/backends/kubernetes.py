@@ -60,9 +60,6 @@ from datetime import datetime, timezone
 from pathlib import PurePosixPath
 
 import urllib3
-from kubernetes import client, config, dynamic
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
-from kubernetes.utils import parse_quantity
 
 from runners.backends import dcgm, k8s_access, k8s_inventory, k8s_jobs, k8s_partitions
 from runners.backends.base import (
@@ -89,6 +86,7 @@ from runners.backends.job_manifests import (
     checkpoint_pvc_manifest,
     job_manifests,
 )
+from runners.backends.k8s_client import ResourceNotFoundError, client, config, dynamic, parse_quantity
 from runners.backends.manifests import (
     ENVIRONMENT_LABEL,
     MANAGED_BY,

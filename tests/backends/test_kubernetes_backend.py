@@ -1,6 +1,8 @@
 """The Kubernetes backend's API calls, against a local stand-in that answers like an API server."""
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -338,3 +340,19 @@ def test_the_standin_answers_410_gone_to_a_watch_from_a_compacted_version(standi
     with pytest.raises(client.ApiException) as gone:
         core.list_namespace(watch=True, resource_version=old_version, _preload_content=False)
     assert gone.value.status == 410 and '"reason": "Expired"' in gone.value.body
+
+
+def test_a_process_using_the_backend_imports_the_client_without_its_validator():
+    """The client's optional validator (and jsonschema's grammars with it) cost 1.5 s of CPU a worker: it stays out,
+    and a process that wants it still imports it whole (runners/backends/k8s_client.py)."""
+    code = (
+        "import sys, django\n"
+        "django.setup()\n"
+        "import runners.backends.kubernetes, kubernetes.dynamic.client as dynamic_client\n"
+        "print(sorted(name for name in ('kubernetes_validate', 'jsonschema') if name in sys.modules),"
+        " dynamic_client.HAS_KUBERNETES_VALIDATE)\n"
+        "import kubernetes_validate\n"
+        "print(callable(kubernetes_validate.validate))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[] False", "True"]
