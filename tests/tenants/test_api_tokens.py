@@ -3,6 +3,7 @@
 from datetime import timedelta
 
 import pytest
+from django.db.models.signals import post_init
 from django.utils import timezone
 from knox.models import AuthToken
 from rest_framework.test import APIClient
@@ -49,6 +50,36 @@ def test_last_used_and_current_are_reported(owner):
     TokenInfo.objects.update(last_used_at=timezone.now() - timedelta(minutes=5))
     api.get("/api/v1/tenants/")
     assert timezone.now() - TokenInfo.objects.get().last_used_at < timedelta(seconds=30)
+
+
+def test_a_request_reads_only_the_expired_tokens_of_its_user_and_an_expired_token_is_refused(owner):
+    def tokens_read(token: str) -> int:
+        """Token rows the authentication of one request reads (the list itself is asked for by name only)."""
+        read = []
+
+        def note(sender, instance, **kwargs):
+            read.append(instance)
+
+        post_init.connect(note, sender=AuthToken)
+        try:
+            assert token_client(token).get("/api/v1/tenants/").status_code == 200
+        finally:
+            post_init.disconnect(note, sender=AuthToken)
+        return len(read)
+
+    _, secret = AuthToken.objects.create(owner)
+    for _ in range(40):
+        AuthToken.objects.create(owner)
+    assert tokens_read(secret) == 1  # its own, not the user's 41
+    stale, _ = AuthToken.objects.create(owner)
+    AuthToken.objects.filter(pk=stale.pk).update(expiry=timezone.now() - timedelta(seconds=1))
+    live = AuthToken.objects.count() - 1
+    token_client(secret).get("/api/v1/tokens/")
+    assert AuthToken.objects.count() == live  # another expired token of the user is deleted, the live ones kept
+    expired, gone = AuthToken.objects.create(owner)
+    AuthToken.objects.filter(pk=expired.pk).update(expiry=timezone.now() - timedelta(seconds=1))
+    assert token_client(gone).get("/api/v1/tokens/").status_code == 401
+    assert not AuthToken.objects.filter(pk=expired.pk).exists()
 
 
 def test_revoked_tokens_stop_working_and_another_users_token_is_a_404(owner, teammate, client_for):
