@@ -11,23 +11,17 @@ that imports `kubernetes_validate` itself (the tests' manifest checks do) still 
 
 import sys
 
-
-def _import_without_validator() -> None:
-    hidden = "kubernetes" not in sys.modules and "kubernetes_validate" not in sys.modules
-    if hidden:
-        sys.modules["kubernetes_validate"] = None  # an import of it raises ImportError: the client goes without
-    try:
-        import kubernetes.dynamic.exceptions  # noqa: F401
-        import kubernetes.utils  # noqa: F401
-    finally:
-        if hidden and "kubernetes_validate" in sys.modules and sys.modules["kubernetes_validate"] is None:
-            del sys.modules["kubernetes_validate"]
-
-
-_import_without_validator()
-
-from kubernetes import client, config, dynamic  # noqa: E402
-from kubernetes.dynamic.exceptions import ResourceNotFoundError  # noqa: E402
-from kubernetes.utils import parse_quantity  # noqa: E402
+# Hidden only where neither is imported yet: `import kubernetes_validate` then raises ImportError, and the client
+# goes without; once the client is in, the name is freed for any later import of the validator itself.
+_hide = "kubernetes" not in sys.modules and "kubernetes_validate" not in sys.modules
+if _hide:
+    sys.modules["kubernetes_validate"] = None
+try:
+    from kubernetes import client, config, dynamic
+    from kubernetes.dynamic.exceptions import ResourceNotFoundError
+    from kubernetes.utils import parse_quantity
+finally:
+    if _hide:
+        del sys.modules["kubernetes_validate"]
 
 __all__ = ["ResourceNotFoundError", "client", "config", "dynamic", "parse_quantity"]

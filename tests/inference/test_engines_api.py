@@ -134,7 +134,7 @@ def test_a_shipped_endpoints_rollout_takes_no_image(world, client_for, owner, se
     status, body = post(client, data(world, engine=..., image=..., max_model_len=..., dtype=..., gpus_per_replica=1,
                                      source={"job": trained.id}))
     assert status == 201, body
-    assert body["spec"]["engine"] == "shipped" and body["spec"]["queue_limit"] == 128
+    assert body["spec"]["engine"] == "shipped" and body["spec"]["queue_limit"] == ServingSettings.queue_limit
     answer = client.post(f"/api/v1/endpoints/{body['id']}/rollout/",
                          {"source": {"job": trained.id}, "image": VLLM_IMAGE}, format="json")
     assert answer.status_code == 400 and "image" in answer.json()

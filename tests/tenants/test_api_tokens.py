@@ -54,7 +54,7 @@ def test_last_used_and_current_are_reported(owner):
 
 def test_a_request_reads_only_the_expired_tokens_of_its_user_and_an_expired_token_is_refused(owner):
     def tokens_read(token: str) -> int:
-        """Token rows the authentication of one request reads (the list itself is asked for by name only)."""
+        """Token rows one request reads (a page that lists no tokens: what it reads is its authentication's)."""
         read = []
 
         def note(sender, instance, **kwargs):
